@@ -1,0 +1,14 @@
+"""fxamp: explicit, checkable mixed precision for PyTorch models via torch.fx."""
+__version__ = "0.1.0"
+
+from .errors import (FxampError, PlanFormatError, PolicyError, TraceError,  # noqa: E402
+                     UnsupportedModelError)
+from .plan import NodePrecision, Plan, diff  # noqa: E402
+from .policy import Override, Policy  # noqa: E402
+from .rewriter import amp_rewrite, plan_of  # noqa: E402
+
+__all__ = [
+    "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
+    "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
+    "PlanFormatError",
+]

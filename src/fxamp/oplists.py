@@ -1,0 +1,413 @@
+"""Autocast's op tables per target, at ATen level, and the map from torch-level calls onto them.
+
+The ATen tables mirror ``aten/src/ATen/autocast_mode.cpp`` of the installed torch (2.14):
+``tests/test_oplists.py`` checks that every op named here has an autocast kernel for its
+target, that every op with an autocast kernel is named here, and that the categories agree
+with what ``torch.autocast`` really does (CPU for real, CUDA on fake tensors).
+
+A torch-level call (an ``nn.Module`` type, a ``torch.*`` / ``F.*`` function, a tensor method or
+a Python operator) maps to the ATen ops it runs, in order; the first of those that a target's
+tables list decides the call's category for that target. Calls that map to nothing are on no
+list and follow their inputs.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LOWER = "lower"  # runs in the low-precision dtype
+FP32 = "fp32"  # runs in fp32
+FP32_OPT = "fp32_opt"  # runs in fp32 unless an explicit dtype is given
+PROMOTE = "promote"  # runs in the widest dtype of its inputs
+BANNED = "banned"  # autocast raises
+FOLLOW = "follow"  # on no list: runs in whatever its inputs are
+
+TARGETS = ("cuda", "cpu")
+CATEGORIES = (LOWER, FP32, FP32_OPT, PROMOTE, BANNED)
+
+_UPSAMPLE = (
+    "upsample_nearest1d upsample_nearest2d upsample_nearest3d upsample_linear1d "
+    "upsample_bilinear2d upsample_trilinear3d upsample_bicubic2d _upsample_nearest_exact1d "
+    "_upsample_nearest_exact2d _upsample_nearest_exact3d _upsample_bilinear2d_aa "
+    "_upsample_bicubic2d_aa"
+)
+
+_CUDA_TEXT = {
+    LOWER: (
+        "_convolution _convolution.deprecated conv1d conv2d conv3d conv_tbc conv_transpose1d "
+        "conv_transpose2d.input conv_transpose3d.input convolution prelu addmm addmv addr "
+        "matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul "
+        "linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell "
+        "rnn_tanh_cell rnn_relu_cell _scaled_dot_product_flash_attention "
+        "scaled_dot_product_attention cudnn_convolution cudnn_convolution_transpose _cudnn_rnn"
+    ),
+    FP32: (
+        "acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan "
+        "pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar softplus layer_norm native_layer_norm "
+        "group_norm rms_norm frobenius_norm.dim nuclear_norm nuclear_norm.dim cosine_similarity "
+        "poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div "
+        "l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss multilabel_margin_loss "
+        "soft_margin_loss triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits "
+        "dist pdist cdist renorm logsumexp linalg_matrix_sqrth " + _UPSAMPLE
+    ),
+    FP32_OPT: (
+        "prod prod.dim_int softmax.int log_softmax.int cumprod cumsum linalg_vector_norm "
+        "linalg_matrix_norm linalg_matrix_norm.str_ord sum sum.dim_IntList "
+        "norm.Scalar norm.ScalarOpt_dim"
+    ),
+    PROMOTE: (
+        "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put tensordot "
+        "scatter_add"
+    ),
+    BANNED: "binary_cross_entropy",
+}
+
+_CPU_TEXT = {
+    LOWER: (
+        "conv1d conv1d.padding conv2d conv2d.padding conv3d conv3d.padding bmm mm "
+        "linalg_vecdot baddbmm addmm addbmm linear _convolution.deprecated matmul conv_tbc "
+        "mkldnn_rnn_layer conv_transpose1d conv_transpose2d.input conv_transpose3d.input prelu "
+        "scaled_dot_product_attention _native_multi_head_attention _addmm_activation"
+    ),
+    FP32: (
+        "avg_pool3d binary_cross_entropy grid_sampler polar prod prod.dim_int quantile "
+        "quantile.scalar nanquantile nanquantile.scalar stft stft.center cdist trace "
+        "view_as_complex cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse "
+        "max_pool3d max_unpool2d max_unpool3d adaptive_avg_pool3d adaptive_max_pool3d "
+        "reflection_pad1d reflection_pad2d replication_pad1d replication_pad2d replication_pad3d "
+        "mse_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss poisson_nll_loss "
+        "smooth_l1_loss cross_entropy_loss l1_loss huber_loss margin_ranking_loss soft_margin_loss "
+        "triplet_margin_loss multi_margin_loss ctc_loss.IntList ctc_loss.Tensor kl_div "
+        "multilabel_margin_loss binary_cross_entropy_with_logits fft_fft fft_ifft fft_fft2 "
+        "fft_ifft2 fft_fftn fft_ifftn fft_rfft fft_irfft fft_rfft2 fft_irfft2 fft_rfftn "
+        "fft_irfftn fft_hfft fft_ihfft linalg_cond linalg_cond.p_str linalg_matrix_rank "
+        "linalg_matrix_rank.atol_rtol_float linalg_matrix_rank.atol_rtol_tensor "
+        "linalg_matrix_rank.tol_tensor linalg_solve linalg_cholesky linalg_svdvals "
+        "linalg_eigvals linalg_eigvalsh linalg_inv linalg_householder_product linalg_tensorinv "
+        "linalg_tensorsolve fake_quantize_per_tensor_affine geqrf _lu_with_info qr svd "
+        "triangular_solve fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d "
+        "multilabel_margin_loss_forward linalg_qr linalg_cholesky_ex linalg_svd linalg_eig "
+        "linalg_eigh linalg_lstsq linalg_inv_ex linalg_matrix_sqrth grid_sampler_2d "
+        "grid_sampler_3d _grid_sampler_2d_cpu_fallback"
+    ),
+    FP32_OPT: "",
+    PROMOTE: "stack cat index_copy",
+    BANNED: "",
+}
+
+
+def _parse(text: Dict[str, str]) -> Dict[str, str]:
+    table: Dict[str, str] = {}
+    for category, names in text.items():
+        for name in names.split():
+            table[name] = category
+    return table
+
+
+#: ATen overload name ("pow.Tensor_Scalar", "sum") -> category, per target.
+ATEN_TABLES: Dict[str, Dict[str, str]] = {"cuda": _parse(_CUDA_TEXT), "cpu": _parse(_CPU_TEXT)}
+
+
+def aten_category(op: str, target: str) -> Optional[str]:
+    """The category of ATen op ``op`` (overload name or base name) for ``target``, or None."""
+    table = ATEN_TABLES[target]
+    if op in table:
+        return table[op]
+    base = op.split(".")[0]
+    for name, category in table.items():
+        if name.split(".")[0] == base:
+            return category
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# torch-level calls -> ATen ops
+# ---------------------------------------------------------------------------------------
+_LOSSES = {
+    "mse_loss": "mse_loss", "l1_loss": "l1_loss", "smooth_l1_loss": "smooth_l1_loss",
+    "huber_loss": "huber_loss", "kl_div": "kl_div", "nll_loss": "nll_loss",
+    "poisson_nll_loss": "poisson_nll_loss", "cosine_embedding_loss": "cosine_embedding_loss",
+    "hinge_embedding_loss": "hinge_embedding_loss", "margin_ranking_loss": "margin_ranking_loss",
+    "multilabel_margin_loss": "multilabel_margin_loss", "soft_margin_loss": "soft_margin_loss",
+    "triplet_margin_loss": "triplet_margin_loss", "multi_margin_loss": "multi_margin_loss",
+    "binary_cross_entropy_with_logits": "binary_cross_entropy_with_logits",
+    "binary_cross_entropy": "binary_cross_entropy", "ctc_loss": "ctc_loss.IntList",
+    "gaussian_nll_loss": "log",
+}
+
+#: module type -> ATen ops its forward runs, in order.
+MODULE_OPS: Dict[type, Tuple[str, ...]] = {
+    nn.Linear: ("linear",), nn.Conv1d: ("conv1d",), nn.Conv2d: ("conv2d",),
+    nn.Conv3d: ("conv3d",), nn.ConvTranspose1d: ("conv_transpose1d",),
+    nn.ConvTranspose2d: ("conv_transpose2d.input",),
+    nn.ConvTranspose3d: ("conv_transpose3d.input",), nn.PReLU: ("prelu",),
+    nn.Bilinear: ("bilinear",), nn.LayerNorm: ("layer_norm",), nn.GroupNorm: ("group_norm",),
+    nn.Softmax: ("softmax.int",), nn.Softmin: ("softmax.int",), nn.Softmax2d: ("softmax.int",),
+    nn.LogSoftmax: ("log_softmax.int",), nn.Softplus: ("softplus",),
+    nn.CosineSimilarity: ("cosine_similarity",), nn.PairwiseDistance: ("norm.ScalarOpt_dim",),
+    nn.MSELoss: ("mse_loss",), nn.L1Loss: ("l1_loss",), nn.SmoothL1Loss: ("smooth_l1_loss",),
+    nn.HuberLoss: ("huber_loss",), nn.KLDivLoss: ("kl_div",), nn.NLLLoss: ("nll_loss",),
+    nn.CrossEntropyLoss: ("cross_entropy_loss", "log_softmax.int"),
+    nn.BCELoss: ("binary_cross_entropy",),
+    nn.BCEWithLogitsLoss: ("binary_cross_entropy_with_logits",),
+    nn.PoissonNLLLoss: ("poisson_nll_loss",), nn.GaussianNLLLoss: ("log",),
+    nn.CosineEmbeddingLoss: ("cosine_embedding_loss",),
+    nn.HingeEmbeddingLoss: ("hinge_embedding_loss",),
+    nn.MarginRankingLoss: ("margin_ranking_loss",),
+    nn.MultiLabelMarginLoss: ("multilabel_margin_loss",),
+    nn.SoftMarginLoss: ("soft_margin_loss",), nn.TripletMarginLoss: ("triplet_margin_loss",),
+    nn.MultiMarginLoss: ("multi_margin_loss",), nn.CTCLoss: ("ctc_loss.IntList",),
+    nn.AvgPool3d: ("avg_pool3d",), nn.MaxPool3d: ("max_pool3d",),
+    nn.AdaptiveAvgPool3d: ("adaptive_avg_pool3d",), nn.AdaptiveMaxPool3d: ("adaptive_max_pool3d",),
+    nn.FractionalMaxPool2d: ("fractional_max_pool2d",),
+    nn.FractionalMaxPool3d: ("fractional_max_pool3d",),
+    nn.MaxUnpool2d: ("max_unpool2d",), nn.MaxUnpool3d: ("max_unpool3d",),
+    nn.ReflectionPad1d: ("reflection_pad1d",), nn.ReflectionPad2d: ("reflection_pad2d",),
+    nn.ReplicationPad1d: ("replication_pad1d",), nn.ReplicationPad2d: ("replication_pad2d",),
+    nn.ReplicationPad3d: ("replication_pad3d",),
+}
+if hasattr(nn, "RMSNorm"):
+    MODULE_OPS[nn.RMSNorm] = ("rms_norm",)
+
+#: torch.nn modules that are on no list (they run one op that follows its inputs).
+FOLLOW_MODULES: Tuple[type, ...] = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid,
+    nn.Tanh, nn.ELU, nn.CELU, nn.SELU, nn.LeakyReLU, nn.Hardtanh, nn.Softsign, nn.Tanhshrink,
+    nn.Threshold, nn.GLU, nn.LogSigmoid, nn.Softshrink, nn.Hardshrink,
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+    nn.FeatureAlphaDropout, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
+    nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.LPPool1d,
+    nn.Flatten, nn.Unflatten, nn.Identity, nn.Embedding, nn.EmbeddingBag, nn.ZeroPad1d,
+    nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d,
+    nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d, nn.ReflectionPad3d,
+    nn.PixelShuffle, nn.PixelUnshuffle, nn.ChannelShuffle, nn.Fold, nn.Unfold,
+)
+
+_F = {
+    # lower precision
+    "linear": ("linear",), "conv1d": ("conv1d",), "conv2d": ("conv2d",), "conv3d": ("conv3d",),
+    "conv_tbc": ("conv_tbc",), "conv_transpose1d": ("conv_transpose1d",),
+    "conv_transpose2d": ("conv_transpose2d.input",),
+    "conv_transpose3d": ("conv_transpose3d.input",), "prelu": ("prelu",),
+    "scaled_dot_product_attention": ("scaled_dot_product_attention",),
+    "matmul": ("matmul",), "mm": ("mm",), "bmm": ("bmm",), "baddbmm": ("baddbmm",),
+    "addmm": ("addmm",), "addbmm": ("addbmm",), "addmv": ("addmv",), "addr": ("addr",),
+    "mv": ("mv",), "einsum": ("einsum",), "chain_matmul": ("chain_matmul",),
+    "multi_dot": ("linalg_multi_dot",), "vecdot": ("linalg_vecdot",),
+    # fp32
+    "exp": ("exp",), "expm1": ("expm1",), "log": ("log",), "log10": ("log10",),
+    "log2": ("log2",), "log1p": ("log1p",), "reciprocal": ("reciprocal",), "rsqrt": ("rsqrt",),
+    "acos": ("acos",), "arccos": ("acos",), "asin": ("asin",), "arcsin": ("asin",),
+    "cosh": ("cosh",), "sinh": ("sinh",), "tan": ("tan",), "erfinv": ("erfinv",),
+    "pow": ("pow.Tensor_Scalar",), "float_power": (), "softplus": ("softplus",),
+    "layer_norm": ("layer_norm",), "group_norm": ("group_norm",), "rms_norm": ("rms_norm",),
+    "cosine_similarity": ("cosine_similarity",), "pairwise_distance": ("norm.ScalarOpt_dim",),
+    "dist": ("dist",), "cdist": ("cdist",), "pdist": ("pdist",), "renorm": ("renorm",),
+    "logsumexp": ("logsumexp",), "frobenius_norm": ("frobenius_norm.dim",),
+    "nuclear_norm": ("nuclear_norm",), "normalize": ("norm.ScalarOpt_dim",),
+    "cross_entropy": ("cross_entropy_loss", "log_softmax.int"),
+    "avg_pool3d": ("avg_pool3d",), "max_pool3d": ("max_pool3d",),
+    "adaptive_avg_pool3d": ("adaptive_avg_pool3d",),
+    "adaptive_max_pool3d": ("adaptive_max_pool3d",),
+    "max_unpool2d": ("max_unpool2d",), "max_unpool3d": ("max_unpool3d",),
+    "stft": ("stft",), "quantile": ("quantile",), "nanquantile": ("nanquantile",),
+    "trace": ("trace",), "polar": ("polar",), "inverse": ("inverse",), "pinverse": ("pinverse",),
+    # fp32 unless a dtype is given
+    "softmax": ("softmax.int",), "softmin": ("softmax.int",),
+    "log_softmax": ("log_softmax.int",), "sum": ("sum",), "cumsum": ("cumsum",),
+    "cumprod": ("cumprod",), "prod": ("prod",), "norm": ("norm.ScalarOpt_dim",),
+    "vector_norm": ("linalg_vector_norm",), "matrix_norm": ("linalg_matrix_norm",),
+    # promote
+    "addcdiv": ("addcdiv",), "addcmul": ("addcmul",), "atan2": ("atan2",),
+    "arctan2": ("atan2",), "bilinear": ("bilinear",), "cross": ("cross",), "dot": ("dot",),
+    "vdot": ("vdot",), "grid_sample": ("grid_sampler",), "index_put": ("index_put",),
+    "tensordot": ("tensordot",), "scatter_add": ("scatter_add",), "cat": ("cat",),
+    "concat": ("cat",), "concatenate": ("cat",), "stack": ("stack",),
+    "index_copy": ("index_copy",),
+}
+_F.update({name: (aten,) for name, aten in _LOSSES.items()})
+
+#: tensor methods -> ATen ops (in-place methods are never intercepted by autocast).
+METHOD_OPS: Dict[str, Tuple[str, ...]] = {
+    name: ops for name, ops in _F.items()
+    if name in {
+        "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "addr", "mv", "exp",
+        "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "acos", "arccos",
+        "asin", "arcsin", "cosh", "sinh", "tan", "erfinv", "pow", "renorm", "logsumexp",
+        "softmax", "log_softmax", "sum", "cumsum", "cumprod", "prod", "norm", "addcdiv",
+        "addcmul", "atan2", "arctan2", "cross", "dot", "vdot", "index_put", "scatter_add",
+        "index_copy", "dist", "inverse", "pinverse", "trace", "quantile", "nanquantile",
+        "stft", "prelu",
+    }
+}
+METHOD_OPS["__rpow__"] = ("pow.Scalar",)
+METHOD_OPS["__rtruediv__"] = ("reciprocal",)
+METHOD_OPS["__rdiv__"] = ("reciprocal",)
+
+
+def _function_table() -> Dict[Callable, Tuple[str, ...]]:
+    table: Dict[Callable, Tuple[str, ...]] = {}
+    namespaces = (F, torch, torch.linalg, torch.special, torch.fft)
+    for name, ops in _F.items():
+        for ns in namespaces:
+            fn = getattr(ns, name, None)
+            if callable(fn) and fn not in table:
+                table[fn] = ops
+    for name in dir(torch.fft):
+        fn = getattr(torch.fft, name)
+        if callable(fn) and not name.startswith("_"):
+            table[fn] = (f"fft_{name}",)
+    for name in ("svd", "qr", "cholesky", "eig", "eigh", "eigvals", "eigvalsh", "inv", "solve",
+                 "lstsq", "svdvals", "cond", "matrix_rank", "householder_product",
+                 "tensorinv", "tensorsolve", "cholesky_ex", "inv_ex"):
+        fn = getattr(torch.linalg, name, None)
+        if fn is not None:
+            table[fn] = (f"linalg_{name}",)
+    table[torch.linalg.norm] = ("linalg_vector_norm",)
+    table[operator.matmul] = ("matmul",)
+    table[operator.pow] = ("pow.Tensor_Scalar",)
+    table[torch.Tensor.__rpow__] = ("pow.Scalar",)
+    return table
+
+
+#: torch / F / operator functions -> ATen ops.
+FUNCTION_OPS: Dict[Callable, Tuple[str, ...]] = _function_table()
+
+_INTERPOLATE = {F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear}
+
+
+def interpolate_ops(mode: str, antialias: bool = False, ndim: int = 4) -> Tuple[str, ...]:
+    """ATen ops behind ``F.interpolate`` / ``nn.Upsample`` for a mode."""
+    d = max(1, ndim - 2)
+    if mode in ("area",):
+        return ()
+    if mode == "nearest":
+        return (f"upsample_nearest{d}d",)
+    if mode == "nearest-exact":
+        return (f"_upsample_nearest_exact{d}d",)
+    name = {"linear": "upsample_linear1d", "bilinear": "upsample_bilinear2d",
+            "trilinear": "upsample_trilinear3d", "bicubic": "upsample_bicubic2d"}.get(mode)
+    if name is None:
+        return ()
+    if antialias:
+        name = "_" + name + "_aa"
+    return (name,)
+
+
+_PAD_OPS = {("reflect", 1): "reflection_pad1d", ("reflect", 2): "reflection_pad2d",
+            ("replicate", 1): "replication_pad1d", ("replicate", 2): "replication_pad2d",
+            ("replicate", 3): "replication_pad3d"}
+
+
+def pad_ops(mode: str, npad: int) -> Tuple[str, ...]:
+    """ATen ops behind ``F.pad`` for a mode and a pad list of length ``npad``."""
+    name = _PAD_OPS.get((mode, npad // 2))
+    return (name,) if name else ()
+
+
+def category_of(ops: Tuple[str, ...], target: str) -> Tuple[str, Optional[str]]:
+    """The category that decides a call running ``ops`` on ``target``, and the deciding op."""
+    for op in ops:
+        category = aten_category(op, target)
+        if category is not None:
+            return category, op
+    return FOLLOW, None
+
+
+# ---------------------------------------------------------------------------------------
+# fx nodes -> torch-level label and ATen ops
+# ---------------------------------------------------------------------------------------
+_FOLLOW_NAMESPACES = ("torch", "operator", "_operator", "builtins", "math")
+
+#: callables fxamp can see into no further than their call (custom Functions, fx.wrap'ed
+#: functions, custom ops): their decision is left to autocast at run time.
+RUNTIME = None
+
+
+def _module_label(module: nn.Module) -> str:
+    cls = type(module)
+    if cls.__module__.startswith("torch.nn"):
+        return f"nn.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def callable_label(fn: object) -> str:
+    """A short stable label for a callable: ``F.softmax``, ``torch.cat``, ``operator.add``."""
+    if isinstance(fn, str):
+        return f"Tensor.{fn}"
+    name = getattr(fn, "__name__", None) or repr(fn)
+    owner = getattr(fn, "fxamp_function", None)
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}.apply"
+    for prefix, ns in (("F", F), ("torch", torch), ("torch.linalg", torch.linalg),
+                       ("torch.fft", torch.fft), ("torch.special", torch.special),
+                       ("operator", operator)):
+        if getattr(ns, name, None) is fn:
+            return f"{prefix}.{name}"
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", name)
+    return f"{module}.{qualname}" if module else qualname
+
+
+def _is_torch_callable(fn: object) -> bool:
+    if isinstance(fn, torch._ops.OpOverloadPacket) or isinstance(fn, torch._ops.OpOverload):
+        return str(fn).startswith("aten")
+    module = getattr(fn, "__module__", None)
+    if module is None:  # builtin methods of torch._C._VariableFunctions, etc.
+        return getattr(torch, getattr(fn, "__name__", ""), None) is fn
+    return module.split(".")[0] in _FOLLOW_NAMESPACES
+
+
+def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tuple[str, ...]]]:
+    """The torch-level label of ``node`` and the ATen ops it runs (None: opaque, runtime)."""
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        label = _module_label(module)
+        if isinstance(module, nn.Upsample):
+            return label, interpolate_ops(module.mode)
+        ops = MODULE_OPS.get(type(module))
+        if ops is not None:
+            return label, ops
+        if type(module) in FOLLOW_MODULES:
+            return label, ()
+        for cls, ops in MODULE_OPS.items():  # subclasses that keep the forward
+            if isinstance(module, cls) and type(module).forward is cls.forward:
+                return label, ops
+        if isinstance(module, FOLLOW_MODULES) and any(
+                type(module).forward is cls.forward for cls in FOLLOW_MODULES
+                if isinstance(module, cls)):
+            return label, ()
+        return label, RUNTIME
+    if node.op == "call_method":
+        return f"Tensor.{node.target}", METHOD_OPS.get(node.target, ())
+    if node.op != "call_function":
+        return node.op, ()
+    fn = node.target
+    label = callable_label(fn)
+    if fn in _INTERPOLATE:
+        mode = node.kwargs.get("mode", node.args[3] if len(node.args) > 3 else "nearest")
+        if fn is F.upsample_bilinear:
+            mode = "bilinear"
+        antialias = bool(node.kwargs.get("antialias", False))
+        return label, interpolate_ops(mode if isinstance(mode, str) else "nearest", antialias)
+    if fn is F.pad:
+        mode = node.kwargs.get("mode", node.args[2] if len(node.args) > 2 else "constant")
+        pad = node.kwargs.get("pad", node.args[1] if len(node.args) > 1 else ())
+        return label, pad_ops(mode, len(pad) if isinstance(pad, (list, tuple)) else 0)
+    if fn is operator.truediv and node.args and not isinstance(node.args[0], torch.fx.Node):
+        return label, ("reciprocal",)
+    try:
+        ops = FUNCTION_OPS.get(fn)
+    except TypeError:  # unhashable target
+        ops = None
+    if ops is not None:
+        return label, ops
+    if _is_torch_callable(fn):
+        return label, ()
+    return label, RUNTIME

@@ -1,0 +1,181 @@
+"""Annotate pass: autocast's op lists for the target decide each node's precision.
+
+For every node with a floating output it writes ``node.meta["fxamp"] = NodePrecision``.
+The dtypes come from running the graph on fake tensors (no real compute, no state change)
+with each node's planned input casts applied, so a node on no list gets exactly the dtype
+its inputs give it, as under autocast.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .. import oplists
+from ..errors import UnsupportedModelError, node_error
+from ..plan import NodePrecision
+from ..policy import Policy, dtype_name
+from ..rewriter.runtime import eligible
+from . import PassResult
+
+log = logging.getLogger(__name__)
+
+META = "fxamp"
+VALUE = "fxamp_value"  # "tensor" | "seq": what kind of value carries the floating output
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node belongs to: its target for call_module, else the innermost module."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.keys()), "") if stack else ""
+
+
+def first_float(value: Any) -> Optional[torch.Tensor]:
+    """The first floating tensor in a (nested) value, or None."""
+    leaves, _ = tree_flatten(value)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf
+    return None
+
+
+def _widest(dtypes: list) -> Optional[torch.dtype]:
+    if not dtypes:
+        return None
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+class Decision:
+    """A node's planned input dtype, rule and reason, before its output dtype is known."""
+
+    __slots__ = ("inputs", "rule", "reason", "label", "runtime")
+
+    def __init__(self, inputs: Optional[torch.dtype], rule: str, reason: str, label: str,
+                 runtime: bool = False) -> None:
+        self.inputs, self.rule, self.reason = inputs, rule, reason
+        self.label, self.runtime = label, runtime
+
+
+def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
+           policy: Policy) -> Decision:
+    """What autocast (or the policy) does with ``node`` given its input values."""
+    target, low = policy.target, policy.compute
+    if node.op == "placeholder":
+        return Decision(None, "autocast", "model input", "placeholder")
+    if node.op == "get_attr":
+        return Decision(None, "autocast", "FP32 master weight or buffer", "get_attr")
+    label, ops = oplists.node_ops(node, root)
+    override = policy.override_for(node.name, module_path(node), label)
+    if override is not None:
+        return Decision(override.dtype, "user", f"policy override {override}", label)
+    if ops is oplists.RUNTIME:
+        return Decision(None, "runtime", "opaque call: torch.autocast decides inside it at "
+                        "run time", label, runtime=True)
+    category, op = oplists.category_of(ops, target)
+    if category == oplists.LOWER:
+        return Decision(low, "autocast",
+                        f"{op} is on autocast's lower-precision list for {target}", label)
+    if category == oplists.FP32:
+        return Decision(torch.float32, "autocast",
+                        f"{op} is on autocast's fp32 list for {target}", label)
+    if category == oplists.FP32_OPT:
+        if kwargs.get("dtype") is not None:
+            return Decision(None, "autocast", f"{op} runs in the dtype it is given", label)
+        return Decision(torch.float32, "autocast",
+                        f"{op} runs in fp32 under autocast for {target} (no dtype given)", label)
+    if category == oplists.PROMOTE:
+        leaves, _ = tree_flatten((args, kwargs))
+        dtypes = [v.dtype for v in leaves if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if node.op == "call_module":
+            dtypes += [p.dtype for p in root.get_submodule(node.target).parameters()
+                       if p.is_floating_point()]
+        widest = _widest(dtypes)
+        return Decision(widest, "autocast", f"{op} runs in the widest dtype of its inputs "
+                        f"({dtype_name(widest)}) under autocast for {target}", label)
+    if category == oplists.BANNED:
+        raise node_error(
+            UnsupportedModelError, node,
+            f"{op} is unsafe in {dtype_name(low)} and torch.autocast refuses it",
+            "use binary_cross_entropy_with_logits / nn.BCEWithLogitsLoss on logits, or keep "
+            f"this node in FP32 with the policy override 'fp32:{node.name}'")
+    return Decision(None, "autocast", "on no autocast list: follows its inputs", label)
+
+
+def _cast(dtype: Optional[torch.dtype]) -> Callable[[Any], Any]:
+    def cast(value: Any) -> Any:
+        if dtype is not None and eligible(value) and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+    return cast
+
+
+class _Simulator(fx.Interpreter):
+    """Runs the source graph on fake tensors with the planned input casts applied."""
+
+    def __init__(self, gm: fx.GraphModule, policy: Policy) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.policy = policy
+        self.decisions: Dict[str, Tuple[Decision, Any]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "output":
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        d = decide(n, self.module, args, kwargs, self.policy)
+        args, kwargs = tree_map(_cast(d.inputs), (args, kwargs))
+        if d.runtime:
+            with torch.autocast("cpu", dtype=self.policy.compute):
+                result = getattr(self, n.op)(n.target, args, kwargs)
+        elif n.op == "call_module" and d.inputs is not None:
+            module = self.fetch_attr(n.target)
+            params = {k: _cast(d.inputs)(p) for k, p in module.named_parameters()}
+            result = torch.func.functional_call(module, params, args, kwargs, strict=False)
+        else:
+            result = getattr(self, n.op)(n.target, args, kwargs)
+        self.decisions[n.name] = (d, result)
+        return result
+
+
+def _fake_inputs(mode: FakeTensorMode, example_inputs: tuple) -> tuple:
+    return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
+                    tuple(example_inputs))
+
+
+def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy) -> PassResult:
+    """Write ``node.meta["fxamp"]`` (and the value kind) on every node with a floating output."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        state = {name: mode.from_tensor(t) for name, t in
+                 list(gm.named_parameters(remove_duplicate=False))
+                 + list(gm.named_buffers(remove_duplicate=False))}
+        inputs = _fake_inputs(mode, example_inputs)
+        sim = _Simulator(gm, policy)
+        with _reparametrize_module(gm, state, tie_weights=True, strict=False), \
+                torch.no_grad():
+            sim.run(*inputs)
+    for node in gm.graph.nodes:
+        node.meta.pop(META, None)
+        node.meta.pop(VALUE, None)
+        if node.name not in sim.decisions:
+            continue
+        d, result = sim.decisions[node.name]
+        tensor = first_float(result)
+        if tensor is None:
+            continue
+        node.meta[META] = NodePrecision(
+            dtype=tensor.dtype, rule=d.rule, reason=d.reason, op=d.label,
+            module=module_path(node), inputs=d.inputs)
+        node.meta[VALUE] = "tensor" if isinstance(result, torch.Tensor) else "seq"
+    return PassResult(gm, modified=False)

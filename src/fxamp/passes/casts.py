@@ -1,0 +1,214 @@
+"""Casts pass: reads ``node.meta["fxamp"]`` and builds the explicit mixed-precision graph.
+
+Each node whose plan names an input dtype gets its floating inputs cast to it (one cast per
+value and dtype, reused by every consumer until the value is changed in place). Leaf modules
+whose parameters must be cast become functional calls on cast parameters (``F.linear``,
+``F.conv2d`` ...) so every weight is cast once per forward; the FP32 Parameters stay shared with
+the original model. Opaque calls run under ``torch.autocast`` (``rule="runtime"``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..policy import Policy, dtype_name
+from ..rewriter import runtime
+from . import PassResult
+from .annotate import META, VALUE
+
+log = logging.getLogger(__name__)
+
+CAST = "fxamp_cast"  # meta flag on the cast nodes this pass inserts
+
+_CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
+_CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
+           nn.ConvTranspose3d: F.conv_transpose3d}
+
+
+def _functional_form(module: nn.Module, n_args: int, has_kwargs: bool) -> Optional[Tuple]:
+    """(function, extra positional args after the params) for simple leaf modules, else None."""
+    cls = type(module)
+    if has_kwargs or n_args != 1:
+        return None
+    if cls is nn.Linear:
+        return F.linear, ()
+    if cls in _CONV and module.padding_mode == "zeros":
+        return _CONV[cls], (module.stride, module.padding, module.dilation, module.groups)
+    if cls in _CONV_T and module.padding_mode == "zeros":
+        return _CONV_T[cls], (module.stride, module.padding, module.output_padding,
+                              module.groups, module.dilation)
+    if cls is nn.PReLU:
+        return F.prelu, ()
+    return None
+
+
+def _mutates_first_arg(node: fx.Node, root: nn.Module) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op == "call_module":
+        return bool(getattr(root.get_submodule(node.target), "inplace", False))
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return bool(node.kwargs.get("inplace")) or (name.endswith("_") and
+                                                    not name.startswith("__"))
+    return False
+
+
+class _Builder:
+    """Copies the source graph into a new one, inserting casts as the plan says."""
+
+    def __init__(self, src: fx.GraphModule, policy: Policy) -> None:
+        self.src, self.policy = src, policy
+        self.graph = fx.Graph()
+        self.env: Dict[fx.Node, fx.Node] = {}
+        self.casts: Dict[Tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.params: Dict[int, fx.Node] = {}
+        self.n_casts = 0
+        self.reserved = {n.name for n in src.graph.nodes}
+
+    def name(self, candidate: str) -> str:
+        """A name for an inserted node that no source node has."""
+        while candidate in self.reserved:
+            candidate += "_"
+        return candidate
+
+    # -- casts -----------------------------------------------------------------------
+    def cast(self, value: fx.Node, src: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """``value`` (the copy of ``src``) cast to ``dtype``, made once."""
+        plan = src.meta.get(META)
+        kind = src.meta.get(VALUE)
+        if plan is None or kind is None:
+            return value
+        if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
+            return value
+        key = (value, dtype)
+        if key not in self.casts:
+            name = self.name(f"{value.name}_{dtype_name(dtype)}")
+            if kind == "tensor":
+                node = self.graph.create_node("call_method", "to", (value, dtype), {}, name)
+            else:
+                node = self.graph.create_node("call_function", runtime.cast_tree,
+                                              (value, dtype), {}, name)
+            node.meta[CAST] = True
+            node.meta["stack_trace"] = src.meta.get("stack_trace")
+            self.casts[key] = node
+            self.n_casts += 1
+        return self.casts[key]
+
+    def param(self, qualname: str, tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> fx.Node:
+        """A get_attr of a parameter (one per Parameter object), cast to ``dtype``."""
+        node = self.params.get(id(tensor))
+        if node is None:
+            node = self.graph.create_node("get_attr", qualname, (), {},
+                                          self.name(qualname.replace(".", "_")))
+            self.params[id(tensor)] = node
+        if dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype:
+            return node
+        key = (node, dtype)
+        if key not in self.casts:
+            cast = self.graph.create_node("call_method", "to", (node, dtype), {},
+                                          self.name(f"{node.name}_{dtype_name(dtype)}"))
+            cast.meta[CAST] = True
+            self.casts[key] = cast
+            self.n_casts += 1
+        return self.casts[key]
+
+    def mapped(self, node: fx.Node, dtype: Optional[torch.dtype]) -> Any:
+        """``node``'s args and kwargs in the new graph, floating inputs cast to ``dtype``."""
+        def transform(arg: fx.Node) -> fx.Node:
+            value = self.env[arg]
+            return value if dtype is None else self.cast(value, arg, dtype)
+        return (fx.node.map_arg(node.args, transform), fx.node.map_arg(node.kwargs, transform))
+
+    # -- nodes -----------------------------------------------------------------------
+    def copy(self, node: fx.Node) -> fx.Node:
+        plan = node.meta.get(META)
+        dtype = plan.inputs if plan is not None else None
+        if node.op == "output":
+            return self.output(node)
+        args, kwargs = self.mapped(node, dtype)
+        if plan is not None and plan.rule == "runtime":
+            new = self.runtime_call(node, args, kwargs)
+        elif node.op == "call_module" and dtype is not None and self._needs_param_casts(
+                node, dtype):
+            new = self.module_call(node, args, kwargs, dtype)
+        else:
+            new = self.graph.create_node(node.op, node.target, args, kwargs, node.name,
+                                         node.type)
+        new.meta.update(node.meta)
+        if _mutates_first_arg(node, self.src) and node.args and isinstance(node.args[0],
+                                                                           fx.Node):
+            changed = self.env[node.args[0]]
+            for key in [k for k in self.casts if k[0] is changed]:
+                del self.casts[key]
+        return new
+
+    def _needs_param_casts(self, node: fx.Node, dtype: torch.dtype) -> bool:
+        module = self.src.get_submodule(node.target)
+        return any(p.is_floating_point() and p.dtype != dtype for p in module.parameters())
+
+    def module_call(self, node: fx.Node, args: tuple, kwargs: dict,
+                    dtype: torch.dtype) -> fx.Node:
+        module = self.src.get_submodule(node.target)
+        form = _functional_form(module, len(args), bool(kwargs))
+        named = dict(module.named_parameters())
+        if form is not None:
+            fn, extra = form
+            weight = self.param(f"{node.target}.weight", module.weight, dtype)
+            tensors = [weight]
+            if fn is not F.prelu:
+                bias = module.bias
+                tensors.append(None if bias is None else
+                               self.param(f"{node.target}.bias", bias, dtype))
+            return self.graph.create_node("call_function", fn,
+                                          (args[0], *tensors, *extra), {}, node.name)
+        params = {k: self.param(f"{node.target}.{k}", p, dtype) for k, p in named.items()}
+        module_node = self.module_ref(node)
+        return self.graph.create_node("call_function", runtime.call_with_params,
+                                      (module_node, params, *args), kwargs, node.name)
+
+    def module_ref(self, node: fx.Node) -> fx.Node:
+        return self.graph.create_node("get_attr", str(node.target), (), {},
+                                      self.name(f"{node.name}_module"))
+
+    def runtime_call(self, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+        low = self.policy.compute
+        if node.op == "call_module":
+            module_node = self.module_ref(node)
+            return self.graph.create_node("call_function", runtime.autocast_module,
+                                          (module_node, dtype_name(low), *args), kwargs,
+                                          node.name)
+        fn = node.target if node.op == "call_function" else None
+        if fn is None:  # a tensor method: fxamp never marks these runtime
+            return self.graph.create_node(node.op, node.target, args, kwargs, node.name)
+        wrapper = runtime.autocast_wrapper(fn, low, node.meta[META].op)
+        return self.graph.create_node("call_function", wrapper, args, kwargs, node.name)
+
+    def output(self, node: fx.Node) -> fx.Node:
+        out_dtype = self.policy.output_dtype
+
+        def transform(arg: fx.Node) -> fx.Node:
+            value = self.env[arg]
+            return value if out_dtype is None else self.cast(value, arg, out_dtype)
+        args = fx.node.map_arg(node.args, transform)
+        return self.graph.create_node("output", "output", args, {}, node.name, node.type)
+
+
+def insert_casts(src: fx.GraphModule, policy: Policy) -> PassResult:
+    """Build the rewritten GraphModule (sharing ``src``'s submodules and Parameters)."""
+    builder = _Builder(src, policy)
+    for node in src.graph.nodes:
+        builder.env[node] = builder.copy(node)
+        if builder.env[node].name != node.name:
+            raise RuntimeError(f"fxamp internal error: node {node.name!r} was renamed "
+                               f"{builder.env[node].name!r}")
+    builder.graph.set_codegen(src.graph._codegen)
+    gm = fx.GraphModule(src, builder.graph, type(src).__name__)
+    log.debug("inserted %d casts", builder.n_casts)
+    return PassResult(gm, modified=builder.n_casts > 0)

@@ -1,0 +1,143 @@
+"""Policy: the compute dtype, the target whose autocast lists are mirrored, and overrides.
+
+A policy is a frozen dataclass with a string form (after deepmind/jmp)::
+
+    Policy.parse("compute=bf16,target=cpu,fp32:encoder.layer.0.*,fp32:F.softmax")
+
+Items are separated by commas. ``key=value`` sets a field; ``fp32:PATTERN``,
+``fp16:PATTERN`` or ``bf16:PATTERN`` is an override: every node whose name, module path or op
+label matches the glob PATTERN computes in that dtype (``rule="user"``). Later overrides win.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, replace
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .errors import PolicyError
+
+_DTYPE_ALIASES = {
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "f16": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32, "full": torch.float32,
+    "f32": torch.float32,
+}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                torch.float64: "fp64"}
+_TARGETS = ("cuda", "cpu")
+_KEYS = ("compute", "target", "output")
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> str:
+    """Short name of a dtype: fp16, bf16, fp32 (or the torch name)."""
+    if dtype is None:
+        return "-"
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def parse_dtype(text: Union[str, torch.dtype]) -> torch.dtype:
+    """A dtype from an alias (``fp16``, ``half``, ``bf16``, ``fp32`` ...) or a torch.dtype."""
+    if isinstance(text, torch.dtype):
+        return text
+    key = str(text).strip().lower().replace("torch.", "")
+    if key not in _DTYPE_ALIASES:
+        raise PolicyError(f"unknown dtype {text!r}; valid: {', '.join(sorted(_DTYPE_ALIASES))}")
+    return _DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class Override:
+    """Nodes matching ``pattern`` (name, module path or op label; a glob) compute in ``dtype``."""
+
+    dtype: torch.dtype
+    pattern: str
+
+    def __str__(self) -> str:
+        return f"{dtype_name(self.dtype)}:{self.pattern}"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What to rewrite to.
+
+    compute: the low-precision dtype (float16 or bfloat16).
+    target: whose autocast op lists are mirrored, "cuda" or "cpu".
+    overrides: per-node / per-module / per-op dtype overrides, later ones win.
+    output_dtype: dtype of the model's floating outputs; None keeps what the graph computes.
+    """
+
+    compute: torch.dtype = torch.float16
+    target: str = "cuda"
+    overrides: Tuple[Override, ...] = field(default_factory=tuple)
+    output_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        if self.compute not in (torch.float16, torch.bfloat16):
+            raise PolicyError(
+                f"compute dtype must be torch.float16 or torch.bfloat16, got {self.compute}; "
+                "fxamp rewrites FP32 models into FP16/BF16 mixed precision")
+        if self.target not in _TARGETS:
+            raise PolicyError(f"unknown target {self.target!r}; valid targets: "
+                              f"{', '.join(_TARGETS)}")
+
+    @classmethod
+    def parse(cls, text: str, base: Optional["Policy"] = None) -> "Policy":
+        """Parse the string form; fields it does not set come from ``base``."""
+        policy = base or cls()
+        overrides = list(policy.overrides)
+        for item in (part.strip() for part in text.split(",")):
+            if not item:
+                continue
+            if "=" in item:
+                key, _, value = item.partition("=")
+                key, value = key.strip().lower(), value.strip()
+                if key not in _KEYS:
+                    raise PolicyError(f"unknown policy key {key!r} in {text!r}; valid keys: "
+                                      f"{', '.join(_KEYS)}, or DTYPE:PATTERN overrides")
+                if key == "compute":
+                    policy = replace(policy, compute=parse_dtype(value))
+                elif key == "target":
+                    policy = replace(policy, target=value.lower())
+                else:
+                    policy = replace(policy, output_dtype=None if value in ("keep", "-")
+                                     else parse_dtype(value))
+            elif ":" in item:
+                dtype, _, pattern = item.partition(":")
+                if not pattern.strip():
+                    raise PolicyError(f"override {item!r} has no pattern; write e.g. fp32:head.*")
+                overrides.append(Override(parse_dtype(dtype), pattern.strip()))
+            else:
+                raise PolicyError(f"cannot read policy item {item!r} in {text!r}; write "
+                                  f"key=value (keys: {', '.join(_KEYS)}) or DTYPE:PATTERN")
+        return replace(policy, overrides=tuple(overrides))
+
+    def __str__(self) -> str:
+        parts = [f"compute={dtype_name(self.compute)}", f"target={self.target}"]
+        if self.output_dtype is not None:
+            parts.append(f"output={dtype_name(self.output_dtype)}")
+        parts.extend(str(o) for o in self.overrides)
+        return ",".join(parts)
+
+    def override_for(self, *names: str) -> Optional[Override]:
+        """The last override whose pattern matches any of ``names`` (node, module, op)."""
+        found = None
+        for override in self.overrides:
+            if any(name and fnmatch.fnmatchcase(name, override.pattern) for name in names):
+                found = override
+        return found
+
+
+def make_policy(policy: Union[None, str, Policy], dtype: torch.dtype, target: str) -> Policy:
+    """The policy amp_rewrite uses: ``policy`` if a Policy, else parsed over dtype/target."""
+    if isinstance(policy, Policy):
+        return policy
+    if not isinstance(dtype, torch.dtype):
+        dtype = parse_dtype(dtype)
+    base = Policy(compute=dtype, target=target)
+    if policy is None:
+        return base
+    if isinstance(policy, str):
+        return Policy.parse(policy, base)
+    raise PolicyError(f"policy must be a fxamp.Policy or a string, got {type(policy).__name__}")

@@ -1,0 +1,97 @@
+"""amp_rewrite: trace, annotate, insert casts, recompile; plan_of."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .. import __version__
+from ..errors import FxampError, UnsupportedModelError
+from ..passes.annotate import META, annotate
+from ..passes.casts import insert_casts
+from ..plan import Plan
+from ..policy import Policy, make_policy
+from .trace import trace
+
+log = logging.getLogger(__name__)
+
+_PLAN_ATTR = "fxamp_plan"
+_POLICY_ATTR = "fxamp_policy"
+
+
+def _as_tuple(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
+            "what to do: wrap the callable in an nn.Module")
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16):
+            raise UnsupportedModelError(
+                f"parameter {name!r} is already {p.dtype}; fxamp keeps FP32 master weights "
+                "and casts per op. what to do: call model.float() before amp_rewrite")
+
+
+def _header(policy: Policy) -> dict:
+    return {"fxamp": __version__, "torch": torch.__version__.split("+")[0],
+            "policy": str(policy), "frontend": "fx"}
+
+
+def plan_of(gm: nn.Module) -> Plan:
+    """The Plan that amp_rewrite used to make ``gm``."""
+    plan = getattr(gm, _PLAN_ATTR, None)
+    if not isinstance(plan, Plan):
+        raise FxampError(f"{type(gm).__name__} was not made by fxamp.amp_rewrite; "
+                         "what to do: call fxamp.amp_rewrite(model, example_inputs) first")
+    return plan
+
+
+def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
+                *, dtype: torch.dtype = torch.float16, target: str = "cuda",
+                policy: Union[None, str, Policy] = None,
+                calibration_data: Optional[Iterable[Any]] = None) -> fx.GraphModule:
+    """Rewrite ``model`` into an explicit mixed-precision ``GraphModule``.
+
+    Each node computes in the dtype ``torch.autocast(target, dtype)`` would give it (or the
+    policy's override), with explicit casts; Parameters stay FP32 and shared with ``model``.
+    ``example_inputs`` (a tuple of the forward's arguments) decide dtypes exactly.
+    """
+    pol = make_policy(policy, dtype, target)
+    _check_model(model)
+    if getattr(model, _PLAN_ATTR, None) is not None:
+        if getattr(model, _POLICY_ATTR) == pol:
+            log.info("model was already rewritten with the same policy; returning it")
+            return model  # type: ignore[return-value]
+        raise UnsupportedModelError(
+            f"this model was already rewritten by fxamp with policy "
+            f"{getattr(model, _POLICY_ATTR)}; asked for {pol}. what to do: rewrite the "
+            "original FP32 model instead")
+    if calibration_data is not None:
+        raise FxampError("calibration_data is not supported yet; what to do: rewrite without "
+                         "it (the autocast lists and the policy decide)")
+    if example_inputs is None:
+        raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
+                         "arguments) to know which values are floating tensors; what to do: "
+                         "pass e.g. (torch.randn(1, 3, 224, 224),)")
+    inputs = _as_tuple(example_inputs)
+    src = trace(model)
+    annotate(src, inputs, pol)
+    gm = insert_casts(src, pol).graph_module
+    gm.graph.lint()
+    gm.recompile()
+    plan = Plan(nodes={n.name: n.meta[META] for n in src.graph.nodes if n.meta.get(META)},
+                header=_header(pol))
+    setattr(gm, _PLAN_ATTR, plan)
+    setattr(gm, _POLICY_ATTR, pol)
+    gm.train(model.training)
+    return gm

@@ -1,0 +1,58 @@
+"""Small functions the rewritten graphs call: guarded casts, params swapped in, autocast leaves."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+
+def eligible(value: Any) -> bool:
+    """A tensor autocast would cast: floating point and not float64."""
+    return (isinstance(value, torch.Tensor) and value.is_floating_point()
+            and value.dtype != torch.float64)
+
+
+def cast_tree(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every eligible tensor inside lists/tuples/dicts to ``dtype``; leave the rest."""
+    return tree_map(lambda v: v.to(dtype) if eligible(v) and v.dtype != dtype else v, value)
+
+
+def call_with_params(module: nn.Module, params: Dict[str, torch.Tensor], *args: Any,
+                     **kwargs: Any) -> Any:
+    """Call ``module`` with some of its parameters replaced (e.g. by their FP16 casts)."""
+    return torch.func.functional_call(module, params, args, kwargs, strict=False)
+
+
+def _device_type(args: Any) -> str:
+    leaves, _ = tree_flatten(args)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+def autocast_wrapper(fn: Callable, dtype: torch.dtype, label: str) -> Callable:
+    """A function that calls ``fn`` under ``torch.autocast`` of its inputs' device.
+
+    Used for calls fxamp cannot see into (custom Functions, fx.wrap'ed functions, composite
+    torch.nn modules): autocast decides inside them at run time (``rule="runtime"``).
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(_device_type((args, kwargs)), dtype=dtype):
+            return fn(*args, **kwargs)
+
+    safe = "".join(c if c.isalnum() else "_" for c in label)
+    call.__name__ = f"autocast_{safe}"
+    call.__qualname__ = call.__name__
+    call.__module__ = __name__
+    return call
+
+
+def autocast_module(module: nn.Module, dtype_name: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a leaf module under ``torch.autocast`` of its inputs' device (``rule="runtime"``)."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    with torch.autocast(_device_type((args, kwargs)), dtype=dtype):
+        return module(*args, **kwargs)
