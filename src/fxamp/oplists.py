@@ -88,7 +88,7 @@ _CPU_TEXT = {
         "linalg_matrix_rank.atol_rtol_float linalg_matrix_rank.atol_rtol_tensor "
         "linalg_matrix_rank.tol_tensor linalg_solve linalg_cholesky linalg_svdvals "
         "linalg_eigvals linalg_eigvalsh linalg_inv linalg_householder_product linalg_tensorinv "
-        "linalg_tensorsolve fake_quantize_per_tensor_affine geqrf _lu_with_info qr svd "
+        "linalg_tensorsolve fake_quantize_per_tensor_affine geqrf _lu_with_info svd "
         "triangular_solve fractional_max_pool2d fractional_max_pool3d adaptive_max_pool3d "
         "multilabel_margin_loss_forward linalg_qr linalg_cholesky_ex linalg_svd linalg_eig "
         "linalg_eigh linalg_lstsq linalg_inv_ex linalg_matrix_sqrth grid_sampler_2d "
@@ -260,9 +260,8 @@ def _function_table() -> Dict[Callable, Tuple[str, ...]]:
             if callable(fn) and fn not in table:
                 table[fn] = ops
     for name in dir(torch.fft):
-        fn = getattr(torch.fft, name)
-        if callable(fn) and not name.startswith("_"):
-            table[fn] = (f"fft_{name}",)
+        if f"fft_{name}" in ATEN_TABLES["cpu"]:
+            table[getattr(torch.fft, name)] = (f"fft_{name}",)
     for name in ("svd", "qr", "cholesky", "eig", "eigh", "eigvals", "eigvalsh", "inv", "solve",
                  "lstsq", "svdvals", "cond", "matrix_rank", "householder_product",
                  "tensorinv", "tensorsolve", "cholesky_ex", "inv_ex"):

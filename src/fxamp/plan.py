@@ -56,16 +56,15 @@ class Plan:
         """One line per node in graph order, aligned columns, a short stable header."""
         out = [f"# {FORMAT}"]
         out += [f"# {key}: {value}" for key, value in self.header.items()]
-        rows = [COLUMNS] + [
+        rows = [("# " + COLUMNS[0],) + COLUMNS[1:]] + [
             (name, p.op or "-", p.module or "-", dtype_name(p.dtype), dtype_name(p.inputs),
              p.rule, p.reason)
             for name, p in self.nodes.items()
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
-        for i, row in enumerate(rows):
+        for row in rows:
             cells = [cell.ljust(widths[j]) for j, cell in enumerate(row[:-1])]
-            line = "  ".join(cells + [row[-1]])
-            out.append(("# " if i == 0 else "") + line.rstrip())
+            out.append("  ".join(cells + [row[-1]]).rstrip())
         return "\n".join(out) + "\n"
 
     @classmethod

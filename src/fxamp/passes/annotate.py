@@ -136,6 +136,19 @@ class _Simulator(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         d = decide(n, self.module, args, kwargs, self.policy)
         args, kwargs = tree_map(_cast(d.inputs), (args, kwargs))
+        try:
+            result = self._execute(n, d, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - report it against the node
+            raise node_error(
+                UnsupportedModelError, n,
+                f"{d.label} fails with the planned dtypes ({d.rule}: {d.reason}): "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                "check that the model runs under torch.autocast for this target and dtype, "
+                f"or keep the node in FP32 with the policy override 'fp32:{n.name}'") from err
+        self.decisions[n.name] = (d, result)
+        return result
+
+    def _execute(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
         if d.runtime:
             with torch.autocast("cpu", dtype=self.policy.compute):
                 result = getattr(self, n.op)(n.target, args, kwargs)
@@ -145,7 +158,6 @@ class _Simulator(fx.Interpreter):
             result = torch.func.functional_call(module, params, args, kwargs, strict=False)
         else:
             result = getattr(self, n.op)(n.target, args, kwargs)
-        self.decisions[n.name] = (d, result)
         return result
 
 

@@ -1,0 +1,149 @@
+"""The ``fxamp`` command: a thin layer over the Python API.
+
+fxamp plan MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P] [-o FILE]
+fxamp diff OLD NEW
+fxamp demo
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import FxampError
+from .policy import parse_dtype
+
+
+def _shape(text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-shape takes comma-separated ints like "
+                                         f"1,3,224,224, got {text!r}") from None
+
+
+def load_factory(spec: str, shapes: Sequence[Tuple[int, ...]]) -> Tuple[torch.nn.Module, tuple]:
+    """Import MODULE:FACTORY and call it. The factory returns a model or (model, inputs)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise FxampError(f"expected MODULE:FACTORY (e.g. fxamp.demo:small_cnn), got {spec!r}")
+    sys.path.insert(0, ".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise FxampError(f"cannot import {module_name!r}: {err}") from None
+    finally:
+        sys.path.pop(0)
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise FxampError(f"{module_name!r} has no attribute {attr!r}")
+    made: Any = factory()
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
+        model, inputs = made
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    else:
+        model, inputs = made, None
+    if shapes:
+        inputs = tuple(torch.randn(*s) for s in shapes)
+    if inputs is None:
+        raise FxampError(f"{spec} returned only a model; give --input-shape (e.g. "
+                         "--input-shape 1,3,224,224) or return (model, example_inputs)")
+    return model, inputs
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from . import amp_rewrite, plan_of
+
+    model, inputs = load_factory(args.factory, args.input_shape or [])
+    gm = amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
+                     policy=args.policy)
+    text = plan_of(gm).to_text()
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        print(f"wrote {args.output} ({len(plan_of(gm).nodes)} nodes)")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from .plan import Plan, diff
+
+    plans = []
+    for path in (args.old, args.new):
+        try:
+            plans.append(Plan.load(path))
+        except OSError as err:
+            print(f"fxamp diff: cannot read {path}: {err.strerror}", file=sys.stderr)
+            return 2
+        except FxampError as err:
+            print(f"fxamp diff: {path}: {err}", file=sys.stderr)
+            return 2
+    text = diff(*plans)
+    sys.stdout.write(text)
+    return 1 if text else 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    result = run_demo(steps=args.steps, dtype=parse_dtype(args.dtype), target=args.target)
+    plan = result["plan"]
+    sys.stdout.write(plan.to_text())
+    losses: List[float] = result["losses"]  # type: ignore[assignment]
+    low = parse_dtype(args.dtype)
+    print(f"\n{plan.count(low)} nodes in {args.dtype}, {plan.count(torch.float32)} in fp32")
+    print(f"trained {len(losses)} steps with GradScaler on {result['device']}: "
+          f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, final scale {result['scale']:.0f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxamp", description="Explicit mixed precision "
+                                     "for PyTorch models: plans, diffs, rewrites.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="print or write the precision plan of a model")
+    p.add_argument("factory", help="MODULE:FACTORY returning a model or (model, inputs)")
+    p.add_argument("--dtype", default="fp16", help="fp16 or bf16 (default fp16)")
+    p.add_argument("--target", default="cuda", choices=["cuda", "cpu"],
+                   help="whose autocast lists to mirror (default cuda)")
+    p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
+    p.add_argument("--input-shape", type=_shape, action="append",
+                   help="shape of a random FP32 input; repeat for several inputs")
+    p.add_argument("-o", "--output", help="write the plan to this file")
+    p.set_defaults(func=_cmd_plan)
+
+    d = sub.add_parser("diff", help="diff two plan files (exit 1 when they differ)")
+    d.add_argument("old")
+    d.add_argument("new")
+    d.set_defaults(func=_cmd_diff)
+
+    m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
+    m.add_argument("--steps", type=int, default=30)
+    m.add_argument("--dtype", default="fp16")
+    m.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
+    m.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``fxamp`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except FxampError as err:
+        print(f"fxamp {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

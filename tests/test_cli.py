@@ -1,0 +1,61 @@
+"""The fxamp command, run as a user runs it (a subprocess)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fxamp(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fxamp", *args], capture_output=True,
+                          text=True, cwd=cwd or ROOT, timeout=300)
+
+
+def test_plan_prints_the_plan():
+    r = fxamp("plan", "fxamp.demo:small_cnn", "--dtype", "bf16", "--target", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("# fxamp precision plan v1")
+    assert "# policy: compute=bf16,target=cpu" in r.stdout
+    assert any(l.startswith("conv1 ") and " bf16 " in l for l in r.stdout.splitlines())
+
+
+def test_plan_to_file_then_diff(tmp_path):
+    a, b = tmp_path / "a.plan", tmp_path / "b.plan"
+    assert fxamp("plan", "fxamp.demo:small_cnn", "-o", str(a)).returncode == 0
+    assert fxamp("plan", "fxamp.demo:small_cnn", "--policy", "fp32:conv2", "-o",
+                 str(b)).returncode == 0
+    same = fxamp("diff", str(a), str(a))
+    assert (same.returncode, same.stdout) == (0, "")
+    differ = fxamp("diff", str(a), str(b))
+    assert differ.returncode == 1
+    # conv2 moves to fp32, and bn2 / relu / mean (on no list) follow it
+    assert "~ conv2" in differ.stdout and "~ bn2" in differ.stdout
+    assert differ.stdout.splitlines()[-1] == "4 nodes changed precision: 4 FP16\u2192FP32"
+
+
+def test_diff_of_missing_or_malformed_file_exits_2(tmp_path):
+    bad = tmp_path / "bad.plan"
+    bad.write_text("hello\n")
+    r = fxamp("diff", str(bad), str(tmp_path / "missing.plan"))
+    assert r.returncode == 2 and "line 1" in r.stderr and "Traceback" not in r.stderr
+    r = fxamp("diff", str(tmp_path / "missing.plan"), str(bad))
+    assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+def test_plan_with_input_shape_for_a_factory_that_returns_only_a_model(tmp_path):
+    (tmp_path / "mymodels.py").write_text(
+        "import torch.nn as nn\n"
+        "def mlp():\n    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))\n")
+    r = fxamp("plan", "mymodels:mlp", "--input-shape", "2,8", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "linear is on autocast's lower-precision list for cuda" in r.stdout
+    r = fxamp("plan", "mymodels:mlp", cwd=tmp_path)
+    assert r.returncode == 2 and "--input-shape" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("spec", ["nonexistent_module_xyz:f", "fxamp.demo:nothing", "nocolon"])
+def test_bad_factory_specs_exit_2_with_one_clear_line(spec):
+    r = fxamp("plan", spec)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "error" in r.stderr

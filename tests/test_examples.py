@@ -1,0 +1,36 @@
+"""The README's commands and the examples keep working."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+
+
+def test_quickstart_trains_and_prints_the_plan():
+    r = run("examples/quickstart.py")
+    assert r.returncode == 0, r.stderr
+    losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", r.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    assert "# fxamp precision plan v1" in r.stdout
+    assert "layer_norm is on autocast's fp32 list for cuda" in r.stdout
+
+
+def test_demo_trains_with_gradscaler():
+    r = run("-m", "fxamp", "demo", "--steps", "20")
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", r.stdout)
+    assert m and float(m.group(2)) < float(m.group(1))
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pytest -q" in readme and "python -m pytest -q" in ci
+    install = re.search(r"pip install (torch\S* torchvision\S* -e '\.\[[^\]]*\]')", readme)
+    assert install and install.group(1) in ci

@@ -1,0 +1,85 @@
+"""Plan text form, round trips, diffs, malformed files."""
+import pytest
+import torch
+
+import fxamp
+from fxamp.demo import small_cnn
+from fxamp.plan import NodePrecision, Plan
+
+
+@pytest.fixture(scope="module")
+def plan():
+    model, inputs = small_cnn()
+    return fxamp.plan_of(fxamp.amp_rewrite(model, inputs))
+
+
+def test_text_round_trips_exactly(plan):
+    text = plan.to_text()
+    again = Plan.from_text(text)
+    assert again == plan
+    assert again.to_text() == text
+
+
+def test_one_line_per_node_in_graph_order(plan):
+    lines = [l for l in plan.to_text().splitlines() if not l.startswith("#")]
+    assert [l.split()[0] for l in lines] == list(plan.nodes)
+
+
+def test_identical_runs_give_identical_text():
+    texts = []
+    for _ in range(2):
+        model, inputs = small_cnn()
+        texts.append(fxamp.plan_of(fxamp.amp_rewrite(model, inputs)).to_text())
+    assert texts[0] == texts[1]
+    assert "0x" not in texts[0]  # no memory addresses
+
+
+def test_diff_empty_for_equal_plans(plan):
+    assert fxamp.diff(plan, Plan.from_text(plan.to_text())) == ""
+
+
+def test_one_override_changes_one_line_and_diff_names_it():
+    model, inputs = small_cnn()
+    a = fxamp.plan_of(fxamp.amp_rewrite(model, inputs))
+    b = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy="fp32:fc"))
+    changed = [(x, y) for x, y in zip(a.to_text().splitlines(), b.to_text().splitlines())
+               if x != y]
+    assert len(changed) == 2  # the policy header line and the fc line
+    assert changed[1][1].split()[0] == "fc"
+    text = fxamp.diff(a, b)
+    assert "~ fc" in text and "fp16 -> fp32" in text
+    assert text.strip().splitlines()[-1] == "1 node changed precision: 1 FP16\u2192FP32"
+
+
+def test_diff_lists_added_and_removed_nodes(plan):
+    other = Plan(nodes=dict(plan.nodes), header=dict(plan.header))
+    removed = next(iter(other.nodes))
+    del other.nodes[removed]
+    other.nodes["extra"] = NodePrecision(torch.float32, "user", "added by hand", "nn.Linear")
+    text = fxamp.diff(plan, other)
+    assert f"- {removed}" in text and "+ extra" in text
+    assert "1 added; 1 removed" in text.splitlines()[-1]
+
+
+def test_diff_ignores_version_lines(plan):
+    other = Plan.from_text(plan.to_text().replace("# torch: ", "# torch: 9"))
+    assert other != plan
+    assert fxamp.diff(plan, other) == ""
+
+
+@pytest.mark.parametrize("mutate, where", [
+    (lambda t: "", "line 1"),
+    (lambda t: t.replace("# fxamp precision plan v1", "# fxamp precision plan v0"), "line 1"),
+    (lambda t: t.replace("fp16    autocast", "fp61    autocast", 1), "line"),
+    (lambda t: "\n".join(t.splitlines()[:5]) + "\n", "truncated"),
+    (lambda t: t + "conv1  nn.Conv2d\n", "7 columns"),
+])
+def test_malformed_plans_raise_a_clear_error_naming_the_line(plan, mutate, where):
+    with pytest.raises(fxamp.PlanFormatError, match=where):
+        Plan.from_text(mutate(plan.to_text()))
+
+
+def test_save_and_load(tmp_path, plan):
+    path = tmp_path / "model.plan"
+    plan.save(str(path))
+    assert Plan.load(str(path)) == plan
