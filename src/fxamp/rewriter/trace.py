@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import operator
 import logging
 import traceback
 import weakref
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import TraceError
 
@@ -86,8 +90,80 @@ def _user_frame(exc: BaseException) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=None)
+def reads_training(cls: type) -> bool:
+    """Whether ``cls.forward`` reads ``self.training`` (a Python bool fx would bake in)."""
+    try:
+        return "self.training" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def _training_diffs(a: fx.Graph, b: fx.Graph, mode: bool) -> Optional[List[Tuple]]:
+    """Where graphs traced in the two modes differ only by bool constants: (node, index,
+    equals_training) per constant; None when they differ in any other way."""
+    nodes_a, nodes_b = list(a.nodes), list(b.nodes)
+    if [(n.name, n.op, n.target) for n in nodes_a] != [(n.name, n.op, n.target)
+                                                       for n in nodes_b]:
+        return None
+    diffs = []
+    for na, nb in zip(nodes_a, nodes_b):
+        flat_a, spec_a = tree_flatten((na.args, na.kwargs))
+        flat_b, spec_b = tree_flatten((nb.args, nb.kwargs))
+        if spec_a != spec_b:
+            return None
+        for i, (va, vb) in enumerate(zip(flat_a, flat_b)):
+            if isinstance(va, fx.Node) and isinstance(vb, fx.Node) and va.name == vb.name:
+                continue
+            if type(va) is bool and type(vb) is bool and va != vb:
+                diffs.append((na, i, va == mode))
+            elif va != vb or type(va) is not type(vb):
+                return None
+    return diffs
+
+
+def _follow_training(graph: fx.Graph, diffs: List[Tuple]) -> None:
+    """Replace baked ``self.training`` constants by reads of the module's training flag."""
+    for node, index, same in diffs:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = next(reversed(stack.keys()), "") if stack else ""
+        with graph.inserting_before(node):
+            flag: Any = graph.get_attr(f"{path}.training" if path else "training")
+            if not same:
+                flag = graph.call_function(operator.not_, (flag,))
+        flat, spec = tree_flatten((node.args, node.kwargs))
+        flat[index] = flag
+        node.args, node.kwargs = tree_unflatten(flat, spec)
+
+
 def trace(model: nn.Module) -> fx.GraphModule:
-    """Trace ``model`` with torch.fx; raise TraceError naming the line and the way out."""
+    """Trace ``model`` with torch.fx; raise TraceError naming the line and the way out.
+
+    Custom modules whose forward reads ``self.training`` are traced in both modes; the
+    constants that differ become reads of the module's flag, so ``train()`` / ``eval()``
+    keep working on the result.
+    """
+    graph = _trace_graph(model)
+    if any(reads_training(type(m)) and not type(m).__module__.startswith("torch.nn")
+           for m in model.modules()):
+        mode = model.training
+        try:
+            model.train(not mode)
+            other = _trace_graph(model)
+        finally:
+            model.train(mode)
+        diffs = _training_diffs(graph, other, mode)
+        if diffs is None:
+            log.warning("%s traces differently in train and eval mode: the rewritten graph "
+                        "keeps the %s-mode behaviour; rewrite again after switching modes",
+                        type(model).__name__, "train" if mode else "eval")
+        elif diffs:
+            _follow_training(graph, diffs)
+    name = type(model).__name__
+    return fx.GraphModule(model, graph, name)
+
+
+def _trace_graph(model: nn.Module) -> fx.Graph:
     tracer = FxampTracer()
     try:
         with _functions_as_leaves():
@@ -102,5 +178,4 @@ def trace(model: nn.Module) -> fx.GraphModule:
                 "values or shapes), move it into a submodule and mark it a leaf, or wait for "
                 "the torch.export front end (frontend='export')")
         raise TraceError(msg) from exc
-    name = type(model).__name__
-    return fx.GraphModule(tracer.root, graph, name)
+    return graph
