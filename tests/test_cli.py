@@ -59,3 +59,30 @@ def test_plan_with_input_shape_for_a_factory_that_returns_only_a_model(tmp_path)
 def test_bad_factory_specs_exit_2_with_one_clear_line(spec):
     r = fxamp("plan", spec)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "error" in r.stderr
+
+
+def test_diff_markdown_is_a_table(tmp_path):
+    a, b = tmp_path / "a.plan", tmp_path / "b.plan"
+    fxamp("plan", "fxamp.demo:small_cnn", "-o", str(a))
+    fxamp("plan", "fxamp.demo:small_cnn", "--policy", "fp32:fc", "-o", str(b))
+    r = fxamp("diff", str(a), str(b), "--format", "markdown")
+    assert r.returncode == 1
+    assert "| ~ | `fc` | `nn.Linear` | fp16 | fp32 | autocast \u2192 user |" in r.stdout
+
+
+def test_check_passes_fails_and_updates(tmp_path):
+    plan = tmp_path / "model.plan"
+    r = fxamp("check", "fxamp.demo:small_cnn", "--plan", str(plan))
+    assert r.returncode == 2 and "--update" in r.stderr
+    assert fxamp("check", "fxamp.demo:small_cnn", "--plan", str(plan),
+                 "--update").returncode == 0
+    assert fxamp("check", "fxamp.demo:small_cnn", "--plan", str(plan)).returncode == 0
+    r = fxamp("check", "fxamp.demo:small_cnn", "--plan", str(plan), "--policy", "fp32:fc")
+    assert r.returncode == 1 and "~ fc" in r.stdout and "--update" in r.stderr
+
+
+def test_show_writes_html(tmp_path):
+    out = tmp_path / "graph.html"
+    r = fxamp("show", "fxamp.demo:small_cnn", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert out.read_text().startswith("<!DOCTYPE html>")

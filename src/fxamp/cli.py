@@ -1,7 +1,9 @@
 """The ``fxamp`` command: a thin layer over the Python API.
 
 fxamp plan MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P] [-o FILE]
-fxamp diff OLD NEW
+fxamp diff OLD NEW [--format text|markdown]
+fxamp check MODULE:FACTORY --plan FILE [--update]
+fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
 fxamp demo
 """
 from __future__ import annotations
@@ -55,12 +57,18 @@ def load_factory(spec: str, shapes: Sequence[Tuple[int, ...]]) -> Tuple[torch.nn
     return model, inputs
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from . import amp_rewrite, plan_of
+def _rewrite(args: argparse.Namespace) -> Any:
+    from . import amp_rewrite
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    gm = amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
-                     policy=args.policy)
+    return amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
+                       policy=args.policy)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from . import plan_of
+
+    gm = _rewrite(args)
     text = plan_of(gm).to_text()
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
@@ -84,9 +92,60 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         except FxampError as err:
             print(f"fxamp diff: {path}: {err}", file=sys.stderr)
             return 2
-    text = diff(*plans)
+    text = diff(*plans, fmt=args.format)
     sys.stdout.write(text)
     return 1 if text else 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from . import plan_of
+    from .plan import Plan, diff
+
+    plan = plan_of(_rewrite(args))
+    if args.update:
+        plan.save(args.plan)
+        print(f"wrote {args.plan} ({len(plan.nodes)} nodes)")
+        return 0
+    try:
+        committed = Plan.load(args.plan)
+    except OSError as err:
+        print(f"fxamp check: cannot read {args.plan}: {err.strerror}; create it with "
+              f"--update", file=sys.stderr)
+        return 2
+    text = diff(committed, plan, fmt=args.format)
+    if text:
+        sys.stdout.write(text)
+        print(f"fxamp check: the plan of {args.factory} differs from {args.plan}; review the "
+              "change, then run again with --update to accept it", file=sys.stderr)
+        return 1
+    print(f"fxamp check: {args.factory} matches {args.plan} ({len(plan.nodes)} nodes)")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    import shutil
+    import subprocess
+
+    from . import plan_of
+    from .show import render
+
+    gm = _rewrite(args)
+    fmt = args.format or {"svg": "svg", "dot": "dot", "gv": "dot", "mmd": "mermaid",
+                          "md": "mermaid"}.get(args.output.rpartition(".")[2], "html")
+    if fmt == "svg":
+        dot = shutil.which("dot")
+        if dot is None:
+            raise FxampError("--format svg needs the Graphviz 'dot' program (e.g. apt-get "
+                             "install graphviz); or write --format html / dot / mermaid")
+        svg = subprocess.run([dot, "-Tsvg"], input=render(gm, plan_of(gm), "dot"),
+                             capture_output=True, text=True, check=True).stdout
+        text = svg
+    else:
+        text = render(gm, plan_of(gm), fmt, title=f"fxamp plan of {args.factory}")
+    with open(args.output, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    print(f"wrote {args.output} ({fmt})")
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -109,21 +168,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("factory", help="MODULE:FACTORY returning a model or (model, inputs)")
+        p.add_argument("--dtype", default="fp16", help="fp16 or bf16 (default fp16)")
+        p.add_argument("--target", default="cuda", choices=["cuda", "cpu"],
+                       help="whose autocast lists to mirror (default cuda)")
+        p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
+        p.add_argument("--input-shape", type=_shape, action="append",
+                       help="shape of a random FP32 input; repeat for several inputs")
+
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
-    p.add_argument("factory", help="MODULE:FACTORY returning a model or (model, inputs)")
-    p.add_argument("--dtype", default="fp16", help="fp16 or bf16 (default fp16)")
-    p.add_argument("--target", default="cuda", choices=["cuda", "cpu"],
-                   help="whose autocast lists to mirror (default cuda)")
-    p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
-    p.add_argument("--input-shape", type=_shape, action="append",
-                   help="shape of a random FP32 input; repeat for several inputs")
+    model_args(p)
     p.add_argument("-o", "--output", help="write the plan to this file")
     p.set_defaults(func=_cmd_plan)
 
     d = sub.add_parser("diff", help="diff two plan files (exit 1 when they differ)")
     d.add_argument("old")
     d.add_argument("new")
+    d.add_argument("--format", default="text", choices=["text", "markdown"])
     d.set_defaults(func=_cmd_diff)
+
+    c = sub.add_parser("check", help="fail (exit 1) when a model's plan differs from a file")
+    model_args(c)
+    c.add_argument("--plan", required=True, help="the committed plan file")
+    c.add_argument("--update", action="store_true", help="rewrite the plan file instead")
+    c.add_argument("--format", default="text", choices=["text", "markdown"])
+    c.set_defaults(func=_cmd_check)
+
+    s = sub.add_parser("show", help="draw the graph coloured by precision")
+    model_args(s)
+    s.add_argument("-o", "--output", required=True, help="graph.html, graph.dot, graph.svg, "
+                   "graph.mmd")
+    s.add_argument("--format", choices=["html", "dot", "svg", "mermaid"],
+                   help="default: from the file extension, else html")
+    s.set_defaults(func=_cmd_show)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
     m.add_argument("--steps", type=int, default=30)

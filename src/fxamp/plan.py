@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -131,46 +131,86 @@ def _describe(p: NodePrecision) -> str:
     return f"{dtype_name(p.dtype)} {p.rule}: {p.reason}"
 
 
-def diff(a: Plan, b: Plan) -> str:
+@dataclass
+class _Change:
+    kind: str  # "~" changed, "+" added, "-" removed
+    name: str
+    old: Optional[NodePrecision]
+    new: Optional[NodePrecision]
+
+
+def _changes(a: Plan, b: Plan) -> Tuple[List[Tuple[str, str, str]], List[_Change]]:
+    headers = []
+    for key in dict.fromkeys(list(a.header) + list(b.header)):
+        va, vb = a.header.get(key, "-"), b.header.get(key, "-")
+        if key not in _VERSION_KEYS and va != vb:
+            headers.append((key, va, vb))
+    changes = [_Change("-" if name not in b.nodes else "~", name, pa, b.nodes.get(name))
+               for name, pa in a.nodes.items() if b.nodes.get(name) != pa]
+    changes += [_Change("+", name, None, pb) for name, pb in b.nodes.items()
+                if name not in a.nodes]
+    return headers, changes
+
+
+def _summary(changes: List[_Change]) -> str:
+    moves: collections.Counter = collections.Counter(
+        (dtype_name(c.old.dtype).upper(), dtype_name(c.new.dtype).upper())
+        for c in changes if c.kind == "~" and c.old.dtype != c.new.dtype)  # type: ignore[union-attr]
+    n_moves = sum(moves.values())
+    kinds = collections.Counter(c.kind for c in changes)
+    summary = f"{n_moves} node{'s' if n_moves != 1 else ''} changed precision"
+    if moves:
+        summary += ": " + ", ".join(f"{n} {src}\u2192{dst}"
+                                    for (src, dst), n in sorted(moves.items()))
+    extra = [f"{kinds['~'] - n_moves} changed rule/reason" if kinds["~"] - n_moves else "",
+             f"{kinds['+']} added" if kinds["+"] else "",
+             f"{kinds['-']} removed" if kinds["-"] else ""]
+    return summary + "".join(f"; {e}" for e in extra if e)
+
+
+def _text_line(c: _Change) -> str:
+    if c.kind == "-":
+        return f"- {c.name}  {c.old.op}  {_describe(c.old)}"  # type: ignore[union-attr]
+    if c.kind == "+":
+        return f"+ {c.name}  {c.new.op}  {_describe(c.new)}"  # type: ignore[union-attr]
+    old, new = c.old, c.new
+    if old.dtype != new.dtype:  # type: ignore[union-attr]
+        return (f"~ {c.name}  {new.op}  {dtype_name(old.dtype)} -> {dtype_name(new.dtype)}"
+                f"  ({old.rule} -> {new.rule}: {new.reason})")  # type: ignore[union-attr]
+    return f"~ {c.name}  {new.op}  was {_describe(old)}; now {_describe(new)}"  # type: ignore
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def diff(a: Plan, b: Plan, fmt: str = "text") -> str:
     """A readable diff of two plans; the empty string when they decide the same.
 
     Versions in the header are ignored; other header lines, changed, added and removed nodes
-    are listed, then a one-line summary.
+    are listed, then a one-line summary. ``fmt="markdown"`` gives a table for a pull request.
     """
-    out: List[str] = []
-    for key in dict.fromkeys(list(a.header) + list(b.header)):
-        if key in _VERSION_KEYS:
-            continue
-        va, vb = a.header.get(key, "-"), b.header.get(key, "-")
-        if va != vb:
-            out.append(f"{key}: {va} -> {vb}")
-    moves: collections.Counter = collections.Counter()
-    changed = added = removed = 0
-    for name, pa in a.nodes.items():
-        pb = b.nodes.get(name)
-        if pb is None:
-            removed += 1
-            out.append(f"- {name}  {pa.op}  {_describe(pa)}")
-        elif pa != pb:
-            changed += 1
-            if pa.dtype != pb.dtype:
-                moves[(dtype_name(pa.dtype).upper(), dtype_name(pb.dtype).upper())] += 1
-                out.append(f"~ {name}  {pb.op}  {dtype_name(pa.dtype)} -> {dtype_name(pb.dtype)}"
-                           f"  ({pa.rule} -> {pb.rule}: {pb.reason})")
-            else:
-                out.append(f"~ {name}  {pb.op}  was {_describe(pa)}; now {_describe(pb)}")
-    for name, pb in b.nodes.items():
-        if name not in a.nodes:
-            added += 1
-            out.append(f"+ {name}  {pb.op}  {_describe(pb)}")
-    if not out:
+    if fmt not in ("text", "markdown"):
+        raise ValueError(f"unknown diff format {fmt!r}; valid: text, markdown")
+    headers, changes = _changes(a, b)
+    if not headers and not changes:
         return ""
-    n_moves = sum(moves.values())
-    summary = f"{n_moves} node{'s' if n_moves != 1 else ''} changed precision"
-    if moves:
-        summary += ": " + ", ".join(f"{n} {src}\u2192{dst}" for (src, dst), n in sorted(moves.items()))
-    extra = [f"{changed - n_moves} changed rule/reason" if changed - n_moves else "",
-             f"{added} added" if added else "", f"{removed} removed" if removed else ""]
-    summary += "".join(f"; {e}" for e in extra if e)
-    out.append(summary)
+    if fmt == "text":
+        out = [f"{key}: {va} -> {vb}" for key, va, vb in headers]
+        out += [_text_line(c) for c in changes]
+        out.append(_summary(changes))
+        return "\n".join(out) + "\n"
+    out = [f"**fxamp plan diff** \u2014 {_summary(changes)}", ""]
+    out += [f"- `{key}`: `{va}` \u2192 `{vb}`" for key, va, vb in headers]
+    if changes:
+        out += ["", "| | node | op | before | after | rule | reason |",
+                "|---|---|---|---|---|---|---|"]
+        for c in changes:
+            ref = c.new or c.old
+            before = dtype_name(c.old.dtype) if c.old else ""
+            after = dtype_name(c.new.dtype) if c.new else ""
+            rule = (c.old.rule + " \u2192 " + c.new.rule if c.old and c.new and
+                    c.old.rule != c.new.rule else ref.rule)  # type: ignore[union-attr]
+            out.append(f"| {c.kind} | `{c.name}` | `{_cell(ref.op)}` | {before} | {after} | "
+                       f"{rule} | {_cell(ref.reason)} |")  # type: ignore[union-attr]
     return "\n".join(out) + "\n"
