@@ -69,7 +69,7 @@ def test_diff_ignores_version_lines(plan):
 
 @pytest.mark.parametrize("mutate, where", [
     (lambda t: "", "line 1"),
-    (lambda t: t.replace("# fxamp precision plan v1", "# fxamp precision plan v0"), "line 1"),
+    (lambda t: t.replace("# fxamp precision plan v1", "# fxamp precision plan v0"), "--update"),
     (lambda t: t.replace("fp16    autocast", "fp61    autocast", 1), "line"),
     (lambda t: "\n".join(t.splitlines()[:5]) + "\n", "truncated"),
     (lambda t: t + "conv1  nn.Conv2d\n", "7 columns"),

@@ -71,6 +71,12 @@ class Plan:
     def from_text(cls, text: str) -> "Plan":
         """Parse the text form (data only). Raises PlanFormatError naming the bad line."""
         lines = text.splitlines()
+        if lines and lines[0].startswith("# fxamp precision plan v") and \
+                lines[0].strip() != f"# {FORMAT}":
+            raise PlanFormatError(
+                f"line 1: {lines[0].strip()[2:]!r} is not this fxamp's format ({FORMAT!r}); "
+                "regenerate the file with `fxamp check MODULE:FACTORY --plan FILE --update` "
+                "(or `fxamp plan ... -o FILE`)")
         if not lines or lines[0].strip() != f"# {FORMAT}":
             first = lines[0] if lines else "(empty file)"
             raise PlanFormatError(f"line 1: expected '# {FORMAT}', found {first!r}; "
