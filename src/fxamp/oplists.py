@@ -180,9 +180,9 @@ FOLLOW_MODULES: Tuple[type, ...] = (
     nn.Threshold, nn.GLU, nn.LogSigmoid, nn.Softshrink, nn.Hardshrink,
     nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
     nn.FeatureAlphaDropout, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
     nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
-    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.LPPool1d,
+    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
     nn.Flatten, nn.Unflatten, nn.Identity, nn.Embedding, nn.EmbeddingBag, nn.ZeroPad1d,
     nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d,
     nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d, nn.ReflectionPad3d,
@@ -198,8 +198,9 @@ _F = {
     "scaled_dot_product_attention": ("scaled_dot_product_attention",),
     "matmul": ("matmul",), "mm": ("mm",), "bmm": ("bmm",), "baddbmm": ("baddbmm",),
     "addmm": ("addmm",), "addbmm": ("addbmm",), "addmv": ("addmv",), "addr": ("addr",),
-    "mv": ("mv",), "einsum": ("einsum",), "chain_matmul": ("chain_matmul",),
-    "multi_dot": ("linalg_multi_dot",), "vecdot": ("linalg_vecdot",),
+    "mv": ("mv",), "einsum": ("einsum", "bmm"),
+    # composites: on CPU they decompose into mm/bmm, which CPU autocast lowers
+    "chain_matmul": ("chain_matmul", "mm"), "multi_dot": ("linalg_multi_dot", "mm"), "vecdot": ("linalg_vecdot",),
     # fp32
     "exp": ("exp",), "expm1": ("expm1",), "log": ("log",), "log10": ("log10",),
     "log2": ("log2",), "log1p": ("log1p",), "reciprocal": ("reciprocal",), "rsqrt": ("rsqrt",),
@@ -211,6 +212,7 @@ _F = {
     "dist": ("dist",), "cdist": ("cdist",), "pdist": ("pdist",), "renorm": ("renorm",),
     "logsumexp": ("logsumexp",), "frobenius_norm": ("frobenius_norm.dim",),
     "nuclear_norm": ("nuclear_norm",), "normalize": ("norm.ScalarOpt_dim",),
+    "matrix_power": ("matmul",), "inner": ("tensordot", "mm"),
     "cross_entropy": ("cross_entropy_loss", "log_softmax.int"),
     "avg_pool3d": ("avg_pool3d",), "max_pool3d": ("max_pool3d",),
     "adaptive_avg_pool3d": ("adaptive_avg_pool3d",),
@@ -227,7 +229,7 @@ _F = {
     "addcdiv": ("addcdiv",), "addcmul": ("addcmul",), "atan2": ("atan2",),
     "arctan2": ("atan2",), "bilinear": ("bilinear",), "cross": ("cross",), "dot": ("dot",),
     "vdot": ("vdot",), "grid_sample": ("grid_sampler",), "index_put": ("index_put",),
-    "tensordot": ("tensordot",), "scatter_add": ("scatter_add",), "cat": ("cat",),
+    "tensordot": ("tensordot", "mm"), "scatter_add": ("scatter_add",), "cat": ("cat",),
     "concat": ("cat",), "concatenate": ("cat",), "stack": ("stack",),
     "index_copy": ("index_copy",),
 }
@@ -249,6 +251,14 @@ METHOD_OPS: Dict[str, Tuple[str, ...]] = {
 METHOD_OPS["__rpow__"] = ("pow.Scalar",)
 METHOD_OPS["__rtruediv__"] = ("reciprocal",)
 METHOD_OPS["__rdiv__"] = ("reciprocal",)
+
+
+#: composites whose pieces fall in different lists per target (pow, avg_pool3d ...):
+#: autocast decides inside them at run time.
+RUNTIME_FUNCTIONS = {F.local_response_norm, F.lp_pool1d, F.lp_pool2d,
+                     getattr(F, "lp_pool3d", F.lp_pool2d)}
+RUNTIME_MODULES = tuple(m for m in (nn.LocalResponseNorm, nn.LPPool1d, nn.LPPool2d,
+                                    getattr(nn, "LPPool3d", None)) if m is not None)
 
 
 def _function_table() -> Dict[Callable, Tuple[str, ...]]:
@@ -308,6 +318,25 @@ def pad_ops(mode: str, npad: int) -> Tuple[str, ...]:
     """ATen ops behind ``F.pad`` for a mode and a pad list of length ``npad``."""
     name = _PAD_OPS.get((mode, npad // 2))
     return (name,) if name else ()
+
+
+def einsum_ops(args: tuple) -> Tuple[str, ...]:
+    """einsum runs bmm (lowered on CPU too) when it contracts an index of two or more
+    operands; otherwise it is elementwise work that follows its inputs (CUDA lists einsum)."""
+    if not args or not isinstance(args[0], str):
+        return ("einsum", "bmm")
+    operands = args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    equation = args[0].replace(" ", "").replace("...", "")
+    lhs, arrow, rhs = equation.partition("->")
+    inputs = lhs.split(",")
+    letters = [c for term in inputs for c in term]
+    out = set(rhs) if arrow else {c for c in letters if letters.count(c) == 1}
+    contracted = set(letters) - out
+    if len(inputs) >= 2 and len(operands) >= 2 and contracted:
+        return ("einsum", "bmm")
+    return ("einsum",)
 
 
 def category_of(ops: Tuple[str, ...], target: str) -> Tuple[str, Optional[str]]:
@@ -373,6 +402,8 @@ def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tupl
         ops = MODULE_OPS.get(type(module))
         if ops is not None:
             return label, ops
+        if isinstance(module, RUNTIME_MODULES):
+            return label, RUNTIME
         if type(module) in FOLLOW_MODULES:
             return label, ()
         for cls, ops in MODULE_OPS.items():  # subclasses that keep the forward
@@ -399,6 +430,10 @@ def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tupl
         mode = node.kwargs.get("mode", node.args[2] if len(node.args) > 2 else "constant")
         pad = node.kwargs.get("pad", node.args[1] if len(node.args) > 1 else ())
         return label, pad_ops(mode, len(pad) if isinstance(pad, (list, tuple)) else 0)
+    if fn in RUNTIME_FUNCTIONS:
+        return label, RUNTIME
+    if fn is torch.einsum:
+        return label, einsum_ops(node.args)
     if fn is operator.truediv and node.args and not isinstance(node.args[0], torch.fx.Node):
         return label, ("reciprocal",)
     try:

@@ -37,7 +37,7 @@ def module_path(node: fx.Node) -> str:
     if node.op == "get_attr":
         return str(node.target).rpartition(".")[0]
     stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.keys()), "") if stack else ""
+    return next(reversed(stack.values()))[0] if stack else ""
 
 
 def first_float(value: Any) -> Optional[torch.Tensor]:
@@ -92,7 +92,9 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
         return Decision(torch.float32, "autocast",
                         f"{op} is on autocast's fp32 list for {target}", label)
     if category == oplists.FP32_OPT:
-        if kwargs.get("dtype") is not None:
+        explicit = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype)
+                                                          for a in args[1:])
+        if explicit:
             return Decision(None, "autocast", f"{op} runs in the dtype it is given", label)
         return Decision(torch.float32, "autocast",
                         f"{op} runs in fp32 under autocast for {target} (no dtype given)", label)
@@ -122,6 +124,24 @@ def _cast(dtype: Optional[torch.dtype]) -> Callable[[Any], Any]:
     return cast
 
 
+class _CudaAutocast:
+    """CUDA autocast on (fake) CUDA tensors: torch.autocast("cuda") refuses without a GPU,
+    the thread-local flags do not, and the AutocastCUDA kernels run on fake tensors."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __enter__(self) -> None:
+        self.saved = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        torch.set_autocast_dtype("cuda", self.dtype)
+        torch.set_autocast_enabled("cuda", True)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_autocast_enabled("cuda", self.saved[0])
+        torch.set_autocast_dtype("cuda", self.saved[1])
+        torch.clear_autocast_cache()
+
+
 class _Simulator(fx.Interpreter):
     """Runs the source graph on fake tensors with the planned input casts applied."""
 
@@ -148,8 +168,28 @@ class _Simulator(fx.Interpreter):
         self.decisions[n.name] = (d, result)
         return result
 
+    def _cuda_autocast(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
+        """Run an opaque call the way CUDA autocast would (target "cuda")."""
+        args, kwargs = _to_device((args, kwargs), "cuda")
+        with _CudaAutocast(self.policy.compute):
+            if n.op == "call_module":
+                module = self.fetch_attr(n.target)
+                state = dict(module.named_parameters())
+                state.update(module.named_buffers())
+                result = torch.func.functional_call(module, _to_device(state, "cuda"), args,
+                                                    kwargs, strict=False)
+            else:
+                result = getattr(self, n.op)(n.target, args, kwargs)
+        return _to_device(result, "cpu")
+
     def _execute(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
         if d.runtime:
+            if self.policy.target == "cuda":
+                try:
+                    return self._cuda_autocast(n, args, kwargs)
+                except Exception:  # noqa: BLE001 - e.g. CPU constants made inside the call
+                    log.debug("%s: CUDA autocast simulation failed; using CPU's", n.name,
+                              exc_info=True)
             with torch.autocast("cpu", dtype=self.policy.compute):
                 result = getattr(self, n.op)(n.target, args, kwargs)
         elif n.op == "call_module" and d.inputs is not None:
@@ -159,6 +199,11 @@ class _Simulator(fx.Interpreter):
         else:
             result = getattr(self, n.op)(n.target, args, kwargs)
         return result
+
+
+def _to_device(value: Any, device: str) -> Any:
+    return tree_map(lambda t: torch.empty_like(t, device=device)
+                    if isinstance(t, torch.Tensor) else t, value)
 
 
 def _fake_inputs(mode: FakeTensorMode, example_inputs: tuple) -> tuple:
@@ -174,8 +219,9 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy) -> PassR
                  + list(gm.named_buffers(remove_duplicate=False))}
         inputs = _fake_inputs(mode, example_inputs)
         sim = _Simulator(gm, policy)
-        with _reparametrize_module(gm, state, tie_weights=True, strict=False), \
-                torch.no_grad():
+        # grad stays enabled, as in training: modules such as nn.MultiheadAttention take
+        # the path they take when training (their inference fast path differs on fakes)
+        with _reparametrize_module(gm, state, tie_weights=True, strict=False):
             sim.run(*inputs)
     for node in gm.graph.nodes:
         node.meta.pop(META, None)

@@ -142,12 +142,20 @@ class _Builder:
             new = self.graph.create_node(node.op, node.target, args, kwargs, node.name,
                                          node.type)
         new.meta.update(node.meta)
-        if _mutates_first_arg(node, self.src) and node.args and isinstance(node.args[0],
-                                                                           fx.Node):
-            changed = self.env[node.args[0]]
-            for key in [k for k in self.casts if k[0] is changed]:
-                del self.casts[key]
+        if _mutates_first_arg(node, self.src):
+            self.forget_casts(node)
         return new
+
+    def forget_casts(self, node: fx.Node) -> None:
+        """After an in-place op, cached casts may hold stale values (the mutated tensor may
+        be a view of others): drop the casts of activations, and of parameters too when the
+        mutated value comes from a get_attr."""
+        root = node
+        while root.args and isinstance(root.args[0], fx.Node) and root.op != "get_attr":
+            root = root.args[0]
+        everything = root.op == "get_attr"
+        for key in [k for k in self.casts if everything or k[0].op != "get_attr"]:
+            del self.casts[key]
 
     def _needs_param_casts(self, node: fx.Node, dtype: torch.dtype) -> bool:
         module = self.src.get_submodule(node.target)

@@ -93,5 +93,16 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                 header=_header(pol))
     setattr(gm, _PLAN_ATTR, plan)
     setattr(gm, _POLICY_ATTR, pol)
-    gm.train(model.training)
+    _copy_training_flags(model, gm)
     return gm
+
+
+def _copy_training_flags(model: nn.Module, gm: fx.GraphModule) -> None:
+    """Give gm and the container modules fx made for it the model's training flags,
+    leaving the modules it shares with the model (a frozen BatchNorm, say) as they are."""
+    shared = {id(m) for m in model.modules()}
+    originals = dict(model.named_modules())
+    for name, module in gm.named_modules():
+        if id(module) not in shared and name in originals:
+            module.training = originals[name].training
+    gm.training = model.training

@@ -99,12 +99,29 @@ def reads_training(cls: type) -> bool:
         return False
 
 
-def _training_diffs(a: fx.Graph, b: fx.Graph, mode: bool) -> Optional[List[Tuple]]:
+_CONSTANT = "_tensor_constant"
+
+
+def _same_node(a: fx.Node, b: fx.Node, root: nn.Module, renamed: dict) -> bool:
+    if a.op == b.op == "get_attr" and str(a.target).startswith(_CONSTANT) and \
+            str(b.target).startswith(_CONSTANT):
+        # tensor constants are numbered by a counter shared by both traces
+        ta, tb = getattr(root, str(a.target)), getattr(root, str(b.target))
+        if ta.shape == tb.shape and ta.dtype == tb.dtype and torch.equal(ta, tb):
+            renamed[b.name] = a.name
+            return True
+        return False
+    return (a.name, a.op, a.target) == (b.name, b.op, b.target)
+
+
+def _training_diffs(a: fx.Graph, b: fx.Graph, mode: bool,
+                    root: nn.Module) -> Optional[List[Tuple]]:
     """Where graphs traced in the two modes differ only by bool constants: (node, index,
     equals_training) per constant; None when they differ in any other way."""
     nodes_a, nodes_b = list(a.nodes), list(b.nodes)
-    if [(n.name, n.op, n.target) for n in nodes_a] != [(n.name, n.op, n.target)
-                                                       for n in nodes_b]:
+    renamed: dict = {}
+    if len(nodes_a) != len(nodes_b) or not all(
+            _same_node(na, nb, root, renamed) for na, nb in zip(nodes_a, nodes_b)):
         return None
     diffs = []
     for na, nb in zip(nodes_a, nodes_b):
@@ -113,11 +130,12 @@ def _training_diffs(a: fx.Graph, b: fx.Graph, mode: bool) -> Optional[List[Tuple
         if spec_a != spec_b:
             return None
         for i, (va, vb) in enumerate(zip(flat_a, flat_b)):
-            if isinstance(va, fx.Node) and isinstance(vb, fx.Node) and va.name == vb.name:
-                continue
-            if type(va) is bool and type(vb) is bool and va != vb:
+            if isinstance(va, fx.Node) and isinstance(vb, fx.Node):
+                if va.name != renamed.get(vb.name, vb.name):
+                    return None
+            elif type(va) is bool and type(vb) is bool and va != vb:
                 diffs.append((na, i, va == mode))
-            elif va != vb or type(va) is not type(vb):
+            elif type(va) is not type(vb) or va != vb:
                 return None
     return diffs
 
@@ -126,7 +144,7 @@ def _follow_training(graph: fx.Graph, diffs: List[Tuple]) -> None:
     """Replace baked ``self.training`` constants by reads of the module's training flag."""
     for node, index, same in diffs:
         stack = node.meta.get("nn_module_stack") or {}
-        path = next(reversed(stack.keys()), "") if stack else ""
+        path = next(reversed(stack.values()))[0] if stack else ""
         with graph.inserting_before(node):
             flag: Any = graph.get_attr(f"{path}.training" if path else "training")
             if not same:
@@ -143,6 +161,16 @@ def trace(model: nn.Module) -> fx.GraphModule:
     constants that differ become reads of the module's flag, so ``train()`` / ``eval()``
     keep working on the result.
     """
+    before = set(vars(model))
+    try:
+        return _trace_both_modes(model)
+    finally:  # fx stores tensor constants on the traced root: keep the user's model clean
+        for name in set(vars(model)) - before:
+            if name.startswith(_CONSTANT):
+                delattr(model, name)
+
+
+def _trace_both_modes(model: nn.Module) -> fx.GraphModule:
     graph = _trace_graph(model)
     if any(reads_training(type(m)) and not type(m).__module__.startswith("torch.nn")
            for m in model.modules()):
@@ -152,7 +180,7 @@ def trace(model: nn.Module) -> fx.GraphModule:
             other = _trace_graph(model)
         finally:
             model.train(mode)
-        diffs = _training_diffs(graph, other, mode)
+        diffs = _training_diffs(graph, other, mode, model)
         if diffs is None:
             log.warning("%s traces differently in train and eval mode: the rewritten graph "
                         "keeps the %s-mode behaviour; rewrite again after switching modes",
