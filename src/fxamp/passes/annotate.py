@@ -78,7 +78,9 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
     if node.op == "get_attr":
         return Decision(None, "autocast", "FP32 master weight or buffer", "get_attr")
     label, ops = oplists.node_ops(node, root)
-    override = policy.override_for(node.name, module_path(node), label)
+    path = module_path(node)
+    # "encoder.layer.0.*" covers the layer's own functional ops as well as its submodules
+    override = policy.override_for(node.name, path, path + "." if path else "", label)
     if override is not None:
         return Decision(override.dtype, "user", f"policy override {override}", label)
     if ops is oplists.RUNTIME:

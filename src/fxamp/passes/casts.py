@@ -47,6 +47,18 @@ def _functional_form(module: nn.Module, n_args: int, has_kwargs: bool) -> Option
     return None
 
 
+def _mutated(node: fx.Node, root: nn.Module) -> Optional[fx.Node]:
+    """The value ``node`` changes in place (its first argument or its ``out=``), if any."""
+    out = node.kwargs.get("out")
+    if isinstance(out, (list, tuple)):
+        out = next((o for o in out if isinstance(o, fx.Node)), None)
+    if isinstance(out, fx.Node):
+        return out
+    if node.args and isinstance(node.args[0], fx.Node) and _mutates_first_arg(node, root):
+        return node.args[0]
+    return None
+
+
 def _mutates_first_arg(node: fx.Node, root: nn.Module) -> bool:
     if node.op == "call_method":
         name = str(node.target)
@@ -142,15 +154,16 @@ class _Builder:
             new = self.graph.create_node(node.op, node.target, args, kwargs, node.name,
                                          node.type)
         new.meta.update(node.meta)
-        if _mutates_first_arg(node, self.src):
-            self.forget_casts(node)
+        changed = _mutated(node, self.src)
+        if changed is not None:
+            self.forget_casts(changed)
         return new
 
-    def forget_casts(self, node: fx.Node) -> None:
+    def forget_casts(self, changed: fx.Node) -> None:
         """After an in-place op, cached casts may hold stale values (the mutated tensor may
         be a view of others): drop the casts of activations, and of parameters too when the
         mutated value comes from a get_attr."""
-        root = node
+        root = changed
         while root.args and isinstance(root.args[0], fx.Node) and root.op != "get_attr":
             root = root.args[0]
         everything = root.op == "get_attr"

@@ -175,11 +175,13 @@ def _trace_both_modes(model: nn.Module) -> fx.GraphModule:
     if any(reads_training(type(m)) and not type(m).__module__.startswith("torch.nn")
            for m in model.modules()):
         mode = model.training
+        flags = [(m, m.training) for m in model.modules()]
         try:
             model.train(not mode)
             other = _trace_graph(model)
-        finally:
-            model.train(mode)
+        finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
+            for m, flag in flags:
+                m.training = flag
         diffs = _training_diffs(graph, other, mode, model)
         if diffs is None:
             log.warning("%s traces differently in train and eval mode: the rewritten graph "
