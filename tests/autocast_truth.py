@@ -423,3 +423,13 @@ def has_autocast_kernel(op_name: str, target: str) -> bool:
     _check_target(target)
     key = "AutocastCPU" if target == "cpu" else "AutocastCUDA"
     return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, key)
+
+
+def autocast_rewrite(model: nn.Module, inputs: tuple, *, policy: str | None = None,
+                     **kwargs: Any) -> torch.fx.GraphModule:
+    """``fxamp.amp_rewrite`` with the numerics passes off: the plan mirrors autocast exactly
+    (and outputs keep their dtype), which is what the agreement tests check."""
+    import fxamp
+
+    text = "numerics=off" + (f",{policy}" if policy else "")
+    return fxamp.amp_rewrite(model, inputs, policy=text, **kwargs)

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from autocast_truth import record_autocast_dtypes, run_autocast_cpu
+from autocast_truth import record_autocast_dtypes, run_autocast_cpu, autocast_rewrite
 from fxamp.rewriter.trace import trace as fxamp_trace
 
 CONFIGS = [("cpu", torch.bfloat16), ("cpu", torch.float16), ("cuda", torch.float16)]
@@ -380,7 +380,7 @@ def test_planned_dtypes_equal_autocast(name, cfg):
     # _tensor_constantN, numbering on from what is already there: trace a copy made before
     # fxamp traces so that both graphs name those constants alike.
     truth_graph = _truth_graph(name, copy.deepcopy(model))
-    gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target=target)
+    gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
     plan = fxamp.plan_of(gm)
     truth = record_autocast_dtypes(truth_graph, inputs, target, dtype)
     assert truth, "autocast recorded nothing"
@@ -398,8 +398,8 @@ def test_planned_dtypes_equal_autocast(name, cfg):
 def test_categories_are_visible_in_the_plan():
     """Spot checks that each op-list category is planned as its category says."""
     inputs = MODELS["fp32"][1]()
-    cuda = fxamp.plan_of(fxamp.amp_rewrite(make("fp32")[0], inputs, target="cuda")).nodes
-    cpu = fxamp.plan_of(fxamp.amp_rewrite(make("fp32")[0], inputs, dtype=torch.bfloat16,
+    cuda = fxamp.plan_of(autocast_rewrite(make("fp32")[0], inputs, target="cuda")).nodes
+    cpu = fxamp.plan_of(autocast_rewrite(make("fp32")[0], inputs, dtype=torch.bfloat16,
                                           target="cpu")).nodes
     assert cuda["fc"].dtype == torch.float16 and cuda["fc"].inputs == torch.float16
     for name in ("exp", "log", "pow_1", "truediv", "rsqrt", "ln", "gn", "cross_entropy",
@@ -410,12 +410,12 @@ def test_categories_are_visible_in_the_plan():
     assert cpu["exp"].inputs is None and cpu["exp"].dtype == torch.bfloat16
     assert cpu["mse_loss"].inputs == torch.float32 and cpu["cross_entropy"].dtype == torch.float32
 
-    opt = fxamp.plan_of(fxamp.amp_rewrite(make("fp32_opt")[0], MODELS["fp32_opt"][1]())).nodes
+    opt = fxamp.plan_of(autocast_rewrite(make("fp32_opt")[0], MODELS["fp32_opt"][1]())).nodes
     assert opt["softmax"].inputs == torch.float32 and "no dtype given" in opt["softmax"].reason
     assert opt["cumsum_1"].inputs is None and opt["cumsum_1"].dtype == torch.float16
     assert "dtype it is given" in opt["log_softmax_1"].reason
 
-    prom = fxamp.plan_of(fxamp.amp_rewrite(make("promote")[0], MODELS["promote"][1](),
+    prom = fxamp.plan_of(autocast_rewrite(make("promote")[0], MODELS["promote"][1](),
                                            dtype=torch.bfloat16, target="cpu")).nodes
     assert prom["cat"].inputs == torch.float32 and "widest" in prom["cat"].reason
     assert prom["stack"].dtype == torch.float32
@@ -442,7 +442,7 @@ def test_einsum_of_mixed_operands_is_rewritten_like_autocast(cfg):
     model, inputs = EinsumMixed(), (_x(4, 8),)
     truth = record_autocast_dtypes(fx.symbolic_trace(copy.deepcopy(model)), inputs, target, dtype)
     assert truth["einsum"] == dtype
-    gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target=target)
+    gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
     assert fxamp.plan_of(gm).nodes["einsum"].dtype == dtype
 
 
@@ -455,7 +455,7 @@ def test_positional_dtype_counts_as_given():
         def forward(self, x):
             return torch.softmax(self.fc(x), -1, torch.float16)
 
-    plan = fxamp.plan_of(fxamp.amp_rewrite(M(), (_x(4, 8),), target="cuda"))
+    plan = fxamp.plan_of(autocast_rewrite(M(), (_x(4, 8),), target="cuda"))
     assert plan.nodes["softmax"].inputs is None, plan.nodes["softmax"]
 
 
@@ -464,7 +464,7 @@ def test_cpu_outputs_equal_autocast(name, cfg):
     _, dtype = cfg
     model, inputs = make(name)
     reference = copy.deepcopy(model)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=dtype, target="cpu")
     _seed(7)
     ref = run_autocast_cpu(reference, inputs, dtype)
     out = _run_seeded(gm, inputs)
@@ -484,7 +484,7 @@ def test_cpu_outputs_equal_autocast(name, cfg):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_gm_shares_parameters_with_the_model(name):
     model, inputs = make(name)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
     gm_ids = {id(p) for p in gm.parameters()}
     assert gm_ids <= {id(p) for p in model.parameters()}
     assert all(p.dtype == torch.float32 for p in gm.parameters())
@@ -493,7 +493,7 @@ def test_gm_shares_parameters_with_the_model(name):
 
 def test_tied_parameters_stay_tied_and_are_cast_once():
     model, inputs = make("tied")
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
     assert len(list(gm.parameters())) == len(list(model.parameters())) == 4
     weight_casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"
                     and n.args[0].op == "get_attr"]
@@ -507,7 +507,7 @@ def test_tied_parameters_stay_tied_and_are_cast_once():
 def test_gradients_are_fp32_and_land_on_the_original_parameters(name):
     model, inputs = make(name)
     reference = copy.deepcopy(model)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
 
     def loss_of(out):
         return sum(t.float().sum() for t in _leaves(out)
@@ -556,7 +556,7 @@ def test_integer_and_bool_values_are_never_cast(name, cfg):
     model, inputs = make(name)
     plain = fx.symbolic_trace(copy.deepcopy(model))  # see test_planned_dtypes_equal_autocast
     src_names = {n.name for n in plain.graph.nodes}
-    gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target=target)
+    gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
     rec = _Recorder(copy.deepcopy(gm))
     with torch.no_grad():
         rec.run(*inputs)
@@ -587,7 +587,7 @@ def test_no_cast_of_a_cast_and_one_cast_per_value(name, cfg):
     target, dtype = cfg
     model, inputs = make(name)
     src_names = {n.name for n in fxamp_trace(copy.deepcopy(model)).graph.nodes}
-    gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target=target)
+    gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
     seen = set()
     for node in gm.graph.nodes:
         if node.name in src_names or node.op != "call_method" or node.target != "to":
@@ -608,7 +608,7 @@ def test_custom_function_is_one_runtime_leaf_run_under_autocast():
     model, inputs = make("custom_function")
     with pytest.raises(Exception):  # the plain tracer cannot trace it (branch on x.dtype)
         fx.symbolic_trace(model)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
     node = fxamp.plan_of(gm).nodes["dtype_branch_rms_apply"]
     assert node.rule == "runtime" and node.inputs is None
     assert node.op.endswith("DtypeBranchRMS.apply")
@@ -624,7 +624,7 @@ def test_custom_function_is_one_runtime_leaf_run_under_autocast():
 
 def test_multihead_attention_is_a_runtime_leaf():
     model, inputs = make("mha")
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
     plan = fxamp.plan_of(gm)
     assert plan.nodes["attn"].rule == "runtime" and plan.nodes["attn"].op == \
         "nn.MultiheadAttention"
@@ -647,7 +647,7 @@ def test_batchnorm_running_stats_update_like_the_original(policy, dtype):
     model, inputs = make("conv_bn")
     reference = copy.deepcopy(model)
     before = _bn_state(model)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target="cpu", policy=policy)
+    gm = autocast_rewrite(model, inputs, dtype=dtype, target="cpu", policy=policy)
     assert _bn_state(model).keys() == before.keys()
     for k, v in _bn_state(model).items():  # amp_rewrite itself changes no state
         assert torch.equal(v, before[k]), k
@@ -670,7 +670,7 @@ def test_batchnorm_running_stats_update_like_the_original(policy, dtype):
 @pytest.mark.parametrize("name", ["conv_bn", "functional_dropout"])
 def test_train_and_eval_toggle_dropout_and_batchnorm(name):
     model, inputs = make(name)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
     assert gm.training
     # train: dropout is active (different masks) and BN stats move
     stats0 = _bn_state(model)
@@ -709,7 +709,7 @@ def test_rewrite_keeps_a_frozen_batchnorm_frozen(name):
     model.train()
     model.bn.eval()  # common fine-tuning setup: frozen BN statistics
     before = _bn_state(model)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
     assert model.bn.training is False, "amp_rewrite switched the user's frozen BN to train"
     gm(*inputs)
     assert torch.equal(_bn_state(model)["bn.running_mean"], before["bn.running_mean"])
@@ -747,7 +747,7 @@ class InplaceAfterCast(nn.Module):
 def test_casts_are_not_reused_after_an_in_place_change(how):
     _seed(0)
     model, inputs = InplaceAfterCast(how), (_x(4, 8),)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
     ref = run_autocast_cpu(model, inputs, torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(gm(*inputs), ref, rtol=0, atol=0)
@@ -760,8 +760,8 @@ def test_casts_are_not_reused_after_an_in_place_change(how):
                                           ("cpu", "scaled_dot_product_attention")])
 def test_one_override_changes_exactly_that_node(target, node):
     model, inputs = make("lower")
-    a = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, target=target)).nodes
-    gm = fxamp.amp_rewrite(model, inputs, target=target, policy=f"fp32:{node}")
+    a = fxamp.plan_of(autocast_rewrite(model, inputs, target=target)).nodes
+    gm = autocast_rewrite(model, inputs, target=target, policy=f"fp32:{node}")
     b = fxamp.plan_of(gm).nodes
     assert list(a) == list(b)
     assert a[node].dtype == torch.float16 and a[node].rule == "autocast"
@@ -787,7 +787,7 @@ def test_one_override_changes_exactly_that_node(target, node):
 
 def test_override_by_module_glob_and_op_label():
     model, inputs = make("follow")
-    plan = fxamp.plan_of(fxamp.amp_rewrite(
+    plan = fxamp.plan_of(autocast_rewrite(
         model, inputs, policy="compute=fp16,target=cpu,fp32:fc2,bf16:F.gelu")).nodes
     assert plan["fc2"].rule == "user" and plan["fc2"].dtype == torch.float32
     assert plan["gelu"].rule == "user" and plan["gelu"].dtype == torch.bfloat16
@@ -837,7 +837,7 @@ def _inside(module: str, prefix: str) -> bool:
 def test_module_glob_override_covers_everything_inside_the_module(pattern, prefix):
     _seed(0)
     model, inputs = EncoderModel(), (_x(2, 4, 8),)
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, target="cuda",
+    plan = fxamp.plan_of(autocast_rewrite(model, inputs, target="cuda",
                                            policy=f"fp32:{pattern}")).nodes
     inside = {n for n, p in plan.items() if _inside(p.module, prefix)}
     assert {"softmax", "encoder_layer_0_q"} <= inside
@@ -851,7 +851,7 @@ def test_module_glob_override_covers_everything_inside_the_module(pattern, prefi
 def test_output_dtype_policy_casts_floating_outputs_only():
     model, inputs = make("integer")
     for out_dtype, text in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        gm = fxamp.amp_rewrite(model, inputs, dtype=torch.float16, target="cpu",
+        gm = autocast_rewrite(model, inputs, dtype=torch.float16, target="cpu",
                                policy=f"output={text}")
         with torch.no_grad():
             h, again, nxt, mask = gm(*inputs)
@@ -863,7 +863,7 @@ def test_output_dtype_policy_casts_floating_outputs_only():
 def test_all_fp32_policy_is_bit_identical_to_the_fp32_model(name):
     model, inputs = make(name)
     reference = copy.deepcopy(model)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.float16, target="cuda", policy="fp32:*")
+    gm = autocast_rewrite(model, inputs, dtype=torch.float16, target="cuda", policy="fp32:*")
     plan = fxamp.plan_of(gm)
     assert all(p.rule == "user" and p.inputs == torch.float32 for n, p in plan.nodes.items()
                if p.op not in ("placeholder", "get_attr"))
@@ -887,14 +887,14 @@ def test_all_fp32_policy_is_bit_identical_to_the_fp32_model(name):
 # ---------------------------------------------------------------------------------------
 def test_not_a_module():
     with pytest.raises(fxamp.FxampError, match="nn.Module"):
-        fxamp.amp_rewrite(lambda x: x * 2, (_x(2, 2),))
+        autocast_rewrite(lambda x: x * 2, (_x(2, 2),))
 
 
 def test_half_model_is_refused_with_the_fix():
     model, inputs = make("follow")
     model.half()
     with pytest.raises(fxamp.FxampError) as info:
-        fxamp.amp_rewrite(model, tuple(t.half() for t in inputs))
+        autocast_rewrite(model, tuple(t.half() for t in inputs))
     msg = str(info.value)
     assert "model.float()" in msg and "fc1.weight" in msg and "float16" in msg
 
@@ -902,7 +902,7 @@ def test_half_model_is_refused_with_the_fix():
 def test_float64_dtype_is_a_policy_error():
     model, inputs = make("follow")
     with pytest.raises(fxamp.PolicyError) as info:
-        fxamp.amp_rewrite(model, inputs, dtype=torch.float64)
+        autocast_rewrite(model, inputs, dtype=torch.float64)
     assert isinstance(info.value, fxamp.FxampError)
     assert "float64" in str(info.value) and "torch.float16" in str(info.value)
 
@@ -910,7 +910,7 @@ def test_float64_dtype_is_a_policy_error():
 def test_unknown_target():
     model, inputs = make("follow")
     with pytest.raises(fxamp.FxampError) as info:
-        fxamp.amp_rewrite(model, inputs, target="tpu")
+        autocast_rewrite(model, inputs, target="tpu")
     assert "'tpu'" in str(info.value) and "cuda" in str(info.value) and "cpu" in str(info.value)
 
 
@@ -918,13 +918,13 @@ def test_unknown_target():
 def test_rewriting_the_output_again(cfg):
     target, dtype = cfg
     model, inputs = make("fp32")
-    gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target=target)
+    gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
 
     def n_casts(g):
         return sum(1 for n in g.graph.nodes if n.op == "call_method" and n.target == "to")
 
     count, plan = n_casts(gm), fxamp.plan_of(gm)
-    again = fxamp.amp_rewrite(gm, inputs, dtype=dtype, target=target)
+    again = autocast_rewrite(gm, inputs, dtype=dtype, target=target)
     assert fxamp.plan_of(again) == plan
     assert n_casts(again) == count > 0
     with torch.no_grad():
@@ -935,7 +935,7 @@ def test_rewriting_the_output_again(cfg):
                    {"dtype": dtype, "target": "cpu" if target == "cuda" else "cuda"},
                    {"dtype": dtype, "target": target, "policy": "fp32:fc"}):
         with pytest.raises(fxamp.FxampError) as info:
-            fxamp.amp_rewrite(gm, inputs, **kwargs)
+            autocast_rewrite(gm, inputs, **kwargs)
         assert "already rewritten" in str(info.value) and "original FP32 model" in str(
             info.value)
 
@@ -954,7 +954,7 @@ class DataDependent(nn.Module):
 
 def test_untraceable_model_names_the_line_and_the_fix():
     with pytest.raises(fxamp.TraceError) as info:
-        fxamp.amp_rewrite(DataDependent(), (_x(4, 8),))
+        autocast_rewrite(DataDependent(), (_x(4, 8),))
     msg = str(info.value)
     assert isinstance(info.value, fxamp.FxampError)
     assert "DataDependent" in msg
@@ -977,14 +977,14 @@ class WithBCE(nn.Module):
 def test_binary_cross_entropy_for_cuda_is_refused_with_the_fix():
     inputs = (_x(4, 8), torch.rand(4, 1))
     with pytest.raises(fxamp.FxampError) as info:
-        fxamp.amp_rewrite(WithBCE(), inputs, target="cuda")
+        autocast_rewrite(WithBCE(), inputs, target="cuda")
     msg = str(info.value)
     assert "BCEWithLogits" in msg and "binary_cross_entropy" in msg
     assert "fp32:binary_cross_entropy" in msg  # the override that keeps it
     assert os.path.basename(__file__) in msg  # the source line of the node
     # the suggested override works; on CPU (where autocast runs it in fp32) it is fine too
-    gm = fxamp.amp_rewrite(WithBCE(), inputs, target="cuda", policy="fp32:binary_cross_entropy")
+    gm = autocast_rewrite(WithBCE(), inputs, target="cuda", policy="fp32:binary_cross_entropy")
     assert fxamp.plan_of(gm).nodes["binary_cross_entropy"].rule == "user"
-    plan = fxamp.plan_of(fxamp.amp_rewrite(WithBCE(), inputs, dtype=torch.bfloat16,
+    plan = fxamp.plan_of(autocast_rewrite(WithBCE(), inputs, dtype=torch.bfloat16,
                                            target="cpu")).nodes
     assert plan["binary_cross_entropy"].dtype == torch.float32

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from autocast_truth import autocast_category_probes, record_autocast_dtypes
+from autocast_truth import autocast_category_probes, record_autocast_dtypes, autocast_rewrite
 from fxamp import oplists
 
 KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
@@ -77,14 +77,14 @@ def test_plan_matches_autocast_for_each_probe(name, dtype, target):
             # low-precision weights): fxamp refuses at rewrite time or the rewritten model
             # fails the same way; it never invents numerics autocast does not have.
             try:
-                gm = fxamp.amp_rewrite(model, full, dtype=dtype, target=target)
+                gm = autocast_rewrite(model, full, dtype=dtype, target=target)
             except fxamp.FxampError as err:
                 assert "what to do" in str(err)
             else:
                 with pytest.raises(RuntimeError):
                     gm(*full)
             continue
-        gm = fxamp.amp_rewrite(model, full, dtype=dtype, target=target)
+        gm = autocast_rewrite(model, full, dtype=dtype, target=target)
         plan = fxamp.plan_of(gm)
         got = {k: plan.nodes[k].dtype for k in truth}
         assert got == truth, f"{name} with {in_dtype} inputs (mixed={mixed})"

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fxamp
-from autocast_truth import record_autocast_dtypes, run_autocast_cpu
+from autocast_truth import record_autocast_dtypes, run_autocast_cpu, autocast_rewrite
 
 B, D = 3, 8
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -161,7 +161,7 @@ def _refused(err: RuntimeError) -> None:
 def test_rewrite_never_crashes_lints_and_plans_like_autocast(program):
     model, inputs, _ = program
     for target, dtype in CONFIGS:
-        gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target=target)
+        gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
         gm.graph.lint()
         plan = fxamp.plan_of(gm)
         with torch.no_grad():
@@ -181,7 +181,7 @@ def test_rewrite_never_crashes_lints_and_plans_like_autocast(program):
 def test_cpu_output_equals_autocast(program):
     model, inputs, _ = program
     for dtype in (torch.bfloat16, torch.float16):
-        gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target="cpu")
+        gm = autocast_rewrite(model, inputs, dtype=dtype, target="cpu")
         with torch.no_grad():
             out = gm(*inputs)
         try:
@@ -203,7 +203,7 @@ def test_all_fp32_policy_is_bit_identical_to_the_fp32_model(program):
     with torch.no_grad():
         ref = model(*inputs)
     for target, dtype in CONFIGS:
-        gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target=target, policy="fp32:*")
+        gm = autocast_rewrite(model, inputs, dtype=dtype, target=target, policy="fp32:*")
         gm.graph.lint()
         assert all(p.dtype == torch.float32 for p in fxamp.plan_of(gm).nodes.values())
         with torch.no_grad():

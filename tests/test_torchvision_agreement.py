@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 torchvision = pytest.importorskip("torchvision")
 
 import fxamp  # noqa: E402
-from autocast_truth import record_autocast_dtypes, run_autocast_cpu  # noqa: E402
+from autocast_truth import autocast_rewrite, record_autocast_dtypes, run_autocast_cpu  # noqa: E402
 from torchvision import models as tvm  # noqa: E402
 from torchvision.models.convnext import CNBlockConfig  # noqa: E402
 from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformerBlockV2  # noqa: E402
@@ -144,7 +144,7 @@ class Zoo:
         key = (name, target, dtype)
         if key not in self._rewrites:
             model, x = self.model(name)
-            self._rewrites[key] = fxamp.amp_rewrite(model, (x,), dtype=dtype, target=target)
+            self._rewrites[key] = autocast_rewrite(model, (x,), dtype=dtype, target=target)
         return self._rewrites[key]
 
     def truth(self, name: str, target: str, dtype: torch.dtype) -> Dict[str, Any]:

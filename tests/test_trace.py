@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
+from autocast_truth import autocast_rewrite
 
 
 class MyDrop(nn.Module):
@@ -30,7 +31,7 @@ class Net(nn.Module):
 def test_self_training_constants_follow_train_and_eval(start_in_train):
     model = Net().train(start_in_train)
     x = torch.randn(8, 16)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu")
+    gm = autocast_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu")
     assert gm.training == start_in_train
     gm.eval()
     assert torch.equal(gm(x), gm(x))
@@ -52,7 +53,7 @@ class ModeBranch(nn.Module):
 def test_structural_mode_difference_is_reported(caplog):
     model = nn.Sequential(nn.Linear(4, 4), ModeBranch()).eval()
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),), dtype=torch.bfloat16, target="cpu")
+        gm = autocast_rewrite(model, (torch.randn(2, 4),), dtype=torch.bfloat16, target="cpu")
     assert "traces differently in train and eval mode" in caplog.text
     assert "relu" in gm.code
 
@@ -70,7 +71,7 @@ class Untraceable(nn.Module):
 
 def test_untraceable_model_raises_trace_error_naming_the_line():
     with pytest.raises(fxamp.TraceError) as info:
-        fxamp.amp_rewrite(Untraceable(), (torch.randn(2, 4),))
+        autocast_rewrite(Untraceable(), (torch.randn(2, 4),))
     msg = str(info.value)
     assert "test_trace.py" in msg and "if x.sum() > 0" in msg
     assert "what to do" in msg
@@ -101,7 +102,7 @@ class UsesFn(nn.Module):
 def test_custom_function_is_a_leaf_call_and_backprops():
     model = UsesFn()
     x = torch.randn(2, 4)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cuda")
+    gm = autocast_rewrite(model, (x,), dtype=torch.float16, target="cuda")
     plan = fxamp.plan_of(gm)
     leaf = [p for p in plan.nodes.values() if p.op.endswith("DtypeBranchFn.apply")]
     assert len(leaf) == 1 and leaf[0].rule == "runtime"

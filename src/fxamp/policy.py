@@ -27,7 +27,7 @@ _DTYPE_ALIASES = {
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                 torch.float64: "fp64"}
 _TARGETS = ("cuda", "cpu")
-_KEYS = ("compute", "target", "output")
+_KEYS = ("compute", "target", "output", "numerics")
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> str:
@@ -65,13 +65,17 @@ class Policy:
     compute: the low-precision dtype (float16 or bfloat16).
     target: whose autocast op lists are mirrored, "cuda" or "cpu".
     overrides: per-node / per-module / per-op dtype overrides, later ones win.
-    output_dtype: dtype of the model's floating outputs; None keeps what the graph computes.
+    output_dtype: dtype of the model's floating outputs (default FP32, like keep_io_types);
+        None keeps what the graph computes.
+    numerics: run the numerics passes (norm eps, loss, softmax, custom ops, joins). Off, the
+        rewrite mirrors autocast exactly (and outputs keep their dtype unless output= is set).
     """
 
     compute: torch.dtype = torch.float16
     target: str = "cuda"
     overrides: Tuple[Override, ...] = field(default_factory=tuple)
-    output_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = torch.float32
+    numerics: bool = True
 
     def __post_init__(self) -> None:
         if self.compute not in (torch.float16, torch.bfloat16):
@@ -87,6 +91,7 @@ class Policy:
         """Parse the string form; fields it does not set come from ``base``."""
         policy = base or cls()
         overrides = list(policy.overrides)
+        output_given = False
         for item in (part.strip() for part in text.split(",")):
             if not item:
                 continue
@@ -100,9 +105,17 @@ class Policy:
                     policy = replace(policy, compute=parse_dtype(value))
                 elif key == "target":
                     policy = replace(policy, target=value.lower())
-                else:
+                elif key == "output":
+                    output_given = True
                     policy = replace(policy, output_dtype=None if value in ("keep", "-")
                                      else parse_dtype(value))
+                else:
+                    if value.lower() not in ("on", "off", "true", "false", "1", "0"):
+                        raise PolicyError(f"numerics takes on or off, got {value!r}")
+                    on = value.lower() in ("on", "true", "1")
+                    policy = replace(policy, numerics=on)
+                    if not on and not output_given:
+                        policy = replace(policy, output_dtype=None)
             elif ":" in item:
                 dtype, _, pattern = item.partition(":")
                 if not pattern.strip():
@@ -115,8 +128,10 @@ class Policy:
 
     def __str__(self) -> str:
         parts = [f"compute={dtype_name(self.compute)}", f"target={self.target}"]
-        if self.output_dtype is not None:
-            parts.append(f"output={dtype_name(self.output_dtype)}")
+        if not self.numerics:
+            parts.append("numerics=off")
+        if self.output_dtype != (torch.float32 if self.numerics else None):
+            parts.append(f"output={dtype_name(self.output_dtype) if self.output_dtype else 'keep'}")
         parts.extend(str(o) for o in self.overrides)
         return ",".join(parts)
 

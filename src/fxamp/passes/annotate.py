@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 META = "fxamp"
 VALUE = "fxamp_value"  # "tensor" | "seq": what kind of value carries the floating output
+SHAPE = "fxamp_shape"  # shape of the first floating tensor of the output
+FIXED = "fxamp_fixed"  # a numerics pass's Decision, honoured by later annotate runs
 
 
 def module_path(node: fx.Node) -> str:
@@ -83,6 +85,9 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
     override = policy.override_for(node.name, path, path + "." if path else "", label)
     if override is not None:
         return Decision(override.dtype, "user", f"policy override {override}", label)
+    fixed = node.meta.get(FIXED)
+    if fixed is not None:
+        return Decision(fixed.inputs, fixed.rule, fixed.reason, label, fixed.runtime)
     if ops is oplists.RUNTIME:
         return Decision(None, "runtime", "opaque call: torch.autocast decides inside it at "
                         "run time", label, runtime=True)
@@ -110,12 +115,30 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
         return Decision(widest, "autocast", f"{op} runs in the widest dtype of its inputs "
                         f"({dtype_name(widest)}) under autocast for {target}", label)
     if category == oplists.BANNED:
-        raise node_error(
-            UnsupportedModelError, node,
-            f"{op} is unsafe in {dtype_name(low)} and torch.autocast refuses it",
-            "use binary_cross_entropy_with_logits / nn.BCEWithLogitsLoss on logits, or keep "
-            f"this node in FP32 with the policy override 'fp32:{node.name}'")
+        return Decision(None, "banned", f"{op} is unsafe in {dtype_name(low)} and "
+                        "torch.autocast refuses it", label)
     return Decision(None, "autocast", "on no autocast list: follows its inputs", label)
+
+
+def fix(node: fx.Node, inputs: Optional[torch.dtype], rule: str, reason: str) -> bool:
+    """Record a numerics pass's decision for ``node``; True if it changed anything."""
+    new = Decision(inputs, rule, reason, "")
+    old = node.meta.get(FIXED)
+    if old is not None and (old.inputs, old.rule, old.reason) == (inputs, rule, reason):
+        return False
+    node.meta[FIXED] = new
+    return True
+
+
+def check_banned(gm: fx.GraphModule) -> None:
+    """Raise for any node still planned with a banned op (autocast refuses those too)."""
+    for node in gm.graph.nodes:
+        p = node.meta.get(META)
+        if p is not None and p.rule == "banned":
+            raise node_error(
+                UnsupportedModelError, node, p.reason,
+                "use binary_cross_entropy_with_logits / nn.BCEWithLogitsLoss on logits, or "
+                f"keep this node in FP32 with the policy override 'fp32:{node.name}'")
 
 
 def _cast(dtype: Optional[torch.dtype]) -> Callable[[Any], Any]:
@@ -226,8 +249,8 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy) -> PassR
         with _reparametrize_module(gm, state, tie_weights=True, strict=False):
             sim.run(*inputs)
     for node in gm.graph.nodes:
-        node.meta.pop(META, None)
-        node.meta.pop(VALUE, None)
+        for key in (META, VALUE, SHAPE):
+            node.meta.pop(key, None)
         if node.name not in sim.decisions:
             continue
         d, result = sim.decisions[node.name]
@@ -238,4 +261,5 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy) -> PassR
             dtype=tensor.dtype, rule=d.rule, reason=d.reason, op=d.label,
             module=module_path(node), inputs=d.inputs)
         node.meta[VALUE] = "tensor" if isinstance(result, torch.Tensor) else "seq"
+        node.meta[SHAPE] = tuple(tensor.shape)
     return PassResult(gm, modified=False)

@@ -10,13 +10,21 @@ import torch.nn as nn
 
 from .. import __version__
 from ..errors import FxampError, UnsupportedModelError
-from ..passes.annotate import META, annotate
+from ..passes import custom_ops, joins, loss, norm_eps, softmax
+from ..passes.annotate import META, annotate, check_banned
 from ..passes.casts import insert_casts
 from ..plan import Plan
 from ..policy import Policy, make_policy
 from .trace import trace
 
 log = logging.getLogger(__name__)
+
+#: passes that rewrite the traced graph before it is annotated
+GRAPH_PASSES = (softmax.stable_softmax,)
+#: numerics passes, in order: each reads the plan in node.meta and fixes decisions; the
+#: dtypes are propagated again after each pass that changed something
+NUMERICS_PASSES = (custom_ops.fence_custom_ops, norm_eps.norm_eps, loss.loss_in_fp32,
+                   joins.consistent_joins)
 
 _PLAN_ATTR = "fxamp_plan"
 _POLICY_ATTR = "fxamp_policy"
@@ -85,7 +93,18 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "pass e.g. (torch.randn(1, 3, 224, 224),)")
     inputs = _as_tuple(example_inputs)
     src = trace(model)
+    if pol.numerics:
+        for graph_pass in GRAPH_PASSES:
+            if graph_pass(src, pol).modified:
+                src.graph.lint()
+                src.recompile()
     annotate(src, inputs, pol)
+    if pol.numerics:
+        for numerics_pass in NUMERICS_PASSES:
+            if numerics_pass(src, pol).modified:
+                log.debug("%s changed decisions", numerics_pass.__name__)
+                annotate(src, inputs, pol)
+    check_banned(src)
     gm = insert_casts(src, pol).graph_module
     gm.graph.lint()
     gm.recompile()
