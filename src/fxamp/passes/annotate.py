@@ -13,7 +13,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                           DynamicOutputShapeException, FakeTensorMode,
+                                           unset_fake_temporarily)
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -167,12 +169,24 @@ class _CudaAutocast:
         torch.clear_autocast_cache()
 
 
+_VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def _real_stand_in(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_floating_point():
+        return torch.ones(value.shape, dtype=value.dtype)
+    return torch.zeros(value.shape, dtype=value.dtype)
+
+
 class _Simulator(fx.Interpreter):
     """Runs the source graph on fake tensors with the planned input casts applied."""
 
-    def __init__(self, gm: fx.GraphModule, policy: Policy) -> None:
+    def __init__(self, gm: fx.GraphModule, policy: Policy, fake_mode: FakeTensorMode) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.policy = policy
+        self.fake_mode = fake_mode
         self.decisions: Dict[str, Tuple[Decision, Any]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -182,7 +196,10 @@ class _Simulator(fx.Interpreter):
         d = decide(n, self.module, args, kwargs, self.policy)
         args, kwargs = tree_map(_cast(d.inputs), (args, kwargs))
         try:
-            result = self._execute(n, d, args, kwargs)
+            try:
+                result = self._execute(n, d, args, kwargs)
+            except _VALUE_DEPENDENT:
+                result = self._execute_on_real(n, d, args, kwargs)
         except Exception as err:  # noqa: BLE001 - report it against the node
             raise node_error(
                 UnsupportedModelError, n,
@@ -206,6 +223,27 @@ class _Simulator(fx.Interpreter):
             else:
                 result = getattr(self, n.op)(n.target, args, kwargs)
         return _to_device(result, "cpu")
+
+    def _execute_on_real(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
+        """Ops whose fake kernels need values (checks like ``var < 0``, ``.item()``) run on
+        real stand-ins — ones for floats, zeros for integers — only to learn the dtypes."""
+        mode = self.fake_mode
+        with unset_fake_temporarily():
+            args, kwargs = tree_map(_real_stand_in, (args, kwargs))
+            if n.op == "call_module":
+                module = self.fetch_attr(n.target)
+                state = {k: _real_stand_in(v) for k, v in
+                         list(module.named_parameters()) + list(module.named_buffers())}
+                if d.inputs is not None:
+                    state = {k: _cast(d.inputs)(v) for k, v in state.items()}
+                result = torch.func.functional_call(module, state, args, kwargs, strict=False)
+            elif d.runtime:
+                with torch.autocast("cpu", dtype=self.policy.compute):
+                    result = getattr(self, n.op)(n.target, args, kwargs)
+            else:
+                result = getattr(self, n.op)(n.target, args, kwargs)
+        return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
+                        result)
 
     def _execute(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
         if d.runtime:
@@ -243,7 +281,7 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy) -> PassR
                  list(gm.named_parameters(remove_duplicate=False))
                  + list(gm.named_buffers(remove_duplicate=False))}
         inputs = _fake_inputs(mode, example_inputs)
-        sim = _Simulator(gm, policy)
+        sim = _Simulator(gm, policy, mode)
         # grad stays enabled, as in training: modules such as nn.MultiheadAttention take
         # the path they take when training (their inference fast path differs on fakes)
         with _reparametrize_module(gm, state, tie_weights=True, strict=False):

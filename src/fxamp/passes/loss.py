@@ -1,11 +1,88 @@
-"""Loss pass (rule "loss")."""
+"""Loss pass (rule "loss"): losses inside the traced model take FP32 inputs.
+
+Every torch loss (module or function) gets FP32 inputs even where autocast's list for the
+target leaves it in the low dtype (and ``binary_cross_entropy``, which CUDA autocast refuses,
+runs in FP32). A hand-written loss — a reduction to a scalar of squared, absolute or log terms
+(``((pred - y) ** 2).mean()``, ``(a - b).abs().sum()``, ``-torch.log(p).mean()``) — has the
+op that would underflow and the reduction after it upcast: an MSE of residuals near 1e-4 is 0
+in fp16 (1e-8 is below its smallest subnormal). When the model returns logits and the loss is
+computed outside, ``Policy(output_dtype=...)`` decides the output dtype (FP32 by default).
+"""
 from __future__ import annotations
 
-import torch.fx as fx
+import operator
+from typing import List
 
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .. import oplists
 from ..policy import Policy
 from . import PassResult
+from .annotate import META, SHAPE, fix
+
+LOSS_MODULES = tuple(cls for cls in oplists.MODULE_OPS if cls.__name__.endswith("Loss"))
+LOSS_FUNCTIONS = {fn for fn, ops in oplists.FUNCTION_OPS.items()
+                  if getattr(fn, "__name__", "").endswith(("_loss", "cross_entropy", "kl_div"))}
+_REDUCE = {"mean", "sum"}
+_TERMS = {"pow", "square", "abs", "log", "log1p", "__pow__", "log2", "log10"}
+_PASS_THROUGH = {"mul", "neg", "__mul__", "__neg__", "truediv", "__truediv__", "div"}
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _is_loss_call(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(node.target), LOSS_MODULES)
+    return node.op == "call_function" and node.target in LOSS_FUNCTIONS
+
+
+def _hand_written_chain(node: fx.Node) -> List[fx.Node]:
+    """[reduction, ..., term op] when ``node`` reduces squared/abs/log terms to a scalar."""
+    if node.op not in ("call_function", "call_method") or _name(node) not in _REDUCE:
+        return []
+    shape = node.meta.get(SHAPE)
+    if shape is None or len(shape) != 0:
+        return []
+    chain = [node]
+    current = node.args[0] if node.args else None
+    for _ in range(4):
+        if not isinstance(current, fx.Node):
+            return []
+        name = _name(current)
+        if name in _TERMS or (current.target is operator.mul and len(current.args) == 2
+                              and current.args[0] is current.args[1]):
+            return chain + [current]
+        if name not in _PASS_THROUGH:
+            return []
+        chain.append(current)
+        current = current.args[0] if current.args else None
+    return []
 
 
 def loss_in_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
-    return PassResult(gm, modified=False)
+    """Fix losses to FP32 (reads the plan, writes fixed decisions)."""
+    changed = False
+    for node in gm.graph.nodes:
+        plan = node.meta.get(META)
+        if plan is None:
+            continue
+        if _is_loss_call(gm, node):
+            if plan.inputs != torch.float32 or plan.rule == "banned":
+                changed |= fix(node, torch.float32, "loss",
+                               f"{plan.op} is a loss: its inputs are cast to fp32")
+            continue
+        chain = _hand_written_chain(node)
+        if chain and any(m.meta.get(META) is None or m.meta[META].dtype != torch.float32
+                         for m in chain):
+            term = chain[-1]
+            for member in chain:
+                changed |= fix(member, torch.float32, "loss",
+                               f"hand-written loss: {_name(term)} terms reduced to a scalar "
+                               "run in fp32 (small terms underflow in the low dtype)")
+    return PassResult(gm, modified=changed)

@@ -1,11 +1,170 @@
-"""Norm eps pass (rule "norm_eps")."""
+"""Norm eps pass (rule "norm_eps"): normalisations whose eps the low dtype cannot hold.
+
+Hand-written norms (``x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)``,
+``(x - mu) / sqrt(var + eps)``) add eps in tensor arithmetic: in fp16 an eps of 1e-12 is 0, so a
+constant row gives ``0 * inf = NaN``. When eps is below the low dtype's smallest normal
+(fp16: 6.1e-5) and the sum is planned in the low dtype, the statistics (the reduction and what
+feeds it), the eps addition, the root and the normalising multiply/divide run in FP32.
+
+Norm modules and ``F.*`` norm functions hand eps to a kernel as a double; most kernels
+accumulate in FP32 and keep it. The pass probes the installed kernel with a constant input in
+the low dtype and fences the norm in FP32 only where the result is not finite (seen:
+InstanceNorm in fp16). The audit reports every tiny eps either way.
+"""
 from __future__ import annotations
 
-import torch.fx as fx
+import copy
+import logging
+import operator
+from typing import List, Optional
 
-from ..policy import Policy
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..policy import Policy, dtype_name
 from . import PassResult
+from .annotate import META, SHAPE, fix
+
+log = logging.getLogger(__name__)
+
+NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
+                nn.modules.instancenorm._InstanceNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm")
+                                                          else ())
+NORM_FUNCTIONS = {F.layer_norm: 4, F.group_norm: 4, F.instance_norm: 7, F.batch_norm: 7,
+                  getattr(F, "rms_norm", F.layer_norm): 3}  # value: positional index of eps
+_REDUCTIONS = {"mean", "var", "sum", "std", "square"}
+_STATS_INPUTS = {"pow", "square", "mul", "sub", "abs", "__sub__", "__mul__", "__pow__"}
+_ROOTS = {"rsqrt", "sqrt", "reciprocal", "pow"}
+_ADDS = {operator.add, torch.add, "add"}
+
+
+def _name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _is_low(node: fx.Node, policy: Policy) -> bool:
+    plan = node.meta.get(META)
+    return plan is not None and plan.dtype == policy.compute
+
+
+def _eps_value(gm: fx.GraphModule, value: object) -> Optional[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, fx.Node) and value.op == "get_attr":
+        attr: object = gm
+        for part in str(value.target).split("."):
+            attr = getattr(attr, part, None)
+        if isinstance(attr, torch.Tensor) and attr.numel() == 1:
+            return float(attr)
+    return None
+
+
+def _stats_chain(node: fx.Node) -> List[fx.Node]:
+    """The reduction feeding an eps addition and the elementwise ops feeding it."""
+    if node.op not in ("call_function", "call_method") or _name(node) not in _REDUCTIONS:
+        return []
+    chain = [node]
+    current = node
+    for _ in range(3):
+        src = current.args[0] if current.args else None
+        if not isinstance(src, fx.Node) or _name(src) not in _STATS_INPUTS:
+            break
+        chain.append(src)
+        current = src
+    return chain
+
+
+def _normalise_chain(add: fx.Node) -> List[fx.Node]:
+    """The root of the eps sum and the multiply/divide that applies it."""
+    chain: List[fx.Node] = []
+    current = add
+    while len(current.users) == 1:
+        user = next(iter(current.users))
+        name = _name(user)
+        if name in _ROOTS:
+            chain.append(user)
+            current = user
+            continue
+        if name in ("mul", "truediv", "div", "__mul__", "__truediv__"):
+            chain.append(user)
+        break
+    return chain
+
+
+def _hand_written(gm: fx.GraphModule, policy: Policy) -> bool:
+    tiny = torch.finfo(policy.compute).tiny
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target not in _ADDS or len(node.args) < 2 or not _is_low(node, policy):
+            continue
+        for stat_arg, eps_arg in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            eps = _eps_value(gm, eps_arg)
+            if eps is None or not 0 < eps < tiny or not isinstance(stat_arg, fx.Node):
+                continue
+            stats = _stats_chain(stat_arg)
+            if not stats:
+                continue
+            reason = (f"eps={eps:g} added in {dtype_name(policy.compute)} is lost (below its "
+                      f"smallest normal {tiny:.2g}): this norm's statistics run in fp32")
+            for member in stats + [node] + _normalise_chain(node):
+                changed |= fix(member, torch.float32, "norm_eps", reason)
+            break
+    return changed
+
+
+def _probe_finite(fn, shape: tuple, dtype: torch.dtype) -> Optional[bool]:
+    shape = (min(shape[0], 2),) + tuple(shape[1:]) if shape else shape
+    try:
+        with torch.no_grad():
+            out = fn(torch.zeros(shape, dtype=dtype))
+    except Exception:  # noqa: BLE001 - a probe that cannot run decides nothing
+        log.debug("norm probe failed", exc_info=True)
+        return None
+    return bool(torch.isfinite(out).all())
+
+
+def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
+    tiny = torch.finfo(policy.compute).tiny
+    changed = False
+    for node in gm.graph.nodes:
+        if not _is_low(node, policy) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        shape = node.args[0].meta.get(SHAPE)
+        if shape is None:
+            continue
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if not isinstance(module, NORM_MODULES) or not 0 < module.eps < tiny:
+                continue
+            eps, label = module.eps, type(module).__name__
+            probe = copy.deepcopy(module)
+        elif node.op == "call_function" and node.target in NORM_FUNCTIONS:
+            index = NORM_FUNCTIONS[node.target]
+            eps = node.kwargs.get("eps", node.args[index] if len(node.args) > index else None)
+            if not isinstance(eps, float) or not 0 < eps < tiny:
+                continue
+            label = f"F.{node.target.__name__}"
+            args = [None if isinstance(a, fx.Node) else a for a in node.args[1:]]
+            kwargs = {k: None if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+            fn = node.target
+
+            def probe(x, fn=fn, args=args, kwargs=kwargs):  # type: ignore[no-untyped-def]
+                return fn(x, *args, **kwargs)
+        else:
+            continue
+        if _probe_finite(probe, shape, policy.compute) is False:
+            changed |= fix(node, torch.float32, "norm_eps",
+                           f"{label} with eps={eps:g} gives inf/NaN on a constant input in "
+                           f"{dtype_name(policy.compute)} (probed): statistics in fp32")
+    return changed
 
 
 def norm_eps(gm: fx.GraphModule, policy: Policy) -> PassResult:
-    return PassResult(gm, modified=False)
+    """Fix norms whose eps the low dtype would lose (reads the plan, writes decisions)."""
+    changed = _hand_written(gm, policy)
+    changed |= _kernels(gm, policy)
+    return PassResult(gm, modified=changed)

@@ -19,12 +19,11 @@ from .trace import trace
 
 log = logging.getLogger(__name__)
 
-#: passes that rewrite the traced graph before it is annotated
-GRAPH_PASSES = (softmax.stable_softmax,)
+#: passes that run on the traced graph before it is annotated (they need no dtypes)
+GRAPH_PASSES = (softmax.stable_softmax, custom_ops.fence_custom_ops)
 #: numerics passes, in order: each reads the plan in node.meta and fixes decisions; the
 #: dtypes are propagated again after each pass that changed something
-NUMERICS_PASSES = (custom_ops.fence_custom_ops, norm_eps.norm_eps, loss.loss_in_fp32,
-                   joins.consistent_joins)
+NUMERICS_PASSES = (norm_eps.norm_eps, loss.loss_in_fp32, joins.consistent_joins)
 
 _PLAN_ATTR = "fxamp_plan"
 _POLICY_ATTR = "fxamp_policy"
