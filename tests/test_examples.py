@@ -34,3 +34,14 @@ def test_readme_test_command_is_what_ci_runs():
     assert "python -m pytest -q" in readme and "python -m pytest -q" in ci
     install = re.search(r"pip install (torch\S* torchvision\S* -e '\.\[[^\]]*\]')", readme)
     assert install and install.group(1) in ci
+
+
+def test_numerics_example_fixes_what_autocast_breaks():
+    r = run("examples/numerics.py")
+    assert r.returncode == 0, r.stderr
+    norm = re.search(r"fp32 (\S+)\s+autocast (\S+)\s+fxamp (\S+)", r.stdout.splitlines()[0])
+    mse = re.search(r"fp32 (\S+)\s+autocast (\S+)\s+fxamp (\S+)", r.stdout.splitlines()[1])
+    assert norm.group(2) == "nan" and abs(float(norm.group(3)) - float(norm.group(1))) < 1e-3
+    assert float(mse.group(2)) == 0.0
+    assert abs(float(mse.group(3)) - float(mse.group(1))) < 0.05 * float(mse.group(1))
+    assert "norm_eps" in r.stdout
