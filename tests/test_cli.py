@@ -86,3 +86,11 @@ def test_show_writes_html(tmp_path):
     r = fxamp("show", "fxamp.demo:small_cnn", "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert out.read_text().startswith("<!DOCTYPE html>")
+
+
+def test_audit_min_severity_hides_info_lines_but_counts_them():
+    r = fxamp("audit", "fxamp.demo:small_cnn", "--min-severity", "warning")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1].startswith("5 findings: 5 info") and "5 below warning not shown" in lines[-1]
+    assert len(lines) == 1

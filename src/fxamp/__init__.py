@@ -6,9 +6,10 @@ from .errors import (FxampError, PlanFormatError, PolicyError, TraceError,  # no
 from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
+from .passes.audit import Finding, audit  # noqa: E402
 
 __all__ = [
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
-    "PlanFormatError",
+    "PlanFormatError", "audit", "Finding",
 ]

@@ -4,6 +4,7 @@ fxamp plan MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P] [
 fxamp diff OLD NEW [--format text|markdown]
 fxamp check MODULE:FACTORY --plan FILE [--update]
 fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
+fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P]
 fxamp demo
 """
 from __future__ import annotations
@@ -148,6 +149,22 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from .passes.audit import audit, summary
+
+    model, inputs = load_factory(args.factory, args.input_shape or [])
+    findings = audit(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
+                     policy=args.policy)
+    order = ("error", "warning", "info")
+    shown = [f for f in findings if order.index(f.severity) <= order.index(args.min_severity)]
+    for finding in shown:
+        print(finding)
+    hidden = len(findings) - len(shown)
+    print(summary(findings) + (f" ({hidden} below {args.min_severity} not shown)"
+                               if hidden else ""))
+    return 1 if any(f.severity == "error" for f in findings) else 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -202,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=["html", "dot", "svg", "mermaid"],
                    help="default: from the file extension, else html")
     s.set_defaults(func=_cmd_show)
+
+    a = sub.add_parser("audit", help="list what works against mixed precision in a model "
+                       "(exit 1 when there is an error finding)")
+    model_args(a)
+    a.add_argument("--min-severity", default="info", choices=["error", "warning", "info"],
+                   help="show findings of this severity and above (default: all)")
+    a.set_defaults(func=_cmd_audit)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
     m.add_argument("--steps", type=int, default=30)

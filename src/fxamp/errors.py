@@ -1,6 +1,7 @@
 """Errors fxamp raises. Each names the node, its source line and what to do."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch.fx
@@ -26,6 +27,15 @@ class PlanFormatError(FxampError, ValueError):
     """A plan file is malformed; the message names the line."""
 
 
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (torch,)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def is_library_file(path: str) -> bool:
+    """Whether ``path`` belongs to torch or fxamp (not the user's code)."""
+    return os.path.abspath(path).startswith(_LIBRARY_DIRS)
+
+
 def source_line(node: torch.fx.Node) -> str:
     """The user's source line that created ``node`` (last frame outside torch), or ''."""
     trace = node.stack_trace or ""
@@ -33,7 +43,8 @@ def source_line(node: torch.fx.Node) -> str:
     best = ""
     for i, line in enumerate(lines):
         line = line.strip()
-        if line.startswith("File ") and "/torch/" not in line and "/fxamp/" not in line:
+        path = line[len('File "'):].split('"', 1)[0] if line.startswith('File "') else ""
+        if path and not is_library_file(path):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             best = f"{line}: {code}" if code else line
     return best

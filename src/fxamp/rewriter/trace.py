@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import TraceError
+from ..errors import TraceError, is_library_file
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,7 @@ class FxampTracer(fx.Tracer):
 def _user_frame(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" not in path and "/fxamp/" not in path:
+        if not is_library_file(frame.filename):
             return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
     return ""
 
