@@ -45,3 +45,12 @@ def test_numerics_example_fixes_what_autocast_breaks():
     assert float(mse.group(2)) == 0.0
     assert abs(float(mse.group(3)) - float(mse.group(1))) < 0.05 * float(mse.group(1))
     assert "norm_eps" in r.stdout
+
+
+def test_audit_demo_finds_the_planted_mistakes():
+    r = run("-m", "fxamp", "audit", "examples.audit_demo:build")
+    assert r.returncode == 1, r.stderr  # an error finding (binary_cross_entropy)
+    for code in ("norm-eps-underflow", "exp-without-max-shift", "explicit-cast",
+                 "binary-cross-entropy", "dims-not-multiple-of-8"):
+        assert code in r.stdout
+    assert 'File "examples/audit_demo.py", line 13' in r.stdout

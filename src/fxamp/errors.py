@@ -36,6 +36,12 @@ def is_library_file(path: str) -> bool:
     return os.path.abspath(path).startswith(_LIBRARY_DIRS)
 
 
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies under it."""
+    full, here = os.path.abspath(path), os.getcwd() + os.sep
+    return full[len(here):] if full.startswith(here) else path
+
+
 def source_line(node: torch.fx.Node) -> str:
     """The user's source line that created ``node`` (last frame outside torch), or ''."""
     trace = node.stack_trace or ""
@@ -45,6 +51,7 @@ def source_line(node: torch.fx.Node) -> str:
         line = line.strip()
         path = line[len('File "'):].split('"', 1)[0] if line.startswith('File "') else ""
         if path and not is_library_file(path):
+            line = line.replace(path, short_path(path), 1)
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             best = f"{line}: {code}" if code else line
     return best

@@ -15,7 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import TraceError, is_library_file
+from ..errors import TraceError, is_library_file, short_path
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ def _user_frame(exc: BaseException) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
         if not is_library_file(frame.filename):
-            return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
+            return (f'File "{short_path(frame.filename)}", line {frame.lineno}, in '
+                    f'{frame.name}: {frame.line}')
     return ""
 
 
