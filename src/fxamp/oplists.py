@@ -365,6 +365,15 @@ def _module_label(module: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def call_name(node: "torch.fx.Node") -> str:
+    """A call's bare function or method name (``exp``, ``add``); "" for modules and non-calls."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return ""
+
+
 def callable_label(fn: object) -> str:
     """A short stable label for a callable: ``F.softmax``, ``torch.cat``, ``operator.add``."""
     if isinstance(fn, str):

@@ -49,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import oplists
+from ..oplists import call_name
 from ..errors import FxampError, source_line
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name, make_policy
@@ -101,15 +102,6 @@ def summary(findings: Sequence[Finding]) -> str:
 # ---------------------------------------------------------------------------------------
 # graph helpers
 # ---------------------------------------------------------------------------------------
-def _name(node: fx.Node) -> str:
-    """A call's function or method name ("" for a module call)."""
-    if node.op == "call_module":
-        return ""
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
-
-
 def _fetch(gm: nn.Module, target: str) -> Any:
     value: Any = gm
     for part in target.split("."):
@@ -273,7 +265,7 @@ def _explicit_cast(node: fx.Node) -> Optional[Tuple[str, torch.dtype]]:
     """(how it is written, dtype) when ``node`` casts to fp16/bf16 by hand."""
     if node.meta.get(CAST):
         return None
-    name = _name(node)
+    name = call_name(node)
     if node.op == "call_function" and node.target not in (torch.Tensor.half,
                                                           torch.Tensor.bfloat16,
                                                           torch.Tensor.to, torch.Tensor.type):
@@ -370,7 +362,7 @@ def _from_max(value: Any) -> bool:
         value = _origin(value)
         if not _is_call(value):
             return False
-        name = _name(value)
+        name = call_name(value)
         if name in _MAXES:
             return True
         if name not in _MAX_WRAPPERS or not value.args:
@@ -391,7 +383,7 @@ def _unshifted_matmul(start: Any, gm: nn.Module) -> Optional[fx.Node]:
         ops = _ops(value, gm)
         if ops and ops[0] in _MATMULS and (ops[0] != "einsum" or "bmm" in ops):
             return value  # (an einsum that contracts nothing is elementwise)
-        name = _name(value)
+        name = call_name(value)
         args = [a for a in value.args if isinstance(a, fx.Node)]
         if name in _SUBS:
             if len(value.args) > 1 and _from_max(value.args[1]):
@@ -466,9 +458,9 @@ def _norm_eps(node: fx.Node, gm: nn.Module) -> Optional[Tuple[str, float]]:
             eps = _number(_arg(node, spec[0], "eps", spec[1]))
             label = oplists.callable_label(node.target)
             return (label, eps) if eps is not None else None
-    if _is_call(node) and _name(node) in _ADDS and len(node.args) >= 2:
+    if _is_call(node) and call_name(node) in _ADDS and len(node.args) >= 2:
         literal = [_number(a) for a in node.args[:2] if _number(a) is not None]
-        feeds_root = any(_is_call(u) and _name(u) in _ROOTS for u in node.users)
+        feeds_root = any(_is_call(u) and call_name(u) in _ROOTS for u in node.users)
         if len(literal) == 1 and feeds_root:
             return "hand-written norm (x + eps before sqrt/rsqrt)", literal[0]  # type: ignore
     return None

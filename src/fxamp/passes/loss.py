@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import oplists
+from ..oplists import call_name
 from ..policy import Policy
 from . import PassResult
 from .annotate import META, SHAPE, fix
@@ -30,12 +31,6 @@ _TERMS = {"pow", "square", "abs", "log", "log1p", "__pow__", "log2", "log10"}
 _PASS_THROUGH = {"mul", "neg", "__mul__", "__neg__", "truediv", "__truediv__", "div"}
 
 
-def _name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
-
-
 def _is_loss_call(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_module":
         return isinstance(gm.get_submodule(node.target), LOSS_MODULES)
@@ -44,7 +39,7 @@ def _is_loss_call(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def _hand_written_chain(node: fx.Node) -> List[fx.Node]:
     """[reduction, ..., term op] when ``node`` reduces squared/abs/log terms to a scalar."""
-    if node.op not in ("call_function", "call_method") or _name(node) not in _REDUCE:
+    if node.op not in ("call_function", "call_method") or call_name(node) not in _REDUCE:
         return []
     shape = node.meta.get(SHAPE)
     if shape is None or len(shape) != 0:
@@ -54,7 +49,7 @@ def _hand_written_chain(node: fx.Node) -> List[fx.Node]:
     for _ in range(4):
         if not isinstance(current, fx.Node):
             return []
-        name = _name(current)
+        name = call_name(current)
         if name in _TERMS or (current.target is operator.mul and len(current.args) == 2
                               and current.args[0] is current.args[1]):
             return chain + [current]
@@ -83,6 +78,6 @@ def loss_in_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
             term = chain[-1]
             for member in chain:
                 changed |= fix(member, torch.float32, "loss",
-                               f"hand-written loss: {_name(term)} terms reduced to a scalar "
+                               f"hand-written loss: {call_name(term)} terms reduced to a scalar "
                                "run in fp32 (small terms underflow in the low dtype)")
     return PassResult(gm, modified=changed)

@@ -23,6 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..oplists import call_name
 from ..policy import Policy, dtype_name
 from . import PassResult
 from .annotate import META, SHAPE, fix
@@ -38,12 +39,6 @@ _REDUCTIONS = {"mean", "var", "sum", "std", "square"}
 _STATS_INPUTS = {"pow", "square", "mul", "sub", "abs", "__sub__", "__mul__", "__pow__"}
 _ROOTS = {"rsqrt", "sqrt", "reciprocal", "pow"}
 _ADDS = {operator.add, torch.add, "add"}
-
-
-def _name(node: fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    return getattr(node.target, "__name__", str(node.target))
 
 
 def _is_low(node: fx.Node, policy: Policy) -> bool:
@@ -65,13 +60,13 @@ def _eps_value(gm: fx.GraphModule, value: object) -> Optional[float]:
 
 def _stats_chain(node: fx.Node) -> List[fx.Node]:
     """The reduction feeding an eps addition and the elementwise ops feeding it."""
-    if node.op not in ("call_function", "call_method") or _name(node) not in _REDUCTIONS:
+    if node.op not in ("call_function", "call_method") or call_name(node) not in _REDUCTIONS:
         return []
     chain = [node]
     current = node
     for _ in range(3):
         src = current.args[0] if current.args else None
-        if not isinstance(src, fx.Node) or _name(src) not in _STATS_INPUTS:
+        if not isinstance(src, fx.Node) or call_name(src) not in _STATS_INPUTS:
             break
         chain.append(src)
         current = src
@@ -84,7 +79,7 @@ def _normalise_chain(add: fx.Node) -> List[fx.Node]:
     current = add
     while len(current.users) == 1:
         user = next(iter(current.users))
-        name = _name(user)
+        name = call_name(user)
         if name in _ROOTS:
             chain.append(user)
             current = user
