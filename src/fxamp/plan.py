@@ -32,16 +32,41 @@ class NodePrecision:
     inputs: Optional[torch.dtype] = None
 
 
+@dataclass(frozen=True)
+class RangeStats:
+    """What one node produced on calibration batches (all its floating outputs)."""
+
+    max_abs: float
+    underflow: float  # fraction of non-zero values below the low dtype's smallest normal
+    nonfinite: int
+
+    def __str__(self) -> str:
+        return (f"max_abs={self.max_abs:.6g} underflow={self.underflow:.4f} "
+                f"nonfinite={self.nonfinite}")
+
+    @classmethod
+    def parse(cls, text: str) -> "RangeStats":
+        """Inverse of ``str``: ``max_abs=... underflow=... nonfinite=...``."""
+        fields = dict(part.split("=", 1) for part in text.split())
+        return cls(float(fields["max_abs"]), float(fields["underflow"]), int(fields["nonfinite"]))
+
+
 @dataclass
 class Plan:
-    """The decisions of one rewrite, keyed by source node name, in graph order."""
+    """The decisions of one rewrite, keyed by source node name, in graph order.
+
+    ``ranges`` holds the calibration statistics the rewrite used (if any), so a later
+    rewrite can reuse them without data: ``amp_rewrite(..., calibration_data=plan)``.
+    """
 
     nodes: Dict[str, NodePrecision] = field(default_factory=dict)
     header: Dict[str, str] = field(default_factory=dict)
+    ranges: Dict[str, RangeStats] = field(default_factory=dict)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Plan) and self.header == other.header
-                and list(self.nodes.items()) == list(other.nodes.items()))
+                and list(self.nodes.items()) == list(other.nodes.items())
+                and list(self.ranges.items()) == list(other.ranges.items()))
 
     @property
     def policy(self) -> str:
@@ -65,6 +90,7 @@ class Plan:
         for row in rows:
             cells = [cell.ljust(widths[j]) for j, cell in enumerate(row[:-1])]
             out.append("  ".join(cells + [row[-1]]).rstrip())
+        out += [f"@range {name} {stats}" for name, stats in self.ranges.items()]
         return "\n".join(out) + "\n"
 
     @classmethod
@@ -96,6 +122,14 @@ class Plan:
                     raise PlanFormatError(f"line {number}: header line must be '# key: value', "
                                           f"found {line!r}")
                 plan.header[key] = value
+                continue
+            if line.startswith("@range "):
+                parts = line.split(None, 2)
+                try:
+                    plan.ranges[parts[1]] = RangeStats.parse(parts[2])
+                except (IndexError, KeyError, ValueError):
+                    raise PlanFormatError(f"line {number}: expected '@range NODE max_abs=X "
+                                          f"underflow=Y nonfinite=Z', found {line!r}") from None
                 continue
             if not saw_columns:
                 raise PlanFormatError(f"line {number}: node line before the column header")

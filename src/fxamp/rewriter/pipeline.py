@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -11,9 +11,10 @@ import torch.nn as nn
 from .. import __version__
 from ..errors import FxampError, UnsupportedModelError
 from ..passes import custom_ops, joins, loss, norm_eps, softmax
-from ..passes.annotate import META, annotate, check_banned
+from ..passes.annotate import META, annotate, check_banned, fix
+from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
-from ..plan import Plan
+from ..plan import Plan, RangeStats
 from ..policy import Policy, make_policy
 from .trace import trace
 
@@ -66,12 +67,15 @@ def plan_of(gm: nn.Module) -> Plan:
 def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
                 *, dtype: torch.dtype = torch.float16, target: str = "cuda",
                 policy: Union[None, str, Policy] = None,
-                calibration_data: Optional[Iterable[Any]] = None) -> fx.GraphModule:
+                calibration_data: Union[None, Iterable[Any], Plan,
+                                        Dict[str, RangeStats]] = None) -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule``.
 
     Each node computes in the dtype ``torch.autocast(target, dtype)`` would give it (or the
-    policy's override), with explicit casts; Parameters stay FP32 and shared with ``model``.
-    ``example_inputs`` (a tuple of the forward's arguments) decide dtypes exactly.
+    policy's override, or a numerics pass's decision), with explicit casts; Parameters stay
+    FP32 and shared with ``model``. ``example_inputs`` (a tuple of the forward's arguments)
+    decide dtypes exactly. ``calibration_data`` (an iterable of input tuples, or a Plan whose
+    ranges to reuse) keeps in FP32 the nodes whose values pass the low dtype's range.
     """
     pol = make_policy(policy, dtype, target)
     _check_model(model)
@@ -83,15 +87,24 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             f"this model was already rewritten by fxamp with policy "
             f"{getattr(model, _POLICY_ATTR)}; asked for {pol}. what to do: rewrite the "
             "original FP32 model instead")
-    if calibration_data is not None:
-        raise FxampError("calibration_data is not supported yet; what to do: rewrite without "
-                         "it (the autocast lists and the policy decide)")
     if example_inputs is None:
         raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
                          "arguments) to know which values are floating tensors; what to do: "
                          "pass e.g. (torch.randn(1, 3, 224, 224),)")
-    inputs = _as_tuple(example_inputs)
+    return rewrite(model, _as_tuple(example_inputs), pol, calibration_data)
+
+
+def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
+            calibration_data: Union[None, Iterable[Any], Plan, Dict[str, RangeStats]] = None,
+            fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None) -> fx.GraphModule:
+    """The pipeline behind amp_rewrite. ``fixed`` maps node names to (dtype, rule, reason)
+    decisions made outside the passes (the tolerance search)."""
     src = trace(model)
+    for name, (dtype, rule, reason) in (fixed or {}).items():
+        node = next((n for n in src.graph.nodes if n.name == name), None)
+        if node is None:
+            raise FxampError(f"no node named {name!r} in the traced graph")
+        fix(node, dtype, rule, reason)
     if pol.numerics:
         for graph_pass in GRAPH_PASSES:
             if graph_pass(src, pol).modified:
@@ -103,16 +116,29 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             if numerics_pass(src, pol).modified:
                 log.debug("%s changed decisions", numerics_pass.__name__)
                 annotate(src, inputs, pol)
+    stats = _ranges(src, calibration_data, pol)
+    if stats and keep_in_range(src, pol, stats).modified:
+        annotate(src, inputs, pol)
     check_banned(src)
     gm = insert_casts(src, pol).graph_module
     gm.graph.lint()
     gm.recompile()
     plan = Plan(nodes={n.name: n.meta[META] for n in src.graph.nodes if n.meta.get(META)},
-                header=_header(pol))
+                header=_header(pol), ranges=stats)
     setattr(gm, _PLAN_ATTR, plan)
     setattr(gm, _POLICY_ATTR, pol)
     _copy_training_flags(model, gm)
     return gm
+
+
+def _ranges(src: fx.GraphModule, data: Any, pol: Policy) -> Dict[str, RangeStats]:
+    if data is None:
+        return {}
+    if isinstance(data, Plan):
+        return dict(data.ranges)
+    if isinstance(data, dict):
+        return dict(data)
+    return collect_ranges(src, data, pol.compute)
 
 
 def _copy_training_flags(model: nn.Module, gm: fx.GraphModule) -> None:
