@@ -1,0 +1,234 @@
+"""Tolerance search: a small set of FP32 nodes that makes the rewrite meet an error bound.
+
+``search`` first rewrites with the plan as it is. If the outputs (or a user metric) miss the
+tolerance against FP32, it scores every low-precision node by its *local* error — the node run
+in the low dtype on the FP32 values of its inputs, compared with its FP32 output, in one pass
+over the graph — flips the worst nodes to FP32 in doubling groups until the tolerance is met,
+then bisects that group down and drops flips that are not needed. Flipped nodes carry
+``rule="search"``.
+
+``bisect_baseline`` is the anchor tools' method (Polygraphy ``debug precision``): bisect a
+prefix, or a suffix, of the graph's low-precision nodes kept in FP32. Both report how many
+model evaluations they used (one evaluation = one rewrite run over the data; the scoring
+pass counts as one).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..errors import FxampError
+from ..passes.annotate import META
+from ..policy import Policy, dtype_name, make_policy
+from .pipeline import _as_tuple, _check_model, plan_of, rewrite
+from .runtime import eligible
+from .trace import trace
+
+log = logging.getLogger(__name__)
+
+Metric = Callable[[List[Any], List[Any]], float]
+
+
+def max_relative_error(outputs: List[Any], references: List[Any]) -> float:
+    """max |out - ref| / max |ref| over all floating outputs of all batches."""
+    worst = 0.0
+    for out, ref in zip(outputs, references):
+        outs, _ = tree_flatten(out)
+        refs, _ = tree_flatten(ref)
+        for o, r in zip(outs, refs):
+            if isinstance(r, torch.Tensor) and r.is_floating_point():
+                o, r = o.detach().float(), r.detach().float()
+                if not torch.isfinite(o).all():
+                    return float("inf")
+                scale = r.abs().max().item() or 1.0
+                worst = max(worst, (o - r).abs().max().item() / scale)
+    return worst
+
+
+@dataclass
+class SearchResult:
+    """What a search found: the rewritten model, the FP32 nodes it chose, what it cost."""
+
+    graph_module: fx.GraphModule
+    fp32_nodes: List[str]
+    evaluations: int
+    error: float
+    met: bool
+    history: List[Tuple[int, float]] = field(default_factory=list)  # (n fp32 nodes, error)
+
+
+class _Evaluator:
+    def __init__(self, model: nn.Module, inputs: tuple, pol: Policy, batches: List[tuple],
+                 metric: Metric) -> None:
+        self.model, self.inputs, self.pol = model, inputs, pol
+        self.batches, self.metric = batches, metric
+        with torch.no_grad():
+            self.references = [model(*b) for b in batches]
+        self.count = 0
+        self.history: List[Tuple[int, float]] = []
+
+    def __call__(self, nodes: Sequence[str], rule: str = "search",
+                 reasons: Optional[Dict[str, str]] = None) -> Tuple[float, fx.GraphModule]:
+        reasons = reasons or {}
+        fixed = {n: (torch.float32, rule, reasons.get(n, "kept in fp32 to meet the tolerance"))
+                 for n in nodes}
+        gm = rewrite(self.model, self.inputs, self.pol, fixed=fixed)
+        with torch.no_grad():
+            outputs = [gm(*b) for b in self.batches]
+        self.count += 1
+        error = self.metric(outputs, self.references)
+        self.history.append((len(nodes), error))
+        log.info("evaluation %d: %d fp32 nodes, error %.3g", self.count, len(nodes), error)
+        return error, gm
+
+
+def _low_nodes(gm: fx.GraphModule, pol: Policy) -> List[str]:
+    plan = plan_of(gm)
+    return [name for name, p in plan.nodes.items()
+            if p.dtype == pol.compute and p.rule not in ("user", "runtime")]
+
+
+class _LocalError(fx.Interpreter):
+    """Runs the FP32 graph; for each candidate also runs it on low-precision inputs."""
+
+    def __init__(self, gm: fx.GraphModule, candidates: Iterable[str], low: torch.dtype) -> None:
+        super().__init__(gm)
+        self.candidates, self.low = set(candidates), low
+        self.scores: Dict[str, float] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.name not in self.candidates or not isinstance(result, torch.Tensor):
+            return result
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        to_low = lambda v: v.to(self.low) if eligible(v) else v  # noqa: E731
+        args, kwargs = tree_map(to_low, (args, kwargs))
+        if n.op == "call_module":
+            module = self.fetch_attr(n.target)
+            params = {k: to_low(p) for k, p in module.named_parameters()}
+            low_out = torch.func.functional_call(module, params, args, kwargs, strict=False)
+        else:
+            low_out = getattr(self, n.op)(n.target, args, kwargs)
+        if isinstance(low_out, torch.Tensor) and low_out.is_floating_point():
+            ref = result.detach().float()
+            err = (low_out.detach().float() - ref).abs()
+            scale = ref.abs().max().item() or 1.0
+            value = float("inf") if not torch.isfinite(err).all() else err.max().item() / scale
+            self.scores[n.name] = max(self.scores.get(n.name, 0.0), value)
+        return result
+
+
+def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[str],
+                 low: torch.dtype) -> Dict[str, float]:
+    """Each candidate node's relative error when it alone runs in ``low`` on FP32 inputs."""
+    src = trace(model)
+    scorer = _LocalError(src, candidates, low)
+    buffers = {name: b.clone() for name, b in src.named_buffers()}
+    with torch.no_grad(), torch.nn.utils.stateless._reparametrize_module(src, buffers,
+                                                                          strict=False):
+        for batch in batches:
+            scorer.run(*batch)
+    return scorer.scores
+
+
+def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
+             metric: Optional[Metric], policy: Union[None, str, Policy], dtype: torch.dtype,
+             target: str) -> _Evaluator:
+    _check_model(model)
+    pol = make_policy(policy, dtype, target)
+    batches = [_as_tuple(b) for b in data]
+    if not batches:
+        raise FxampError("search needs at least one batch of data")
+    return _Evaluator(model, _as_tuple(example_inputs), pol, batches,
+                      metric or max_relative_error)
+
+
+def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: float = 1e-2,
+           metric: Optional[Metric] = None, dtype: torch.dtype = torch.float16,
+           target: str = "cuda", policy: Union[None, str, Policy] = None) -> SearchResult:
+    """Find a small set of FP32 nodes so the rewrite's error against FP32 is at most ``rtol``.
+
+    ``metric(outputs, references) -> float`` (lists over the batches) replaces the default
+    max relative output error.
+    """
+    evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target)
+    error, gm = evaluate([])
+    if error <= rtol:
+        return SearchResult(gm, [], evaluate.count, error, True, evaluate.history)
+    low = evaluate.pol.compute
+    candidates = _low_nodes(gm, evaluate.pol)
+    scores = local_errors(model, evaluate.batches, candidates, low)
+    evaluate.count += 1  # the scoring pass
+    order = sorted(candidates, key=lambda n: -scores.get(n, 0.0))
+
+    def reasons(nodes: Sequence[str]) -> Dict[str, str]:
+        return {n: f"kept in fp32 by fxamp.search: alone in {dtype_name(low)} it is off by "
+                   f"{scores.get(n, 0.0):.2g} (relative); with it the outputs meet rtol={rtol:g}"
+                for n in nodes}
+
+    k, best = 1, None
+    while True:  # doubling groups of the worst nodes
+        k = min(k, len(order))
+        error, gm = evaluate(order[:k], reasons=reasons(order[:k]))
+        if error <= rtol or k == len(order):
+            best = (k, error, gm)
+            break
+        k *= 2
+    k, error, gm = best
+    if error > rtol:
+        log.warning("search: even %d fp32 nodes leave the error at %.3g > %g", k, error, rtol)
+        return SearchResult(gm, order[:k], evaluate.count, error, False, evaluate.history)
+    lo, hi = k // 2, k  # bisect the group: the smallest prefix that meets the tolerance
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        e, g = evaluate(order[:mid], reasons=reasons(order[:mid]))
+        if e <= rtol:
+            hi, error, gm = mid, e, g
+        else:
+            lo = mid
+    chosen = order[:hi]
+    for name in list(reversed(chosen))[:8]:  # drop flips that are not needed
+        trial = [n for n in chosen if n != name]
+        if not trial:
+            break
+        e, g = evaluate(trial, reasons=reasons(trial))
+        if e <= rtol:
+            chosen, error, gm = trial, e, g
+    return SearchResult(gm, chosen, evaluate.count, error, True, evaluate.history)
+
+
+def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], *,
+                    rtol: float = 1e-2, metric: Optional[Metric] = None,
+                    dtype: torch.dtype = torch.float16, target: str = "cuda",
+                    policy: Union[None, str, Policy] = None) -> SearchResult:
+    """Polygraphy-style baseline: bisect the shortest FP32 prefix, and the shortest FP32
+    suffix, of the low-precision nodes in graph order; keep the smaller."""
+    evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target)
+    error, gm = evaluate([], rule="bisect")
+    if error <= rtol:
+        return SearchResult(gm, [], evaluate.count, error, True, evaluate.history)
+    order = _low_nodes(gm, evaluate.pol)
+    found: List[Tuple[List[str], float, fx.GraphModule]] = []
+    for part in (lambda m: order[:m], lambda m: order[len(order) - m:]):
+        e, g = evaluate(part(len(order)), rule="bisect")
+        if e > rtol:
+            continue
+        lo, hi, best = 0, len(order), (part(len(order)), e, g)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            e, g = evaluate(part(mid), rule="bisect")
+            if e <= rtol:
+                hi, best = mid, (part(mid), e, g)
+            else:
+                lo = mid
+        found.append(best)
+    if not found:
+        return SearchResult(gm, order, evaluate.count, error, False, evaluate.history)
+    nodes, error, gm = min(found, key=lambda f: len(f[0]))
+    return SearchResult(gm, nodes, evaluate.count, error, True, evaluate.history)
