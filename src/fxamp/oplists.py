@@ -200,7 +200,8 @@ _F = {
     "addmm": ("addmm",), "addbmm": ("addbmm",), "addmv": ("addmv",), "addr": ("addr",),
     "mv": ("mv",), "einsum": ("einsum", "bmm"),
     # composites: on CPU they decompose into mm/bmm, which CPU autocast lowers
-    "chain_matmul": ("chain_matmul", "mm"), "multi_dot": ("linalg_multi_dot", "mm"), "vecdot": ("linalg_vecdot",),
+    "chain_matmul": ("chain_matmul", "mm"), "multi_dot": ("linalg_multi_dot", "mm"),
+    "vecdot": ("linalg_vecdot",),
     # fp32
     "exp": ("exp",), "expm1": ("expm1",), "log": ("log",), "log10": ("log10",),
     "log2": ("log2",), "log1p": ("log1p",), "reciprocal": ("reciprocal",), "rsqrt": ("rsqrt",),

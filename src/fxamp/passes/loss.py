@@ -15,7 +15,6 @@ from typing import List
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from .. import oplists
 from ..oplists import call_name

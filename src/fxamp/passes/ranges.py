@@ -12,7 +12,7 @@ reported (logged), not changed.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable
 
 import torch
 import torch.fx as fx

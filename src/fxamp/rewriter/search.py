@@ -24,7 +24,6 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import FxampError
-from ..passes.annotate import META
 from ..policy import Policy, dtype_name, make_policy
 from .pipeline import _as_tuple, _check_model, plan_of, rewrite
 from .runtime import eligible
