@@ -54,3 +54,12 @@ def test_audit_demo_finds_the_planted_mistakes():
                  "binary-cross-entropy", "dims-not-multiple-of-8"):
         assert code in r.stdout
     assert 'File "examples/audit_demo.py", line 13' in r.stdout
+
+
+def test_calibration_example():
+    r = run("examples/calibration.py")
+    assert r.returncode == 0, r.stderr
+    assert "without calibration: finite=False" in r.stdout
+    assert "with calibration: finite=True" in r.stdout
+    err = float(re.search(r"with calibration: finite=True max rel err=(\S+)", r.stdout).group(1))
+    assert err < 1e-2 and "ranges    its output reaches" in r.stdout
