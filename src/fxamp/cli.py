@@ -5,6 +5,7 @@ fxamp diff OLD NEW [--format text|markdown]
 fxamp check MODULE:FACTORY --plan FILE [--update]
 fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
 fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P]
+fxamp export MODULE:FACTORY -o model.onnx [--report report.md] [--backend auto]
 fxamp demo
 """
 from __future__ import annotations
@@ -165,6 +166,39 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 1 if any(f.severity == "error" for f in findings) else 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    import time
+
+    from . import amp_rewrite, plan_of
+
+    def step(text: str) -> float:
+        print(f"fxamp export: {text} ...", file=sys.stderr, flush=True)
+        return time.perf_counter()
+
+    start = step(f"rewriting {args.factory}")
+    model, inputs = load_factory(args.factory, args.input_shape or [])
+    gm = amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
+                     policy=args.policy)
+    try:
+        from .export import export_onnx, precision_report
+    except ImportError as err:
+        raise FxampError(f"fxamp export needs onnx, onnxscript and onnxruntime ({err}); what "
+                         "to do: pip install 'fxamp[onnx]'") from None
+    t = step(f"exporting to {args.output}")
+    export_onnx(gm, inputs, args.output)
+    print(f"wrote {args.output} ({time.perf_counter() - t:.1f} s)")
+    if args.report:
+        t = step(f"running the model on backend {args.backend} and comparing with FP32 "
+                 "PyTorch")
+        report = precision_report(args.output, plan_of(gm), backend=args.backend,
+                                  inputs=inputs, reference=model)
+        step(f"writing the report {args.report}")
+        report.save(args.report)
+        print(f"wrote {args.report}: {report.summary()}")
+    print(f"fxamp export: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -226,6 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--min-severity", default="info", choices=["error", "warning", "info"],
                    help="show findings of this severity and above (default: all)")
     a.set_defaults(func=_cmd_audit)
+
+    e = sub.add_parser("export", help="rewrite, export to ONNX and report what a backend "
+                       "really runs in which precision")
+    model_args(e)
+    e.add_argument("-o", "--output", required=True, help="the ONNX file to write")
+    e.add_argument("--report", help="write a precision report (.md, .json or .html)")
+    e.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
+                   help="backend the report inspects (default auto: TensorRT when it and a "
+                   "GPU are there, else onnxruntime)")
+    e.set_defaults(func=_cmd_export)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
     m.add_argument("--steps", type=int, default=30)

@@ -1,0 +1,16 @@
+"""ONNX export of rewritten models and precision reports of what backends really run.
+
+``import fxamp`` does not import this package; importing it does not import onnx or
+onnxruntime either (they are imported when a function runs). Install them with
+``pip install 'fxamp[onnx]'``.
+"""
+from __future__ import annotations
+
+from .inspect import check_numerics, precision_report, tensorrt_available
+from .onnx_export import export_onnx
+from .report import (SCHEMA, BackendUnavailableError, ExportError, LayerPrecision,
+                     NumericsError, PrecisionReport)
+
+__all__ = ["export_onnx", "precision_report", "check_numerics", "tensorrt_available",
+           "PrecisionReport", "LayerPrecision", "ExportError", "BackendUnavailableError",
+           "NumericsError", "SCHEMA"]

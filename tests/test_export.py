@@ -1,0 +1,394 @@
+"""ONNX export and precision reports, with the real exporter and onnxruntime (no mocks)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import fxamp  # noqa: E402
+from fxamp.export import (SCHEMA, BackendUnavailableError, NumericsError,  # noqa: E402
+                          PrecisionReport, check_numerics, export_onnx, precision_report,
+                          tensorrt_available)
+from fxamp.export.onnx_export import _value_types  # noqa: E402
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv(x)))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+class Block(nn.Module):
+    """Transformer-ish: LayerNorm(eps=1e-12), attention by matmul/softmax, Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16, eps=1e-12)
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        attn = torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1)
+        return x + self.proj(attn @ v)
+
+
+class Up(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.out = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.conv(x))
+        y = F.interpolate(y, scale_factor=2, mode="bilinear", align_corners=False)
+        return self.out(y)
+
+
+MODELS = {"cnn": (CNN, (2, 3, 8, 8)), "block": (Block, (2, 5, 16)), "up": (Up, (1, 3, 8, 8))}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """name -> (fp32 model, inputs, rewritten gm, onnx path, report)."""
+    out = {}
+    root = tmp_path_factory.mktemp("onnx")
+    for name, (cls, shape) in MODELS.items():
+        torch.manual_seed(0)
+        model = cls().eval()
+        if name == "cnn":  # non-trivial BatchNorm statistics
+            model.bn.running_mean.uniform_(-0.5, 0.5)
+            model.bn.running_var.uniform_(0.5, 2.0)
+        inputs = (torch.randn(*shape),)
+        gm = fxamp.amp_rewrite(model, inputs, dtype=torch.float16, target="cuda")
+        path = export_onnx(gm, inputs, str(root / f"{name}.onnx"))
+        report = precision_report(path, fxamp.plan_of(gm), backend="onnxruntime",
+                                  inputs=inputs, reference=model)
+        out[name] = (model, inputs, gm, path, report)
+    return out
+
+
+def _compute_inputs(path):
+    model = onnx.load(path)
+    types = _value_types(model)
+    return model, types
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_heavy_ops_take_the_planned_dtype(exported, name):
+    _, _, gm, path, _ = exported[name]
+    plan = fxamp.plan_of(gm)
+    model, types = _compute_inputs(path)
+    assert dict((p.key, p.value) for p in model.metadata_props)["fxamp.exporter"] == "dynamo"
+    fp16, checked = onnx.TensorProto.FLOAT16, 0
+    for node in model.graph.node:
+        meta = {p.key: p.value for p in node.metadata_props}
+        fx_node = meta.get("fxamp.fx_node")
+        if node.op_type not in ("Conv", "Gemm", "MatMul") or fx_node not in plan.nodes:
+            continue
+        planned = plan.nodes[fx_node]  # a Conv with a BatchNorm folded in maps to the BN
+        assert (planned.inputs or planned.dtype) == torch.float16
+        assert [types[i] for i in node.input if i] == [fp16] * len([i for i in node.input if i])
+        checked += 1
+    assert checked >= 2
+    # FP32 islands stay FP32: LayerNorm, softmax, bilinear interpolate
+    islands = {"LayerNormalization", "Softmax", "Resize"}
+    for node in model.graph.node:
+        if node.op_type in islands:
+            assert types[node.input[0]] == onnx.TensorProto.FLOAT, node.name
+    # weights are FP16 initializers (the exporter folds weight.to(fp16); fxamp repairs the
+    # FP32 weights the exporter's BatchNorm folding leaves on an FP16 Conv)
+    inits = {i.name: i.data_type for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type in ("Conv", "Gemm"):
+            assert all(inits[i] == fp16 for i in node.input[1:] if i in inits), node.name
+
+
+def test_batchnorm_folding_is_repaired_so_onnxruntime_loads_it(exported):
+    model = onnx.load(exported["cnn"][3])
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert int(meta["fxamp.repaired_initializers"]) == 2  # folded conv weight and bias
+    onnx.checker.check_model(model, full_check=True)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_no_zero_eps(exported, name):
+    model = onnx.load(exported[name][3])
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.name in ("epsilon", "eps"):
+                assert attr.f > 0.0, node.name
+    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node
+                                               if n.op_type == "Constant" for a in n.attribute]
+    adds = {i for n in model.graph.node if n.op_type == "Add" for i in n.input}
+    for tensor in tensors:
+        if tensor.data_type == onnx.TensorProto.FLOAT16 and tensor.name in adds:
+            array = onnx.numpy_helper.to_array(tensor)
+            assert not (array.size == 1 and float(array.reshape(-1)[0]) == 0.0), tensor.name
+    if name == "block":  # LayerNorm's eps=1e-12 is an FP32 attribute: kept, not 0
+        (ln,) = [n for n in model.graph.node if n.op_type == "LayerNormalization"]
+        eps = [a.f for a in ln.attribute if a.name == "epsilon"][0]
+        assert eps == pytest.approx(1e-12, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_onnxruntime_matches_fp32_pytorch(exported, name):
+    # FP16 rounds to 11 significant bits (relative 4.9e-4) at every cast; onnxruntime's CPU
+    # provider then computes in FP32 on the FP16-rounded weights and activations. Measured
+    # max abs errors are 1e-4..5e-4 on outputs of magnitude ~1; 1e-2 + 1e-2 * max|ref| leaves
+    # a 20x margin while still catching a wrong layer or a lost FP32 island.
+    model, inputs, _, path, report = exported[name]
+    rows = check_numerics(path, model, inputs, rtol=1e-2, atol=1e-2)
+    assert all(r["ok"] for r in rows)
+    assert max(r["max_abs"] for r in rows) < 2e-3
+    assert report.numerics and all(r["ok"] for r in report.numerics)
+
+
+def test_numerics_over_tolerance_raises(exported):
+    model, inputs, _, path, _ = exported["block"]
+    with pytest.raises(NumericsError, match="differs from the FP32 model") as info:
+        check_numerics(path, model, inputs, rtol=0.0, atol=0.0)
+    assert isinstance(info.value, fxamp.FxampError)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_report_maps_layers_back_to_fx_nodes(exported, name):
+    _, _, gm, _, report = exported[name]
+    plan = fxamp.plan_of(gm)
+    mapped = len(report.mapped) / len(report.layers)
+    assert mapped >= 0.9, report.to_markdown()  # measured: cnn 12/12, block 15/16, up 8/8
+    gm_names = {n.name for n in gm.graph.nodes}
+    assert all(layer.fx_node in gm_names for layer in report.mapped)
+    heavy = [layer for layer in report.layers if layer.op_type in ("Conv", "Gemm", "MatMul")]
+    for layer in heavy:  # every heavy op is traced to its fx node and module
+        assert layer.fx_node in plan.nodes and layer.planned == "fp16"
+        assert layer.exported == "fp16"
+    modules = {layer.module for layer in heavy}
+    assert modules & {"conv", "fc", "qkv", "proj", "out", "bn"}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_cpu_provider_fallbacks_are_listed(exported, name):
+    """onnxruntime's CPU provider has no FP16 Conv/MatMul/Gemm kernels here: it inserts
+    "InsertedPrecisionFreeCast" nodes and runs them in FP32. They are the fallbacks."""
+    _, _, _, _, report = exported[name]
+    assert report.backend == "onnxruntime" and report.device == "CPUExecutionProvider"
+    heavy = [layer for layer in report.layers if layer.op_type in ("Conv", "Gemm", "MatMul")]
+    assert heavy
+    for layer in heavy:
+        assert layer.fallback and layer.actual == "fp32" and layer in report.fallbacks
+        assert "runs it in fp32" in layer.note
+    # ops with FP16 weights get a Cast inserted before them; ops fed by values onnxruntime
+    # already moved to FP32 (attention's q @ k^T) just follow them
+    weighted = [layer for layer in heavy if layer.op_type in ("Conv", "Gemm")
+                or layer.fx_node in ("qkv", "proj")]
+    assert weighted and all("Cast inserted" in layer.note for layer in weighted)
+    # the FP32 islands are where the plan put them: no fallback
+    for layer in report.layers:
+        if layer.op_type in ("LayerNormalization", "Softmax", "Resize"):
+            assert not layer.fallback and layer.actual == "fp32"
+    assert all(layer.planned and layer.actual != layer.planned for layer in report.fallbacks)
+
+
+def test_report_formats(exported):
+    report = exported["block"][4]
+    data = json.loads(report.to_json())
+    assert data["schema"] == SCHEMA == "fxamp.precision_report/1"
+    assert data["summary"]["fallbacks"] == len(report.fallbacks) > 0
+    again = PrecisionReport.from_json(report.to_json())
+    assert again == report and again.to_json() == report.to_json()
+
+    md = report.to_markdown()
+    assert md.startswith("**fxamp precision report**")
+    assert "| | onnx node | op | fx node | module | planned | exported | actual | note |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| **fallback**")]
+    assert len(rows) == len(report.fallbacks)
+    table = md[md.index("| | onnx node"):].splitlines()[2:]
+    assert table[:len(rows)] == rows  # fallbacks first
+
+    page = report.to_html()
+    checker = _TagChecker()
+    checker.feed(page)
+    checker.close()
+    assert checker.stack == [] and checker.errors == []
+    assert page.count('class="fallback') == len(report.fallbacks)
+    assert 'class="fallback dt-fp32"' in page and '<tr class="dt-fp32">' in page
+
+
+class _TagChecker(HTMLParser):
+    VOID = {"meta", "br", "img", "hr", "link", "input"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list = []
+        self.errors: list = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack.pop() != tag:
+            self.errors.append(tag)
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="TensorRT and a CUDA GPU are available")
+def test_tensorrt_backend_says_what_to_install(exported):
+    path = exported["cnn"][3]
+    with pytest.raises(BackendUnavailableError, match="pip install tensorrt") as info:
+        precision_report(path, backend="tensorrt")
+    assert "GPU" in str(info.value) and isinstance(info.value, fxamp.FxampError)
+    assert precision_report(path, backend="auto").backend == "onnxruntime"
+
+
+@pytest.mark.skipif(not tensorrt_available(),
+                    reason="TensorRT and a CUDA GPU are not available")
+def test_tensorrt_backend(exported):  # pragma: no cover - needs TensorRT and a GPU
+    _, _, gm, path, _ = exported["cnn"]
+    report = precision_report(path, fxamp.plan_of(gm), backend="tensorrt")
+    convs = [layer for layer in report.layers if layer.op_type == "Conv"]
+    assert convs and all(layer.actual == "fp16" for layer in convs)
+
+
+def test_plan_is_read_from_the_file(exported):
+    _, inputs, _, path, report = exported["up"]
+    again = precision_report(path, backend="onnxruntime", inputs=inputs)
+    assert [(x.onnx_node, x.planned, x.actual) for x in again.layers] == \
+        [(x.onnx_node, x.planned, x.actual) for x in report.layers]
+
+
+def test_torchscript_exporter_fallback(tmp_path):
+    torch.manual_seed(0)
+    model, inputs = Block().eval(), (torch.randn(2, 5, 16),)
+    gm = fxamp.amp_rewrite(model, inputs)
+    path = export_onnx(gm, inputs, str(tmp_path / "ts.onnx"), exporter="torchscript")
+    meta = {p.key: p.value for p in onnx.load(path).metadata_props}
+    assert meta["fxamp.exporter"] == "torchscript"
+    check_numerics(path, model, inputs)
+
+
+def test_import_fxamp_does_not_import_onnx():
+    code = ("import fxamp, sys; assert 'onnx' not in sys.modules and 'onnxruntime' not in "
+            "sys.modules; import fxamp.export; assert 'onnx' not in sys.modules and "
+            "'onnxruntime' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_export(tmp_path, monkeypatch, capsys):
+    from fxamp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "fxamp.demo:small_cnn", "-o", "model.onnx", "--report",
+                 "report.md"]) == 0
+    captured = capsys.readouterr()
+    assert "fxamp export: exporting to model.onnx" in captured.err
+    assert "fxamp export: running the model on backend auto" in captured.err
+    onnx.checker.check_model(onnx.load(str(tmp_path / "model.onnx")))
+    text = (tmp_path / "report.md").read_text()
+    assert "| | onnx node | op | fx node |" in text and "within tolerance" in text
+    assert main(["export", "fxamp.demo:small_cnn", "-o", "m2.onnx", "--report", "r.json",
+                 "--backend", "onnxruntime"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["schema"] == SCHEMA
+
+
+class RMSHead(nn.Module):
+    """A hand-written RMSNorm whose eps (1e-12) the exporter's optimizer deletes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-12)
+
+
+def test_eps_the_exporter_deletes_is_put_back(tmp_path):
+    torch.manual_seed(0)
+    model = RMSHead().eval()
+    x = torch.randn(3, 8)
+    x[1] = 0.0  # a zero row: without eps, rsqrt(0) = inf and 0 * inf = NaN
+    gm = fxamp.amp_rewrite(model, (x,))
+    path = export_onnx(gm, (x,), str(tmp_path / "rms.onnx"))
+    proto = onnx.load(path)
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["fxamp.restored_eps_adds"] == "1"
+    (add,) = [n for n in proto.graph.node if n.op_type == "Add"]
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in proto.graph.initializer}
+    assert float(inits[add.input[1]]) == pytest.approx(1e-12, rel=1e-6)
+    rows = check_numerics(path, model, (x,))  # raises on NaN
+    assert all(r["ok"] for r in rows)
+
+
+def test_large_weights_become_fp16_initializers(tmp_path):
+    # onnxscript folds constants only up to 8192 elements: a 512x512 weight would stay an
+    # FP32 initializer behind a runtime Cast; fxamp folds it into an FP16 initializer
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4)).eval()
+    inputs = (torch.randn(2, 512),)
+    gm = fxamp.amp_rewrite(model, inputs)
+    path = export_onnx(gm, inputs, str(tmp_path / "mlp.onnx"))
+    proto = onnx.load(path)
+    inits = {i.name: i for i in proto.graph.initializer}
+    assert all(i.data_type == onnx.TensorProto.FLOAT16 for i in inits.values())
+    assert not [n for n in proto.graph.node if n.op_type == "Cast" and n.input[0] in inits]
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert int(meta["fxamp.folded_weight_casts"]) >= 1
+    check_numerics(path, model, inputs)
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Opaque(nn.Module):
+    """A custom autograd Function (fenced in FP32) and a composite module run under
+    torch.autocast by the rewritten graph (rule "runtime")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x):
+        h = _Square.apply(self.fc(x))
+        return self.mha(h, h, h, need_weights=False)[0]
+
+
+def test_opaque_calls_export_and_map_by_module_scope(tmp_path):
+    torch.manual_seed(0)
+    model, inputs = Opaque().eval(), (torch.randn(2, 3, 8),)
+    gm = fxamp.amp_rewrite(model, inputs)
+    plan = fxamp.plan_of(gm)
+    assert plan.nodes["mha"].rule == "runtime"
+    path = export_onnx(gm, inputs, str(tmp_path / "opaque.onnx"))
+    report = precision_report(path, plan, backend="onnxruntime", inputs=inputs,
+                              reference=model)
+    assert all(r["ok"] for r in report.numerics)
+    assert len(report.mapped) / len(report.layers) >= 0.9  # measured 37/37
+    inside = [layer for layer in report.layers if layer.fx_node == "mha"]
+    assert inside and all(layer.planned is None for layer in inside)  # autocast decides
+    (square,) = [layer for layer in report.layers if layer.fx_node == "_square_apply"
+                 or (layer.fx_node or "").endswith("square_apply")]
+    assert square.planned == square.exported == "fp32"
