@@ -8,10 +8,11 @@ from .policy import Override, Policy  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
 from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
 from .passes.audit import Finding, audit  # noqa: E402
+from . import train  # noqa: E402
 
 __all__ = [
     "search", "bisect_baseline", "SearchResult",
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
-    "PlanFormatError", "audit", "Finding",
+    "PlanFormatError", "audit", "Finding", "train",
 ]

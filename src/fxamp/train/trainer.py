@@ -1,0 +1,426 @@
+"""Trainer: one explicit optimizer step around :class:`torch.amp.GradScaler`.
+
+See the package docstring (:mod:`fxamp.train`) for the step order, how a skipped step is
+detected, hysteresis, healing and distributed training.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from ..errors import FxampError
+from ..plan import Plan, diff
+from ..policy import Policy
+from ..rewriter import amp_rewrite, plan_of
+from .localize import Overflow, localize
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Trainer", "StepResult", "ScaleUnderflowError"]
+
+LossFn = Callable[..., torch.Tensor]
+
+
+class ScaleUnderflowError(FxampError):
+    """The loss scale fell below ``min_scale``: training would go on at a scale near 0."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one :meth:`Trainer.step` call did.
+
+    loss: the micro-batch's loss (as returned by ``loss_fn``, before any scaling).
+    stepped: this call ended an accumulation window (an optimizer step was attempted).
+    skipped: the optimizer step was skipped because a gradient was inf/NaN.
+    scale: the loss scale after the update (1.0 without a scaler).
+    grad_norm: total norm of the unscaled gradients (None on non-final micro-batches).
+    overflow: where the overflow came from (only on skipped steps with localisation on).
+    healed: the node moved to FP32 after this step ("" if none).
+    grad_stats: per-parameter inf/NaN/zero gradient counts, when asked for.
+    """
+
+    loss: float
+    micro_step: int
+    step: int
+    stepped: bool
+    skipped: bool = False
+    scale: float = 1.0
+    grad_norm: Optional[float] = None
+    overflow: Optional[Overflow] = None
+    healed: str = ""
+    grad_stats: Optional[Dict[str, Dict[str, int]]] = None
+
+
+def _is_ddp(module: Any) -> bool:
+    return isinstance(module, nn.parallel.DistributedDataParallel)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class Trainer:
+    """Scale -> backward -> (every ``accumulation`` micro-batches) unscale_ -> clip ->
+    ``scaler.step`` -> ``scaler.update`` -> ``zero_grad(set_to_none=True)`` -> scheduler.
+
+    model: a GraphModule made by :func:`fxamp.amp_rewrite`, or a
+        ``DistributedDataParallel`` wrapping one.
+    optimizer: an optimizer over the model's (FP32, shared) Parameters.
+    scaler: a :class:`torch.amp.GradScaler`; None makes ``GradScaler(device)``, enabled
+        when the plan computes in float16 and disabled for bfloat16 (no scaling; a step whose
+        gradients are non-finite is still skipped).
+    accumulation: micro-batches per optimizer step; each loss is divided by it.
+    clip_grad_norm: max total norm of the unscaled gradients (None: no clipping; the norm
+        is still measured for the history).
+    scheduler: an LR scheduler, stepped after each optimizer step that was not skipped.
+    min_scale: raise :class:`ScaleUnderflowError` when the scale falls below this.
+    hysteresis: back off the scale only on the N-th consecutive overflow (1: every overflow,
+        GradScaler's own behaviour).
+    localize_on_skip: replay the failing batch to name the node that overflowed (logged).
+    heal: move a node to FP32 once it caused ``heal_after`` forward overflows (needs
+        ``original_model`` and ``example_inputs``, the arguments of the first rewrite).
+    heal_backward: also count backward overflows (off: those are what the loss scale is for).
+    record_grad_stats: put per-parameter inf/NaN/zero gradient counts in every StepResult.
+    tensorboard: a log directory or a SummaryWriter; scalars are written only if
+        ``torch.utils.tensorboard`` imports (checked on first use).
+    device: the device type the scaler works on ("cpu" or "cuda").
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: Optional[torch.amp.GradScaler] = None, *, accumulation: int = 1,
+                 clip_grad_norm: Optional[float] = None, scheduler: Any = None,
+                 min_scale: Optional[float] = None, hysteresis: int = 1,
+                 localize_on_skip: bool = True, heal: bool = False, heal_after: int = 2,
+                 heal_backward: bool = False, original_model: Optional[nn.Module] = None,
+                 example_inputs: Any = None, record_grad_stats: bool = False,
+                 tensorboard: Any = None, device: str = "cpu"):
+        self.module = model
+        self.gm: fx.GraphModule = model.module if _is_ddp(model) else model  # type: ignore
+        policy = plan_of(self.gm).policy  # raises FxampError if the model was not rewritten
+        if accumulation < 1 or int(accumulation) != accumulation:
+            raise FxampError(f"accumulation must be a positive integer, got {accumulation}")
+        if hysteresis < 1 or int(hysteresis) != hysteresis:
+            raise FxampError(f"hysteresis must be a positive integer, got {hysteresis}")
+        if heal and (original_model is None or example_inputs is None):
+            raise FxampError("heal=True rewrites the model again with the node in FP32; what to "
+                             "do: pass original_model= and example_inputs= (as given to "
+                             "fxamp.amp_rewrite)")
+        if heal and _is_ddp(model):
+            raise FxampError("heal=True cannot swap the module inside DistributedDataParallel; "
+                             "what to do: heal in a single-process run and pass the healed "
+                             "policy to amp_rewrite before wrapping in DDP")
+        if scaler is None:
+            compute = Policy.parse(policy).compute
+            scaler = torch.amp.GradScaler(device, enabled=compute == torch.float16)
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.scheduler = scheduler
+        self.accumulation = int(accumulation)
+        self.clip_grad_norm = clip_grad_norm
+        self.min_scale = min_scale
+        self.hysteresis = int(hysteresis)
+        self.localize_on_skip = localize_on_skip
+        self.heal = heal
+        self.heal_after = heal_after
+        self.heal_backward = heal_backward
+        self.original_model = original_model
+        self.example_inputs = example_inputs
+        self.record_grad_stats = record_grad_stats
+        self._tensorboard = tensorboard
+        self._writer: Any = None
+        self._policy = policy  # the policy string healing adds fp32:NODE overrides to
+        # counters and histories (all in state_dict)
+        self.micro_steps = 0          # step() calls
+        self.steps = 0                # optimizer steps attempted
+        self.skipped_steps = 0        # of which skipped
+        self.consecutive_overflows = 0
+        self.scale_history: List[float] = []
+        self.grad_norm_history: List[float] = []
+        self.loss_history: List[float] = []
+        self.overflows: List[Overflow] = []
+        self.node_overflows: Dict[str, int] = collections.Counter()
+        self.healed: Dict[str, str] = {}
+        self._window: List[Tuple[LossFn, Tuple[Any, ...]]] = []
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def plan(self) -> Plan:
+        """The plan of the module being trained (healed nodes have rule "heal")."""
+        return plan_of(self.gm)
+
+    @property
+    def params(self) -> List[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale (1.0 when the scaler is disabled)."""
+        return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
+
+    def grad_stats(self) -> Dict[str, Dict[str, int]]:
+        """Per-parameter counts of inf, NaN and zero gradient elements (current ``.grad``)."""
+        names = {id(p): n for n, p in self.gm.named_parameters()}
+        out: Dict[str, Dict[str, int]] = {}
+        for i, p in enumerate(self.params):
+            g = p.grad
+            name = names.get(id(p), f"param{i}")
+            if g is None:
+                out[name] = {"inf": 0, "nan": 0, "zero": 0, "numel": p.numel(), "none": 1}
+                continue
+            out[name] = {"inf": int(torch.isinf(g).sum()), "nan": int(torch.isnan(g).sum()),
+                         "zero": int((g == 0).sum()), "numel": g.numel(), "none": 0}
+        return out
+
+    def localize(self, loss_fn: LossFn, *batch: Any, scale: Optional[float] = None) -> Overflow:
+        """Replay ``loss_fn(model, *batch)`` and say which node first goes inf/NaN, in the
+        forward pass or (under the current loss scale) in the backward pass."""
+        return localize(self.gm, loss_fn, *batch, scale=self.scale if scale is None else scale,
+                        step=self.steps)
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+        elif grads:
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            return 0.0
+        return float(norm)
+
+    def _sync_found_inf(self) -> None:
+        """Make every rank see an overflow found on any rank (max all-reduce of the
+        scaler's found_inf flags, what ShardedGradScaler does for FSDP). With DDP the
+        all-reduced gradients already agree; this also covers gradients DDP does not
+        reduce (unused parameters, params outside DDP)."""
+        if not _distributed():
+            return
+        for found in self.scaler._found_inf_per_device(self.optimizer).values():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+    def _found_inf(self) -> bool:
+        """Whether ``scaler.step`` skipped ``optimizer.step()``: the same sum over the
+        optimizer's found_inf flags that ``GradScaler.step`` tests (read before update())."""
+        return sum(float(v.item()) for v in
+                   self.scaler._found_inf_per_device(self.optimizer).values()) > 0
+
+    def _update_scale(self, found: bool, scale_before: float) -> None:
+        if not found:
+            self.consecutive_overflows = 0
+            self.scaler.update()
+            return
+        self.consecutive_overflows += 1
+        self.scaler.update()  # GradScaler's own overflow bookkeeping: back off, reset growth
+        if self.consecutive_overflows < self.hysteresis:
+            # hysteresis: tolerate this overflow, keep the scale it had
+            self.scaler.update(float(scale_before))
+
+    # ------------------------------------------------------------------ step
+    def step(self, loss_fn: LossFn, *batch: Any) -> StepResult:
+        """One micro-batch: ``loss = loss_fn(model, *batch)``, scaled backward; after every
+        ``accumulation`` micro-batches, the optimizer step (see the class docstring)."""
+        self._window.append((loss_fn, batch))
+        self.micro_steps += 1
+        last = len(self._window) >= self.accumulation
+        sync = contextlib.nullcontext() if last or not _is_ddp(self.module) \
+            else self.module.no_sync()
+        with sync:
+            loss = loss_fn(self.module, *batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise FxampError(f"loss_fn must return a one-element tensor, got "
+                                 f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+            self.scaler.scale(loss / self.accumulation).backward()
+        value = float(loss.detach())
+        self.loss_history.append(value)
+        if not last:
+            return StepResult(loss=value, micro_step=self.micro_steps, step=self.steps,
+                              stepped=False, scale=self.scale)
+        return self._optimizer_step(value)
+
+    def _optimizer_step(self, loss_value: float) -> StepResult:
+        enabled = self.scaler.is_enabled()
+        scale_before = self.scale
+        if enabled:
+            self.scaler.unscale_(self.optimizer)
+            self._sync_found_inf()
+        grad_norm = self._grad_norm()
+        stats = self.grad_stats() if self.record_grad_stats else None
+        if enabled:
+            self.scaler.step(self.optimizer)
+            found = self._found_inf()
+        else:
+            flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0])
+            if _distributed():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            found = bool(flag.item())
+            if not found:
+                self.optimizer.step()
+        overflow = None
+        if found:
+            self.skipped_steps += 1
+            if self.localize_on_skip:
+                overflow = self._localize_window(scale_before)
+        if enabled:
+            self._update_scale(found, scale_before)
+        if not found and self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._window = []
+        step = self.steps
+        self.steps += 1
+        scale = self.scale
+        self.scale_history.append(scale)
+        self.grad_norm_history.append(grad_norm)
+        healed = self._maybe_heal(overflow) if overflow is not None and self.heal else ""
+        self._log_scalars(step, loss_value, scale, grad_norm, found)
+        if self.min_scale is not None and enabled and scale < self.min_scale:
+            last = f"; last overflow: {overflow}" if overflow is not None else ""
+            raise ScaleUnderflowError(
+                f"loss scale fell to {scale:g}, below min_scale={self.min_scale:g}, after "
+                f"{self.consecutive_overflows} consecutive skipped steps (step {step}){last}\n"
+                "  what to do: the gradients overflow at any scale; find the node with "
+                "trainer.localize(loss_fn, *batch) and keep it in FP32 (policy "
+                "'fp32:NODE' or heal=True), lower the learning rate, or use bfloat16")
+        return StepResult(loss=loss_value, micro_step=self.micro_steps, step=step,
+                          stepped=True, skipped=found, scale=scale, grad_norm=grad_norm,
+                          overflow=overflow, healed=healed, grad_stats=stats)
+
+    def _localize_window(self, scale: float) -> Overflow:
+        result = Overflow(phase="none", scale=scale, step=self.steps)
+        for loss_fn, batch in self._window:
+            result = localize(self.gm, loss_fn, *batch, scale=scale, step=self.steps)
+            if result.found:
+                break
+        self.overflows.append(result)
+        log.warning("fxamp.train: skipped step %d: %s", self.steps, result)
+        return result
+
+    # ------------------------------------------------------------------ healing
+    def _maybe_heal(self, overflow: Overflow) -> str:
+        counted = overflow.phase == "forward" or (self.heal_backward
+                                                  and overflow.phase == "backward")
+        low = overflow.dtype in (torch.float16, torch.bfloat16)
+        if not (counted and low and overflow.node) or overflow.node in self.healed:
+            return ""
+        self.node_overflows[overflow.node] += 1
+        if self.node_overflows[overflow.node] < self.heal_after:
+            return ""
+        reason = (f"healed at step {overflow.step}: {overflow.phase} overflow in "
+                  f"{self.node_overflows[overflow.node]} skipped steps")
+        self._rewrite_with({**self.healed, overflow.node: reason})
+        log.warning("fxamp.train: moved node %r to fp32 (%s)", overflow.node, reason)
+        return overflow.node
+
+    def _rewrite_with(self, healed: Dict[str, str]) -> None:
+        """Rewrite the original model with ``healed`` nodes in FP32 and swap it in."""
+        if not healed:
+            return
+        base = self._policy
+        policy = base + "".join(f",fp32:{name}" for name in healed)
+        gm = amp_rewrite(self.original_model, self.example_inputs, policy=policy)
+        plan = plan_of(gm)
+        for name, reason in healed.items():
+            if name in plan.nodes:
+                plan.nodes[name] = replace(plan.nodes[name], rule="heal", reason=reason)
+        gm.train(self.gm.training)
+        self.gm = self.module = gm
+        self.healed = dict(healed)
+
+    # ------------------------------------------------------------------ telemetry
+    def _log_scalars(self, step: int, loss: float, scale: float, grad_norm: float,
+                     skipped: bool) -> None:
+        if self._tensorboard is None:
+            return
+        if self._writer is None:
+            if isinstance(self._tensorboard, str):
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                except ImportError as err:  # tensorboard is optional
+                    warnings.warn(f"fxamp.train: TensorBoard logging is off ({err})")
+                    self._tensorboard = None
+                    return
+                self._writer = SummaryWriter(self._tensorboard)
+            else:
+                self._writer = self._tensorboard
+        for tag, value in (("loss", loss), ("loss_scale", scale), ("grad_norm", grad_norm),
+                           ("skipped", float(skipped)), ("skipped_total", self.skipped_steps)):
+            self._writer.add_scalar(f"fxamp/{tag}", value, step)
+
+    def summary(self) -> str:
+        """One line: steps, skips, scale, last grad norm, healed nodes."""
+        norm = self.grad_norm_history[-1] if self.grad_norm_history else float("nan")
+        healed = f", healed: {', '.join(self.healed)}" if self.healed else ""
+        return (f"{self.steps} optimizer steps ({self.skipped_steps} skipped), scale "
+                f"{self.scale:g}, grad norm {norm:.4g}{healed}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, include_model: bool = True) -> Dict[str, Any]:
+        """Everything a resumed run needs to continue identically: the model's Parameters
+        and buffers (unless ``include_model=False``), optimizer, scheduler, scaler,
+        counters, histories, healed nodes and the plan text."""
+        if self._window:
+            raise FxampError(f"state_dict() in the middle of an accumulation window "
+                             f"({len(self._window)}/{self.accumulation} micro-batches); what "
+                             "to do: save after a step whose StepResult.stepped is True")
+        state: Dict[str, Any] = {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "counters": {"micro_steps": self.micro_steps, "steps": self.steps,
+                         "skipped_steps": self.skipped_steps,
+                         "consecutive_overflows": self.consecutive_overflows},
+            "history": {"scale": list(self.scale_history),
+                        "grad_norm": list(self.grad_norm_history),
+                        "loss": list(self.loss_history),
+                        "overflows": [o.__dict__.copy() for o in self.overflows]},
+            "node_overflows": dict(self.node_overflows),
+            "healed": dict(self.healed),
+            "plan": self.plan.to_text(),
+        }
+        if include_model:
+            state["model"] = self.gm.state_dict()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; re-heals the saved healed nodes and warns if the
+        plan then differs from the saved plan text."""
+        if state.get("healed") and state["healed"] != self.healed:
+            if self.original_model is None or self.example_inputs is None:
+                raise FxampError("the checkpoint has healed nodes "
+                                 f"{sorted(state['healed'])}; what to do: pass original_model= "
+                                 "and example_inputs= to the Trainer to restore them")
+            self._rewrite_with(dict(state["healed"]))
+        if "model" in state:
+            self.gm.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        counters = state["counters"]
+        self.micro_steps = counters["micro_steps"]
+        self.steps = counters["steps"]
+        self.skipped_steps = counters["skipped_steps"]
+        self.consecutive_overflows = counters["consecutive_overflows"]
+        history = state["history"]
+        self.scale_history = list(history["scale"])
+        self.grad_norm_history = list(history["grad_norm"])
+        self.loss_history = list(history["loss"])
+        self.overflows = [Overflow(**o) for o in history["overflows"]]
+        self.node_overflows = collections.Counter(state.get("node_overflows", {}))
+        self._window = []
+        saved = state.get("plan")
+        if saved:
+            changes = diff(Plan.from_text(saved), self.plan)
+            if changes:
+                warnings.warn("fxamp.train: the checkpoint was made with a different plan; "
+                              f"the run will not continue identically:\n{changes}")
+
