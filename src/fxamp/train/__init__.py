@@ -8,7 +8,7 @@
     for x, y in loader:
         r = trainer.step(lambda m, x, y: F.cross_entropy(m(x), y), x, y)
         if r.skipped:
-            print(r.overflow)       # node, module path and source line that overflowed
+            log.warning("%s", r.overflow)   # node, module path and source line
 
 One :meth:`Trainer.step` is one micro-batch: ``loss = loss_fn(model, *batch)``,
 ``scaler.scale(loss / accumulation).backward()``; after ``accumulation`` micro-batches:
