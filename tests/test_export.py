@@ -19,7 +19,7 @@ import fxamp  # noqa: E402
 from fxamp.export import (SCHEMA, BackendUnavailableError, NumericsError,  # noqa: E402
                           PrecisionReport, check_numerics, export_onnx, precision_report,
                           tensorrt_available)
-from fxamp.export.onnx_export import _value_types  # noqa: E402
+from fxamp.export.repairs import value_types  # noqa: E402
 
 
 class CNN(nn.Module):
@@ -86,7 +86,7 @@ def exported(tmp_path_factory):
 
 def _compute_inputs(path):
     model = onnx.load(path)
-    types = _value_types(model)
+    types = value_types(model)
     return model, types
 
 

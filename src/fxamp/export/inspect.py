@@ -29,7 +29,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..errors import FxampError
 from ..plan import Plan
 from ..policy import dtype_name
-from .onnx_export import FX_NODE, MODULE, NOTE, _get_meta, _value_types
+from .onnx_export import FX_NODE, MODULE
+from .repairs import NOTE, get_meta, value_types
 from .report import BackendUnavailableError, LayerPrecision, NumericsError, PrecisionReport
 
 log = logging.getLogger(__name__)
@@ -91,18 +92,18 @@ def _planned(plan: Optional[Plan], fx_node: Optional[str], onnx_node: Any,
 
 
 def _exported_layers(model: Any, plan: Optional[Plan]) -> List[LayerPrecision]:
-    types = _value_types(model)
+    types = value_types(model)
     layers = []
     for node in model.graph.node:
         if node.op_type == "Constant":
             continue
-        fx_node = _get_meta(node, FX_NODE)
+        fx_node = get_meta(node, FX_NODE)
         exported = _compute_dtype(node, types)
         planned = _planned(plan, fx_node, node, types) if exported is not None else None
         layer = LayerPrecision(onnx_node=node.name, op_type=node.op_type, fx_node=fx_node,
-                               module=_get_meta(node, MODULE), planned=planned,
+                               module=get_meta(node, MODULE), planned=planned,
                                exported=_NAMES.get(exported) if exported else None,
-                               note=(_get_meta(node, NOTE) or "").strip())
+                               note=(get_meta(node, NOTE) or "").strip())
         if planned and layer.exported and planned != layer.exported:
             layer.fallback = True
             layer.note = (f"exporter: computes in {layer.exported} in the ONNX file, plan "
@@ -177,7 +178,7 @@ def _onnxruntime_layers(path: str, layers: List[LayerPrecision], inputs: Optiona
         args = event.get("args") or {}
         if event.get("cat") == "Node" and "provider" in args:
             ran_by[event["name"].rsplit("_kernel_time", 1)[0]] = args["provider"]
-    types = _value_types(ran)
+    types = value_types(ran)
     nodes = {n.name: n for n in ran.graph.node}
     inserted = {n.output[0]: n for n in ran.graph.node
                 if n.name.startswith("InsertedPrecisionFreeCast")}
