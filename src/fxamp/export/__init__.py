@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from .inspect import check_numerics, precision_report, tensorrt_available
 from .onnx_export import export_onnx
+from .predict import SOURCES, Prediction, predict, predict_fp16
 from .report import (SCHEMA, BackendUnavailableError, ExportError, LayerPrecision,
                      NumericsError, PrecisionReport)
 
 __all__ = ["export_onnx", "precision_report", "check_numerics", "tensorrt_available",
            "PrecisionReport", "LayerPrecision", "ExportError", "BackendUnavailableError",
-           "NumericsError", "SCHEMA"]
+           "NumericsError", "SCHEMA", "predict", "predict_fp16", "Prediction", "SOURCES"]

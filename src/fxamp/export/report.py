@@ -10,11 +10,19 @@ JSON schema ``fxamp.precision_report/1`` (``PrecisionReport.to_json``)::
                    "ref_max": 3.1, "ok": true}],
      "layers": [{"onnx_node": "node_conv2d", "op_type": "Conv", "fx_node": "conv1",
                  "module": "conv1", "planned": "fp16", "exported": "fp16", "actual": "fp32",
-                 "fallback": true, "note": "..."}]}
+                 "fallback": true, "note": "...",
+                 "predictions": {"onnxruntime-cuda": "prediction (...): ..."}}]}
 
 dtypes are short names ("fp16", "bf16", "fp32", ...) or null where a node has no floating
 computation (shape arithmetic) or the value is unknown. Keys are stable; new keys may be added
 within schema version 1, none removed or renamed.
+
+``predictions`` (added within version 1; absent in older documents, read as ``{}``): for a
+layer planned fp16/bf16, backend ("tensorrt", "onnxruntime-cuda") -> a note, for each backend
+whose PUBLISHED operator table says it cannot run the op in that dtype (see
+:mod:`fxamp.export.predict`). These are predictions from documentation, not measurements:
+they do not set ``fallback`` and do not count in ``summary``. Each note starts with
+"prediction (<source>)".
 """
 from __future__ import annotations
 
@@ -48,6 +56,9 @@ class LayerPrecision:
     exported: the dtype it computes in inside the exported ONNX model.
     actual: the dtype the backend really runs it in (None: removed/fused by the backend).
     fallback: actual (or exported) differs from planned. note: who changed it and why.
+    predictions: backend -> note, for backends whose published operator table says they will
+    not run this op in the planned dtype (a prediction, not measured; see
+    :mod:`fxamp.export.predict`).
     """
 
     onnx_node: str
@@ -59,6 +70,7 @@ class LayerPrecision:
     actual: Optional[str] = None
     fallback: bool = False
     note: str = ""
+    predictions: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +83,26 @@ class PrecisionReport:
     model: str = ""
     exporter: str = ""
     numerics: List[Dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.add_predictions()
+
+    def add_predictions(self) -> "PrecisionReport":
+        """Fill each layer's ``predictions`` (where empty) from the static operator tables of
+        :mod:`fxamp.export.predict`: which backends are documented not to run the op in its
+        planned fp16/bf16. Runs on construction; call again after changing layers."""
+        from .predict import predicted_fallbacks
+
+        for layer in self.layers:
+            if not layer.predictions:
+                layer.predictions = predicted_fallbacks(layer.op_type, layer.planned)
+        return self
+
+    @property
+    def predicted(self) -> List[LayerPrecision]:
+        """Layers some backend's published operator table says will not run in the planned
+        dtype (predictions, not measurements)."""
+        return [layer for layer in self.layers if layer.predictions]
 
     @property
     def fallbacks(self) -> List[LayerPrecision]:
@@ -111,7 +143,9 @@ class PrecisionReport:
         data = json.loads(text)
         if data.get("schema") != SCHEMA:
             raise FxampError(f"not a {SCHEMA} document (schema={data.get('schema')!r})")
-        return cls(layers=[LayerPrecision(**layer) for layer in data["layers"]],
+        known = set(LayerPrecision.__dataclass_fields__)
+        return cls(layers=[LayerPrecision(**{k: v for k, v in layer.items() if k in known})
+                           for layer in data["layers"]],
                    backend=data.get("backend", ""), device=data.get("device", ""),
                    model=data.get("model", ""), exporter=data.get("exporter", ""),
                    numerics=list(data.get("numerics", [])))
@@ -140,6 +174,15 @@ class PrecisionReport:
                                            cell(layer.fx_node), cell(layer.module),
                                            cell(layer.planned), cell(layer.exported),
                                            cell(layer.actual), cell(layer.note)]) + " |")
+        if self.predicted:
+            out += ["", ("**Predicted fallbacks (not measured)**: from published operator "
+                         "tables (fxamp.export.predict), for layers planned in FP16/BF16"), "",
+                    "| onnx node | op | planned | backend | prediction |", "|---|---|---|---|---|"]
+            for layer in self.predicted:
+                for backend, note in layer.predictions.items():
+                    out.append("| " + " | ".join([cell(layer.onnx_node), cell(layer.op_type),
+                                                   cell(layer.planned), cell(backend),
+                                                   cell(note)]) + " |")
         return "\n".join(out) + "\n"
 
     # -- HTML ------------------------------------------------------------------------
@@ -163,6 +206,16 @@ class PrecisionReport:
                                   f"</td><td>{r['max_rel']:.3g}</td><td>"
                                   f"{'yes' if r['ok'] else 'NO'}</td></tr>"
                                   for r in self.numerics) + "</table>")
+        predicted = ""
+        if self.predicted:
+            predicted = ("<h2>Predicted fallbacks (not measured)</h2><table><tr><th>onnx node"
+                         "</th><th>op</th><th>planned</th><th>backend</th><th>prediction</th>"
+                         "</tr>" + "".join(
+                             f"<tr><td>{esc(layer.onnx_node)}</td><td>{esc(layer.op_type)}</td>"
+                             f"<td>{esc(str(layer.planned))}</td><td>{esc(backend)}</td>"
+                             f"<td>{esc(note)}</td></tr>"
+                             for layer in self.predicted
+                             for backend, note in layer.predictions.items()) + "</table>")
         style = ("body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse}"
                  "td,th{border:1px solid #ccc;padding:2px 6px;font-size:13px}"
                  "tr.dt-fp16{background:#d8ecff}tr.dt-bf16{background:#e4dcff}"
@@ -176,7 +229,7 @@ class PrecisionReport:
                 f"<h1>fxamp precision report: {esc(self.model)}</h1>"
                 f"<p>{esc(self.summary())}</p>{numerics}"
                 f"<h2>Layers (fallbacks first)</h2><table>{head}{''.join(rows)}</table>"
-                "</body></html>\n")
+                f"{predicted}</body></html>\n")
 
     def save(self, path: str) -> str:
         """Write the report; the format follows the extension (.json, .html/.htm, else
