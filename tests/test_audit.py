@@ -288,7 +288,7 @@ def test_untraceable_model_raises():
 
 
 def test_torchvision_resnet18():
-    torchvision = pytest.importorskip("torchvision")
+    import torchvision
     model = torchvision.models.resnet18(num_classes=10)
     findings = audit(model, (torch.randn(1, 3, 64, 64),))
     dims = by_code(findings, "dims-not-multiple-of-8")

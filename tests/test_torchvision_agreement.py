@@ -27,7 +27,7 @@ import torch.fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-torchvision = pytest.importorskip("torchvision")
+import torchvision  # noqa: E402,F401 - installed by the test extra: missing fails
 
 import fxamp  # noqa: E402
 from autocast_truth import autocast_rewrite, record_autocast_dtypes, run_autocast_cpu  # noqa: E402

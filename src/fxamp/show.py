@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
+from .passes import fetch_attr
 from .passes.annotate import META
 from .passes.casts import CAST
 from .plan import Plan
@@ -58,7 +59,7 @@ def shown_nodes(gm: fx.GraphModule, plan: Plan) -> List[ShownNode]:
             continue
         p = plan.nodes.get(node.name) or node.meta.get(META)
         if p is None and node.op == "get_attr":
-            value = _attr(gm, str(node.target))
+            value = fetch_attr(gm, str(node.target))
             if isinstance(value, torch.Tensor):
                 out.append(ShownNode(node.name, "get_attr", str(node.target).rpartition(".")[0],
                                      dtype_name(value.dtype), "autocast",
@@ -71,13 +72,6 @@ def shown_nodes(gm: fx.GraphModule, plan: Plan) -> List[ShownNode]:
         out.append(ShownNode(node.name, p.op, p.module, dtype_name(p.dtype), p.rule, p.reason,
                              False, inputs))
     return out
-
-
-def _attr(gm: fx.GraphModule, target: str) -> object:
-    value: object = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def _layers(nodes: List[ShownNode]) -> Dict[str, int]:

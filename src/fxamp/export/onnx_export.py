@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from .. import __version__
 from ..rewriter import plan_of
+from ..rewriter.pipeline import _as_tuple
 from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
                       restore_tiny_adds, set_meta)
 from .report import ExportError
@@ -31,14 +32,6 @@ log = logging.getLogger(__name__)
 
 FX_NODE = "fxamp.fx_node"
 MODULE = "fxamp.module"
-
-
-def _as_tuple(inputs: Any) -> tuple:
-    if isinstance(inputs, tuple):
-        return inputs
-    if isinstance(inputs, list):
-        return tuple(inputs)
-    return (inputs,)
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from .. import oplists
 from ..oplists import call_name
+from . import fetch_attr
 from ..errors import FxampError, source_line
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name, make_policy
@@ -102,15 +103,6 @@ def summary(findings: Sequence[Finding]) -> str:
 # ---------------------------------------------------------------------------------------
 # graph helpers
 # ---------------------------------------------------------------------------------------
-def _fetch(gm: nn.Module, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value
-
-
 def _origin(value: Any) -> Any:
     """``value`` with the casts fxamp inserted stripped off."""
     while isinstance(value, fx.Node) and value.meta.get(CAST) and value.args:
@@ -129,7 +121,7 @@ def _shape(value: Any, gm: nn.Module) -> Optional[Tuple[int, ...]]:
     if shape is not None:
         return tuple(shape)
     if value.op == "get_attr":
-        tensor = _fetch(gm, str(value.target))
+        tensor = fetch_attr(gm, str(value.target))
         if isinstance(tensor, torch.Tensor):
             return tuple(tensor.shape)
     return None
@@ -143,7 +135,7 @@ def _module(node: fx.Node, gm: nn.Module) -> Optional[nn.Module]:
                                                        runtime.autocast_module):
         ref = node.args[0] if node.args else None
         if isinstance(ref, fx.Node) and ref.op == "get_attr":
-            found = _fetch(gm, str(ref.target))
+            found = fetch_attr(gm, str(ref.target))
             return found if isinstance(found, nn.Module) else None
     return None
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..oplists import call_name
 from ..policy import Policy, dtype_name
-from . import PassResult
+from . import PassResult, fetch_attr
 from .annotate import META, SHAPE, fix
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,7 @@ def _eps_value(gm: fx.GraphModule, value: object) -> Optional[float]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, fx.Node) and value.op == "get_attr":
-        attr: object = gm
-        for part in str(value.target).split("."):
-            attr = getattr(attr, part, None)
+        attr = fetch_attr(gm, str(value.target))
         if isinstance(attr, torch.Tensor) and attr.numel() == 1:
             return float(attr)
     return None
