@@ -5,11 +5,17 @@ share one model (same Parameters) and run interleaved: each round runs every var
 ``--steps`` steps and records the mean step time of that round; the table gives the median
 over rounds, the spread (min-max over rounds) and the median of the per-round ratios.
 
-    python benchmarks/cpu_step_time.py [--compile] [--rounds 7] [--steps 3]
+With ``--channels-last`` a fourth variant, "fxamp channels_last" (policy
+``channels_last=on``: conv weights and the input in NHWC), runs in the same rounds. That
+policy converts the conv weights of the model it rewrites in place, so this variant rewrites
+its own copy of the model (same initial weights, its own SGD); the other three keep NCHW.
+
+    python benchmarks/cpu_step_time.py [--compile] [--channels-last] [--rounds 7] [--steps 3]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -46,6 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile", action="store_true", help="torch.compile (default backend) "
                     "the model / the fxamp GraphModule")
+    ap.add_argument("--channels-last", action="store_true", help="add the variant 'fxamp "
+                    "channels_last' (policy channels_last=on, on a copy of the model)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
@@ -68,6 +76,7 @@ def main() -> None:
         make, inputs = all_models[name]
         model = make().train()
         target = torch.randint(0, 10, (a.batch,))
+        cl_model = copy.deepcopy(model) if a.channels_last else None
         gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target="cpu")
         fp32_fn, ac_fn, fx_fn = model, model, gm
         if a.compile:
@@ -81,6 +90,12 @@ def main() -> None:
             "autocast bf16": make_step(lambda: ac_fn(*inputs), params, target, dtype),
             "fxamp bf16": make_step(lambda: fx_fn(*inputs), params, target),
         }
+        if cl_model is not None:
+            cl_gm = fxamp.amp_rewrite(cl_model, inputs, dtype=dtype, target="cpu",
+                                      policy="channels_last=on")
+            cl_fn = torch.compile(cl_gm) if a.compile else cl_gm
+            variants["fxamp channels_last"] = make_step(lambda: cl_fn(*inputs),
+                                                        list(cl_model.parameters()), target)
         times = {k: [] for k in variants}
         cpu = {k: [] for k in variants}  # process CPU time per step (less hit by waiting)
         warm = {}
@@ -121,18 +136,30 @@ def main() -> None:
                 row.append("FAILED")
         row += [ratio("fxamp bf16", "autocast bf16"), ratio("autocast bf16", "fp32"),
                 ratio("fxamp bf16", "fp32")]
+        if a.channels_last:
+            row += [ratio("fxamp channels_last", "autocast bf16"),
+                    ratio("fxamp channels_last", "fxamp bf16")]
         cmed = {k: statistics.median(v) for k, v in cpu.items() if v}
         row.append(" / ".join(f"{cmed.get(k, float('nan')):.1f}" for k in variants))
         row.append(f"{cmed['fxamp bf16'] / cmed['autocast bf16']:.2f}"
                    if "fxamp bf16" in cmed and "autocast bf16" in cmed else "n/a")
+        if a.channels_last:
+            row.append(f"{cmed['fxamp channels_last'] / cmed['autocast bf16']:.2f}"
+                       if "fxamp channels_last" in cmed and "autocast bf16" in cmed
+                       else "n/a")
         row.append(" / ".join(f"{warm[k]:.1f}" for k in variants))
         rows.append(row)
         print(row, flush=True)
-    headers = ["model", "fp32 ms/step median (min-max)", "autocast bf16", "fxamp bf16",
-               "fxamp/autocast (per-round median (min-max); best/best)", "autocast/fp32",
-               "fxamp/fp32",
-               "CPU ms/step median (fp32/ac/fxamp)", "CPU-time fxamp/autocast",
-               "warm-up s (fp32/ac/fxamp)"]
+    cl = a.channels_last
+    short = "fp32/ac/fxamp" + ("/fxamp-cl" if cl else "")
+    headers = (["model", "fp32 ms/step median (min-max)", "autocast bf16", "fxamp bf16"]
+               + (["fxamp channels_last"] if cl else [])
+               + ["fxamp/autocast (per-round median (min-max); best/best)", "autocast/fp32",
+                  "fxamp/fp32"]
+               + (["fxamp channels_last/autocast", "fxamp channels_last/fxamp"] if cl else [])
+               + [f"CPU ms/step median ({short})", "CPU-time fxamp/autocast"]
+               + (["CPU-time fxamp channels_last/autocast"] if cl else [])
+               + [f"warm-up s ({short})"])
     md = _common.table(headers, rows)
     print(md)
     for n in notes:
@@ -141,7 +168,9 @@ def main() -> None:
         body = (f"Training step (zero_grad, forward, FP32 cross-entropy, backward, SGD) on CPU, "
                 f"bf16, batch {a.batch}, {a.size}x{a.size} images (ViT: 4 layers, 128 hidden), "
                 + ("torch.compile (default backend) of the model / the fxamp GraphModule, "
-                   if a.compile else "eager, ") +
+                   if a.compile else "eager, ")
+                + ("with the variant 'fxamp channels_last' (policy channels_last=on, its own "
+                   "copy of the model: conv weights and input in NHWC), " if cl else "") +
                 f"{a.rounds} interleaved rounds x {a.steps} steps after 2 warm-up steps; "
                 f"ms/step medians over rounds (best and worst round), ratios are medians of "
                 f"per-round ratios (min-max) and the ratio of the best rounds (the least "

@@ -27,7 +27,8 @@ _DTYPE_ALIASES = {
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                 torch.float64: "fp64"}
 _TARGETS = ("cuda", "cpu")
-_KEYS = ("compute", "target", "output", "numerics")
+_KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement")
+_ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> str:
@@ -69,6 +70,12 @@ class Policy:
         None keeps what the graph computes.
     numerics: run the numerics passes (norm eps, loss, softmax, custom ops, joins). Off, the
         rewrite mirrors autocast exactly (and outputs keep their dtype unless output= is set).
+    channels_last: run 2-D convolutions in NHWC: the weights of the graph's 4-D convs are
+        kept in channels_last memory format (in place: same Parameter objects, shared with
+        the model) and the graph's 4-D floating inputs are made channels_last on entry.
+    placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
+        low/FP32 boundary where that casts fewer bytes per step (``passes/placement.py``).
+        Independent of ``numerics``; off, casts sit where autocast puts them.
     """
 
     compute: torch.dtype = torch.float16
@@ -76,6 +83,8 @@ class Policy:
     overrides: Tuple[Override, ...] = field(default_factory=tuple)
     output_dtype: Optional[torch.dtype] = torch.float32
     numerics: bool = True
+    channels_last: bool = False
+    placement: bool = True
 
     def __post_init__(self) -> None:
         if self.compute not in (torch.float16, torch.bfloat16):
@@ -109,6 +118,14 @@ class Policy:
                     output_given = True
                     policy = replace(policy, output_dtype=None if value in ("keep", "-")
                                      else parse_dtype(value))
+                elif key == "channels_last":
+                    if value.lower() not in _ON + _OFF:
+                        raise PolicyError(f"channels_last takes on or off, got {value!r}")
+                    policy = replace(policy, channels_last=value.lower() in _ON)
+                elif key == "placement":
+                    if value.lower() not in _ON + _OFF:
+                        raise PolicyError(f"placement takes on or off, got {value!r}")
+                    policy = replace(policy, placement=value.lower() in _ON)
                 else:
                     if value.lower() not in ("on", "off", "true", "false", "1", "0"):
                         raise PolicyError(f"numerics takes on or off, got {value!r}")
@@ -130,6 +147,10 @@ class Policy:
         parts = [f"compute={dtype_name(self.compute)}", f"target={self.target}"]
         if not self.numerics:
             parts.append("numerics=off")
+        if self.channels_last:
+            parts.append("channels_last=on")
+        if not self.placement:
+            parts.append("placement=off")
         if self.output_dtype != (torch.float32 if self.numerics else None):
             parts.append(f"output={dtype_name(self.output_dtype) if self.output_dtype else 'keep'}")
         parts.extend(str(o) for o in self.overrides)

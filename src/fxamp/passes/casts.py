@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..policy import Policy, dtype_name
 from ..rewriter import runtime
-from . import PassResult
+from . import PassResult, layout
 from .annotate import META, VALUE
 
 log = logging.getLogger(__name__)
@@ -211,6 +211,14 @@ class _Builder:
         wrapper = runtime.autocast_wrapper(fn, low, node.meta[META].op)
         return self.graph.create_node("call_function", wrapper, args, kwargs, node.name)
 
+    def channels_last(self, value: fx.Node) -> fx.Node:
+        """``value`` (a 4-D input) made contiguous in channels_last memory format."""
+        node = self.graph.create_node("call_method", "contiguous", (value,),
+                                      {"memory_format": torch.channels_last},
+                                      self.name(f"{value.name}_channels_last"))
+        node.meta[CAST] = True
+        return node
+
     def output(self, node: fx.Node) -> fx.Node:
         out_dtype = self.policy.output_dtype
 
@@ -224,7 +232,14 @@ class _Builder:
 def insert_casts(src: fx.GraphModule, policy: Policy) -> PassResult:
     """Build the rewritten GraphModule (sharing ``src``'s submodules and Parameters)."""
     builder = _Builder(src, policy)
+    # policy channels_last: conv weights in NHWC (in place), 4-D inputs converted on entry
+    nhwc = policy.channels_last and layout.weights_to_channels_last(src).modified
+    pending = layout.channels_last_inputs(src) if nhwc else []
     for node in src.graph.nodes:
+        if pending and node.op != "placeholder":  # after all the placeholders
+            for placeholder in pending:
+                builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
+            pending = []
         builder.env[node] = builder.copy(node)
         if builder.env[node].name != node.name:
             raise RuntimeError(f"fxamp internal error: node {node.name!r} was renamed "

@@ -1,0 +1,143 @@
+"""Policy ``channels_last=on``: conv weights and 4-D inputs in NHWC, same results, trains."""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxamp
+from fxamp.policy import Policy
+
+BF16 = torch.bfloat16
+CL = torch.channels_last
+
+
+class TinyConvNet(nn.Module):
+    """Conv modules, a functional conv on a Parameter, a transposed conv, BN, pool, Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.extra = nn.Parameter(torch.randn(8, 8, 3, 3) * 0.1)
+        self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv1(x)))
+        h = F.conv2d(h, self.extra, padding=1)
+        h = self.up(F.max_pool2d(h, 2))
+        return self.head(h.mean((2, 3)))
+
+
+class _ConvInputs(TorchDispatchMode):
+    """Records, for each aten.convolution, whether its input and weight are channels_last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default:
+            self.seen.append((args[0].is_contiguous(memory_format=CL),
+                              args[1].is_contiguous(memory_format=CL), args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def test_policy_string_form_round_trips_with_channels_last():
+    p = Policy.parse("compute=bf16,target=cpu,channels_last=on,fp32:head")
+    assert p.channels_last is True
+    assert str(p) == "compute=bf16,target=cpu,channels_last=on,fp32:head"
+    assert Policy.parse(str(p)) == p
+    q = Policy.parse("numerics=off,channels_last=true")
+    assert q.channels_last and Policy.parse(str(q)) == q
+    assert not Policy.parse("channels_last=off").channels_last
+    assert "channels_last" not in str(Policy())
+    with pytest.raises(fxamp.FxampError, match="channels_last takes on or off"):
+        Policy.parse("channels_last=nhwc")
+
+
+def test_channels_last_runs_convs_in_nhwc_with_the_same_outputs_and_parameters():
+    torch.manual_seed(0)
+    model = TinyConvNet().train()
+    x = torch.randn(2, 3, 16, 16)
+    originals = dict(model.named_parameters())
+    off = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu")
+    with _ConvInputs() as mode:
+        out_off = off(x)
+    assert mode.seen and not any(inp for inp, _, _ in mode.seen)  # NCHW without the option
+
+    on = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", policy="channels_last=on")
+    assert fxamp.plan_of(on).nodes == fxamp.plan_of(off).nodes  # the precision plan is unchanged
+    assert "memory_format = torch.channels_last" in on.code
+    with _ConvInputs() as mode:
+        out_on = on(x)
+    assert len(mode.seen) == 3
+    assert all(inp and weight and dtype == BF16 for inp, weight, dtype in mode.seen)
+    torch.testing.assert_close(out_on, out_off, rtol=2e-2, atol=2e-2)
+
+    # the same Parameter objects, shared with the model; 4-D weights now channels_last
+    for name, p in on.named_parameters():
+        assert p is originals[name], name
+    for p in (model.conv1.weight, model.extra, model.up.weight):
+        assert p.dtype == torch.float32 and p.is_contiguous(memory_format=CL)
+    assert model.head.weight.is_contiguous()
+
+    out_on.float().sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+    assert model.conv1.weight.grad.is_contiguous(memory_format=CL)  # no layout copy
+
+
+def test_resnet18_trains_with_channels_last_like_without():
+    torch.manual_seed(0)
+    base = torchvision.models.resnet18(num_classes=10).train()
+    x = torch.randn(4, 3, 64, 64)
+    y = torch.randint(0, 10, (4,))
+    losses = {}
+    for flag in ("off", "on"):
+        model = copy.deepcopy(base)
+        gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu",
+                               policy=f"channels_last={flag}")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses[flag] = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(gm(x), y)
+            loss.backward()
+            assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+            opt.step()
+            losses[flag].append(loss.item())
+        if flag == "on":
+            assert model.conv1.weight.is_contiguous(memory_format=CL)
+            assert gm.conv1.weight is model.conv1.weight
+    assert losses["on"][-1] < losses["on"][0]  # it learns
+    assert losses["on"] == pytest.approx(losses["off"], rel=5e-2)
+
+
+def test_model_without_conv_gets_a_note_and_no_change(caplog):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 4))
+    x = torch.randn(2, 3, 4, 4)
+    with caplog.at_level(logging.INFO, logger="fxamp"):
+        gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", policy="channels_last=on")
+    assert "no 2-D convolution" in caplog.text
+    assert "channels_last" not in gm.code
+    off = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu")
+    assert gm.code == off.code
+    torch.testing.assert_close(gm(x), off(x))
+
+
+def test_torch_compile_of_the_channels_last_rewrite():
+    torch.manual_seed(0)
+    model = TinyConvNet().train()
+    x = torch.randn(2, 3, 16, 16)
+    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", policy="channels_last=on")
+    eager = gm(x)
+    out = torch.compile(gm)(x)
+    torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert model.conv1.weight.grad.dtype == torch.float32
