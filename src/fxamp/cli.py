@@ -64,7 +64,7 @@ def _rewrite(args: argparse.Namespace) -> Any:
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
     return amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
-                       policy=args.policy)
+                       policy=args.policy, frontend=args.frontend)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -178,7 +178,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     start = step(f"rewriting {args.factory}")
     model, inputs = load_factory(args.factory, args.input_shape or [])
     gm = amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
-                     policy=args.policy)
+                     policy=args.policy, frontend=args.frontend)
     try:
         from .export import export_onnx, precision_report
     except ImportError as err:
@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default="cuda", choices=["cuda", "cpu"],
                        help="whose autocast lists to mirror (default cuda)")
         p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
+        p.add_argument("--frontend", default="auto", choices=["auto", "fx", "export"],
+                       help="torch.fx, torch.export, or auto: fx, then export, then fx "
+                       "around untraceable submodules (default auto)")
         p.add_argument("--input-shape", type=_shape, action="append",
                        help="shape of a random FP32 input; repeat for several inputs")
 

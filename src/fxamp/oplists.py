@@ -359,18 +359,35 @@ _FOLLOW_NAMESPACES = ("torch", "operator", "_operator", "builtins", "math")
 RUNTIME = None
 
 
-def _module_label(module: nn.Module) -> str:
+def module_label(module: nn.Module) -> str:
+    """``nn.Linear`` for torch.nn modules, else the class's module and qualified name."""
     cls = type(module)
     if cls.__module__.startswith("torch.nn"):
         return f"nn.{cls.__name__}"
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def is_aten(fn: object) -> bool:
+    """Whether ``fn`` is an ATen op overload (the targets of a torch.export graph)."""
+    return isinstance(fn, torch._ops.OpOverload) and fn.namespace == "aten"
+
+
+def aten_name(fn: "torch._ops.OpOverload") -> str:
+    """``pow.Tensor_Scalar`` / ``linear`` for an ATen overload (``default`` dropped)."""
+    base = fn._schema.name.split("::", 1)[-1]
+    return base if fn._overloadname == "default" else f"{base}.{fn._overloadname}"
+
+
 def call_name(node: "torch.fx.Node") -> str:
-    """A call's bare function or method name (``exp``, ``add``); "" for modules and non-calls."""
+    """A call's bare function or method name (``exp``, ``add``); "" for modules and non-calls.
+
+    ATen overloads give their op name (``aten.sum.dim_IntList`` -> ``sum``), so passes that
+    match hand-written patterns by name see fx and torch.export graphs alike."""
     if node.op == "call_method":
         return str(node.target)
     if node.op == "call_function":
+        if is_aten(node.target):
+            return node.target._schema.name.split("::", 1)[-1]
         return getattr(node.target, "__name__", str(node.target))
     return ""
 
@@ -379,6 +396,8 @@ def callable_label(fn: object) -> str:
     """A short stable label for a callable: ``F.softmax``, ``torch.cat``, ``operator.add``."""
     if isinstance(fn, str):
         return f"Tensor.{fn}"
+    if is_aten(fn):
+        return f"aten.{aten_name(fn)}"
     name = getattr(fn, "__name__", None) or repr(fn)
     owner = getattr(fn, "fxamp_function", None)
     if isinstance(owner, type):
@@ -406,7 +425,7 @@ def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tupl
     """The torch-level label of ``node`` and the ATen ops it runs (None: opaque, runtime)."""
     if node.op == "call_module":
         module = root.get_submodule(node.target)
-        label = _module_label(module)
+        label = module_label(module)
         if isinstance(module, nn.Upsample):
             return label, interpolate_ops(module.mode)
         ops = MODULE_OPS.get(type(module))
@@ -430,6 +449,11 @@ def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tupl
         return node.op, ()
     fn = node.target
     label = callable_label(fn)
+    if is_aten(fn):  # torch.export graphs: the op itself is what autocast's tables name
+        name = aten_name(fn)
+        if name.startswith("einsum"):
+            return label, einsum_ops(node.args)
+        return label, (name,)
     if fn in _INTERPOLATE:
         mode = node.kwargs.get("mode", node.args[3] if len(node.args) > 3 else "nearest")
         if fn is F.upsample_bilinear:

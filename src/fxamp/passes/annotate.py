@@ -7,6 +7,7 @@ its inputs give it, as under autocast.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -21,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import oplists
 from ..errors import UnsupportedModelError, node_error
-from ..plan import NodePrecision
+from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
 from ..rewriter.runtime import eligible
 from . import PassResult
@@ -90,6 +91,12 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
     fixed = node.meta.get(FIXED)
     if fixed is not None:
         return Decision(fixed.inputs, fixed.rule, fixed.reason, label, fixed.runtime)
+    if node.op == "call_module" and isinstance(
+            getattr(root.get_submodule(node.target), "fxamp_plan", None), Plan):
+        source = getattr(root.get_submodule(node.target), "fxamp_source", label)
+        return Decision(None, "nested", "rewritten on its own (a submodule the whole-model "
+                        f"trace could not take); its nodes are the plan lines {node.target}/*",
+                        source)
     if ops is oplists.RUNTIME:
         return Decision(None, "runtime", "opaque call: torch.autocast decides inside it at "
                         "run time", label, runtime=True)
@@ -194,7 +201,8 @@ class _Simulator(fx.Interpreter):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         d = decide(n, self.module, args, kwargs, self.policy)
-        args, kwargs = tree_map(_cast(d.inputs), (args, kwargs))
+        if d.inputs is not None:  # (no planned dtype: the values pass unchanged)
+            args, kwargs = tree_map(_cast(d.inputs), (args, kwargs))
         try:
             try:
                 result = self._execute(n, d, args, kwargs)
@@ -228,7 +236,10 @@ class _Simulator(fx.Interpreter):
         """Ops whose fake kernels need values (checks like ``var < 0``, ``.item()``) run on
         real stand-ins — ones for floats, zeros for integers — only to learn the dtypes."""
         mode = self.fake_mode
-        with unset_fake_temporarily():
+        # an opaque call runs under (CPU) autocast: the real stand-ins are CPU tensors
+        autocast = (torch.autocast("cpu", dtype=self.policy.compute) if d.runtime
+                    else contextlib.nullcontext())
+        with unset_fake_temporarily(), autocast:
             args, kwargs = tree_map(_real_stand_in, (args, kwargs))
             if n.op == "call_module":
                 module = self.fetch_attr(n.target)
@@ -237,9 +248,6 @@ class _Simulator(fx.Interpreter):
                 if d.inputs is not None:
                     state = {k: _cast(d.inputs)(v) for k, v in state.items()}
                 result = torch.func.functional_call(module, state, args, kwargs, strict=False)
-            elif d.runtime:
-                with torch.autocast("cpu", dtype=self.policy.compute):
-                    result = getattr(self, n.op)(n.target, args, kwargs)
             else:
                 result = getattr(self, n.op)(n.target, args, kwargs)
         return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,

@@ -25,6 +25,14 @@ from .annotate import META, SHAPE, fix
 LOSS_MODULES = tuple(cls for cls in oplists.MODULE_OPS if cls.__name__.endswith("Loss"))
 LOSS_FUNCTIONS = {fn for fn, ops in oplists.FUNCTION_OPS.items()
                   if getattr(fn, "__name__", "").endswith(("_loss", "cross_entropy", "kl_div"))}
+# torch.export graphs name the ATen loss ops themselves
+LOSS_FUNCTIONS |= {overload for name in ("cross_entropy_loss", "mse_loss", "l1_loss",
+                                         "smooth_l1_loss", "huber_loss", "kl_div", "nll_loss",
+                                         "nll_loss2d", "binary_cross_entropy_with_logits",
+                                         "poisson_nll_loss", "soft_margin_loss",
+                                         "margin_ranking_loss", "hinge_embedding_loss",
+                                         "multilabel_margin_loss", "multi_margin_loss")
+                   for overload in [getattr(torch.ops.aten, name).default]}
 _REDUCE = {"mean", "sum"}
 _TERMS = {"pow", "square", "abs", "log", "log1p", "__pow__", "log2", "log10"}
 _PASS_THROUGH = {"mul", "neg", "__mul__", "__neg__", "truediv", "__truediv__", "div"}
@@ -49,7 +57,7 @@ def _hand_written_chain(node: fx.Node) -> List[fx.Node]:
         if not isinstance(current, fx.Node):
             return []
         name = call_name(current)
-        if name in _TERMS or (current.target is operator.mul and len(current.args) == 2
+        if name in _TERMS or (current.target in (operator.mul, torch.ops.aten.mul.Tensor) and len(current.args) == 2
                               and current.args[0] is current.args[1]):
             return chain + [current]
         if name not in _PASS_THROUGH:

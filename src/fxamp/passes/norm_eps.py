@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..oplists import call_name
+from ..oplists import call_name, callable_label
 from ..policy import Policy, dtype_name
 from . import PassResult, fetch_attr
 from .annotate import META, SHAPE, fix
@@ -35,10 +35,15 @@ NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
                                                           else ())
 NORM_FUNCTIONS = {F.layer_norm: 4, F.group_norm: 4, F.instance_norm: 7, F.batch_norm: 7,
                   getattr(F, "rms_norm", F.layer_norm): 3}  # value: positional index of eps
+# torch.export graphs: the ATen ops take eps at the same positions as the F.* functions
+NORM_FUNCTIONS.update({
+    torch.ops.aten.layer_norm.default: 4, torch.ops.aten.group_norm.default: 4,
+    torch.ops.aten.instance_norm.default: 7, torch.ops.aten.batch_norm.default: 7,
+    torch.ops.aten.rms_norm.default: 3})
 _REDUCTIONS = {"mean", "var", "sum", "std", "square"}
 _STATS_INPUTS = {"pow", "square", "mul", "sub", "abs", "__sub__", "__mul__", "__pow__"}
 _ROOTS = {"rsqrt", "sqrt", "reciprocal", "pow"}
-_ADDS = {operator.add, torch.add, "add"}
+_ADDS = {operator.add, torch.add, "add", torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar}
 
 
 def _is_low(node: fx.Node, policy: Policy) -> bool:
@@ -140,7 +145,7 @@ def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
             eps = node.kwargs.get("eps", node.args[index] if len(node.args) > index else None)
             if not isinstance(eps, float) or not 0 < eps < tiny:
                 continue
-            label = f"F.{node.target.__name__}"
+            label = callable_label(node.target)
             args = [None if isinstance(a, fx.Node) else a for a in node.args[1:]]
             kwargs = {k: None if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
             fn = node.target

@@ -37,12 +37,14 @@ log = logging.getLogger(__name__)
 
 RULE = "softmax"
 
-_EXP_FUNCS = (torch.exp,)
-_LOG_FUNCS = (torch.log,)
-_SUM_FUNCS = (torch.sum,)
-_DIV_FUNCS = (operator.truediv, torch.div, torch.true_divide)
+_aten = torch.ops.aten
+# torch.export graphs call the ATen overloads, with the same positional arguments
+_EXP_FUNCS = (torch.exp, _aten.exp.default)
+_LOG_FUNCS = (torch.log, _aten.log.default)
+_SUM_FUNCS = (torch.sum, _aten.sum.dim_IntList)
+_DIV_FUNCS = (operator.truediv, torch.div, torch.true_divide, _aten.div.Tensor)
 _DIV_METHODS = ("div", "true_divide", "__truediv__")
-_SOFTMAX_FUNCS = (torch.softmax, F.softmax, torch.special.softmax)
+_SOFTMAX_FUNCS = (torch.softmax, F.softmax, torch.special.softmax, _aten.softmax.int)
 _PASS_META = (META, VALUE, SHAPE, FIXED)
 
 

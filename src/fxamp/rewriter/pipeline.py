@@ -1,21 +1,25 @@
 """amp_rewrite: trace, annotate, insert casts, recompile; plan_of."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
 
-from .. import __version__
-from ..errors import FxampError, UnsupportedModelError
+from .. import __version__, oplists
+from ..errors import FxampError, TraceError, UnsupportedModelError
 from ..passes import custom_ops, joins, loss, norm_eps, softmax
 from ..passes.annotate import META, annotate, check_banned, fix
 from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
 from ..plan import Plan, RangeStats
 from ..policy import Policy, make_policy
+from .export_front import export_trace, flat_inputs
 from .trace import trace
 
 log = logging.getLogger(__name__)
@@ -25,6 +29,11 @@ GRAPH_PASSES = (softmax.stable_softmax, custom_ops.fence_custom_ops)
 #: numerics passes, in order: each reads the plan in node.meta and fixes decisions; the
 #: dtypes are propagated again after each pass that changed something
 NUMERICS_PASSES = (norm_eps.norm_eps, loss.loss_in_fp32, joins.consistent_joins)
+
+#: front ends amp_rewrite can trace with; "auto" tries fx, then export, then partial fx
+FRONTENDS = ("auto", "fx", "export")
+#: partial tracing gives up after this many untraceable submodules
+MAX_RUNTIME_LEAVES = 32
 
 _PLAN_ATTR = "fxamp_plan"
 _POLICY_ATTR = "fxamp_policy"
@@ -50,9 +59,63 @@ def _check_model(model: Any) -> None:
                 "and casts per op. what to do: call model.float() before amp_rewrite")
 
 
-def _header(policy: Policy) -> dict:
-    return {"fxamp": __version__, "torch": torch.__version__.split("+")[0],
-            "policy": str(policy), "frontend": "fx"}
+def _header(policy: Policy, frontend: str, leaves: Sequence[str] = (),
+            nested: Optional[Dict[str, Plan]] = None) -> dict:
+    header = {"fxamp": __version__, "torch": torch.__version__.split("+")[0],
+              "policy": str(policy), "frontend": frontend}
+    nested = nested or {}
+    runtime = [leaf for leaf in leaves if leaf not in nested]
+    if runtime:
+        header["runtime leaves"] = " ".join(runtime)
+    if nested:
+        header["nested"] = " ".join(f"{path}={plan.header['frontend']}"
+                                    for path, plan in nested.items())
+    return header
+
+
+def _leaf_inputs(model: nn.Module, leaves: Sequence[str], args: tuple,
+                 kwargs: Dict[str, Any]) -> Dict[str, Tuple[tuple, dict]]:
+    """The arguments each leaf gets when the model runs on the example inputs (one FP32
+    forward without grad, on copies of the buffers and a forked RNG: no state changes)."""
+    seen: Dict[str, Tuple[tuple, dict]] = {}
+    hooks = []
+    for path in leaves:
+        def hook(_m: nn.Module, a: tuple, kw: dict, path: str = path) -> None:
+            seen.setdefault(path, (a, kw))
+        hooks.append(model.get_submodule(path).register_forward_pre_hook(hook,
+                                                                         with_kwargs=True))
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                _reparametrize_module(model, buffers, strict=False):
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str],
+                    args: tuple, kwargs: Dict[str, Any], pol: Policy) -> Dict[str, Plan]:
+    """Rewrite each untraceable leaf on its own where a front end takes it; the others
+    stay runtime calls. Returns the nested plans by leaf path."""
+    captured = _leaf_inputs(model, leaves, args, kwargs)
+    inner = dataclasses.replace(pol, output_dtype=None)  # values flow on in their dtype
+    nested: Dict[str, Plan] = {}
+    for path in leaves:
+        if path not in captured:
+            continue
+        leaf_args, leaf_kwargs = captured[path]
+        try:
+            sub = rewrite(model.get_submodule(path), tuple(leaf_args), inner,
+                          kwargs=leaf_kwargs)
+        except FxampError as err:
+            log.info("%s stays a runtime call: %s", path, str(err).splitlines()[0])
+            continue
+        parent, _, name = path.rpartition(".")
+        setattr(src.get_submodule(parent) if parent else src, name, sub)
+        nested[path] = plan_of(sub)
+    return nested
 
 
 def plan_of(gm: nn.Module) -> Plan:
@@ -65,10 +128,12 @@ def plan_of(gm: nn.Module) -> Plan:
 
 
 def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
-                *, dtype: torch.dtype = torch.float16, target: str = "cuda",
+                *, example_kwargs: Optional[Dict[str, Any]] = None,
+                dtype: torch.dtype = torch.float16, target: str = "cuda",
                 policy: Union[None, str, Policy] = None,
                 calibration_data: Union[None, Iterable[Any], Plan,
-                                        Dict[str, RangeStats]] = None) -> fx.GraphModule:
+                                        Dict[str, RangeStats]] = None,
+                frontend: str = "auto") -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule``.
 
     Each node computes in the dtype ``torch.autocast(target, dtype)`` would give it (or the
@@ -76,8 +141,15 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     FP32 and shared with ``model``. ``example_inputs`` (a tuple of the forward's arguments)
     decide dtypes exactly. ``calibration_data`` (an iterable of input tuples, or a Plan whose
     ranges to reuse) keeps in FP32 the nodes whose values pass the low dtype's range.
+
+    ``frontend``: "fx" (torch.fx.symbolic_trace), "export" (torch.export, ATen-level, needs
+    the example inputs; keyword arguments go in ``example_kwargs``) or "auto": fx, then
+    export, then fx with the submodules neither can take kept as calls that run under
+    torch.autocast (``rule="runtime"``). The plan header records which one took the model.
     """
     pol = make_policy(policy, dtype, target)
+    if frontend not in FRONTENDS:
+        raise FxampError(f"unknown frontend {frontend!r}; valid: {', '.join(FRONTENDS)}")
     _check_model(model)
     if getattr(model, _PLAN_ATTR, None) is not None:
         if getattr(model, _POLICY_ATTR) == pol:
@@ -87,19 +159,85 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             f"this model was already rewritten by fxamp with policy "
             f"{getattr(model, _POLICY_ATTR)}; asked for {pol}. what to do: rewrite the "
             "original FP32 model instead")
-    if example_inputs is None:
+    if example_inputs is None and not example_kwargs:
         raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
                          "arguments) to know which values are floating tensors; what to do: "
                          "pass e.g. (torch.randn(1, 3, 224, 224),)")
-    return rewrite(model, _as_tuple(example_inputs), pol, calibration_data)
+    args = () if example_inputs is None else _as_tuple(example_inputs)
+    return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
+                   frontend=frontend)
+
+
+def _fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """The fx graph's placeholder values: the forward's parameters bound in order."""
+    if not kwargs:
+        return args
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
+
+
+def _partial_trace(model: nn.Module, error: TraceError) -> Tuple[fx.GraphModule, List[str]]:
+    """fx tracing with each submodule that fails kept as a call (run under autocast)."""
+    leaves: List[str] = []
+    while True:
+        path = getattr(error, "module", "")
+        if not path or path in leaves or len(leaves) >= MAX_RUNTIME_LEAVES:
+            raise error
+        leaves.append(path)
+        try:
+            return trace(model, leaves), leaves
+        except TraceError as err:
+            error = err
+
+
+def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str
+                ) -> Tuple[fx.GraphModule, str, tuple, List[str]]:
+    """(graph module, front end that took it, its placeholder values, runtime leaves)."""
+    if frontend == "export":
+        gm = export_trace(model, args, kwargs)
+        return gm, "export", flat_inputs(gm, args, kwargs), []
+    try:
+        return trace(model), "fx", _fx_inputs(model, args, kwargs), []
+    except TraceError as err:
+        if frontend == "fx":
+            raise
+        fx_error = err
+    try:
+        gm = export_trace(model, args, kwargs)
+        log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
+        return gm, "export", flat_inputs(gm, args, kwargs), []
+    except TraceError as err:
+        export_error = err
+    try:
+        gm, leaves = _partial_trace(model, fx_error)
+    except TraceError as err:
+        raise TraceError(f"no front end takes {type(model).__name__}.\n- fx: {fx_error}\n"
+                         f"- export: {export_error}") from err
+    log.info("%s: torch.fx and torch.export fail; traced around %s",
+             type(model).__name__, ", ".join(leaves))
+    return gm, "fx+runtime", _fx_inputs(model, args, kwargs), leaves
 
 
 def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
             calibration_data: Union[None, Iterable[Any], Plan, Dict[str, RangeStats]] = None,
-            fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None) -> fx.GraphModule:
+            fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None,
+            kwargs: Optional[Dict[str, Any]] = None, frontend: str = "auto") -> fx.GraphModule:
     """The pipeline behind amp_rewrite. ``fixed`` maps node names to (dtype, rule, reason)
     decisions made outside the passes (the tolerance search)."""
-    src = trace(model)
+    kwargs = dict(kwargs or {})
+    src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend)
+    nested = _rewrite_leaves(model, src, leaves, inputs, kwargs, pol) if leaves else {}
+    runtime = [leaf for leaf in leaves if leaf not in nested]
+    if runtime:
+        log.warning("%s: torch.fx and torch.export cannot take %s; they run under "
+                    "torch.autocast at run time (rule 'runtime')", type(model).__name__,
+                    ", ".join(runtime))
+    inputs = flat
+    if taken == "export" and calibration_data is not None and not isinstance(
+            calibration_data, (Plan, dict)):
+        calibration_data = [flat_inputs(src, _as_tuple(batch), {})
+                            for batch in calibration_data]
     for name, (dtype, rule, reason) in (fixed or {}).items():
         node = next((n for n in src.graph.nodes if n.name == name), None)
         if node is None:
@@ -120,12 +258,16 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
     if stats and keep_in_range(src, pol, stats).modified:
         annotate(src, inputs, pol)
     check_banned(src)
-    gm = insert_casts(src, pol).graph_module
+    gm = insert_casts(src, pol).graph_module  # GraphModule() compiled it already
     gm.graph.lint()
-    gm.recompile()
-    plan = Plan(nodes={n.name: n.meta[META] for n in src.graph.nodes if n.meta.get(META)},
-                header=_header(pol), ranges=stats)
+    nodes = {n.name: n.meta[META] for n in src.graph.nodes if n.meta.get(META)}
+    for path, sub_plan in nested.items():
+        nodes.update({f"{path}/{name}": dataclasses.replace(
+            p, module=f"{path}.{p.module}" if p.module else path)
+            for name, p in sub_plan.nodes.items()})
+    plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, nested), ranges=stats)
     setattr(gm, _PLAN_ATTR, plan)
+    gm.fxamp_source = oplists.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
     _copy_training_flags(model, gm)
     return gm

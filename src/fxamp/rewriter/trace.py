@@ -7,8 +7,9 @@ import inspect
 import operator
 import logging
 import traceback
+import warnings
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, FrozenSet, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -74,11 +75,17 @@ def _first_proxy(args: tuple, kwargs: dict) -> fx.Proxy:
 
 
 class FxampTracer(fx.Tracer):
-    """A symbolic tracer that records stack traces and keeps torch.nn modules as leaves."""
+    """A symbolic tracer that records stack traces and keeps torch.nn modules as leaves,
+    and the submodules named in ``leaves`` (partial tracing) too."""
 
-    def __init__(self) -> None:
+    def __init__(self, leaves: FrozenSet[str] = frozenset()) -> None:
         super().__init__()
         self.record_stack_traces = True
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(
+            m, module_qualified_name)
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -114,11 +121,12 @@ def _same_node(a: fx.Node, b: fx.Node, root: nn.Module, renamed: dict) -> bool:
     return (a.name, a.op, a.target) == (b.name, b.op, b.target)
 
 
-def _training_diffs(a: fx.Graph, b: fx.Graph, mode: bool,
-                    root: nn.Module) -> Optional[List[Tuple]]:
+def training_diffs(a: Iterable[fx.Node], b: Iterable[fx.Node], mode: bool,
+                   root: nn.Module) -> Optional[List[Tuple]]:
     """Where graphs traced in the two modes differ only by bool constants: (node, index,
-    equals_training) per constant; None when they differ in any other way."""
-    nodes_a, nodes_b = list(a.nodes), list(b.nodes)
+    equals_training) per constant; None when they differ in any other way. ``a`` and ``b``
+    are the graphs' nodes (traced in mode ``mode`` and in the other mode)."""
+    nodes_a, nodes_b = list(a), list(b)
     renamed: dict = {}
     if len(nodes_a) != len(nodes_b) or not all(
             _same_node(na, nb, root, renamed) for na, nb in zip(nodes_a, nodes_b)):
@@ -140,12 +148,14 @@ def _training_diffs(a: fx.Graph, b: fx.Graph, mode: bool,
     return diffs
 
 
-def _follow_training(graph: fx.Graph, diffs: List[Tuple]) -> None:
-    """Replace baked ``self.training`` constants by reads of the module's training flag."""
+def follow_training(graph: fx.Graph, diffs: List[Tuple], per_module: bool = True) -> None:
+    """Replace baked ``self.training`` constants by reads of the module's training flag
+    (of the root module when not ``per_module``)."""
     for node, index, same in diffs:
-        stack = node.meta.get("nn_module_stack") or {}
+        stack = (node.meta.get("nn_module_stack") or {}) if per_module else {}
         path = next(reversed(stack.values()))[0] if stack else ""
-        with graph.inserting_before(node):
+        with graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # fx: "no underlying reference"
             flag: Any = graph.get_attr(f"{path}.training" if path else "training")
             if not same:
                 flag = graph.call_function(operator.not_, (flag,))
@@ -154,47 +164,47 @@ def _follow_training(graph: fx.Graph, diffs: List[Tuple]) -> None:
         node.args, node.kwargs = tree_unflatten(flat, spec)
 
 
-def trace(model: nn.Module) -> fx.GraphModule:
+def trace(model: nn.Module, leaves: Iterable[str] = ()) -> fx.GraphModule:
     """Trace ``model`` with torch.fx; raise TraceError naming the line and the way out.
 
     Custom modules whose forward reads ``self.training`` are traced in both modes; the
     constants that differ become reads of the module's flag, so ``train()`` / ``eval()``
-    keep working on the result.
+    keep working on the result. Submodules named in ``leaves`` are kept as calls.
     """
     before = set(vars(model))
     try:
-        return _trace_both_modes(model)
+        return _trace_both_modes(model, frozenset(leaves))
     finally:  # fx stores tensor constants on the traced root: keep the user's model clean
         for name in set(vars(model)) - before:
             if name.startswith(_CONSTANT):
                 delattr(model, name)
 
 
-def _trace_both_modes(model: nn.Module) -> fx.GraphModule:
-    graph = _trace_graph(model)
+def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str]) -> fx.GraphModule:
+    graph = _trace_graph(model, leaves)
     if any(reads_training(type(m)) and not type(m).__module__.startswith("torch.nn")
            for m in model.modules()):
         mode = model.training
         flags = [(m, m.training) for m in model.modules()]
         try:
             model.train(not mode)
-            other = _trace_graph(model)
+            other = _trace_graph(model, leaves)
         finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
             for m, flag in flags:
                 m.training = flag
-        diffs = _training_diffs(graph, other, mode, model)
+        diffs = training_diffs(graph.nodes, other.nodes, mode, model)
         if diffs is None:
             log.warning("%s traces differently in train and eval mode: the rewritten graph "
                         "keeps the %s-mode behaviour; rewrite again after switching modes",
                         type(model).__name__, "train" if mode else "eval")
         elif diffs:
-            _follow_training(graph, diffs)
+            follow_training(graph, diffs)
     name = type(model).__name__
     return fx.GraphModule(model, graph, name)
 
 
-def _trace_graph(model: nn.Module) -> fx.Graph:
-    tracer = FxampTracer()
+def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset()) -> fx.Graph:
+    tracer = FxampTracer(leaves)
     try:
         with _functions_as_leaves():
             graph = tracer.trace(model)
@@ -204,8 +214,29 @@ def _trace_graph(model: nn.Module) -> fx.Graph:
                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         if where:
             msg += f"\n  source: {where}"
-        msg += ("\n  what to do: make that code traceable (no Python control flow on tensor "
-                "values or shapes), move it into a submodule and mark it a leaf, or wait for "
-                "the torch.export front end (frontend='export')")
-        raise TraceError(msg) from exc
+        module = failing_module(exc, model)
+        if module:
+            msg += f"\n  module: {module}"
+        msg += ("\n  what to do: use frontend='auto' (the default): it tries torch.export "
+                "(frontend='export', which takes shape-dependent code given example inputs) "
+                "and then traces around untraceable submodules, running them under "
+                "torch.autocast; or make that code traceable (no Python control flow on "
+                "tensor values)")
+        err = TraceError(msg)
+        err.module = module  # type: ignore[attr-defined]
+        raise err from exc
     return graph
+
+
+def failing_module(exc: BaseException, model: nn.Module) -> str:
+    """The path of the innermost submodule of ``model`` whose forward was running when
+    ``exc`` was raised ("" for the root or none)."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    found = ""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in paths:
+            found = paths[id(owner)]
+        tb = tb.tb_next
+    return found

@@ -1,0 +1,293 @@
+"""torch.export front end: an ATen-level graph for models ``torch.fx.symbolic_trace`` cannot take.
+
+``torch.export.export(model, args, kwargs, strict=False)`` runs the forward once on fake
+tensors, so Python control flow on shapes, dataclass outputs and keyword arguments are no
+obstacle (branches on tensor *values* still are). Every tensor dimension is exported as
+``Dim.AUTO``: dimensions the code does not specialise stay symbolic, so the result takes
+other batch sizes and sequence lengths. The unlifted module (``ExportedProgram.module()``)
+is an ordinary ``fx.GraphModule`` holding the model's own Parameters and buffers; its
+``call_function`` nodes are ATen overloads, the level at which autocast's lists are defined.
+
+Training: the export is taken in both modes. Where the graphs differ only by baked
+``training`` constants (dropout, batch norm), the constants become reads of the rewritten
+module's ``training`` flag, so ``train()`` / ``eval()`` work on the result; batch norm's
+``num_batches_tracked += 1`` (train graph only) adds the flag itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import operator
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from ..errors import TraceError
+from .trace import _user_frame, failing_module
+
+log = logging.getLogger(__name__)
+
+_GUARDS = "_guards_fn"
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
+    """``Dim.AUTO`` for every dimension of every tensor input, keyed by parameter name."""
+    from torch.export import Dim
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {i: Dim.AUTO for i in range(value.dim())} or None
+        return None
+
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as err:
+        raise TraceError(f"the example inputs do not match {type(model).__name__}.forward: "
+                         f"{err}; what to do: pass example_inputs (positional) and "
+                         "example_kwargs (keyword) as the forward takes them") from err
+    return {name: tree_map(spec, value) for name, value in bound.arguments.items()}
+
+
+#: torch loggers that print whole graphs as warnings when an export fails; fxamp reports
+#: the failure itself (see TraceError), so they are quietened while fxamp exports
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Quieten those loggers, and the partial graph torch.export prints to stderr when it
+    fails (kept at debug level in fxamp's log)."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if printed.getvalue():
+            log.debug("torch.export printed:\n%s", printed.getvalue())
+
+
+def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.GraphModule:
+    try:
+        shapes = _dynamic_shapes(model, args, kwargs)
+        with _quiet_torch_logs():
+            program = torch.export.export(model, args, kwargs, strict=False,
+                                          dynamic_shapes=shapes)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
+        where = _user_frame(exc)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        msg = (f"torch.export cannot export {type(model).__name__}: "
+               f"{type(exc).__name__}: {first}")
+        if where:
+            msg += f"\n  source: {where}"
+        module = failing_module(exc, model)
+        if module:
+            msg += f"\n  module: {module}"
+        msg += ("\n  what to do: frontend='auto' (the default) traces around the submodule "
+                "that fails and runs it under torch.autocast; or remove the branch on tensor "
+                "values (torch.where, torch.cond)")
+        err = TraceError(msg)
+        err.module = module  # type: ignore[attr-defined]
+        raise err from exc
+    gm = program.module()
+    _drop_guards(gm)
+    return gm
+
+
+def _drop_guards(gm: fx.GraphModule) -> None:
+    """Remove export's input-shape guard call: fxamp's plan does not depend on shapes."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and node.target == _GUARDS and not node.users:
+            gm.graph.erase_node(node)
+    if hasattr(gm, _GUARDS):
+        delattr(gm, _GUARDS)
+    gm.graph.lint()
+
+
+def _is_batches_tracked(node: fx.Node) -> bool:
+    """``bn.num_batches_tracked.add_(1)``, which only a train-mode graph has."""
+    return (node.op == "call_function" and node.target is torch.ops.aten.add_.Tensor
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+            and str(node.args[0].target).endswith("num_batches_tracked"))
+
+
+#: ops that only the train-mode graph may have and that change no value
+_TRAIN_ONLY_IDENTITIES = (torch.ops.aten.contiguous.default, torch.ops.aten.clone.default,
+                          torch.ops.aten.alias.default)
+
+
+def _schema_args(node: fx.Node) -> Optional[List[Tuple[str, bool, Any]]]:
+    """(name, kwarg_only, value) for every schema argument of an ATen call, defaults filled
+    in; None for anything else."""
+    fn = node.target
+    if node.op != "call_function" or not isinstance(fn, torch._ops.OpOverload):
+        return None
+    out = []
+    for i, arg in enumerate(fn._schema.arguments):
+        if i < len(node.args):
+            value = node.args[i]
+        elif arg.name in node.kwargs:
+            value = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            return None
+        out.append((arg.name, arg.kwarg_only, value))
+    return out
+
+
+class _Alignment:
+    """The train-mode graph's nodes matched to the other mode's, and the constants that
+    differ: ``changes`` holds (train node, argument index, train value) where the value
+    must follow the training flag."""
+
+    def __init__(self) -> None:
+        self.match: Dict[fx.Node, fx.Node] = {}  # other-mode node -> train-mode node
+        self.alias: Dict[fx.Node, fx.Node] = {}  # train-only identity -> its input
+        self.changes: List[Tuple[fx.Node, int, Any]] = []
+        self.counts: List[fx.Node] = []
+
+    def resolve(self, node: fx.Node) -> fx.Node:
+        while node in self.alias:
+            node = self.alias[node]
+        return node
+
+    def same_value(self, a: Any, b: Any) -> bool:
+        if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+            return (isinstance(a, fx.Node) and isinstance(b, fx.Node)
+                    and self.resolve(a) is self.match.get(b))
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(self.same_value(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and a == b
+
+    def compare(self, a: fx.Node, b: fx.Node) -> bool:
+        """Match ``a`` (train) with ``b``; record the constants that follow the mode."""
+        if a.op != b.op or a.target != b.target:
+            return False
+        args_a, args_b = _schema_args(a), _schema_args(b)
+        if args_a is None or args_b is None:
+            if not self.same_value((a.args, a.kwargs), (b.args, b.kwargs)):
+                return False
+        else:
+            for index, ((_, _, va), (_, _, vb)) in enumerate(zip(args_a, args_b)):
+                if self.same_value(va, vb):
+                    continue
+                if type(va) is bool and type(vb) is bool:
+                    self.changes.append((a, index, va))
+                elif isinstance(va, float) and vb in (0.0, None):
+                    self.changes.append((a, index, va))  # dropout p: p in train, 0 in eval
+                else:
+                    return False
+        self.match[b] = a
+        return True
+
+
+def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
+    """Match the train-mode graph with the other mode's; None when they differ in more
+    than constants that follow the mode, identity ops and batch norm's batch count."""
+    aligned = _Alignment()
+    others = list(other.nodes)
+    j = 0
+    for node in train.nodes:
+        if j < len(others) and aligned.compare(node, others[j]):
+            j += 1
+        elif _is_batches_tracked(node):
+            aligned.counts.append(node)
+        elif node.op == "call_function" and node.target in _TRAIN_ONLY_IDENTITIES:
+            aligned.alias[node] = node.args[0]
+        else:
+            return None
+    return aligned if j == len(others) else None
+
+
+def _follow_mode(gm: fx.GraphModule, aligned: _Alignment) -> None:
+    """Make the train-mode graph's mode-dependent constants read ``self.training``."""
+    graph = gm.graph
+    for node, index, value in aligned.changes:
+        args = _schema_args(node)
+        assert args is not None
+        with graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # fx: "no underlying reference"
+            flag: Any = graph.get_attr("training")
+            if isinstance(value, bool):
+                new: Any = flag if value else graph.call_function(operator.not_, (flag,))
+            else:
+                new = graph.call_function(operator.mul, (value, flag))
+        values = [v for _, _, v in args]
+        values[index] = new
+        positional = [v for (_, kw, _), v in zip(args, values) if not kw]
+        keywords = {name: v for (name, kw, _), v in zip(args, values) if kw}
+        node.args, node.kwargs = tuple(positional), keywords
+    for node in aligned.counts:  # num_batches_tracked += training (0 in eval mode)
+        with graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            flag = graph.get_attr("training")
+        node.args = (node.args[0], flag)
+    graph.lint()
+    gm.recompile()
+
+
+def _export_in_mode(model: nn.Module, train: bool, args: tuple,
+                    kwargs: Dict[str, Any]) -> fx.GraphModule:
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.train(train)
+        return _export(model, args, kwargs)
+    finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
+        for m, flag in flags:
+            m.training = flag
+
+
+def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.GraphModule:
+    """Export ``model`` (non-strict) and return its unlifted GraphModule, following
+    ``train()`` / ``eval()``; raise TraceError naming the line that stops torch.export.
+
+    The graph is taken in the model's current mode first (its error is the one raised),
+    then in the other; the train-mode graph is the base when both align."""
+    mode = model.training
+    first = _export_in_mode(model, mode, args, kwargs)
+    try:
+        second: Optional[fx.GraphModule] = _export_in_mode(model, not mode, args, kwargs)
+    except TraceError as err:
+        log.warning("%s exports in %s mode only (%s); the rewritten graph keeps that mode's "
+                    "behaviour", type(model).__name__, "train" if mode else "eval",
+                    str(err).splitlines()[0])
+        return first
+    gm, other = (first, second) if mode else (second, first)
+    aligned = _align(gm.graph, other.graph)
+    if aligned is None:
+        log.warning("%s exports differently in train and eval mode: the rewritten graph "
+                    "keeps the %s-mode behaviour; rewrite again after switching modes",
+                    type(model).__name__, "train" if mode else "eval")
+        return first
+    _follow_mode(gm, aligned)
+    return gm
+
+
+def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """The exported graph's placeholder values for a call ``gm(*args, **kwargs)``."""
+    spec = getattr(gm, "_in_spec", None)
+    if spec is None:
+        return tuple(args)
+    import torch.fx._pytree as fx_pytree
+
+    return tuple(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), spec))
+
+
+def is_exported(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` came from the export front end (its call_functions are ATen ops)."""
+    return getattr(gm, "_in_spec", None) is not None
+
