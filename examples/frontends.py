@@ -2,8 +2,8 @@
 
 ``shape`` branches on a shape (torch.fx cannot; torch.export can), ``gate`` branches on a
 tensor value (neither can). frontend="auto" (the default) traces the model with torch.fx
-around both, rewrites ``shape`` on its own with torch.export, and leaves ``gate`` to
-torch.autocast at run time. Run: python examples/frontends.py
+around both, rewrites ``shape`` on its own with torch.export, and runs ``gate``'s forward
+eagerly under torch.autocast with its Linear rewritten. Run: python examples/frontends.py
 """
 import torch
 import torch.nn as nn

@@ -83,14 +83,17 @@ def test_export_graph_follows_train_and_eval() -> None:
 
 
 class Gate(nn.Module):
+    """Data-dependent (neither fx nor torch.export takes it) and without child modules, so
+    nothing in it can be rewritten: it runs under torch.autocast."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) / 8 ** 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.sum() > 0:  # data-dependent: neither fx nor torch.export can take it
-            return self.lin(x)
-        return -self.lin(x)
+        if x.sum() > 0:
+            return x @ self.w
+        return -(x @ self.w)
 
 
 class Gated(nn.Module):
@@ -136,14 +139,14 @@ def test_auto_traces_around_a_data_dependent_submodule() -> None:
         torch.testing.assert_close(gm(xs), model(xs), rtol=0.03, atol=0.03)
     # it trains with the scaler's usual loop (bf16 needs no scaling; loss stays finite)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = model.gate.lin.weight.detach().clone()
+    before = model.gate.w.detach().clone()
     for _ in range(3):
         opt.zero_grad()
         loss = gm(torch.randn(4, 8)).float().pow(2).mean()
         assert torch.isfinite(loss)
         loss.backward()
         opt.step()
-    assert not torch.equal(before, model.gate.lin.weight)
+    assert not torch.equal(before, model.gate.w)
 
 
 class RootBranch(nn.Module):
@@ -277,3 +280,48 @@ def test_partial_tracing_rewrites_a_leaf_on_its_own_where_it_can() -> None:
     assert plan.nodes["gate"].rule == "runtime"
     torch.testing.assert_close(gm(x), model(x), rtol=0.03, atol=0.03)
     assert "shape/linear" in fxamp.Plan.from_text(plan.to_text()).nodes
+
+
+class ListRoot(nn.Module):
+    """A detection-like root: loops over a list of images and branches on a value in its
+    own forward (no tracer takes it); its children are ordinary graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                      nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.gate = Gate()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, images: list) -> list:
+        out = []
+        for img in images:
+            feats = self.gate(self.backbone(img[None]))
+            if feats.abs().sum() > 0:
+                out.append({"scores": self.head(feats)})
+        return out
+
+
+def test_untraceable_root_runs_eager_with_its_children_rewritten() -> None:
+    torch.manual_seed(0)
+    model = ListRoot()
+    images = [torch.rand(3, 16, 16), torch.rand(3, 16, 20)]
+    gm = fxamp.amp_rewrite(model, (images,), **BF16)
+    plan = fxamp.plan_of(gm)
+    assert plan.header["frontend"] == "eager"
+    assert plan.header["nested"] == "backbone=fx head=fx"
+    assert plan.header["runtime leaves"] == "gate"
+    assert plan.nodes["backbone"].op == "nn.Sequential"
+    assert plan.nodes["backbone/_0"].dtype == torch.bfloat16  # the Conv2d
+    assert plan.nodes["backbone/_0"].module == "backbone.0"
+    assert plan.nodes["gate"].rule == "runtime"
+    out, ref = gm(images), model(images)
+    assert len(out) == len(ref) == 2
+    for o, r in zip(out, ref):
+        assert o["scores"].dtype == torch.float32  # policy output=fp32
+        torch.testing.assert_close(o["scores"], r["scores"], rtol=0.03, atol=0.03)
+    # the same Parameters, and the user's model is untouched
+    assert gm.head is not model.head and isinstance(model.head, nn.Linear)
+    assert dict(gm.named_parameters())["head.weight"] is model.head.weight
+    gm(images)[0]["scores"].sum().backward()
+    assert model.backbone[0].weight.grad.dtype == torch.float32

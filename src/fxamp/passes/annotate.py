@@ -94,9 +94,10 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
     if node.op == "call_module" and isinstance(
             getattr(root.get_submodule(node.target), "fxamp_plan", None), Plan):
         source = getattr(root.get_submodule(node.target), "fxamp_source", label)
-        return Decision(None, "nested", "rewritten on its own (a submodule the whole-model "
-                        f"trace could not take); its nodes are the plan lines {node.target}/*",
-                        source)
+        # it was planned with the FP32 model's inputs: it gets FP32 inputs
+        return Decision(torch.float32, "nested", "rewritten on its own (a submodule the "
+                        "whole-model trace could not take), planned for FP32 inputs; its nodes "
+                        f"are the plan lines {node.target}/*", source)
     if ops is oplists.RUNTIME:
         return Decision(None, "runtime", "opaque call: torch.autocast decides inside it at "
                         "run time", label, runtime=True)

@@ -257,6 +257,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.Gr
 
     The graph is taken in the model's current mode first (its error is the one raised),
     then in the other; the train-mode graph is the base when both align."""
+    args, kwargs = plain_containers((tuple(args), dict(kwargs)))
     mode = model.training
     first = _export_in_mode(model, mode, args, kwargs)
     try:
@@ -284,7 +285,24 @@ def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tupl
         return tuple(args)
     import torch.fx._pytree as fx_pytree
 
-    return tuple(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), spec))
+    value = plain_containers((tuple(args), dict(kwargs)))
+    return tuple(fx_pytree.tree_flatten_spec(value, spec))
+
+
+def plain_containers(value: Any) -> Any:
+    """``value`` with every OrderedDict made a dict: an exported graph's input spec tells
+    the two apart, while models hand either (an fx graph returns a dict where the traced
+    code built an OrderedDict)."""
+    if isinstance(value, dict):
+        return {k: plain_containers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(plain_containers(v) for v in value)
+    return value
+
+
+def plain_inputs_hook(_module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """A forward pre-hook giving an exported graph its inputs with plain dicts."""
+    return plain_containers(tuple(args)), plain_containers(dict(kwargs))
 
 
 def is_exported(gm: fx.GraphModule) -> bool:

@@ -9,7 +9,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from .. import __version__, oplists
 from ..errors import FxampError, TraceError, UnsupportedModelError
@@ -19,7 +18,8 @@ from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
 from ..plan import Plan, RangeStats
 from ..policy import Policy, make_policy
-from .export_front import export_trace, flat_inputs
+from .eager_root import eager_root, submodule_calls
+from .export_front import export_trace, flat_inputs, plain_inputs_hook
 from .trace import trace
 
 log = logging.getLogger(__name__)
@@ -73,39 +73,17 @@ def _header(policy: Policy, frontend: str, leaves: Sequence[str] = (),
     return header
 
 
-def _leaf_inputs(model: nn.Module, leaves: Sequence[str], args: tuple,
-                 kwargs: Dict[str, Any]) -> Dict[str, Tuple[tuple, dict]]:
-    """The arguments each leaf gets when the model runs on the example inputs (one FP32
-    forward without grad, on copies of the buffers and a forked RNG: no state changes)."""
-    seen: Dict[str, Tuple[tuple, dict]] = {}
-    hooks = []
-    for path in leaves:
-        def hook(_m: nn.Module, a: tuple, kw: dict, path: str = path) -> None:
-            seen.setdefault(path, (a, kw))
-        hooks.append(model.get_submodule(path).register_forward_pre_hook(hook,
-                                                                         with_kwargs=True))
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                _reparametrize_module(model, buffers, strict=False):
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
-    return seen
-
-
 def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str],
                     args: tuple, kwargs: Dict[str, Any], pol: Policy) -> Dict[str, Plan]:
     """Rewrite each untraceable leaf on its own where a front end takes it; the others
     stay runtime calls. Returns the nested plans by leaf path."""
-    captured = _leaf_inputs(model, leaves, args, kwargs)
+    captured = submodule_calls(model, leaves, args, kwargs)
     inner = dataclasses.replace(pol, output_dtype=None)  # values flow on in their dtype
     nested: Dict[str, Plan] = {}
     for path in leaves:
         if path not in captured:
             continue
-        leaf_args, leaf_kwargs = captured[path]
+        leaf_args, leaf_kwargs, _ = captured[path]
         try:
             sub = rewrite(model.get_submodule(path), tuple(leaf_args), inner,
                           kwargs=leaf_kwargs)
@@ -226,7 +204,19 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
     """The pipeline behind amp_rewrite. ``fixed`` maps node names to (dtype, rule, reason)
     decisions made outside the passes (the tolerance search)."""
     kwargs = dict(kwargs or {})
-    src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend)
+    try:
+        src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend)
+    except TraceError as err:
+        if frontend != "auto" or getattr(err, "module", "") or fixed or calibration_data:
+            raise
+        try:  # the model's own forward is what fails: rewrite its children instead
+            result = eager_root(model, inputs, kwargs, pol, rewrite, _header(pol, "eager"))
+        except FxampError:
+            raise err from None
+        log.warning("%s: no tracer takes its forward; it runs eagerly under torch.autocast "
+                    "with its children rewritten (%s)", type(model).__name__,
+                    plan_of(result).header.get("nested", ""))
+        return result  # type: ignore[return-value]
     nested = _rewrite_leaves(model, src, leaves, inputs, kwargs, pol) if leaves else {}
     runtime = [leaf for leaf in leaves if leaf not in nested]
     if runtime:
@@ -270,6 +260,8 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
     gm.fxamp_source = oplists.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
     _copy_training_flags(model, gm)
+    if taken == "export":
+        gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
     return gm
 
 

@@ -1,0 +1,172 @@
+"""Eager root: a model whose own ``forward`` no tracer takes, with its children rewritten.
+
+Detection models loop over lists of images and branch on box counts in their top-level
+``forward``; neither torch.fx nor torch.export takes that code, but their backbones and heads
+are ordinary graphs. Here the model's own ``forward`` stays Python and runs under
+``torch.autocast``; each child module is rewritten on its own (any front end, recursively)
+and runs with autocast switched off, as its plan says; a child nothing takes stays the
+original module and runs under the autocast around it (``rule="runtime"``).
+
+The result is a shallow copy of the model (same class, same Parameters and buffers) whose
+children are the rewritten modules; attributes a rewritten child lacks (``out_channels``,
+helper methods such as ``transform.postprocess``) are read from the original child.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..errors import FxampError
+from ..oplists import module_label
+from ..plan import NodePrecision, Plan
+from ..policy import Policy, dtype_name
+
+log = logging.getLogger(__name__)
+
+
+def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
+                    kwargs: Dict[str, Any]) -> Dict[str, Tuple[tuple, dict, Any]]:
+    """(args, kwargs, output) of each submodule's first call when the model runs on the
+    example inputs: one FP32 forward without grad, on copies of the buffers and a forked
+    RNG, so no state changes."""
+    seen: Dict[str, Tuple[tuple, dict, Any]] = {}
+    hooks = []
+    for path in paths:
+        def hook(_m: nn.Module, a: tuple, kw: dict, out: Any, path: str = path) -> None:
+            seen.setdefault(path, (a, kw, out))
+        hooks.append(model.get_submodule(path).register_forward_hook(hook, with_kwargs=True))
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                _reparametrize_module(model, buffers, strict=False):
+            model(*args, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _device_type(values: Any) -> str:
+    leaves, _ = tree_flatten(values)
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+def _fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
+
+
+def _as_planned(module: nn.Module) -> None:
+    """Make ``module`` (a rewritten child with explicit casts) run with autocast off, on
+    FP32 inputs: it was planned with the inputs the FP32 model gives it."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map(_fp32, (args, kwargs))
+        with torch.autocast(_device_type((args, kwargs)), enabled=False):
+            return forward(*args, **kwargs)
+
+    module.forward = run  # type: ignore[method-assign]
+
+
+def _reading_from(module: nn.Module, original: nn.Module) -> None:
+    """Attributes ``module`` lacks are read from ``original`` (the child it replaces)."""
+    cls = type(module)
+
+    def __getattr__(self: nn.Module, name: str) -> Any:
+        try:
+            return cls.__getattr__(self, name)
+        except AttributeError:
+            return getattr(original, name)
+
+    module.__class__ = type(cls.__name__, (cls,), {"__getattr__": __getattr__})
+
+
+def _first_float(value: Any) -> Any:
+    leaves, _ = tree_flatten(value)
+    return next((v for v in leaves if isinstance(v, torch.Tensor) and v.is_floating_point()),
+                None)
+
+
+def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
+               rewrite: Callable[..., nn.Module], header: Dict[str, str]) -> nn.Module:
+    """The model with its own forward eager under autocast and its children rewritten.
+    ``rewrite(child, args, policy, kwargs=)`` rewrites one child (raising FxampError when
+    nothing takes it)."""
+    names = [name for name, _ in model.named_children()]
+    calls = submodule_calls(model, names, args, kwargs)
+    inner = dataclasses.replace(pol, output_dtype=None)  # values flow on in their dtype
+    result = copy.copy(model)
+    result._modules = dict(model._modules)
+    nested: Dict[str, Plan] = {}
+    runtime: List[str] = []
+    for name in names:
+        if name not in calls:
+            continue  # never called by forward
+        child_args, child_kwargs, _ = calls[name]
+        child = model.get_submodule(name)
+        try:
+            sub = rewrite(child, tuple(child_args), inner, kwargs=child_kwargs)
+        except FxampError as err:
+            log.info("%s stays under autocast: %s", name, str(err).splitlines()[0])
+            runtime.append(name)
+            continue
+        _as_planned(sub)
+        _reading_from(sub, child)
+        result._modules[name] = sub
+        nested[name] = getattr(sub, "fxamp_plan")
+    if not nested:
+        raise FxampError(f"none of {type(model).__name__}'s children could be rewritten")
+    original = type(model).forward
+    low = pol.compute
+    out_dtype = pol.output_dtype
+
+    def forward(*a: Any, **kw: Any) -> Any:
+        with torch.autocast(_device_type((a, kw)), dtype=low):
+            out = original(result, *a, **kw)
+        if out_dtype is None:
+            return out
+        return tree_map(lambda t: t.to(out_dtype) if isinstance(t, torch.Tensor)
+                        and t.is_floating_point() and t.dtype != out_dtype else t, out)
+
+    result.forward = forward  # type: ignore[method-assign]
+    # the children's dtypes under the rewritten model, from one run on the example inputs
+    outs = submodule_calls(result, list(calls), args, kwargs)
+    nodes: Dict[str, NodePrecision] = {}
+    for name in calls:
+        value = _first_float(outs.get(name, (None, None, None))[2])
+        label = module_label(model.get_submodule(name))
+        dtype = value.dtype if value is not None else torch.float32
+        if name in nested:
+            nodes[name] = NodePrecision(dtype, "nested", "rewritten on its own (the model's "
+                                        "forward is not traceable), planned for FP32 inputs; "
+                                        f"its nodes are the plan lines {name}/*", label, name,
+                                        torch.float32)
+            for key, p in nested[name].nodes.items():
+                nodes[f"{name}/{key}"] = dataclasses.replace(
+                    p, module=f"{name}.{p.module}" if p.module else name)
+        else:
+            nodes[name] = NodePrecision(dtype, "runtime", "not traceable: runs under "
+                                        f"torch.autocast ({dtype_name(low)}) at run time",
+                                        label, name)
+    header = dict(header, frontend="eager")
+    if runtime:
+        header["runtime leaves"] = " ".join(runtime)
+    if nested:
+        header["nested"] = " ".join(f"{n}={p.header['frontend']}" for n, p in nested.items())
+    result.fxamp_plan = Plan(nodes=nodes, header=header)
+    result.fxamp_policy = pol
+    return result
