@@ -427,9 +427,9 @@ def has_autocast_kernel(op_name: str, target: str) -> bool:
 
 def autocast_rewrite(model: nn.Module, inputs: tuple, *, policy: str | None = None,
                      **kwargs: Any) -> torch.fx.GraphModule:
-    """``fxamp.amp_rewrite`` with the numerics passes off: the plan mirrors autocast exactly
-    (and outputs keep their dtype), which is what the agreement tests check."""
+    """``fxamp.amp_rewrite`` with the numerics passes and cast placement off: the plan mirrors
+    autocast exactly (and outputs keep their dtype), which is what the agreement tests check."""
     import fxamp
 
-    text = "numerics=off" + (f",{policy}" if policy else "")
+    text = "numerics=off,placement=off" + (f",{policy}" if policy else "")
     return fxamp.amp_rewrite(model, inputs, policy=text, **kwargs)

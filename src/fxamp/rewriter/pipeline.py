@@ -16,6 +16,7 @@ from ..passes import custom_ops, joins, loss, norm_eps, softmax
 from ..passes.annotate import META, annotate, check_banned, fix
 from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
+from ..passes.placement import place_casts
 from ..plan import Plan, RangeStats
 from ..policy import Policy, make_policy
 from .eager_root import eager_root, submodule_calls
@@ -246,6 +247,8 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
                 annotate(src, inputs, pol)
     stats = _ranges(src, calibration_data, pol)
     if stats and keep_in_range(src, pol, stats).modified:
+        annotate(src, inputs, pol)
+    if pol.placement and place_casts(src, pol).modified:
         annotate(src, inputs, pol)
     check_banned(src)
     gm = insert_casts(src, pol).graph_module  # GraphModule() compiled it already
