@@ -113,7 +113,8 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
                 frontend: str = "auto") -> fx.GraphModule:
-    """Rewrite ``model`` into an explicit mixed-precision ``GraphModule``.
+    """Rewrite ``model`` into an explicit mixed-precision ``GraphModule`` (for the "eager"
+    front end, a copy of the model whose children are such modules).
 
     Each node computes in the dtype ``torch.autocast(target, dtype)`` would give it (or the
     policy's override, or a numerics pass's decision), with explicit casts; Parameters stay
