@@ -141,3 +141,18 @@ def test_torch_compile_of_the_channels_last_rewrite():
     torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
     out.float().sum().backward()
     assert model.conv1.weight.grad.dtype == torch.float32
+
+
+def test_channels_last_with_the_export_front_end():
+    torch.manual_seed(0)
+    model = TinyConvNet().train()
+    x = torch.randn(2, 3, 16, 16)
+    off = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend="export")
+    on = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend="export",
+                           policy="channels_last=on")
+    assert fxamp.plan_of(on).header["frontend"] == "export"
+    with _ConvInputs() as mode:
+        out = on(x)
+    assert len(mode.seen) == 3 and all(inp and weight for inp, weight, _ in mode.seen)
+    torch.testing.assert_close(out, off(x), rtol=2e-2, atol=2e-2)
+    assert model.conv1.weight.is_contiguous(memory_format=CL)

@@ -235,15 +235,15 @@ def insert_casts(src: fx.GraphModule, policy: Policy) -> PassResult:
     # policy channels_last: conv weights in NHWC (in place), 4-D inputs converted on entry
     nhwc = policy.channels_last and layout.weights_to_channels_last(src).modified
     pending = layout.channels_last_inputs(src) if nhwc else []
+    last_input = [n for n in src.graph.nodes if n.op == "placeholder"][-1] if pending else None
     for node in src.graph.nodes:
-        if pending and node.op != "placeholder":  # after all the placeholders
-            for placeholder in pending:
-                builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
-            pending = []
         builder.env[node] = builder.copy(node)
         if builder.env[node].name != node.name:
             raise RuntimeError(f"fxamp internal error: node {node.name!r} was renamed "
                                f"{builder.env[node].name!r}")
+        if node is last_input:  # convert after all the placeholders
+            for placeholder in pending:
+                builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
     builder.graph.set_codegen(src.graph._codegen)
     gm = fx.GraphModule(src, builder.graph, type(src).__name__)
     log.debug("inserted %d casts", builder.n_casts)

@@ -24,7 +24,10 @@ from .annotate import META, SHAPE, VALUE
 log = logging.getLogger(__name__)
 
 _CONV2D_MODULES = (nn.Conv2d, nn.ConvTranspose2d)
-_CONV2D_FUNCTIONS = {F.conv2d, torch.conv2d, F.conv_transpose2d, torch.conv_transpose2d}
+_CONV2D_FUNCTIONS = {F.conv2d, torch.conv2d, F.conv_transpose2d, torch.conv_transpose2d,
+                     # torch.export graphs (frontend="export") call the ATen ops
+                     torch.ops.aten.conv2d.default, torch.ops.aten.convolution.default,
+                     torch.ops.aten.conv_transpose2d.input}
 
 
 def _conv_weights(gm: fx.GraphModule) -> List[torch.Tensor]:
