@@ -440,10 +440,13 @@ def place_casts(gm: fx.GraphModule, policy: Policy) -> PassResult:
         was = {c for c in old_casts if c[0] in touched}
         now = {c for c in new_casts if c[0] in touched}
         saved = sum(model.cast_bytes(*c) for c in was) - sum(model.cast_bytes(*c) for c in now)
+        added, removed = now - was, was - now
+        how = (f"casting {_describe(added, model)} instead of {_describe(removed, model)}"
+               if added else f"reusing casts made anyway instead of casting "
+               f"{_describe(removed, model)}")
         for n in group:
             reason = (f"runs in {dtype_name(after[n])} (autocast: {dtype_name(before[n])}): "
-                      f"casting {_describe(now, model)} instead of {_describe(was, model)} "
-                      f"saves {_fmt(saved)} per training step (forward and backward)")
+                      f"{how} saves {_fmt(saved)} per training step (forward and backward)")
             modified |= fix(n, after[n], RULE, reason)
     for n in model.free:  # unmoved free nodes whose inputs moved now cast them explicitly
         if after[n] == before[n] and any(after.get(a, model.values.get(a)) != after[n]
