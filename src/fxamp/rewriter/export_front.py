@@ -107,10 +107,19 @@ def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.GraphMo
     return gm
 
 
+#: asserts export records on tensors' dtypes (``x.to(torch.float32)`` in the model, say):
+#: the plan changes those dtypes on purpose
+_METADATA_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
 def _drop_guards(gm: fx.GraphModule) -> None:
-    """Remove export's input-shape guard call: fxamp's plan does not depend on shapes."""
+    """Remove export's input-shape guard call (fxamp's plan does not depend on shapes) and
+    its tensor dtype asserts (the plan changes dtypes)."""
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and node.target == _GUARDS and not node.users:
+            gm.graph.erase_node(node)
+        elif node.op == "call_function" and node.target in _METADATA_ASSERTS \
+                and not node.users:
             gm.graph.erase_node(node)
     if hasattr(gm, _GUARDS):
         delattr(gm, _GUARDS)
