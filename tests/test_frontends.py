@@ -325,3 +325,31 @@ def test_untraceable_root_runs_eager_with_its_children_rewritten() -> None:
     assert dict(gm.named_parameters())["head.weight"] is model.head.weight
     gm(images)[0]["scores"].sum().backward()
     assert model.backbone[0].weight.grad.dtype == torch.float32
+
+
+class Specialised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).reshape(4, 2, 4)  # the batch size is baked in
+
+
+def test_export_keeps_its_shape_guard() -> None:
+    """A dimension the code specialises stays guarded: another size raises, it does not
+    run the specialised graph."""
+    gm = fxamp.amp_rewrite(Specialised(), (torch.randn(4, 8),), frontend="export", **BF16)
+    assert gm(torch.randn(4, 8)).shape == (4, 2, 4)
+    with pytest.raises(Exception):
+        gm(torch.randn(6, 8))
+
+
+class Nonzero(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[x > 0].sum()[None] + x.mean()
+
+
+def test_export_refuses_value_dependent_sizes() -> None:
+    with pytest.raises(TraceError, match="size that depends on tensor values"):
+        fxamp.amp_rewrite(Nonzero(), (torch.randn(4, 8),), frontend="export", **BF16)

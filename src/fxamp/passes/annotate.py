@@ -91,6 +91,8 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
     fixed = node.meta.get(FIXED)
     if fixed is not None:
         return Decision(fixed.inputs, fixed.rule, fixed.reason, label, fixed.runtime)
+    if node.op == "call_module" and node.target == "_guards_fn":
+        return Decision(None, "autocast", "torch.export's check of the input shapes", label)
     if node.op == "call_module" and isinstance(
             getattr(root.get_submodule(node.target), "fxamp_plan", None), Plan):
         source = getattr(root.get_submodule(node.target), "fxamp_source", label)

@@ -103,8 +103,35 @@ def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.GraphMo
         err.module = module  # type: ignore[attr-defined]
         raise err from exc
     gm = program.module()
+    _refuse_data_dependent_sizes(gm, model)
     _drop_guards(gm)
     return gm
+
+
+def _refuse_data_dependent_sizes(gm: fx.GraphModule, model: nn.Module) -> None:
+    """torch.export traces a size that depends on values (``nonzero``, boxes kept by a
+    threshold) as an unbacked symbol plus asserts taken from the example; such a graph
+    fails or misbehaves on other inputs, so fxamp does not use it."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        values = val if isinstance(val, (list, tuple)) else [val]
+        if any(isinstance(v, (torch.SymInt, torch.Tensor)) and free_unbacked_symbols(v)
+               for v in values):
+            raise TraceError(
+                f"torch.export cannot export {type(model).__name__} for all inputs: "
+                f"{node.name} ({node.target}) has a size that depends on tensor values; the "
+                "exported graph would keep assumptions from the example inputs"
+                + _where(node) + "\n  what to do: frontend='auto' (the default) runs it "
+                "under torch.autocast or rewrites its children")
+
+
+def _where(node: fx.Node) -> str:
+    from ..errors import source_line
+
+    line = source_line(node)
+    return f"\n  source: {line}" if line else ""
 
 
 #: asserts export records on tensors' dtypes (``x.to(torch.float32)`` in the model, say):
@@ -113,16 +140,12 @@ _METADATA_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
 def _drop_guards(gm: fx.GraphModule) -> None:
-    """Remove export's input-shape guard call (fxamp's plan does not depend on shapes) and
-    its tensor dtype asserts (the plan changes dtypes)."""
+    """Remove export's tensor dtype asserts (the plan changes dtypes). Its input guard
+    (``_guards_fn``: the shapes the graph was specialised to) stays."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_module" and node.target == _GUARDS and not node.users:
-            gm.graph.erase_node(node)
-        elif node.op == "call_function" and node.target in _METADATA_ASSERTS \
+        if node.op == "call_function" and node.target in _METADATA_ASSERTS \
                 and not node.users:
             gm.graph.erase_node(node)
-    if hasattr(gm, _GUARDS):
-        delattr(gm, _GUARDS)
     gm.graph.lint()
 
 
