@@ -141,12 +141,20 @@ _METADATA_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 def _drop_guards(gm: fx.GraphModule) -> None:
     """Remove export's tensor dtype asserts (the plan changes dtypes). Its input guard
-    (``_guards_fn``: the shapes the graph was specialised to) stays."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _METADATA_ASSERTS \
-                and not node.users:
-            gm.graph.erase_node(node)
-    gm.graph.lint()
+    (``_guards_fn``: the shapes the graph was specialised to) stays. Subgraphs of higher-order
+    ops (``wrap_with_autocast`` for a model's own ``torch.autocast`` regions) too."""
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        changed = False
+        for node in list(module.graph.nodes):
+            if node.op == "call_function" and node.target in _METADATA_ASSERTS \
+                    and not node.users:
+                module.graph.erase_node(node)
+                changed = True
+        if changed:
+            module.graph.lint()
+            module.recompile()
 
 
 def _is_batches_tracked(node: fx.Node) -> bool:
@@ -198,6 +206,8 @@ class _Alignment:
         return node
 
     def same_value(self, a: Any, b: Any) -> bool:
+        if _is_size(a) and _is_size(b):
+            return True  # sizes do not depend on the mode (the graphs number them apart)
         if isinstance(a, fx.Node) or isinstance(b, fx.Node):
             return (isinstance(a, fx.Node) and isinstance(b, fx.Node)
                     and self.resolve(a) is self.match.get(b))
@@ -227,13 +237,21 @@ class _Alignment:
         return True
 
 
+def _is_size(value: Any) -> bool:
+    """A node computing a symbolic size (``sym_size``, arithmetic on sizes)."""
+    return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.SymInt)
+
+
 def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
     """Match the train-mode graph with the other mode's; None when they differ in more
-    than constants that follow the mode, identity ops and batch norm's batch count."""
+    than constants that follow the mode, identity ops and batch norm's batch count. Size
+    computations are left out of the matching: the two exports order them differently."""
     aligned = _Alignment()
-    others = list(other.nodes)
+    others = [n for n in other.nodes if not _is_size(n)]
     j = 0
     for node in train.nodes:
+        if _is_size(node):
+            continue
         if j < len(others) and aligned.compare(node, others[j]):
             j += 1
         elif _is_batches_tracked(node):
