@@ -22,12 +22,14 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from ..errors import FxampError
 from ..oplists import module_label
+from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
+from .runtime import device_type
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +56,6 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
     return seen
 
 
-def _device_type(values: Any) -> str:
-    leaves, _ = tree_flatten(values)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device.type
-    return "cpu"
-
-
 def _fp32(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
         return value.float()
@@ -76,7 +70,7 @@ def _as_planned(module: nn.Module) -> None:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map(_fp32, (args, kwargs))
-        with torch.autocast(_device_type((args, kwargs)), enabled=False):
+        with torch.autocast(device_type((args, kwargs)), enabled=False):
             return forward(*args, **kwargs)
 
     module.forward = run  # type: ignore[method-assign]
@@ -93,12 +87,6 @@ def _reading_from(module: nn.Module, original: nn.Module) -> None:
             return getattr(original, name)
 
     module.__class__ = type(cls.__name__, (cls,), {"__getattr__": __getattr__})
-
-
-def _first_float(value: Any) -> Any:
-    leaves, _ = tree_flatten(value)
-    return next((v for v in leaves if isinstance(v, torch.Tensor) and v.is_floating_point()),
-                None)
 
 
 def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
@@ -135,7 +123,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     out_dtype = pol.output_dtype
 
     def forward(*a: Any, **kw: Any) -> Any:
-        with torch.autocast(_device_type((a, kw)), dtype=low):
+        with torch.autocast(device_type((a, kw)), dtype=low):
             out = original(result, *a, **kw)
         if out_dtype is None:
             return out
@@ -147,7 +135,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     outs = submodule_calls(result, list(calls), args, kwargs)
     nodes: Dict[str, NodePrecision] = {}
     for name in calls:
-        value = _first_float(outs.get(name, (None, None, None))[2])
+        value = first_float(outs.get(name, (None, None, None))[2])
         label = module_label(model.get_submodule(name))
         dtype = value.dtype if value is not None else torch.float32
         if name in nested:

@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
-from .trace import _user_frame, failing_module
+from .trace import trace_error
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +87,11 @@ def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.GraphMo
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
-        where = _user_frame(exc)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        msg = (f"torch.export cannot export {type(model).__name__}: "
-               f"{type(exc).__name__}: {first}")
-        if where:
-            msg += f"\n  source: {where}"
-        module = failing_module(exc, model)
-        if module:
-            msg += f"\n  module: {module}"
-        msg += ("\n  what to do: frontend='auto' (the default) traces around the submodule "
-                "that fails and runs it under torch.autocast; or remove the branch on tensor "
-                "values (torch.where, torch.cond)")
-        err = TraceError(msg)
-        err.module = module  # type: ignore[attr-defined]
-        raise err from exc
+        raise trace_error(
+            f"torch.export cannot export {type(model).__name__}", exc, model,
+            "frontend='auto' (the default) traces around the submodule that fails and runs "
+            "it under torch.autocast; or remove the branch on tensor values (torch.where, "
+            "torch.cond)") from exc
     gm = program.module()
     _refuse_data_dependent_sizes(gm, model)
     _drop_guards(gm)

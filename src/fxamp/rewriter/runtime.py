@@ -25,7 +25,8 @@ def call_with_params(module: nn.Module, params: Dict[str, torch.Tensor], *args: 
     return torch.func.functional_call(module, params, args, kwargs, strict=False)
 
 
-def _device_type(args: Any) -> str:
+def device_type(args: Any) -> str:
+    """The device type of the first tensor in ``args`` ("cpu" when there is none)."""
     leaves, _ = tree_flatten(args)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -41,7 +42,7 @@ def autocast_wrapper(fn: Callable, dtype: torch.dtype, label: str) -> Callable:
     """
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(_device_type((args, kwargs)), dtype=dtype):
+        with torch.autocast(device_type((args, kwargs)), dtype=dtype):
             return fn(*args, **kwargs)
 
     safe = "".join(c if c.isalnum() else "_" for c in label)
@@ -54,5 +55,5 @@ def autocast_wrapper(fn: Callable, dtype: torch.dtype, label: str) -> Callable:
 def autocast_module(module: nn.Module, dtype_name: str, *args: Any, **kwargs: Any) -> Any:
     """Call a leaf module under ``torch.autocast`` of its inputs' device (``rule="runtime"``)."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-    with torch.autocast(_device_type((args, kwargs)), dtype=dtype):
+    with torch.autocast(device_type((args, kwargs)), dtype=dtype):
         return module(*args, **kwargs)

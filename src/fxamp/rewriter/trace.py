@@ -228,23 +228,29 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset()) -> fx.G
         with _functions_as_leaves():
             graph = tracer.trace(model)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a TraceError
-        where = _user_frame(exc)
-        msg = (f"torch.fx.symbolic_trace cannot trace {type(model).__name__}: "
-               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        if where:
-            msg += f"\n  source: {where}"
-        module = failing_module(exc, model)
-        if module:
-            msg += f"\n  module: {module}"
-        msg += ("\n  what to do: use frontend='auto' (the default): it tries torch.export "
-                "(frontend='export', which takes shape-dependent code given example inputs) "
-                "and then traces around untraceable submodules, running them under "
-                "torch.autocast; or make that code traceable (no Python control flow on "
-                "tensor values)")
-        err = TraceError(msg)
-        err.module = module  # type: ignore[attr-defined]
-        raise err from exc
+        raise trace_error(
+            f"torch.fx.symbolic_trace cannot trace {type(model).__name__}", exc, model,
+            "use frontend='auto' (the default): it tries torch.export (frontend='export', "
+            "which takes shape-dependent code given example inputs) and then traces around "
+            "untraceable submodules, running them under torch.autocast; or make that code "
+            "traceable (no Python control flow on tensor values)") from exc
     return graph
+
+
+def trace_error(problem: str, exc: BaseException, model: nn.Module, fix: str) -> TraceError:
+    """A TraceError naming the failure, the user's line, the failing submodule (also kept
+    as ``.module`` for partial tracing) and what to do."""
+    text = str(exc).strip()
+    msg = f"{problem}: {type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    where = _user_frame(exc)
+    if where:
+        msg += f"\n  source: {where}"
+    module = failing_module(exc, model)
+    if module:
+        msg += f"\n  module: {module}"
+    err = TraceError(msg + f"\n  what to do: {fix}")
+    err.module = module  # type: ignore[attr-defined]
+    return err
 
 
 def failing_module(exc: BaseException, model: nn.Module) -> str:
