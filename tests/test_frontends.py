@@ -353,3 +353,31 @@ class Nonzero(nn.Module):
 def test_export_refuses_value_dependent_sizes() -> None:
     with pytest.raises(TraceError, match="size that depends on tensor values"):
         fxamp.amp_rewrite(Nonzero(), (torch.randn(4, 8),), frontend="export", **BF16)
+
+
+def test_onnx_export_of_an_export_front_end_graph(tmp_path) -> None:
+    """An ATen-level graph (Hugging Face BERT, which only the export front end takes) goes
+    to ONNX, and the precision report maps its layers back to the plan."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import BertConfig, BertModel
+
+    from fxamp.export import export_onnx, precision_report
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64, vocab_size=100)).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    gm = fxamp.amp_rewrite(model, (ids,), dtype=torch.float16, target="cuda")
+    assert fxamp.plan_of(gm).header["frontend"] == "export"
+    path = export_onnx(gm, (ids,), str(tmp_path / "bert.onnx"))
+    report = precision_report(path, fxamp.plan_of(gm), inputs=(ids,))
+    mapped = report.mapped
+    assert len(mapped) >= 0.5 * len(report.layers) and len(mapped) > 10
+    # what the plan says is what the ONNX graph holds, layer by layer
+    both = [layer for layer in mapped if layer.planned and layer.exported]
+    assert len(both) >= 0.8 * len(mapped)
+    assert all(layer.exported == layer.planned for layer in both)
+    matmuls = [layer for layer in mapped if layer.op_type in ("MatMul", "Gemm")]
+    assert matmuls and all(layer.planned == "fp16" for layer in matmuls)
