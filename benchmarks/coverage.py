@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime
 import inspect
 import json
@@ -312,25 +311,12 @@ def registry() -> Dict[str, Tuple[str, Callable]]:
 # ---------------------------------------------------------------------------------------
 # one model (in the child process)
 # ---------------------------------------------------------------------------------------
-def _leaves(out: Any) -> List[Any]:
-    """The floating tensor leaves of a model output: tensors, tuples/lists, dicts
-    (Hugging Face ModelOutput is an OrderedDict), dataclasses."""
-    import torch
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in _leaves(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _leaves(v)]
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        return [t for f in dataclasses.fields(out) for t in _leaves(getattr(out, f.name))]
-    return []
-
-
 def output_error(ref: Any, got: Any) -> Tuple[Optional[float], str]:
     """max |got - ref| over all floating leaves / max |ref|; (None, why) if not comparable."""
     import torch
-    a, b = _leaves(ref), _leaves(got)
+
+    from fxamp.passes.annotate import float_leaves
+    a, b = float_leaves(ref), float_leaves(got)
     if len(a) != len(b):
         return None, f"{len(a)} floating outputs in FP32, {len(b)} after the rewrite"
     if not a:

@@ -25,7 +25,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")           # never reach the network
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from typing import Any, Dict, List  # noqa: E402
+from typing import Any, Dict  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -33,24 +33,14 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import fxamp  # noqa: E402
+from fxamp.passes.annotate import float_leaves  # noqa: E402
 
 REL_TOL = 5e-2
 SEQ = 8
 
 
-def _leaves(out: Any) -> List[torch.Tensor]:
-    """Floating tensor leaves of an output: tensors, tuples/lists, dicts (ModelOutput)."""
-    if isinstance(out, torch.Tensor):
-        return [out] if out.is_floating_point() else []
-    if isinstance(out, dict):
-        return [t for v in out.values() for t in _leaves(v)]
-    if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _leaves(v)]
-    return []
-
-
 def rel_error(ref: Any, got: Any) -> float:
-    a, b = _leaves(ref), _leaves(got)
+    a, b = float_leaves(ref), float_leaves(got)
     assert len(a) == len(b) and a, (len(a), len(b))
     for x, y in zip(a, b):
         assert x.shape == y.shape, (x.shape, y.shape)

@@ -8,8 +8,9 @@ its inputs give it, as under autocast.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -45,13 +46,24 @@ def module_path(node: fx.Node) -> str:
     return next(reversed(stack.values()))[0] if stack else ""
 
 
+def float_leaves(value: Any) -> List[torch.Tensor]:
+    """The floating tensors in a (nested) value, in order: through tuples, lists, dicts,
+    registered pytree nodes (Hugging Face ``ModelOutput``) and dataclasses."""
+    leaves, _ = tree_flatten(value)
+    out: List[torch.Tensor] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_floating_point():
+                out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += float_leaves([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return out
+
+
 def first_float(value: Any) -> Optional[torch.Tensor]:
     """The first floating tensor in a (nested) value, or None."""
-    leaves, _ = tree_flatten(value)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            return leaf
-    return None
+    leaves = float_leaves(value)
+    return leaves[0] if leaves else None
 
 
 def _widest(dtypes: list) -> Optional[torch.dtype]:

@@ -140,12 +140,11 @@ def _same_node(a: fx.Node, b: fx.Node, root: nn.Module, renamed: dict) -> bool:
     return (a.name, a.op, a.target) == (b.name, b.op, b.target)
 
 
-def training_diffs(a: Iterable[fx.Node], b: Iterable[fx.Node], mode: bool,
-                   root: nn.Module) -> Optional[List[Tuple]]:
+def _training_diffs(a: fx.Graph, b: fx.Graph, mode: bool,
+                    root: nn.Module) -> Optional[List[Tuple]]:
     """Where graphs traced in the two modes differ only by bool constants: (node, index,
-    equals_training) per constant; None when they differ in any other way. ``a`` and ``b``
-    are the graphs' nodes (traced in mode ``mode`` and in the other mode)."""
-    nodes_a, nodes_b = list(a), list(b)
+    equals_training) per constant; None when they differ in any other way."""
+    nodes_a, nodes_b = list(a.nodes), list(b.nodes)
     renamed: dict = {}
     if len(nodes_a) != len(nodes_b) or not all(
             _same_node(na, nb, root, renamed) for na, nb in zip(nodes_a, nodes_b)):
@@ -167,11 +166,10 @@ def training_diffs(a: Iterable[fx.Node], b: Iterable[fx.Node], mode: bool,
     return diffs
 
 
-def follow_training(graph: fx.Graph, diffs: List[Tuple], per_module: bool = True) -> None:
-    """Replace baked ``self.training`` constants by reads of the module's training flag
-    (of the root module when not ``per_module``)."""
+def _follow_training(graph: fx.Graph, diffs: List[Tuple]) -> None:
+    """Replace baked ``self.training`` constants by reads of the module's training flag."""
     for node, index, same in diffs:
-        stack = (node.meta.get("nn_module_stack") or {}) if per_module else {}
+        stack = node.meta.get("nn_module_stack") or {}
         path = next(reversed(stack.values()))[0] if stack else ""
         with graph.inserting_before(node), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # fx: "no underlying reference"
@@ -211,13 +209,13 @@ def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str]) -> fx.GraphModul
         finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
             for m, flag in flags:
                 m.training = flag
-        diffs = training_diffs(graph.nodes, other.nodes, mode, model)
+        diffs = _training_diffs(graph, other, mode, model)
         if diffs is None:
             log.warning("%s traces differently in train and eval mode: the rewritten graph "
                         "keeps the %s-mode behaviour; rewrite again after switching modes",
                         type(model).__name__, "train" if mode else "eval")
         elif diffs:
-            follow_training(graph, diffs)
+            _follow_training(graph, diffs)
     name = type(model).__name__
     return fx.GraphModule(model, graph, name)
 
