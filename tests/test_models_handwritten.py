@@ -392,6 +392,11 @@ def test_planned_dtypes_equal_autocast(name, cfg):
     rules = {n: p.rule for n, p in plan.nodes.items()}
     assert "user" not in rules.values()
     expected_runtime = {"custom_function": {"dtype_branch_rms_apply"}, "mha": {"attn"}}
+    if target == "cuda":
+        # CUDA autocast runs F.cross_entropy's log_softmax in the input's dtype (the
+        # composite passes it explicitly) and casts only the log-probabilities to fp32 for
+        # nll_loss: no cast of the inputs does that, so the call runs under autocast
+        expected_runtime["fp32"] = {"cross_entropy"}
     assert {n for n, r in rules.items() if r == "runtime"} == expected_runtime.get(name, set())
 
 
@@ -402,9 +407,13 @@ def test_categories_are_visible_in_the_plan():
     cpu = fxamp.plan_of(autocast_rewrite(make("fp32")[0], inputs, dtype=torch.bfloat16,
                                           target="cpu")).nodes
     assert cuda["fc"].dtype == torch.float16 and cuda["fc"].inputs == torch.float16
-    for name in ("exp", "log", "pow_1", "truediv", "rsqrt", "ln", "gn", "cross_entropy",
-                 "mse_loss", "layer_norm"):
+    for name in ("exp", "log", "pow_1", "truediv", "rsqrt", "ln", "gn", "mse_loss",
+                 "layer_norm"):
         assert cuda[name].dtype == torch.float32 and cuda[name].inputs == torch.float32, name
+    # CUDA autocast casts inside F.cross_entropy (its log_softmax keeps the input dtype)
+    assert (cuda["cross_entropy"].dtype, cuda["cross_entropy"].rule) == (torch.float32,
+                                                                         "runtime")
+    assert "casts inside this call" in cuda["cross_entropy"].reason
     assert "fp32 list for cuda" in cuda["exp"].reason
     # on CPU only the losses are on the fp32 list; exp / layer_norm follow their inputs
     assert cpu["exp"].inputs is None and cpu["exp"].dtype == torch.bfloat16

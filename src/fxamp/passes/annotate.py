@@ -26,7 +26,7 @@ from ..errors import UnsupportedModelError, node_error
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
 from ..rewriter.runtime import eligible
-from . import PassResult
+from . import PassResult, observe
 
 log = logging.getLogger(__name__)
 
@@ -173,25 +173,9 @@ def _cast(dtype: Optional[torch.dtype]) -> Callable[[Any], Any]:
     return cast
 
 
-class _CudaAutocast:
-    """CUDA autocast on (fake) CUDA tensors: torch.autocast("cuda") refuses without a GPU,
-    the thread-local flags do not, and the AutocastCUDA kernels run on fake tensors."""
-
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-    def __enter__(self) -> None:
-        self.saved = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        torch.set_autocast_dtype("cuda", self.dtype)
-        torch.set_autocast_enabled("cuda", True)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_autocast_enabled("cuda", self.saved[0])
-        torch.set_autocast_dtype("cuda", self.saved[1])
-        torch.clear_autocast_cache()
-
-
 _VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+_CALLS = ("call_function", "call_method", "call_module")
+OBSERVED = "fxamp_observed"  # cache: (input signature, Observation) of the node's last run
 
 
 def _real_stand_in(value: Any) -> Any:
@@ -202,13 +186,23 @@ def _real_stand_in(value: Any) -> Any:
     return torch.zeros(value.shape, dtype=value.dtype)
 
 
-class _Simulator(fx.Interpreter):
-    """Runs the source graph on fake tensors with the planned input casts applied."""
+def _signature(values: List[torch.Tensor]) -> tuple:
+    return tuple((t.dtype, tuple(t.shape), t.device.type) for t in values)
 
-    def __init__(self, gm: fx.GraphModule, policy: Policy, fake_mode: FakeTensorMode) -> None:
+
+class _Simulator(fx.Interpreter):
+    """Runs the source graph on fake tensors with the planned input casts applied.
+
+    Each call the op tables leave to autocast is also run under real autocast of the target
+    (``observe``); where the two differ in the casts made or the dtypes produced, autocast's
+    observed behaviour is the decision."""
+
+    def __init__(self, gm: fx.GraphModule, policy: Policy, fake_mode: FakeTensorMode,
+                 home: torch.device) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.policy = policy
         self.fake_mode = fake_mode
+        self.home = home
         self.decisions: Dict[str, Tuple[Decision, Any]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -216,41 +210,132 @@ class _Simulator(fx.Interpreter):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         d = decide(n, self.module, args, kwargs, self.policy)
-        if d.inputs is not None:  # (no planned dtype: the values pass unchanged)
-            args, kwargs = tree_map(_cast(d.inputs), (args, kwargs))
+        params = (dict(self.fetch_attr(n.target).named_parameters())
+                  if n.op == "call_module" else {})
+        values = observe.float_inputs(args, kwargs, params)
+        if d.rule == "autocast" and d.inputs is not None and values and not any(
+                eligible(v) for v in values):
+            d = Decision(None, "autocast", "float64 inputs: torch.autocast leaves float64 "
+                         "alone", d.label)
+        obs = (self._observe(n, args, kwargs, params)
+               if n.op in _CALLS and d.rule == "autocast" and not d.runtime else None)
+        if obs is not None and obs.banned:
+            d = Decision(None, "banned", f"{d.label} is unsafe in "
+                         f"{dtype_name(self.policy.compute)}: torch.autocast refuses it "
+                         f"({obs.message})", d.label)
         try:
-            try:
-                result = self._execute(n, d, args, kwargs)
-            except _VALUE_DEPENDENT:
-                result = self._execute_on_real(n, d, args, kwargs)
-        except Exception as err:  # noqa: BLE001 - report it against the node
+            result, error = self._run(n, d, args, kwargs), None
+        except Exception as err:  # noqa: BLE001 - autocast's own choice may still work
+            result, error = None, err
+        if obs is not None and not obs.banned and (
+                error is not None or self._differs(d, obs, values, result)):
+            # the tables are wrong here: autocast's casts of the inputs, or, where autocast
+            # casts inside the call (no input casts reproduce it), autocast at run time
+            d = self._observed_decision(d, obs)
+            if not obs.inside:
+                try:
+                    result, error = self._run(n, d, args, kwargs), None
+                except Exception as err:  # noqa: BLE001
+                    error = err
+            if obs.inside or error is not None or self._differs(d, obs, values, result):
+                d = Decision(None, "runtime", f"torch.autocast({self.policy.target!r}) "
+                             "casts inside this call, not only its inputs (observed): it "
+                             "runs under torch.autocast at run time", d.label, runtime=True)
+                try:
+                    result, error = self._run(n, d, args, kwargs), None
+                except Exception as err:  # noqa: BLE001
+                    error = err
+        if error is not None:
             raise node_error(
                 UnsupportedModelError, n,
                 f"{d.label} fails with the planned dtypes ({d.rule}: {d.reason}): "
-                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                f"{type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}",
                 "check that the model runs under torch.autocast for this target and dtype, "
-                f"or keep the node in FP32 with the policy override 'fp32:{n.name}'") from err
+                f"or keep the node in FP32 with the policy override 'fp32:{n.name}'"
+            ) from error
         self.decisions[n.name] = (d, result)
         return result
 
-    def _cuda_autocast(self, n: fx.Node, args: tuple, kwargs: dict) -> Any:
-        """Run an opaque call the way CUDA autocast would (target "cuda")."""
-        args, kwargs = _to_device((args, kwargs), "cuda")
-        with _CudaAutocast(self.policy.compute):
+    def _observe(self, n: fx.Node, args: tuple, kwargs: dict,
+                 params: Dict[str, torch.Tensor]) -> Optional[observe.Observation]:
+        """What real autocast does with this call on these inputs (cached per signature);
+        None when the call has no floating input or cannot run under autocast on fakes."""
+        values = observe.float_inputs(args, kwargs, params)
+        if not values:
+            return None
+        key = (_signature(values), self.policy.target, self.policy.compute)
+        cached = n.meta.get(OBSERVED)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        buffers = (dict(self.fetch_attr(n.target).named_buffers())
+                   if n.op == "call_module" else {})
+
+        def call(a: tuple, k: dict, p: dict, b: dict) -> Any:
+            if n.op == "call_module":
+                return torch.func.functional_call(self.fetch_attr(n.target), {**p, **b}, a, k,
+                                                  strict=False)
+            return getattr(self, n.op)(n.target, a, k)
+
+        try:
+            obs = observe.observe(call, args, kwargs, params, buffers, self.policy.target,
+                                  self.policy.compute)
+        except Exception:  # noqa: BLE001 - the op tables decide alone
+            log.debug("%s: not observable under autocast on fake tensors", n.name,
+                      exc_info=True)
+            obs = None
+        n.meta[OBSERVED] = (key, obs)
+        return obs
+
+    @staticmethod
+    def _differs(d: Decision, obs: observe.Observation, values: List[torch.Tensor],
+                 result: Any) -> bool:
+        """Whether decision ``d`` (run as ``result``) is not what autocast did: other output
+        dtypes, or casts of the inputs where autocast casts inside the call instead. (Input
+        casts that autocast folds into the kernel — CUDA's fp16-in, fp32-out softmax —
+        count as the same.)"""
+        if observe.float_dtypes(result) != obs.outputs:
+            return True
+        return obs.inside and observe.planned_casts(values, d.inputs, eligible) != obs.casts
+
+    def _observed_decision(self, d: Decision, obs: observe.Observation) -> Decision:
+        target = self.policy.target
+        dtype = obs.cast_dtype
+        did = (f"casts its inputs to {dtype_name(dtype)}" if dtype is not None
+               else "leaves its inputs as they are")
+        return Decision(dtype, "autocast", f"torch.autocast({target!r}) {did} (observed; "
+                        f"the op tables said: {d.reason})", d.label)
+
+    def _run(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
+        """The node with its planned input casts applied."""
+        if d.inputs is not None:  # (no planned dtype: the values pass unchanged)
+            args, kwargs = tree_map(_cast(d.inputs), (args, kwargs))
+        try:
+            return self._execute(n, d, args, kwargs)
+        except _VALUE_DEPENDENT:
+            return self._execute_on_real(n, d, args, kwargs)
+
+    def _in_autocast(self, n: fx.Node, args: tuple, kwargs: dict, device: torch.device) -> Any:
+        """Run an opaque call under autocast of ``device``'s type on fake copies there; the
+        result comes back on the node's own device."""
+        home = observe.device_of((args, kwargs)) or self.home
+        memo: Dict[int, Any] = {}
+        args, kwargs = observe.on_device((args, kwargs), device, memo)
+        with observe.target_autocast(device.type, self.policy.compute):
             if n.op == "call_module":
                 module = self.fetch_attr(n.target)
-                state = dict(module.named_parameters())
-                state.update(module.named_buffers())
-                result = torch.func.functional_call(module, _to_device(state, "cuda"), args,
-                                                    kwargs, strict=False)
+                state = observe.on_device(dict(list(module.named_parameters())
+                                               + list(module.named_buffers())), device, memo)
+                result = torch.func.functional_call(module, state, args, kwargs, strict=False)
             else:
                 result = getattr(self, n.op)(n.target, args, kwargs)
-        return _to_device(result, "cpu")
+        return observe.on_device(result, home)
 
     def _execute_on_real(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
         """Ops whose fake kernels need values (checks like ``var < 0``, ``.item()``) run on
         real stand-ins — ones for floats, zeros for integers — only to learn the dtypes."""
         mode = self.fake_mode
+        home = observe.device_of((args, kwargs)) or self.home
         # an opaque call runs under (CPU) autocast: the real stand-ins are CPU tensors
         autocast = (torch.autocast("cpu", dtype=self.policy.compute) if d.runtime
                     else contextlib.nullcontext())
@@ -265,31 +350,25 @@ class _Simulator(fx.Interpreter):
                 result = torch.func.functional_call(module, state, args, kwargs, strict=False)
             else:
                 result = getattr(self, n.op)(n.target, args, kwargs)
-        return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
-                        result)
+        result = tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v,
+                          result)
+        return observe.on_device(result, home) if home.type != "cpu" else result
 
     def _execute(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
         if d.runtime:
-            if self.policy.target == "cuda":
-                try:
-                    return self._cuda_autocast(n, args, kwargs)
-                except Exception:  # noqa: BLE001 - e.g. CPU constants made inside the call
-                    log.debug("%s: CUDA autocast simulation failed; using CPU's", n.name,
-                              exc_info=True)
-            with torch.autocast("cpu", dtype=self.policy.compute):
-                result = getattr(self, n.op)(n.target, args, kwargs)
-        elif n.op == "call_module" and d.inputs is not None:
+            try:
+                return self._in_autocast(n, args, kwargs, torch.device(self.policy.target))
+            except Exception:  # noqa: BLE001 - e.g. CPU constants made inside the call
+                if self.policy.target == "cpu":
+                    raise
+                log.debug("%s: %s autocast simulation failed; using CPU's", n.name,
+                          self.policy.target, exc_info=True)
+            return self._in_autocast(n, args, kwargs, torch.device("cpu"))
+        if n.op == "call_module" and d.inputs is not None:
             module = self.fetch_attr(n.target)
             params = {k: _cast(d.inputs)(p) for k, p in module.named_parameters()}
-            result = torch.func.functional_call(module, params, args, kwargs, strict=False)
-        else:
-            result = getattr(self, n.op)(n.target, args, kwargs)
-        return result
-
-
-def _to_device(value: Any, device: str) -> Any:
-    return tree_map(lambda t: torch.empty_like(t, device=device)
-                    if isinstance(t, torch.Tensor) else t, value)
+            return torch.func.functional_call(module, params, args, kwargs, strict=False)
+        return getattr(self, n.op)(n.target, args, kwargs)
 
 
 def _fake_inputs(mode: FakeTensorMode, example_inputs: tuple) -> tuple:
@@ -304,7 +383,9 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy) -> PassR
                  list(gm.named_parameters(remove_duplicate=False))
                  + list(gm.named_buffers(remove_duplicate=False))}
         inputs = _fake_inputs(mode, example_inputs)
-        sim = _Simulator(gm, policy, mode)
+        home = (observe.device_of(tuple(example_inputs))
+                or observe.device_of(list(state.values())) or torch.device("cpu"))
+        sim = _Simulator(gm, policy, mode, home)
         # grad stays enabled, as in training: modules such as nn.MultiheadAttention take
         # the path they take when training (their inference fast path differs on fakes)
         with _reparametrize_module(gm, state, tie_weights=True, strict=False):

@@ -120,8 +120,8 @@ class _Builder:
             node = self.graph.create_node("get_attr", qualname, (), {},
                                           self.name(qualname.replace(".", "_")))
             self.params[id(tensor)] = node
-        if dtype is None or not tensor.is_floating_point() or tensor.dtype == dtype:
-            return node
+        if dtype is None or not runtime.eligible(tensor) or tensor.dtype == dtype:
+            return node  # (float64 too: autocast leaves it alone)
         key = (node, dtype)
         if key not in self.casts:
             cast = self.graph.create_node("call_method", "to", (node, dtype), {},
@@ -172,7 +172,7 @@ class _Builder:
 
     def _needs_param_casts(self, node: fx.Node, dtype: torch.dtype) -> bool:
         module = self.src.get_submodule(node.target)
-        return any(p.is_floating_point() and p.dtype != dtype for p in module.parameters())
+        return any(runtime.eligible(p) and p.dtype != dtype for p in module.parameters())
 
     def module_call(self, node: fx.Node, args: tuple, kwargs: dict,
                     dtype: torch.dtype) -> fx.Node:
@@ -205,9 +205,8 @@ class _Builder:
             return self.graph.create_node("call_function", runtime.autocast_module,
                                           (module_node, dtype_name(low), *args), kwargs,
                                           node.name)
-        fn = node.target if node.op == "call_function" else None
-        if fn is None:  # a tensor method: fxamp never marks these runtime
-            return self.graph.create_node(node.op, node.target, args, kwargs, node.name)
+        fn = (node.target if node.op == "call_function"
+              else getattr(torch.Tensor, str(node.target)))  # a tensor method: self first
         wrapper = runtime.autocast_wrapper(fn, low, node.meta[META].op)
         return self.graph.create_node("call_function", wrapper, args, kwargs, node.name)
 

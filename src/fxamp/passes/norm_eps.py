@@ -13,7 +13,6 @@ InstanceNorm in fp16). The audit reports every tiny eps either way.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import operator
 from typing import List, Optional
@@ -22,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..oplists import call_name, callable_label
 from ..policy import Policy, dtype_name
@@ -115,14 +115,30 @@ def _hand_written(gm: fx.GraphModule, policy: Policy) -> bool:
 
 
 def _probe_finite(fn, shape: tuple, dtype: torch.dtype) -> Optional[bool]:
+    """Run ``fn`` on real CPU zeros in ``dtype`` (also when the model is on cuda or meta, or
+    the caller is inside a FakeTensorMode): is the result finite?"""
     shape = (min(shape[0], 2),) + tuple(shape[1:]) if shape else shape
     try:
-        with torch.no_grad():
-            out = fn(torch.zeros(shape, dtype=dtype))
+        with unset_fake_temporarily(), torch.no_grad():
+            out = fn(torch.zeros(shape, dtype=dtype, device="cpu"))
+            return bool(torch.isfinite(out).all())
     except Exception:  # noqa: BLE001 - a probe that cannot run decides nothing
         log.debug("norm probe failed", exc_info=True)
         return None
-    return bool(torch.isfinite(out).all())
+
+
+def _module_probe(module: nn.Module):  # type: ignore[no-untyped-def]
+    """``module`` called with real CPU stand-ins for its tensors (unit weights and variances,
+    zero biases and means): the model's own tensors, wherever they live, are not touched."""
+    with unset_fake_temporarily():
+        state = {name: torch.full(t.shape, 1 if name.rsplit(".", 1)[-1] in
+                                  ("weight", "running_var") else 0, dtype=t.dtype)
+                 for name, t in list(module.named_parameters())
+                 + list(module.named_buffers())}
+
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(module, state, (x,), strict=False)
+    return probe
 
 
 def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
@@ -139,7 +155,7 @@ def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
             if not isinstance(module, NORM_MODULES) or not 0 < module.eps < tiny:
                 continue
             eps, label = module.eps, type(module).__name__
-            probe = copy.deepcopy(module)
+            probe = _module_probe(module)
         elif node.op == "call_function" and node.target in NORM_FUNCTIONS:
             index = NORM_FUNCTIONS[node.target]
             eps = node.kwargs.get("eps", node.args[index] if len(node.args) > index else None)

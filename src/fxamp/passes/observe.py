@@ -1,0 +1,201 @@
+"""Autocast as the oracle: run one call under real ``torch.autocast`` and watch what it does.
+
+The call runs on fake tensors of the *target* device (CPU autocast for ``target="cpu"``,
+CUDA autocast on fake CUDA tensors for ``target="cuda"`` — no GPU needed), whatever device
+the model itself is on. A ``TorchDispatchMode`` sits below autocast and sees the
+``_to_copy`` casts autocast inserts on the call's floating inputs and weights; the call's
+output dtypes are read off the result. Nothing real is computed and nothing of the model is
+touched: every tensor is a fresh fake copy.
+
+This holds for any op with an autocast kernel — every spelling of it (``torch.*``,
+``torch._C._nn.*``, ``torch._VF.*``, ``F.*``, Tensor methods, modules), third-party ops
+registered with autocast — and for whichever torch is installed.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_TO_COPY = torch.ops.aten._to_copy.default
+#: torch logs a failed meta kernel at ERROR level before raising; a failed observation is
+#: expected (the op tables decide then) and must not reach the user's terminal.
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+
+
+class Observation:
+    """What autocast did with one call: the dtypes it cast floating inputs to (``casts``:
+    input index -> dtype), the floating output dtypes, and whether it refused the call."""
+
+    __slots__ = ("casts", "inside", "outputs", "banned", "message")
+
+    def __init__(self, casts: Dict[int, torch.dtype], outputs: Tuple[torch.dtype, ...],
+                 banned: bool = False, message: str = "", inside: bool = False) -> None:
+        self.casts, self.outputs, self.banned, self.message = casts, outputs, banned, message
+        self.inside = inside  # autocast also cast values made inside the call
+
+    @property
+    def cast_dtype(self) -> Optional[torch.dtype]:
+        """The one dtype autocast cast the inputs to (the widest if several), or None."""
+        dtypes = list(dict.fromkeys(self.casts.values()))
+        if not dtypes:
+            return None
+        out = dtypes[0]
+        for d in dtypes[1:]:
+            out = torch.promote_types(out, d)
+        return out
+
+
+_Event = Tuple[Optional[int], torch.dtype, torch.dtype, Tuple[int, ...]]
+
+
+class _CastRecorder(TorchDispatchMode):
+    """Records every dtype-changing ``_to_copy``: (input index or None for a value made
+    inside the call, from, to, shape). A view of an input counts as that input."""
+
+    def __init__(self, watched: Dict[int, int]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.events: List[_Event] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        dtype = kwargs.get("dtype")
+        if (func is _TO_COPY and args and dtype is not None and args[0].is_floating_point()
+                and dtype != args[0].dtype):
+            source = args[0]
+            if id(source) not in self.watched and source._base is not None:
+                source = source._base  # a view of an input: the same cast, taken later
+            self.events.append((self.watched.get(id(source)), args[0].dtype, dtype,
+                                tuple(args[0].shape)))
+        return func(*args, **kwargs)
+
+
+def _record(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs: dict,
+            params: dict, buffers: dict, autocast: Any) -> Tuple[Any, List[_Event]]:
+    watched = {id(t): i for i, t in enumerate(float_inputs(args, kwargs, params))}
+    recorder = _CastRecorder(watched)
+    with autocast, recorder:
+        result = call(args, kwargs, params, buffers)
+    return result, recorder.events
+
+
+@contextlib.contextmanager
+def target_autocast(target: str, dtype: torch.dtype) -> Iterator[None]:
+    """``torch.autocast(target, dtype)``. For "cuda" the thread-local flags are set by hand
+    (``torch.autocast("cuda")`` refuses without a GPU; the AutocastCUDA kernels run on fake
+    CUDA tensors all the same)."""
+    if target != "cuda" or torch.cuda.is_available():
+        with torch.autocast(target, dtype=dtype):
+            yield
+        return
+    saved = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    torch.set_autocast_dtype("cuda", dtype)
+    torch.set_autocast_enabled("cuda", True)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled("cuda", saved[0])
+        torch.set_autocast_dtype("cuda", saved[1])
+
+
+def on_device(value: Any, device: torch.device, memo: Optional[Dict[int, Any]] = None) -> Any:
+    """Fresh (fake, under a FakeTensorMode) tensors on ``device`` with the shapes, strides and
+    dtypes of the tensors in ``value``; the same tensor twice maps to the same copy."""
+    memo = {} if memo is None else memo
+
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in memo:
+            copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            if t.requires_grad:
+                copy.requires_grad_(True)
+            memo[id(t)] = copy
+        return memo[id(t)]
+
+    return tree_map(move, value)
+
+
+def device_of(value: Any) -> Optional[torch.device]:
+    """The device of the first tensor in ``value``, or None."""
+    leaves, _ = tree_flatten(value)
+    return next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
+
+
+def float_inputs(args: tuple, kwargs: dict, params: Dict[str, torch.Tensor]
+                 ) -> List[torch.Tensor]:
+    """The floating tensors a call receives (arguments, then its module's parameters)."""
+    leaves, _ = tree_flatten((args, kwargs, params))
+    seen: Dict[int, torch.Tensor] = {}
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def float_dtypes(value: Any) -> Tuple[torch.dtype, ...]:
+    """The dtypes of the floating tensors in ``value``, in order."""
+    leaves, _ = tree_flatten(value)
+    return tuple(t.dtype for t in leaves if isinstance(t, torch.Tensor)
+                 and t.is_floating_point())
+
+
+def is_autocast_refusal(err: BaseException) -> bool:
+    """Whether ``err`` is autocast refusing an op it bans (binary_cross_entropy)."""
+    return isinstance(err, RuntimeError) and "unsafe to autocast" in str(err)
+
+
+def observe(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs: dict,
+            params: Dict[str, torch.Tensor], buffers: Dict[str, torch.Tensor], target: str,
+            dtype: torch.dtype) -> Observation:
+    """Run ``call(args, kwargs, params, buffers)`` under autocast of ``target`` on fake copies
+    of every tensor on ``target``'s device and report what autocast did to the floating
+    tensors of ``(args, kwargs, params)`` (indexed in ``float_inputs`` order). Must run inside
+    a ``FakeTensorMode``. Other exceptions propagate (the caller decides without autocast).
+
+    The call also runs once without autocast: the casts a kernel makes by itself (the math
+    attention path upcasting fp16 to fp32) happen in both runs and are not autocast's."""
+    device = torch.device(target)
+    level = _FAKE_LOG.level
+    _FAKE_LOG.setLevel(logging.CRITICAL)
+    try:
+        copies = on_device((args, kwargs, params, buffers), device, {})
+        try:
+            result, events = _record(call, *copies, target_autocast(target, dtype))
+        except RuntimeError as err:
+            if is_autocast_refusal(err):
+                return Observation({}, (), banned=True, message=str(err).splitlines()[0])
+            raise
+        try:
+            _, own = _record(call, *on_device((args, kwargs, params, buffers), device, {}),
+                             contextlib.nullcontext())
+        except Exception:  # noqa: BLE001 - e.g. a kernel only autocast's dtypes have
+            own = []
+    finally:
+        _FAKE_LOG.setLevel(level)
+    for event in own:
+        if event in events:
+            events.remove(event)
+    casts: Dict[int, torch.dtype] = {}
+    for index, _, to, _ in events:
+        if index is not None:
+            casts.setdefault(index, to)
+    inside = any(index is None for index, _, _, _ in events)
+    return Observation(casts, float_dtypes(result), inside=inside)
+
+
+def planned_casts(values: List[torch.Tensor], dtype: Optional[torch.dtype],
+                  eligible: Callable[[Any], bool]) -> Dict[int, torch.dtype]:
+    """The casts a planned input dtype makes on ``values`` (index -> dtype)."""
+    if dtype is None:
+        return {}
+    return {i: dtype for i, t in enumerate(values) if eligible(t) and t.dtype != dtype}
