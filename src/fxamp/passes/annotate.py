@@ -178,12 +178,23 @@ _CALLS = ("call_function", "call_method", "call_module")
 OBSERVED = "fxamp_observed"  # cache: (input signature, Observation) of the node's last run
 
 
-def _real_stand_in(value: Any) -> Any:
+def _real_stand_in(value: Any, device: Optional[torch.device] = None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
-    if value.is_floating_point():
-        return torch.ones(value.shape, dtype=value.dtype)
-    return torch.zeros(value.shape, dtype=value.dtype)
+    fill = torch.ones if value.is_floating_point() else torch.zeros
+    return fill(value.shape, dtype=value.dtype, device=device)
+
+
+#: CUDA-only ops with no fake kernel, planned without a GPU: an op with the same output
+#: (shape and dtype) that has one
+_SAME_SHAPE_AS: Dict[str, Callable[..., Any]] = {
+    "cudnn_convolution": lambda x, w, padding, stride, dilation, groups, *_, **__:
+        torch.ops.aten.convolution(x, w, None, stride, padding, dilation, False,
+                                   [0] * len(padding), groups),
+    "cudnn_convolution_transpose": lambda x, w, padding, output_padding, stride, dilation,
+    groups, *_, **__: torch.ops.aten.convolution(x, w, None, stride, padding, dilation, True,
+                                                 output_padding, groups),
+}
 
 
 def _signature(values: List[torch.Tensor]) -> tuple:
@@ -227,7 +238,14 @@ class _Simulator(fx.Interpreter):
             result, error = self._run(n, d, args, kwargs), None
         except Exception as err:  # noqa: BLE001 - autocast's own choice may still work
             result, error = None, err
-        if obs is not None and not obs.banned and (
+        if obs is not None and obs.outputs is None:  # no fake kernel: autocast's casts
+            if observe.planned_casts(values, d.inputs, eligible) != obs.casts:
+                d = self._observed_decision(d, obs)
+                try:
+                    result, error = self._run(n, d, args, kwargs), None
+                except Exception as err:  # noqa: BLE001
+                    error = err
+        elif obs is not None and not obs.banned and (
                 error is not None or self._differs(d, obs, values, result)):
             # the tables are wrong here: autocast's casts of the inputs, or, where autocast
             # casts inside the call (no input casts reproduce it), autocast at run time
@@ -314,6 +332,13 @@ class _Simulator(fx.Interpreter):
             return self._execute(n, d, args, kwargs)
         except _VALUE_DEPENDENT:
             return self._execute_on_real(n, d, args, kwargs)
+        except NotImplementedError as err:  # an op with no fake kernel (CUDA-only ops)
+            if "Meta" not in str(err):
+                raise
+            same_shape = _SAME_SHAPE_AS.get(getattr(n.target, "__name__", ""))
+            if same_shape is not None and not torch.cuda.is_available():
+                return same_shape(*args, **kwargs)
+            return self._execute_on_real(n, d, args, kwargs)
 
     def _in_autocast(self, n: fx.Node, args: tuple, kwargs: dict, device: torch.device) -> Any:
         """Run an opaque call under autocast of ``device``'s type on fake copies there; the
@@ -336,14 +361,16 @@ class _Simulator(fx.Interpreter):
         real stand-ins — ones for floats, zeros for integers — only to learn the dtypes."""
         mode = self.fake_mode
         home = observe.device_of((args, kwargs)) or self.home
-        # an opaque call runs under (CPU) autocast: the real stand-ins are CPU tensors
-        autocast = (torch.autocast("cpu", dtype=self.policy.compute) if d.runtime
+        # stand-ins on the model's GPU where there is one (CUDA-only ops), else on the CPU
+        device = home if home.type == "cuda" and torch.cuda.is_available() else None
+        autocast = (torch.autocast(device.type if device else "cpu",
+                                   dtype=self.policy.compute) if d.runtime
                     else contextlib.nullcontext())
         with unset_fake_temporarily(), autocast:
-            args, kwargs = tree_map(_real_stand_in, (args, kwargs))
+            args, kwargs = tree_map(lambda v: _real_stand_in(v, device), (args, kwargs))
             if n.op == "call_module":
                 module = self.fetch_attr(n.target)
-                state = {k: _real_stand_in(v) for k, v in
+                state = {k: _real_stand_in(v, device) for k, v in
                          list(module.named_parameters()) + list(module.named_buffers())}
                 if d.inputs is not None:
                     state = {k: _cast(d.inputs)(v) for k, v in state.items()}

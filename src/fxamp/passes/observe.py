@@ -25,15 +25,17 @@ _TO_COPY = torch.ops.aten._to_copy.default
 #: torch logs a failed meta kernel at ERROR level before raising; a failed observation is
 #: expected (the op tables decide then) and must not reach the user's terminal.
 _FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+log = logging.getLogger(__name__)
 
 
 class Observation:
     """What autocast did with one call: the dtypes it cast floating inputs to (``casts``:
-    input index -> dtype), the floating output dtypes, and whether it refused the call."""
+    input index -> dtype), the floating output dtypes (None: unknown, the op has no fake
+    kernel), and whether it refused the call."""
 
     __slots__ = ("casts", "inside", "outputs", "banned", "message")
 
-    def __init__(self, casts: Dict[int, torch.dtype], outputs: Tuple[torch.dtype, ...],
+    def __init__(self, casts: Dict[int, torch.dtype], outputs: Optional[Tuple[torch.dtype, ...]],
                  banned: bool = False, message: str = "", inside: bool = False) -> None:
         self.casts, self.outputs, self.banned, self.message = casts, outputs, banned, message
         self.inside = inside  # autocast also cast values made inside the call
@@ -62,6 +64,12 @@ class _CastRecorder(TorchDispatchMode):
         self.watched = watched
         self.events: List[_Event] = []
 
+    @classmethod
+    def watching(cls, call_args: tuple) -> "_CastRecorder":
+        """A recorder watching the floating inputs of ``(args, kwargs, params, buffers)``."""
+        args, kwargs, params, _ = call_args
+        return cls({id(t): i for i, t in enumerate(float_inputs(args, kwargs, params))})
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -76,13 +84,6 @@ class _CastRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _record(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs: dict,
-            params: dict, buffers: dict, autocast: Any) -> Tuple[Any, List[_Event]]:
-    watched = {id(t): i for i, t in enumerate(float_inputs(args, kwargs, params))}
-    recorder = _CastRecorder(watched)
-    with autocast, recorder:
-        result = call(args, kwargs, params, buffers)
-    return result, recorder.events
 
 
 @contextlib.contextmanager
@@ -169,17 +170,30 @@ def observe(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs:
     _FAKE_LOG.setLevel(logging.CRITICAL)
     try:
         copies = on_device((args, kwargs, params, buffers), device, {})
+        recorder = _CastRecorder.watching(copies)
         try:
-            result, events = _record(call, *copies, target_autocast(target, dtype))
-        except RuntimeError as err:
+            with target_autocast(target, dtype), recorder:
+                result = call(*copies)
+        except Exception as err:  # noqa: BLE001 - judged below
             if is_autocast_refusal(err):
                 return Observation({}, (), banned=True, message=str(err).splitlines()[0])
-            raise
+            if not recorder.events:
+                raise
+            # the op's fake kernel is missing or broken (CUDA-only ops: cudnn_convolution,
+            # the fused GRU cell): autocast cast its inputs before the kernel failed; what
+            # it returns is unknown
+            log.debug("fake kernel failed after autocast's casts", exc_info=True)
+            return Observation({i: to for i, _, to, _ in recorder.events if i is not None},
+                               None)
+        events = recorder.events
+        plain = on_device((args, kwargs, params, buffers), device, {})
+        own_recorder = _CastRecorder.watching(plain)
         try:
-            _, own = _record(call, *on_device((args, kwargs, params, buffers), device, {}),
-                             contextlib.nullcontext())
+            with own_recorder:
+                call(*plain)
         except Exception:  # noqa: BLE001 - e.g. a kernel only autocast's dtypes have
-            own = []
+            pass
+        own = own_recorder.events
     finally:
         _FAKE_LOG.setLevel(level)
     for event in own:
