@@ -185,15 +185,16 @@ def observe(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs:
             log.debug("fake kernel failed after autocast's casts", exc_info=True)
             return Observation({i: to for i, _, to, _ in recorder.events if i is not None},
                                None)
-        events = recorder.events
-        plain = on_device((args, kwargs, params, buffers), device, {})
-        own_recorder = _CastRecorder.watching(plain)
-        try:
-            with own_recorder:
-                call(*plain)
-        except Exception:  # noqa: BLE001 - e.g. a kernel only autocast's dtypes have
-            pass
-        own = own_recorder.events
+        events, own = recorder.events, []
+        if events:  # (no cast under autocast: nothing to tell apart)
+            plain = on_device((args, kwargs, params, buffers), device, {})
+            own_recorder = _CastRecorder.watching(plain)
+            try:
+                with own_recorder:
+                    call(*plain)
+            except Exception:  # noqa: BLE001 - e.g. a kernel only autocast's dtypes have
+                pass
+            own = own_recorder.events
     finally:
         _FAKE_LOG.setLevel(level)
     for event in own:
