@@ -142,3 +142,11 @@ def test_version_1_files_still_load_and_say_truncation_is_unchecked(real_plan, c
     assert "cannot be detected" in caplog.text
     assert Plan.from_text(v2).truncation_checked
     assert old.to_text() == v2  # saving it again writes version 2
+
+
+def test_the_readme_plan_block_is_real_output():
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## The plan\n", 1)[1].split("```\n", 2)[1]
+    model, inputs = small_cnn()
+    assert fxamp.plan_of(fxamp.amp_rewrite(model, inputs)).to_text() == block
