@@ -265,9 +265,12 @@ class Trainer:
 
     def _non_finite(self, grad_norm: float) -> bool:
         """Whether any rank's unscaled gradients (their total norm) are not finite."""
-        flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0])
-        if _distributed():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not _distributed():
+            return not math.isfinite(grad_norm)
+        # on the parameters' device: NCCL reduces only CUDA tensors
+        device = self.params[0].device if self.params else torch.device("cpu")
+        flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
     def _force_skip(self, grad_norm: float, scale: float) -> None:
