@@ -136,7 +136,7 @@ def test_non_utf8_and_binary_files_are_plan_format_errors(tmp_path, real_plan):
 def test_version_1_files_still_load_and_say_truncation_is_unchecked(real_plan, caplog):
     v2 = real_plan.to_text()
     v1 = v2.replace("plan v2", "plan v1").replace("# end of plan: 11 nodes, 2 ranges\n", "")
-    with caplog.at_level(logging.WARNING, logger="fxamp.plan"):
+    with caplog.at_level(logging.WARNING, logger="fxamp.plan_text"):
         old = Plan.from_text(v1)
     assert old == real_plan and old.format_version == 1 and not old.truncation_checked
     assert "cannot be detected" in caplog.text

@@ -67,7 +67,8 @@ that all-reduces found-inf itself) as ``scaler=``, and clip with FSDP's own
 """
 from .localize import Overflow, localize
 from ..errors import TrainingDivergedError
-from .trainer import MAX_CONSECUTIVE_SKIPS, SCALE_FLOOR, ScaleUnderflowError, StepResult, Trainer
+from .skips import MAX_CONSECUTIVE_SKIPS, SCALE_FLOOR
+from .trainer import ScaleUnderflowError, StepResult, Trainer
 
 __all__ = ["Trainer", "StepResult", "Overflow", "ScaleUnderflowError", "TrainingDivergedError",
            "localize", "SCALE_FLOOR", "MAX_CONSECUTIVE_SKIPS"]

@@ -18,12 +18,13 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import FxampError, TrainingDivergedError
+from ..errors import FxampError, TrainingDivergedError  # noqa: F401 - re-exported
 from ..plan import Plan, diff
 from ..policy import Policy
 from ..rewriter import amp_rewrite, plan_of
 from .localize import Overflow, localize
 from .rng import rng_state, set_rng_state
+from .skips import MAX_CONSECUTIVE_SKIPS, SCALE_FLOOR, diverged_error
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +33,6 @@ __all__ = ["Trainer", "StepResult", "ScaleUnderflowError", "TrainingDivergedErro
 
 LossFn = Callable[..., torch.Tensor]
 
-#: The loss scale never goes below this (a power of two, 40 halvings below GradScaler's
-#: default start of 2**16): far below any scale that helps, while the scaled loss stays a
-#: normal float32 and the inverse scale (2**24) finite. Without it a long run of overflows
-#: takes the scale to ~1e-44, whose inverse is inf: unscaled gradients become inf/NaN that
-#: GradScaler (which checks the *scaled* gradients) does not see, and the scale can reach 0,
-#: from which it never grows back.
-SCALE_FLOOR = 2.0 ** -24
-
-#: Default of ``Trainer(max_consecutive_skips=...)``. From the default start (2**16) a
-#: GradScaler needs ~16-24 consecutive skips to find a workable fp16 scale for gradients
-#: that are large at the start; 50 is twice that plus margin (the scale is then 2**-24, the
-#: floor): a longer run is not a scale problem but NaN/inf in the forward pass, the data or
-#: a diverged model.
-MAX_CONSECUTIVE_SKIPS = 50
 
 
 class ScaleUnderflowError(FxampError):
@@ -352,29 +339,11 @@ class Trainer:
                 "trainer.localize(loss_fn, *batch) and keep it in FP32 (policy "
                 "'fp32:NODE' or heal=True), lower the learning rate, or use bfloat16")
         if diverged:
-            raise self._diverged(step, loss_value, scale_before, overflow)
+            raise diverged_error(self.consecutive_skips, step, loss_value, scale_before,
+                                 overflow, self.max_consecutive_skips)
         return StepResult(loss=loss_value, micro_step=self.micro_steps, step=step,
                           stepped=True, skipped=found, scale=scale, grad_norm=grad_norm,
                           overflow=overflow, healed=healed, grad_stats=stats)
-
-    def _diverged(self, step: int, loss: float, scale: float,
-                  overflow: Optional[Overflow]) -> TrainingDivergedError:
-        n = self.consecutive_skips
-        where = str(overflow) if overflow is not None else "not localised"
-        since = f"step {step - n}" if step >= n else "the start"
-        if overflow is not None and overflow.phase in ("forward", "loss"):
-            fix = ("the values are non-finite before any loss scaling: check the data and the "
-                   "loss near that node (NaN/inf inputs or labels, log/sqrt of 0, division by "
-                   "0), or keep the node in FP32 (policy 'fp32:NODE' or heal=True)")
-        else:
-            fix = ("lower the learning rate or clip gradients (clip_grad_norm=), keep the "
-                   "node in FP32 (policy 'fp32:NODE' or heal=True), or use bfloat16")
-        return TrainingDivergedError(
-            f"{n} optimizer steps in a row were skipped (steps {step - n + 1}-{step}): the "
-            f"gradients were not finite at each (last loss {loss:g}, scale {scale:g}); the "
-            f"weights are unchanged since {since}\n  where it starts: {where}\n"
-            f"  what to do: {fix}; if long runs of skipped steps are expected, raise "
-            f"max_consecutive_skips (now {self.max_consecutive_skips}; None never raises)")
 
     def _localize_window(self, scale: float) -> Overflow:
         result = Overflow(phase="none", scale=scale, step=self.steps)
