@@ -30,6 +30,15 @@ def _leftovers(directory):
     return sorted(p.name for p in Path(directory).iterdir() if p.name.endswith(".tmp"))
 
 
+def test_a_new_file_gets_the_umask_mode(tmp_path):
+    umask = os.umask(0o027)
+    try:
+        fileio.atomic_write_text(str(tmp_path / "new.plan"), "x\n")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "new.plan").st_mode) == 0o640
+
+
 def test_writes_replace_the_file_and_leave_no_temporary_file(tmp_path):
     path = tmp_path / "model.plan"
     path.write_text(OLD)
@@ -126,10 +135,10 @@ def test_a_path_through_a_file_is_a_clear_error(tmp_path):
 
 
 def test_permission_denied_is_a_clear_error(tmp_path, monkeypatch):
-    def denied(*args, **kwargs):
+    def denied(*args, **kwargs):  # what a directory without write permission gives
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
-    monkeypatch.setattr(fileio.tempfile, "mkstemp", denied)
+    monkeypatch.setattr(fileio, "_open_temp", denied)
     with pytest.raises(OutputFileError, match="Permission denied\n  what to do: choose a "
                        "writable location"):
         fileio.atomic_write_text(str(tmp_path / "model.plan"), "y")

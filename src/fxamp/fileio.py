@@ -13,9 +13,10 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import shutil
 import tempfile
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Tuple
 
 from .errors import OutputFileError
 
@@ -72,13 +73,25 @@ def _prepare(path: str) -> str:
     return target
 
 
-def _mode_for(target: str) -> int:
+def _keep_mode(tmp: str, target: str) -> None:
+    """Give ``tmp`` the mode of the file it replaces (a new file keeps the umask's mode)."""
     try:
-        return os.stat(target).st_mode & 0o7777
+        mode = os.stat(target).st_mode & 0o7777
     except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+        return
+    os.chmod(tmp, mode)
+
+
+def _open_temp(directory: str, name: str) -> Tuple[int, str]:
+    """A new hidden file next to the target, created with mode 0o666 less the umask."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def _fsync_directory(directory: str) -> None:
@@ -94,7 +107,7 @@ def _write(path: str, fill: Callable[[int], None]) -> str:
     try:
         target = _prepare(path)
         directory, name = os.path.split(target)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        fd, tmp = _open_temp(directory, name)
     except OSError as err:
         raise output_error(os.fspath(path), err) from err
     try:
@@ -103,7 +116,7 @@ def _write(path: str, fill: Callable[[int], None]) -> str:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.chmod(tmp, _mode_for(target))
+        _keep_mode(tmp, target)
         os.replace(tmp, target)
     except BaseException as err:
         with contextlib.suppress(OSError):
@@ -150,7 +163,7 @@ def atomic_directory(path: str) -> Iterator[str]:
             src = os.path.join(tmpdir, f)
             with open(src, "rb") as fh:
                 os.fsync(fh.fileno())
-            os.chmod(src, _mode_for(os.path.join(os.path.dirname(target), f)))
+            _keep_mode(src, os.path.join(os.path.dirname(target), f))
             os.replace(src, os.path.join(os.path.dirname(target), f))
     except OSError as err:
         raise output_error(os.fspath(path), err) from err
