@@ -127,6 +127,7 @@ def parse(text: str, cls: type) -> Any:
 
 
 def _parse_v2(cls: type, lines: List[str]) -> Any:
+    """Version 2: header, column line, node lines, @range lines, end marker (checked)."""
     from .plan import NodePrecision, RangeStats
 
     plan = cls()
@@ -159,7 +160,9 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
                 saw_columns = True
                 continue
             if saw_columns:
-                raise line.error("header line after the column header")
+                raise line.error("a '#' line after the column header (only node lines, "
+                                 "@range lines and the end marker follow it); the file may "
+                                 "be truncated or edited")
             line.pos = raw.index(body[0]) if body else len(raw)
             if body.startswith('"'):
                 key = line._quoted()
