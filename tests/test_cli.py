@@ -16,7 +16,7 @@ def fxamp(*args, cwd=None):
 def test_plan_prints_the_plan():
     r = fxamp("plan", "fxamp.demo:small_cnn", "--dtype", "bf16", "--target", "cpu")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("# fxamp precision plan v1")
+    assert r.stdout.startswith("# fxamp precision plan v2")
     assert "# policy: compute=bf16,target=cpu" in r.stdout
     assert any(l.startswith("conv1 ") and " bf16 " in l for l in r.stdout.splitlines())
 
@@ -94,3 +94,44 @@ def test_audit_min_severity_hides_info_lines_but_counts_them():
     lines = r.stdout.strip().splitlines()
     assert lines[-1].startswith("5 findings: 5 info") and "5 below warning not shown" in lines[-1]
     assert len(lines) == 1
+
+
+def test_unreadable_plans_exit_2_never_a_traceback(tmp_path):
+    import fxamp as api
+    from fxamp.demo import small_cnn
+    good = tmp_path / "good.plan"
+    text = api.plan_of(api.amp_rewrite(*small_cnn())).to_text()
+    good.write_text(text)
+    (tmp_path / "binary.plan").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    (tmp_path / "latin1.plan").write_bytes(text.replace("model input", "mod\u00e8le")
+                                           .encode("latin-1"))
+    (tmp_path / "cut.plan").write_text("".join(text.splitlines(keepends=True)[:8]))
+    (tmp_path / "header_only.plan").write_text("".join(text.splitlines(keepends=True)[:3]))
+    (tmp_path / "dir.plan").mkdir()
+    for name, says in [("binary.plan", "not UTF-8"), ("latin1.plan", "line 7: byte 0xe8"),
+                       ("cut.plan", "line 8: the plan ends without its end marker"),
+                       ("header_only.plan", "line 3: the plan ends without"),
+                       ("dir.plan", "cannot read")]:
+        r = fxamp("diff", str(good), str(tmp_path / name))
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = fxamp("check", "fxamp.demo:small_cnn", "--plan", str(tmp_path / "cut.plan"))
+    assert r.returncode == 2 and "truncated" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_check_reads_a_version_1_plan(tmp_path):
+    plan = tmp_path / "model.plan"
+    assert fxamp("check", "fxamp.demo:small_cnn", "--plan", str(plan), "--update").returncode == 0
+    v2 = plan.read_text()
+    plan.write_text(v2.replace("plan v2", "plan v1").replace(v2.splitlines()[-1] + "\n", ""))
+    r = fxamp("check", "fxamp.demo:small_cnn", "--plan", str(plan))
+    assert r.returncode == 0 and "cannot be detected" in r.stderr, r.stderr
+
+
+def test_outputs_into_missing_directories_and_unwritable_places(tmp_path):
+    out = tmp_path / "new" / "dir" / "graph.dot"
+    r = fxamp("show", "fxamp.demo:small_cnn", "-o", str(out))
+    assert r.returncode == 0 and out.read_text().startswith("digraph"), r.stderr
+    (tmp_path / "afile").write_text("x")
+    r = fxamp("plan", "fxamp.demo:small_cnn", "-o", str(tmp_path / "afile" / "model.plan"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "afile is a file, not a directory" in r.stderr and "what to do" in r.stderr

@@ -17,7 +17,7 @@ def test_quickstart_trains_and_prints_the_plan():
     assert r.returncode == 0, r.stderr
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", r.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0]
-    assert "# fxamp precision plan v1" in r.stdout
+    assert "# fxamp precision plan v2" in r.stdout
     assert "layer_norm is on autocast's fp32 list for cuda" in r.stdout
 
 

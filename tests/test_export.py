@@ -294,6 +294,7 @@ def test_cli_export(tmp_path, monkeypatch, capsys):
     from fxamp.cli import main
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.onnx").write_bytes(b"an older export")  # replaced atomically
     assert main(["export", "fxamp.demo:small_cnn", "-o", "model.onnx", "--report",
                  "report.md"]) == 0
     captured = capsys.readouterr()
@@ -302,9 +303,11 @@ def test_cli_export(tmp_path, monkeypatch, capsys):
     onnx.checker.check_model(onnx.load(str(tmp_path / "model.onnx")))
     text = (tmp_path / "report.md").read_text()
     assert "| | onnx node | op | fx node |" in text and "within tolerance" in text
-    assert main(["export", "fxamp.demo:small_cnn", "-o", "m2.onnx", "--report", "r.json",
-                 "--backend", "onnxruntime"]) == 0
-    assert json.loads((tmp_path / "r.json").read_text())["schema"] == SCHEMA
+    assert main(["export", "fxamp.demo:small_cnn", "-o", "new/m2.onnx", "--report",
+                 "reports/r.json", "--backend", "onnxruntime"]) == 0  # directories made
+    assert json.loads((tmp_path / "reports" / "r.json").read_text())["schema"] == SCHEMA
+    onnx.checker.check_model(onnx.load(str(tmp_path / "new" / "m2.onnx")))
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
 class RMSHead(nn.Module):

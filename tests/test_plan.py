@@ -68,13 +68,22 @@ def test_diff_ignores_version_lines(plan):
 
 
 @pytest.mark.parametrize("mutate, where", [
-    (lambda t: "", "line 1"),
-    (lambda t: t.replace("# fxamp precision plan v1", "# fxamp precision plan v0"), "--update"),
-    (lambda t: t.replace("fp16    autocast", "fp61    autocast", 1), "line"),
-    (lambda t: "\n".join(t.splitlines()[:5]) + "\n", "truncated"),
-    (lambda t: t + "conv1  nn.Conv2d\n", "7 columns"),
+    (lambda t: "", "^line 1: expected '# fxamp precision plan v2', found '.empty file.'"),
+    (lambda t: t.replace("# fxamp precision plan v2", "# fxamp precision plan v0"),
+     "^line 1: 'fxamp precision plan v0' is not a format .* --update"),
+    (lambda t: t.replace("fp16    autocast", "fp61    autocast", 1),
+     r"^line 8: unknown dtype 'fp61'.*: \"conv1 .*fp61"),
+    (lambda t: "\n".join(t.splitlines()[:5]) + "\n",
+     "^line 5: the plan ends without its end marker .* the file is truncated"),
+    (lambda t: t + "conv1  nn.Conv2d\n", r"^line 19: text after the end marker \(line 18\)"),
+    (lambda t: t.replace("# end of plan", "conv9  nn.Conv2d\n# end of plan"),
+     r"^line 18: expected 7 columns \(node op module dtype inputs rule reason\), the module "
+     "is missing"),
+    (lambda t: t.replace("# end of plan: 11 nodes", "# end of plan: 12 nodes"),
+     r"^line 18: the end marker counts 12 nodes and 0 ranges, the file has 11 and 0"),
 ])
 def test_malformed_plans_raise_a_clear_error_naming_the_line(plan, mutate, where):
+    assert len(plan.nodes) == 11 and len(plan.to_text().splitlines()) == 18
     with pytest.raises(fxamp.PlanFormatError, match=where):
         Plan.from_text(mutate(plan.to_text()))
 

@@ -19,6 +19,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import FxampError
+from .fileio import atomic_write_text
 from .policy import parse_dtype
 
 
@@ -73,27 +74,36 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     gm = _rewrite(args)
     text = plan_of(gm).to_text()
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        atomic_write_text(args.output, text)
         print(f"wrote {args.output} ({len(plan_of(gm).nodes)} nodes)")
     else:
         sys.stdout.write(text)
     return 0
 
 
+def _load_plan(command: str, path: str, hint: str = "") -> Optional[Any]:
+    """Plan.load, or None after one line on stderr (unreadable, not UTF-8, truncated...)."""
+    from .plan import Plan
+
+    try:
+        return Plan.load(path)
+    except OSError as err:
+        print(f"fxamp {command}: cannot read {path}: {err.strerror or err}{hint}",
+              file=sys.stderr)
+    except FxampError as err:
+        print(f"fxamp {command}: {path}: {err}", file=sys.stderr)
+    return None
+
+
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from .plan import Plan, diff
+    from .plan import diff
 
     plans = []
     for path in (args.old, args.new):
-        try:
-            plans.append(Plan.load(path))
-        except OSError as err:
-            print(f"fxamp diff: cannot read {path}: {err.strerror}", file=sys.stderr)
+        plan = _load_plan("diff", path)
+        if plan is None:
             return 2
-        except FxampError as err:
-            print(f"fxamp diff: {path}: {err}", file=sys.stderr)
-            return 2
+        plans.append(plan)
     text = diff(*plans, fmt=args.format)
     sys.stdout.write(text)
     return 1 if text else 0
@@ -101,18 +111,15 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from . import plan_of
-    from .plan import Plan, diff
+    from .plan import diff
 
     plan = plan_of(_rewrite(args))
     if args.update:
         plan.save(args.plan)
         print(f"wrote {args.plan} ({len(plan.nodes)} nodes)")
         return 0
-    try:
-        committed = Plan.load(args.plan)
-    except OSError as err:
-        print(f"fxamp check: cannot read {args.plan}: {err.strerror}; create it with "
-              f"--update", file=sys.stderr)
+    committed = _load_plan("check", args.plan, "; create it with --update")
+    if committed is None:
         return 2
     text = diff(committed, plan, fmt=args.format)
     if text:
@@ -144,8 +151,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         text = svg
     else:
         text = render(gm, plan_of(gm), fmt, title=f"fxamp plan of {args.factory}")
-    with open(args.output, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    atomic_write_text(args.output, text)
     print(f"wrote {args.output} ({fmt})")
     return 0
 

@@ -24,7 +24,19 @@ class UnsupportedModelError(FxampError):
 
 
 class PlanFormatError(FxampError, ValueError):
-    """A plan file is malformed; the message names the line."""
+    """A plan file is malformed, truncated or not UTF-8 text; the message names the line."""
+
+
+class OutputFileError(FxampError, OSError):
+    """A file could not be written (permissions, full disk, bad path); the old file, if
+    any, is unchanged. ``errno`` and ``filename`` are those of the underlying OSError."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+class TrainingDivergedError(FxampError):
+    """Too many consecutive optimizer steps were skipped for non-finite gradients."""
 
 
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep

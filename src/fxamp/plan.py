@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .errors import PlanFormatError
-from .policy import dtype_name, parse_dtype
-
-FORMAT = "fxamp precision plan v1"
-COLUMNS = ("node", "op", "module", "dtype", "inputs", "rule", "reason")
+from .plan_text import (COLUMNS, FORMAT, FORMAT_V1, _REGENERATE, _escape,  # noqa: F401
+                        _quote_rest, parse, quote_token)
+from .policy import dtype_name
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,24 @@ class RangeStats:
 
     @classmethod
     def parse(cls, text: str) -> "RangeStats":
-        """Inverse of ``str``: ``max_abs=... underflow=... nonfinite=...``."""
-        fields = dict(part.split("=", 1) for part in text.split())
-        return cls(float(fields["max_abs"]), float(fields["underflow"]), int(fields["nonfinite"]))
+        """Inverse of ``str``: ``max_abs=... underflow=... nonfinite=...``. Raises
+        ValueError unless the three fields are there once each, finite and non-negative
+        (``underflow`` a fraction, ``nonfinite`` an integer count)."""
+        pairs = [part.split("=", 1) for part in text.split()]
+        if any(len(p) != 2 for p in pairs) or \
+                sorted(k for k, _ in pairs) != ["max_abs", "nonfinite", "underflow"]:
+            raise ValueError("expected max_abs=X underflow=Y nonfinite=Z, each once")
+        fields = dict(pairs)  # type: ignore[arg-type]
+        max_abs, underflow = float(fields["max_abs"]), float(fields["underflow"])
+        nonfinite = int(fields["nonfinite"])
+        for key, value in (("max_abs", max_abs), ("underflow", underflow)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{key}={fields[key]} must be finite and non-negative")
+        if underflow > 1:
+            raise ValueError(f"underflow={fields['underflow']} is a fraction: at most 1")
+        if nonfinite < 0:
+            raise ValueError(f"nonfinite={fields['nonfinite']} is a count: not negative")
+        return cls(max_abs, underflow, nonfinite)
 
 
 @dataclass
@@ -57,11 +72,14 @@ class Plan:
 
     ``ranges`` holds the calibration statistics the rewrite used (if any), so a later
     rewrite can reuse them without data: ``amp_rewrite(..., calibration_data=plan)``.
+    ``format_version`` is the text format the plan was read from (2 for plans made in
+    memory); a version-1 file has no end marker, so its truncation cannot be detected.
     """
 
     nodes: Dict[str, NodePrecision] = field(default_factory=dict)
     header: Dict[str, str] = field(default_factory=dict)
     ranges: Dict[str, RangeStats] = field(default_factory=dict)
+    format_version: int = field(default=2, repr=False)
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Plan) and self.header == other.header
@@ -73,95 +91,64 @@ class Plan:
         """The policy string the plan was made with."""
         return self.header.get("policy", "")
 
+    @property
+    def truncation_checked(self) -> bool:
+        """Whether the text this plan was read from proved complete (v2 end marker)."""
+        return self.format_version >= 2
+
     def count(self, dtype: torch.dtype) -> int:
         """How many nodes compute in ``dtype``."""
         return sum(1 for p in self.nodes.values() if p.dtype == dtype)
 
     def to_text(self) -> str:
-        """One line per node in graph order, aligned columns, a short stable header."""
+        """One line per node in graph order, aligned columns, a short stable header and an
+        end marker with the node and range counts (format v2; see the README)."""
         out = [f"# {FORMAT}"]
-        out += [f"# {key}: {value}" for key, value in self.header.items()]
+        for key, value in self.header.items():
+            name = quote_token(key) if ":" not in key else _escape(key)
+            out.append(f"# {name}: {_quote_rest(value)}")
         rows = [("# " + COLUMNS[0],) + COLUMNS[1:]] + [
-            (name, p.op or "-", p.module or "-", dtype_name(p.dtype), dtype_name(p.inputs),
-             p.rule, p.reason)
+            (quote_token(name), quote_token(p.op) if p.op else "-",
+             quote_token(p.module) if p.module else "-", dtype_name(p.dtype),
+             dtype_name(p.inputs), quote_token(p.rule), _quote_rest(p.reason))
             for name, p in self.nodes.items()
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
         for row in rows:
             cells = [cell.ljust(widths[j]) for j, cell in enumerate(row[:-1])]
             out.append("  ".join(cells + [row[-1]]).rstrip())
-        out += [f"@range {name} {stats}" for name, stats in self.ranges.items()]
+        out += [f"@range {quote_token(name)} {stats}" for name, stats in self.ranges.items()]
+        out.append(f"# end of plan: {len(self.nodes)} nodes, {len(self.ranges)} ranges")
         return "\n".join(out) + "\n"
 
     @classmethod
     def from_text(cls, text: str) -> "Plan":
-        """Parse the text form (data only). Raises PlanFormatError naming the bad line."""
-        lines = text.splitlines()
-        if lines and lines[0].startswith("# fxamp precision plan v") and \
-                lines[0].strip() != f"# {FORMAT}":
-            raise PlanFormatError(
-                f"line 1: {lines[0].strip()[2:]!r} is not this fxamp's format ({FORMAT!r}); "
-                "regenerate the file with `fxamp check MODULE:FACTORY --plan FILE --update` "
-                "(or `fxamp plan ... -o FILE`)")
-        if not lines or lines[0].strip() != f"# {FORMAT}":
-            first = lines[0] if lines else "(empty file)"
-            raise PlanFormatError(f"line 1: expected '# {FORMAT}', found {first!r}; "
-                                  "is this a plan written by `fxamp plan`?")
-        plan = cls()
-        saw_columns = False
-        for number, line in enumerate(lines[1:], start=2):
-            if not line.strip():
-                continue
-            if line.startswith("#"):
-                body = line[1:].strip()
-                if body.split()[:1] == ["node"]:
-                    saw_columns = True
-                    continue
-                key, sep, value = body.partition(": ")
-                if not sep:
-                    raise PlanFormatError(f"line {number}: header line must be '# key: value', "
-                                          f"found {line!r}")
-                plan.header[key] = value
-                continue
-            if line.startswith("@range "):
-                parts = line.split(None, 2)
-                try:
-                    plan.ranges[parts[1]] = RangeStats.parse(parts[2])
-                except (IndexError, KeyError, ValueError):
-                    raise PlanFormatError(f"line {number}: expected '@range NODE max_abs=X "
-                                          f"underflow=Y nonfinite=Z', found {line!r}") from None
-                continue
-            if not saw_columns:
-                raise PlanFormatError(f"line {number}: node line before the column header")
-            parts = line.split(None, 6)
-            if len(parts) != 7:
-                raise PlanFormatError(f"line {number}: expected 7 columns ({' '.join(COLUMNS)}),"
-                                      f" found {len(parts)}: {line!r}")
-            name, op, module, dtype, inputs, rule, reason = parts
-            if name in plan.nodes:
-                raise PlanFormatError(f"line {number}: node {name!r} appears twice")
-            try:
-                plan.nodes[name] = NodePrecision(
-                    dtype=parse_dtype(dtype), rule=rule, reason=reason,
-                    op="" if op == "-" else op, module="" if module == "-" else module,
-                    inputs=None if inputs == "-" else parse_dtype(inputs))
-            except ValueError as err:
-                raise PlanFormatError(f"line {number}: {err}") from None
-        if not saw_columns:
-            raise PlanFormatError("the plan has no column header line (# node op module ...);"
-                                  " the file may be truncated")
-        return plan
+        """Parse the text form (data only). Raises PlanFormatError naming the bad line; a
+        v2 text that stops before its end marker (a truncated file) is an error too."""
+        return parse(text, cls)
 
     def save(self, path: str) -> None:
-        """Write the text form to ``path``."""
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(self.to_text())
+        """Write the text form to ``path`` atomically (the old file survives a failure;
+        OutputFileError names the cause)."""
+        from .fileio import atomic_write_text
+        atomic_write_text(path, self.to_text())
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        """Read a plan file written by :meth:`save` or ``fxamp plan``."""
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_text(fh.read())
+        """Read a plan file written by :meth:`save` or ``fxamp plan``. OSError when it
+        cannot be read; PlanFormatError (naming the line) when it is not a complete plan,
+        including bytes that are not UTF-8."""
+        with open(path, "rb") as fh:
+            data = fh.read()
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start) + 1
+            raise PlanFormatError(
+                f"line {line}: byte 0x{data[err.start]:02x} at offset {err.start} is not "
+                "UTF-8: this is a binary file or another encoding, not a plan; "
+                + _REGENERATE) from None
+        return cls.from_text(text)
 
 
 _VERSION_KEYS = ("fxamp", "torch")

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from .. import __version__
+from ..fileio import atomic_directory
 from ..rewriter import plan_of
 from ..rewriter.pipeline import _as_tuple
 from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
@@ -221,11 +222,11 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     for key, value in meta.items():
         set_meta(model, key, value)
     onnx.checker.check_model(model)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     large = model.ByteSize() > 1_800_000_000
-    onnx.save(model, path, save_as_external_data=large,
-              location=os.path.basename(path) + ".data" if large else None)
+    with atomic_directory(path) as tmpdir:  # the old file(s) survive any failure
+        onnx.save(model, os.path.join(tmpdir, os.path.basename(path)),
+                  save_as_external_data=large,
+                  location=os.path.basename(path) + ".data" if large else None)
     log.info("exported %s with the %s exporter (%d initializers repaired, %d eps fixed)", path,
              used, repaired, eps_fixed)
     return path

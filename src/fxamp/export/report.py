@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
 from ..errors import FxampError
+from ..fileio import atomic_write_text
 
 SCHEMA = "fxamp.precision_report/1"
 
@@ -232,11 +233,10 @@ class PrecisionReport:
                 f"{predicted}</body></html>\n")
 
     def save(self, path: str) -> str:
-        """Write the report; the format follows the extension (.json, .html/.htm, else
-        markdown)."""
+        """Write the report atomically; the format follows the extension (.json,
+        .html/.htm, else markdown)."""
         ext = path.rpartition(".")[2].lower()
         text = (self.to_json() if ext == "json" else self.to_html() if ext in ("html", "htm")
                 else self.to_markdown())
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        atomic_write_text(path, text)
         return path

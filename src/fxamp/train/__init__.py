@@ -33,7 +33,19 @@ first N-1 consecutive overflows skip the step but keep the scale: ``scaler.updat
 usual (back-off, growth tracker reset) and is followed by ``scaler.update(scale_before)``,
 GradScaler's documented way to set the scale. The N-th consecutive overflow and every further
 one back off; a finite step resets the count. ``min_scale`` raises
-:class:`ScaleUnderflowError` once the scale falls below it.
+:class:`ScaleUnderflowError` once the scale falls below it (fp16 only: with bfloat16 the
+scaler is disabled and ``min_scale`` raises at construction).
+
+**No non-finite step is applied.** GradScaler checks the *scaled* gradients; after a long
+run of overflows the scale can be so small (~1e-44) that its inverse is inf and the unscaled
+gradients are inf/NaN although the scaled ones were finite. The trainer measures the total
+norm of the unscaled gradients anyway (for clipping and the history); when it is not finite
+and GradScaler found nothing, it sets GradScaler's found-inf flags so ``scaler.step`` skips
+and ``update`` backs off. The scale never goes below ``SCALE_FLOOR`` (2**-24), so it can
+grow back. After ``max_consecutive_skips`` (default 50) skipped steps in a row the trainer
+raises :class:`TrainingDivergedError` naming the node where the non-finite values start
+(localised on the last batch) and what to do. ``state_dict()`` includes the RNG states
+(:mod:`fxamp.train.rng`), so a resume with dropout is bit-identical.
 
 **Overflow localisation and healing.** On a skipped step the micro-batches of the window are
 replayed through the GraphModule in a :class:`torch.fx.Interpreter` (first node whose output
@@ -54,6 +66,9 @@ that all-reduces found-inf itself) as ``scaler=``, and clip with FSDP's own
 ``model.clip_grad_norm_`` (pass ``clip_grad_norm=None``). FSDP is not tested here.
 """
 from .localize import Overflow, localize
+from ..errors import TrainingDivergedError
+from .skips import MAX_CONSECUTIVE_SKIPS, SCALE_FLOOR
 from .trainer import ScaleUnderflowError, StepResult, Trainer
 
-__all__ = ["Trainer", "StepResult", "Overflow", "ScaleUnderflowError", "localize"]
+__all__ = ["Trainer", "StepResult", "Overflow", "ScaleUnderflowError", "TrainingDivergedError",
+           "localize", "SCALE_FLOOR", "MAX_CONSECUTIVE_SKIPS"]

@@ -18,17 +18,21 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import FxampError
+from ..errors import FxampError, TrainingDivergedError  # noqa: F401 - re-exported
 from ..plan import Plan, diff
 from ..policy import Policy
 from ..rewriter import amp_rewrite, plan_of
 from .localize import Overflow, localize
+from .rng import rng_state, set_rng_state
+from .skips import MAX_CONSECUTIVE_SKIPS, SCALE_FLOOR, diverged_error
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Trainer", "StepResult", "ScaleUnderflowError"]
+__all__ = ["Trainer", "StepResult", "ScaleUnderflowError", "TrainingDivergedError",
+           "SCALE_FLOOR", "MAX_CONSECUTIVE_SKIPS"]
 
 LossFn = Callable[..., torch.Tensor]
+
 
 
 class ScaleUnderflowError(FxampError):
@@ -83,7 +87,13 @@ class Trainer:
     clip_grad_norm: max total norm of the unscaled gradients (None: no clipping; the norm
         is still measured for the history).
     scheduler: an LR scheduler, stepped after each optimizer step that was not skipped.
-    min_scale: raise :class:`ScaleUnderflowError` when the scale falls below this.
+    min_scale: raise :class:`ScaleUnderflowError` when the scale falls below this (fp16 only:
+        with the scaler disabled, e.g. bfloat16, there is no scale and passing it raises).
+        Whatever it is, the scale never goes below :data:`SCALE_FLOOR`.
+    max_consecutive_skips: raise :class:`TrainingDivergedError`, naming the node where the
+        non-finite values start, after this many optimizer steps in a row were skipped
+        (default :data:`MAX_CONSECUTIVE_SKIPS`; None: never). No step whose gradients are not
+        all finite is ever applied, whether GradScaler noticed or not.
     hysteresis: back off the scale only on the N-th consecutive overflow (1: every overflow,
         GradScaler's own behaviour).
     localize_on_skip: replay the failing batch to name the node that overflowed (logged).
@@ -99,7 +109,9 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scaler: Optional[torch.amp.GradScaler] = None, *, accumulation: int = 1,
                  clip_grad_norm: Optional[float] = None, scheduler: Any = None,
-                 min_scale: Optional[float] = None, hysteresis: int = 1,
+                 min_scale: Optional[float] = None,
+                 max_consecutive_skips: Optional[int] = MAX_CONSECUTIVE_SKIPS,
+                 hysteresis: int = 1,
                  localize_on_skip: bool = True, heal: bool = False, heal_after: int = 2,
                  heal_backward: bool = False, original_model: Optional[nn.Module] = None,
                  example_inputs: Any = None, record_grad_stats: bool = False,
@@ -119,15 +131,26 @@ class Trainer:
             raise FxampError("heal=True cannot swap the module inside DistributedDataParallel; "
                              "what to do: heal in a single-process run and pass the healed "
                              "policy to amp_rewrite before wrapping in DDP")
+        if max_consecutive_skips is not None and (
+                max_consecutive_skips < 1 or int(max_consecutive_skips) != max_consecutive_skips):
+            raise FxampError(f"max_consecutive_skips must be a positive integer or None, got "
+                             f"{max_consecutive_skips}")
         if scaler is None:
             compute = Policy.parse(policy).compute
             scaler = torch.amp.GradScaler(device, enabled=compute == torch.float16)
+        if min_scale is not None and not scaler.is_enabled():
+            raise FxampError(
+                f"min_scale={min_scale:g} has no effect: the GradScaler is disabled (the plan "
+                f"computes in {Policy.parse(policy).compute}; bfloat16 has float32's range and "
+                "needs no loss scaling), so there is no scale to fall\n  what to do: drop "
+                "min_scale; max_consecutive_skips bounds runs of skipped (non-finite) steps")
         self.optimizer = optimizer
         self.scaler = scaler
         self.scheduler = scheduler
         self.accumulation = int(accumulation)
         self.clip_grad_norm = clip_grad_norm
         self.min_scale = min_scale
+        self.max_consecutive_skips = max_consecutive_skips
         self.hysteresis = int(hysteresis)
         self.localize_on_skip = localize_on_skip
         self.heal = heal
@@ -144,6 +167,7 @@ class Trainer:
         self.steps = 0                # optimizer steps attempted
         self.skipped_steps = 0        # of which skipped
         self.consecutive_overflows = 0
+        self.consecutive_skips = 0    # skipped optimizer steps in a row (any scaler)
         self.scale_history: List[float] = []
         self.grad_norm_history: List[float] = []
         self.loss_history: List[float] = []
@@ -217,12 +241,33 @@ class Trainer:
         if not found:
             self.consecutive_overflows = 0
             self.scaler.update()
-            return
-        self.consecutive_overflows += 1
-        self.scaler.update()  # GradScaler's own overflow bookkeeping: back off, reset growth
-        if self.consecutive_overflows < self.hysteresis:
-            # hysteresis: tolerate this overflow, keep the scale it had
-            self.scaler.update(float(scale_before))
+        else:
+            self.consecutive_overflows += 1
+            self.scaler.update()  # GradScaler's own overflow bookkeeping: back off, reset growth
+            if self.consecutive_overflows < self.hysteresis:
+                # hysteresis: tolerate this overflow, keep the scale it had
+                self.scaler.update(float(scale_before))
+        if self.scale < SCALE_FLOOR:
+            self.scaler.update(SCALE_FLOOR)
+
+    def _non_finite(self, grad_norm: float) -> bool:
+        """Whether any rank's unscaled gradients (their total norm) are not finite."""
+        if not _distributed():
+            return not math.isfinite(grad_norm)
+        # on the parameters' device: NCCL reduces only CUDA tensors
+        device = self.params[0].device if self.params else torch.device("cpu")
+        flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _force_skip(self, grad_norm: float, scale: float) -> None:
+        """Make ``scaler.step`` skip: GradScaler checks the scaled gradients, which can be
+        finite while the unscaled ones are not (an inverse scale that overflows)."""
+        log.warning("fxamp.train: step %d: the unscaled gradients are not finite (norm %s) "
+                    "although GradScaler found no inf/NaN in the scaled ones (scale %g); "
+                    "skipping the step", self.steps, grad_norm, scale)
+        for found in self.scaler._found_inf_per_device(self.optimizer).values():
+            found.fill_(1.0)
 
     # ------------------------------------------------------------------ step
     def step(self, loss_fn: LossFn, *batch: Any) -> StepResult:
@@ -254,20 +299,23 @@ class Trainer:
             self._sync_found_inf()
         grad_norm = self._grad_norm()
         stats = self.grad_stats() if self.record_grad_stats else None
+        non_finite = self._non_finite(grad_norm)
         if enabled:
+            if non_finite and not self._found_inf():
+                self._force_skip(grad_norm, scale_before)
             self.scaler.step(self.optimizer)
             found = self._found_inf()
         else:
-            flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0])
-            if _distributed():
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            found = bool(flag.item())
+            found = non_finite
             if not found:
                 self.optimizer.step()
         overflow = None
+        self.consecutive_skips = self.consecutive_skips + 1 if found else 0
+        diverged = (found and self.max_consecutive_skips is not None
+                    and self.consecutive_skips >= self.max_consecutive_skips)
         if found:
             self.skipped_steps += 1
-            if self.localize_on_skip:
+            if self.localize_on_skip or diverged:
                 overflow = self._localize_window(scale_before)
         if enabled:
             self._update_scale(found, scale_before)
@@ -290,6 +338,9 @@ class Trainer:
                 "  what to do: the gradients overflow at any scale; find the node with "
                 "trainer.localize(loss_fn, *batch) and keep it in FP32 (policy "
                 "'fp32:NODE' or heal=True), lower the learning rate, or use bfloat16")
+        if diverged:
+            raise diverged_error(self.consecutive_skips, step, loss_value, scale_before,
+                                 overflow, self.max_consecutive_skips)
         return StepResult(loss=loss_value, micro_step=self.micro_steps, step=step,
                           stepped=True, skipped=found, scale=scale, grad_norm=grad_norm,
                           overflow=overflow, healed=healed, grad_stats=stats)
@@ -366,7 +417,9 @@ class Trainer:
     def state_dict(self, include_model: bool = True) -> Dict[str, Any]:
         """Everything a resumed run needs to continue identically: the model's Parameters
         and buffers (unless ``include_model=False``), optimizer, scheduler, scaler,
-        counters, histories, healed nodes and the plan text."""
+        counters, histories, healed nodes, the plan text and the RNG states (torch CPU and
+        CUDA, Python ``random``, NumPy: see :mod:`fxamp.train.rng`), so dropout draws the
+        same masks after a resume. Take it where the resumed run will start."""
         if self._window:
             raise FxampError(f"state_dict() in the middle of an accumulation window "
                              f"({len(self._window)}/{self.accumulation} micro-batches); what "
@@ -377,7 +430,8 @@ class Trainer:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "counters": {"micro_steps": self.micro_steps, "steps": self.steps,
                          "skipped_steps": self.skipped_steps,
-                         "consecutive_overflows": self.consecutive_overflows},
+                         "consecutive_overflows": self.consecutive_overflows,
+                         "consecutive_skips": self.consecutive_skips},
             "history": {"scale": list(self.scale_history),
                         "grad_norm": list(self.grad_norm_history),
                         "loss": list(self.loss_history),
@@ -385,14 +439,16 @@ class Trainer:
             "node_overflows": dict(self.node_overflows),
             "healed": dict(self.healed),
             "plan": self.plan.to_text(),
+            "rng": rng_state(),
         }
         if include_model:
             state["model"] = self.gm.state_dict()
         return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], restore_rng: bool = True) -> None:
         """Restore :meth:`state_dict`; re-heals the saved healed nodes and warns if the
-        plan then differs from the saved plan text."""
+        plan then differs from the saved plan text. ``restore_rng=False`` leaves this
+        process's random generators as they are."""
         if state.get("healed") and state["healed"] != self.healed:
             if self.original_model is None or self.example_inputs is None:
                 raise FxampError("the checkpoint has healed nodes "
@@ -410,6 +466,7 @@ class Trainer:
         self.steps = counters["steps"]
         self.skipped_steps = counters["skipped_steps"]
         self.consecutive_overflows = counters["consecutive_overflows"]
+        self.consecutive_skips = counters.get("consecutive_skips", 0)
         history = state["history"]
         self.scale_history = list(history["scale"])
         self.grad_norm_history = list(history["grad_norm"])
@@ -417,6 +474,8 @@ class Trainer:
         self.overflows = [Overflow(**o) for o in history["overflows"]]
         self.node_overflows = collections.Counter(state.get("node_overflows", {}))
         self._window = []
+        if restore_rng and state.get("rng") is not None:
+            set_rng_state(state["rng"])
         saved = state.get("plan")
         if saved:
             changes = diff(Plan.from_text(saved), self.plan)
