@@ -66,15 +66,6 @@ def first_float(value: Any) -> Optional[torch.Tensor]:
     return leaves[0] if leaves else None
 
 
-def _widest(dtypes: list) -> Optional[torch.dtype]:
-    if not dtypes:
-        return None
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
-    return out
-
-
 class Decision:
     """A node's planned input dtype, rule and reason, before its output dtype is known."""
 
@@ -135,7 +126,7 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
         if node.op == "call_module":
             dtypes += [p.dtype for p in root.get_submodule(node.target).parameters()
                        if p.is_floating_point()]
-        widest = _widest(dtypes)
+        widest = observe.widest(dtypes)
         return Decision(widest, "autocast", f"{op} runs in the widest dtype of its inputs "
                         f"({dtype_name(widest)}) under autocast for {target}", label)
     if category == oplists.BANNED:

@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from .. import oplists
 from ..policy import Policy, dtype_name
-from . import PassResult
+from . import PassResult, observe
 from .annotate import META, fix
 
 log = logging.getLogger(__name__)
@@ -101,13 +101,6 @@ def _float_inputs(operands: List[Any], changed: Dict[fx.Node, torch.dtype]
     return out
 
 
-def _widest(dtypes: List[torch.dtype]) -> torch.dtype:
-    out = dtypes[0]
-    for d in dtypes[1:]:
-        out = torch.promote_types(out, d)
-    return out
-
-
 def _autocast_promotes(dtypes: List[torch.dtype], low: torch.dtype) -> bool:
     """Whether torch.autocast's promote (at::autocast::prioritize, starting from the
     low-precision dtype, fp64 ignored) accepts these input dtypes in this order."""
@@ -146,7 +139,7 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
     dtypes = [d for _, d in inputs]
     if not dtypes:
         return None
-    widest = _widest(dtypes)
+    widest = observe.widest(dtypes)
     # what the join sees under the current plan: its input cast skips fp64, like autocast
     seen = {plan.inputs if plan.inputs is not None and d != torch.float64 else d
             for d in dtypes}

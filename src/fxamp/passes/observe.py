@@ -43,13 +43,7 @@ class Observation:
     @property
     def cast_dtype(self) -> Optional[torch.dtype]:
         """The one dtype autocast cast the inputs to (the widest if several), or None."""
-        dtypes = list(dict.fromkeys(self.casts.values()))
-        if not dtypes:
-            return None
-        out = dtypes[0]
-        for d in dtypes[1:]:
-            out = torch.promote_types(out, d)
-        return out
+        return widest(list(self.casts.values()))
 
 
 _Event = Tuple[Optional[int], torch.dtype, torch.dtype, Tuple[int, ...]]
@@ -141,6 +135,16 @@ def float_inputs(args: tuple, kwargs: dict, params: Dict[str, torch.Tensor]
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             seen.setdefault(id(t), t)
     return list(seen.values())
+
+
+def widest(dtypes: List[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype all of ``dtypes`` promote to (None for none)."""
+    if not dtypes:
+        return None
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
 
 
 def float_dtypes(value: Any) -> Tuple[torch.dtype, ...]:
