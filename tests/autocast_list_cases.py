@@ -25,6 +25,10 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
 from autocast_truth import _fake_cuda_autocast, _fake_cuda_copy, _fake_cuda_like, _map_tensors
 
 _LISTS = "torch.testing._internal.autocast_test_lists"
@@ -299,7 +303,6 @@ def run_autocast(model: nn.Module, inputs: tuple, target: str, dtype: torch.dtyp
     if device == "cuda":
         with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
             return model.to("cuda")(*[t.to("cuda") for t in inputs])
-    from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
         work = _fake_cuda_copy(model)
         fake = _map_tensors(inputs, _fake_cuda_like)
@@ -324,3 +327,70 @@ def equal(a: Any, b: Any) -> bool:
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(
             equal(x, y) for x, y in zip(a, b))
     return a == b
+
+
+class _Received(TorchDispatchMode):
+    """Records the floating dtype each ATen op receives (below autocast, so after its casts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: Optional[torch.dtype] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten._to_copy.default:
+            floats = [t.dtype for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            returns_tensor = any(str(r.type).startswith("Tensor") for r in func._schema.returns)
+            if floats and returns_tensor:  # (aten.equal returns a bool: no floating output)
+                self.last = floats[0]
+        return func(*args, **kwargs)
+
+
+class _Partial(torch.fx.Interpreter):
+    """Records each node's floating output dtype; at the node whose fake kernel cannot run
+    (a CUDA-only op, or one that falls back to a real kernel), records the dtype autocast
+    handed that op instead, and stops."""
+
+    def __init__(self, gm: torch.fx.GraphModule, received: _Received) -> None:
+        super().__init__(gm)
+        self.received = received
+        self.dtypes: Dict[str, torch.dtype] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.received.last = None
+        try:
+            result = super().run_node(n)
+        except Exception as err:  # noqa: BLE001 - whatever the fake kernel raised
+            if self.received.last is not None:
+                self.dtypes[n.name] = self.received.last
+            raise _Stop from err
+        if n.op != "output":
+            dtype = next((d for d in output_dtypes(result) if d.is_floating_point), None)
+            if dtype is not None:
+                self.dtypes[n.name] = dtype
+        return result
+
+
+class _Stop(Exception):
+    pass
+
+
+def fake_cuda_received_dtypes(gm: torch.fx.GraphModule, inputs: tuple,
+                              dtype: torch.dtype) -> Dict[str, torch.dtype]:
+    """node name -> dtype under CUDA autocast on fake CUDA tensors, up to and including the
+    first node the fake kernels cannot run; for that node, the dtype autocast cast its
+    floating inputs to (its output dtype, for the convolutions and RNN cells it is used for).
+    """
+    mode = FakeTensorMode()
+    with mode:
+        work = _fake_cuda_copy(gm)
+        fake = _map_tensors(inputs, _fake_cuda_like)
+    received = _Received()
+    interp = _Partial(work, received)
+    with mode, received, torch.no_grad(), _fake_cuda_autocast(dtype):
+        try:
+            interp.run(*fake)
+        except _Stop:
+            pass
+    return interp.dtypes

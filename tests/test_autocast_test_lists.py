@@ -16,7 +16,8 @@ import torch
 import torch.fx
 
 import fxamp
-from autocast_list_cases import CASES, Case, all_cases, equal, output_dtypes, run_autocast
+from autocast_list_cases import (CASES, Case, all_cases, equal, fake_cuda_received_dtypes,
+                                 output_dtypes, run_autocast)
 from autocast_truth import autocast_rewrite, record_autocast_dtypes
 
 # the lists' arguments use deprecated forms (size_average, chain_matmul...): torch warns
@@ -48,13 +49,15 @@ def check_case(case: Case, device: str = "cpu") -> None:
                                       None)}
     except RuntimeError as err:
         if BANNED not in str(err):
-            if target == "cuda" and device != "cuda":
-                pytest.skip("fake CUDA tensors cannot run this op (needs a GPU): "
-                            + str(err).splitlines()[0][:120])
-            raise
-        with pytest.raises(fxamp.errors.UnsupportedModelError, match="_with_logits"):
-            autocast_rewrite(model, inputs, dtype=dtype, target=target)
-        return
+            if target != "cuda" or device == "cuda" or traced is None:
+                raise
+            # fake CUDA kernels cannot run it (cudnn_convolution, gru_cell's fused kernel):
+            # the dtype autocast hands the op is the truth
+            truth = fake_cuda_received_dtypes(traced, inputs, dtype)
+        else:
+            with pytest.raises(fxamp.errors.UnsupportedModelError, match="_with_logits"):
+                autocast_rewrite(model, inputs, dtype=dtype, target=target)
+            return
     gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
     plan = fxamp.plan_of(gm)
     if traced is None:  # the op's node is the plan's last; autocast's output dtype its truth
@@ -65,10 +68,15 @@ def check_case(case: Case, device: str = "cpu") -> None:
     assert not wrong, f"{case.id}: planned vs autocast dtype {_describe(wrong, plan)}"
     if target == device:
         expected = run_autocast(model, inputs, target, dtype, device=device)
-        out = gm(*inputs)
-        assert equal(out, expected), (
-            f"{case.id}: output {output_dtypes(out)} is not bit-identical to autocast's "
-            f"{output_dtypes(expected)}")
+        with torch.no_grad():
+            out = gm(*inputs)
+        if device == "cpu":
+            assert equal(out, expected), (
+                f"{case.id}: output {output_dtypes(out)} is not bit-identical to autocast's "
+                f"{output_dtypes(expected)}")
+        else:  # GPU kernels with atomics (scatter_add, index_put) need not be bitwise
+            assert output_dtypes(out) == output_dtypes(expected)
+            torch.testing.assert_close(out, expected)
 
 
 def _describe(wrong: dict, plan: fxamp.Plan) -> str:
