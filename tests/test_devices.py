@@ -85,7 +85,10 @@ def test_rewrite_on_the_models_device(name: str, device: str, target: str) -> No
         expected = "cuda"
     assert _devices(gm) == _devices(moved) == {expected}
     assert _first_tensor(out).device.type == expected
-    assert _dtypes(fxamp.plan_of(gm)) == _dtypes(cpu_plan)
+    got, want = _dtypes(fxamp.plan_of(gm)), _dtypes(cpu_plan)
+    wrong = {n: (got.get(n), want.get(n)) for n in list(want) + list(got)
+             if got.get(n) != want.get(n)}
+    assert not wrong, f"node: (planned on {device}, planned on cpu): {wrong}"
 
 
 @pytest.mark.parametrize("target", TARGETS)
