@@ -72,7 +72,6 @@ class Entry:
     args: tuple
     kwargs: Dict[str, Any] = field(default_factory=dict)
     module: Any = torch  # PyTorch's test calls getattr(module, op) when it has it
-    banned: bool = False
 
 
 def _entries(target: str, dtype: torch.dtype) -> List[Entry]:
@@ -83,17 +82,16 @@ def _entries(target: str, dtype: torch.dtype) -> List[Entry]:
     out: List[Entry] = []
     if target == "cpu":
         cpu = lists.AutocastCPUTestLists("cpu")
-        low = 1 if dtype == torch.bfloat16 else 2  # builtin/need-promote: (op, bf16, fp16, ...)
-        for op, *rest in cpu.torch_expect_builtin_promote:
-            out.append(Entry(target, dtype, "torch_expect_builtin_promote", op, rest[low - 1]))
-        for op, *rest in cpu.methods_expect_builtin_promote:
-            out.append(Entry(target, dtype, "methods_expect_builtin_promote", op, rest[low - 1],
-                             module=None))
-        for op, *rest in cpu.torch_need_autocast_promote:
-            out.append(Entry(target, dtype, "torch_need_autocast_promote", op, rest[low - 1]))
+        # the promote lists hold (op, bf16 arguments, fp16 arguments[, out type])
+        pick = 0 if dtype == torch.bfloat16 else 1
+        for name, module in (("torch_expect_builtin_promote", torch),
+                             ("methods_expect_builtin_promote", None),
+                             ("torch_need_autocast_promote", torch)):
+            for op, *rest in getattr(cpu, name, []):
+                out.append(Entry(target, dtype, name, op, rest[pick], module=module))
         for name, module in (("torch_16", torch), ("torch_fp32", torch),
                              ("nn_16", torch._C._nn), ("nn_fp32", torch._C._nn)):
-            for item in getattr(cpu, name):
+            for item in getattr(cpu, name, []):
                 kwargs = item[2] if len(item) > 2 else {}
                 out.append(Entry(target, dtype, name, item[0], item[1], dict(kwargs),
                                  module=module))
@@ -114,11 +112,11 @@ def _entries(target: str, dtype: torch.dtype) -> List[Entry]:
                          ("nn_fp16", torch._C._nn), ("nn_fp32", torch._C._nn),
                          ("linalg_fp16", torch._C._linalg), ("methods_fp16", None),
                          ("methods_fp32", None)):
-        for item in getattr(cuda, name):
+        for item in getattr(cuda, name, []):
             kwargs = item[2] if len(item) > 2 else {}
             out.append(Entry(target, dtype, name, item[0], item[1], dict(kwargs), module=module))
-    for op, args, module in cuda.banned:
-        out.append(Entry(target, dtype, "banned", op, args, module=module, banned=True))
+    for op, args, module in getattr(cuda, "banned", []):
+        out.append(Entry(target, dtype, "banned", op, args, module=module))
     return out
 
 
@@ -240,7 +238,7 @@ class Case:
         return f"{self.entry.target}-{DTYPE_IDS[self.entry.dtype]}-{self.label}"
 
     def build(self) -> Tuple[nn.Module, tuple]:
-        """(module, its inputs): the entry's tensors as fresh fp32-master copies."""
+        """(module, its inputs): the entry's tensors, copied, become the forward's inputs."""
         tensors: List[torch.Tensor] = []
         args = _template(self.entry.args, tensors)
         kwargs = _template(self.entry.kwargs, tensors)
@@ -250,9 +248,9 @@ class Case:
 
 def _callable_under_autocast(case: Case) -> bool:
     """Whether this spelling takes the list's arguments: a call under CPU autocast (the
-    CUDA lists' arguments are built on cpu) that raises a TypeError, or a RuntimeError
-    other than autocast's ban, means it is another signature. PyTorch's own spellings
-    always count."""
+    CUDA lists' arguments are built on cpu; CPU autocast bans nothing) that raises means
+    it has another signature (``F.poisson_nll_loss`` vs ``torch.poisson_nll_loss``).
+    PyTorch's own spellings always count."""
     if case.own:
         return True
     model, inputs = case.build()
