@@ -23,6 +23,8 @@ from autocast_truth import (
     run_autocast_cpu,
 )
 
+pytestmark = pytest.mark.floor  # also run on the oldest supported torch (.ci/run)
+
 LOW = [torch.bfloat16, torch.float16]
 TARGETS = ["cpu", "cuda"]
 

@@ -372,6 +372,7 @@ def _run_seeded(gm: nn.Module, inputs: tuple, seed: int = 7) -> Any:
 # ---------------------------------------------------------------------------------------
 # plan == autocast, outputs == autocast
 # ---------------------------------------------------------------------------------------
+@pytest.mark.floor
 @pytest.mark.parametrize("name, cfg", _params("plan", CONFIGS, _PLAN_BUGS))
 def test_planned_dtypes_equal_autocast(name, cfg):
     target, dtype = cfg
@@ -468,6 +469,7 @@ def test_positional_dtype_counts_as_given():
     assert plan.nodes["softmax"].inputs is None, plan.nodes["softmax"]
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("name, cfg", _params("out", CPU_CONFIGS, {}))
 def test_cpu_outputs_equal_autocast(name, cfg):
     _, dtype = cfg

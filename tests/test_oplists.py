@@ -7,6 +7,8 @@ import fxamp
 from autocast_truth import autocast_category_probes, record_autocast_dtypes, autocast_rewrite
 from fxamp import oplists
 
+pytestmark = pytest.mark.floor  # also run on the oldest supported torch (.ci/run)
+
 KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
 
