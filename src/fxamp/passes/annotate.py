@@ -25,7 +25,7 @@ from .. import oplists
 from ..errors import UnsupportedModelError, node_error
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
-from ..rewriter.runtime import eligible
+from ..rewriter.runtime import device_autocast, eligible
 from . import PassResult, observe
 
 log = logging.getLogger(__name__)
@@ -337,7 +337,7 @@ class _Simulator(fx.Interpreter):
         home = observe.device_of((args, kwargs)) or self.home
         memo: Dict[int, Any] = {}
         args, kwargs = observe.on_device((args, kwargs), device, memo)
-        with observe.target_autocast(device.type, self.policy.compute):
+        with device_autocast(device.type, self.policy.compute):
             if n.op == "call_module":
                 module = self.fetch_attr(n.target)
                 state = observe.on_device(dict(list(module.named_parameters())

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from ..rewriter.runtime import device_autocast
 
 _TO_COPY = torch.ops.aten._to_copy.default
 #: torch logs a failed meta kernel at ERROR level before raising; a failed observation is
@@ -78,28 +80,6 @@ class _CastRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-
-
-@contextlib.contextmanager
-def target_autocast(target: str, dtype: torch.dtype) -> Iterator[None]:
-    """``torch.autocast(target, dtype)``. For "cuda" the thread-local flags are set by hand
-    (``torch.autocast("cuda")`` refuses without a GPU; the AutocastCUDA kernels run on fake
-    CUDA tensors all the same)."""
-    if target != "cuda" or torch.cuda.is_available():
-        with torch.autocast(target, dtype=dtype):
-            yield
-        return
-    saved = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-    torch.set_autocast_dtype("cuda", dtype)
-    torch.set_autocast_enabled("cuda", True)
-    torch.autocast_increment_nesting()
-    try:
-        yield
-    finally:
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        torch.set_autocast_enabled("cuda", saved[0])
-        torch.set_autocast_dtype("cuda", saved[1])
 
 
 def on_device(value: Any, device: torch.device, memo: Optional[Dict[int, Any]] = None) -> Any:
@@ -176,7 +156,7 @@ def observe(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs:
         copies = on_device((args, kwargs, params, buffers), device, {})
         recorder = _CastRecorder.watching(copies)
         try:
-            with target_autocast(target, dtype), recorder:
+            with device_autocast(target, dtype), recorder:
                 result = call(*copies)
         except Exception as err:  # noqa: BLE001 - judged below
             if is_autocast_refusal(err):

@@ -29,7 +29,7 @@ from ..oplists import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
-from .runtime import device_type
+from .runtime import device_autocast, device_type
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     out_dtype = pol.output_dtype
 
     def forward(*a: Any, **kw: Any) -> Any:
-        with torch.autocast(device_type((a, kw)), dtype=low):
+        with device_autocast(device_type((a, kw)), low):
             out = original(result, *a, **kw)
         if out_dtype is None:
             return out

@@ -1,7 +1,8 @@
 """Small functions the rewritten graphs call: guarded casts, params swapped in, autocast leaves."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import contextlib
+from typing import Any, Callable, Dict, Iterator
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,30 @@ def device_type(args: Any) -> str:
     return "cpu"
 
 
+@contextlib.contextmanager
+def device_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """``torch.autocast(device_type, dtype)``; for "cuda" without a GPU (fake CUDA tensors)
+    the thread-local flags are set by hand — the AutocastCUDA kernels run on fake tensors
+    all the same; for devices autocast does not know (``meta``) nothing is changed."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        saved = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        torch.set_autocast_dtype("cuda", dtype)
+        torch.set_autocast_enabled("cuda", True)
+        torch.autocast_increment_nesting()
+        try:
+            yield
+        finally:
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+            torch.set_autocast_enabled("cuda", saved[0])
+            torch.set_autocast_dtype("cuda", saved[1])
+    elif torch.amp.is_autocast_available(device_type):
+        with torch.autocast(device_type, dtype=dtype):
+            yield
+    else:
+        yield
+
+
 def autocast_wrapper(fn: Callable, dtype: torch.dtype, label: str) -> Callable:
     """A function that calls ``fn`` under ``torch.autocast`` of its inputs' device.
 
@@ -42,7 +67,7 @@ def autocast_wrapper(fn: Callable, dtype: torch.dtype, label: str) -> Callable:
     """
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type((args, kwargs)), dtype=dtype):
+        with device_autocast(device_type((args, kwargs)), dtype):
             return fn(*args, **kwargs)
 
     safe = "".join(c if c.isalnum() else "_" for c in label)
@@ -55,5 +80,5 @@ def autocast_wrapper(fn: Callable, dtype: torch.dtype, label: str) -> Callable:
 def autocast_module(module: nn.Module, dtype_name: str, *args: Any, **kwargs: Any) -> Any:
     """Call a leaf module under ``torch.autocast`` of its inputs' device (``rule="runtime"``)."""
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-    with torch.autocast(device_type((args, kwargs)), dtype=dtype):
+    with device_autocast(device_type((args, kwargs)), dtype):
         return module(*args, **kwargs)
