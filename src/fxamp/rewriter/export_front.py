@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
+from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .trace import trace_error
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,12 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> An
 
 #: torch loggers that print whole graphs as warnings when an export fails; fxamp reports
 #: the failure itself (see TraceError), so they are quietened while fxamp exports
-_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+                  "torch._subclasses.fake_tensor", "torch.fx.interpreter")
 
 
 @contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
+def quiet_torch_logs() -> Iterator[None]:
     """Quieten those loggers, and the partial graph torch.export prints to stderr when it
     fails (kept at debug level in fxamp's log)."""
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
@@ -81,20 +83,24 @@ def _quiet_torch_logs() -> Iterator[None]:
 def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.GraphModule:
     try:
         shapes = _dynamic_shapes(model, args, kwargs)
-        with _quiet_torch_logs():
+        with quiet_torch_logs(), refusing_inference_mode():
             program = torch.export.export(model, args, kwargs, strict=False,
                                           dynamic_shapes=shapes)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
+        refused = next((e for e in (exc, exc.__cause__, exc.__context__)
+                        if isinstance(e, RegionRefused)), None)
         raise trace_error(
             f"torch.export cannot export {type(model).__name__}", exc, model,
+            str(refused) if refused is not None else
             "frontend='auto' (the default) traces around the submodule that fails and runs "
             "it under torch.autocast; or remove the branch on tensor values (torch.where, "
             "torch.cond)") from exc
     gm = program.module()
     _refuse_data_dependent_sizes(gm, model)
     _drop_guards(gm)
+    inline_grad_regions(gm)
     return gm
 
 
