@@ -154,14 +154,19 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     check_global_hooks()
     state = ModelState(model)
     grad = torch.is_grad_enabled()
+    changed: List[str] = []
     try:
         with state.watch():
-            check_example_inputs(model, args, dict(example_kwargs or {}))
+            try:
+                check_example_inputs(model, args, dict(example_kwargs or {}))
+            finally:  # a cache the FP32 run filled must not reach the tracer
+                changed += state.restore()
             return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
                            frontend=frontend)
     finally:
         torch.set_grad_enabled(grad)
-        report_side_effects(model, state.restore())
+        changed += [c for c in state.restore() if c not in changed]
+        report_side_effects(model, changed)
 
 
 def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
@@ -235,7 +240,7 @@ def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend:
         fx_error = err
     try:
         _refuse_hooks_in_export(model)
-        gm = export_trace(model, args, kwargs)
+        gm = export_trace(model, args, kwargs, "auto")
         log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
         return gm, "export", flat_inputs(gm, args, kwargs), []
     except TraceError as err:
@@ -336,6 +341,10 @@ def _annotate(src: fx.GraphModule, inputs: tuple, pol: Policy, state: ModelState
     try:
         with quiet_torch_logs():
             annotate(src, inputs, pol)
+    except FxampError as err:  # fx's notes ("While executing ..., Use tlparse") are noise
+        if hasattr(err, "__notes__"):
+            del err.__notes__
+        raise
     finally:
         torch.set_grad_enabled(grad)
         state.restore()
