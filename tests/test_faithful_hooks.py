@@ -124,6 +124,17 @@ def test_old_style_weight_and_spectral_norm(norm):
     assert {"lin.weight_g", "lin.weight_v"} <= names or "lin.weight_orig" in names
 
 
+def test_spectral_norm_in_train_mode_keeps_its_buffers():
+    model = Net()
+    model.lin = torch.nn.utils.spectral_norm(model.lin)
+    u = model.lin.weight_u.clone()
+    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    _no_fakes(model)
+    assert torch.equal(model.lin.weight_u, u)  # the rewrite runs no power iteration
+    gm(_x())
+    assert not torch.equal(model.lin.weight_u, u)  # the rewritten model does, as the model
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -140,6 +151,41 @@ def test_parametrizations_weight_norm():
     _same_as_autocast(model, gm, _x())
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_root_full_backward_hook_runs_with_the_same_gradients():
+    model = Net()
+    grads = []
+    model.register_full_backward_hook(
+        lambda mod, gin, gout: grads.append(gout[0].detach().clone()))
+    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    _autocast_grads(model, _x())
+    _rewritten_grads(model, gm, _x())
+    assert len(grads) == 2
+    torch.testing.assert_close(grads[1].float(), grads[0].float())
+
+
+class WithUnused(Net):
+    """A submodule and a Parameter this forward never uses (as GoogLeNet's aux heads in eval
+    mode), and a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Sequential(nn.Linear(16, 2))
+        self.temperature = nn.Parameter(torch.ones(1))
+        self.register_buffer("steps", torch.zeros(1), persistent=False)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_state_dict_has_the_models_keys_with_unused_parts(frontend):
+    model = WithUnused()
+    gm = fxamp.amp_rewrite(model, (_x(),), frontend=frontend, **BF16)
+    mine, theirs = gm.state_dict(), model.state_dict()
+    assert sorted(mine) == sorted(theirs)
+    assert "steps" not in mine
+    gm.load_state_dict({k: v.clone() for k, v in theirs.items()})
+    assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
+
+
 def test_state_dict_matches_and_state_dict_hook_kept():
     model = Net()
     model.lin.register_forward_hook(lambda mod, inp, out: out)
@@ -147,7 +193,7 @@ def test_state_dict_matches_and_state_dict_hook_kept():
         lambda mod, state, prefix, local: state.__setitem__(prefix + "extra", torch.ones(1)))
     gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
     mine, theirs = gm.state_dict(), model.state_dict()
-    assert list(mine) == list(theirs)
+    assert sorted(mine) == sorted(theirs)
     assert "extra" in mine
     for key in theirs:
         assert torch.equal(mine[key], theirs[key])

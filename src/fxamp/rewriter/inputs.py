@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -34,35 +34,58 @@ def _user_frame(exc: BaseException) -> str:
     return ""
 
 
-def check_example_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+def _run(model: nn.Module, args: tuple, kwargs: Dict[str, Any], grad: bool,
+         autocast: Any) -> None:
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]), \
+            _reparametrize_module(model, buffers, strict=False), autocast:
+        model(*args, **kwargs)
+
+
+def check_example_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
+                         low: torch.dtype = torch.float16) -> Optional[ExampleInputError]:
     """Run ``model`` in FP32 on the example inputs (no grad, on copies of its buffers, with
-    a forked RNG, autocast off); raise ExampleInputError with the model's own message if it
-    fails. Skipped for models or inputs on the meta device (nothing can run there)."""
+    a forked RNG, autocast off). If it fails, and fails too under ``torch.autocast``
+    (``low``, for inputs already in low precision) and with grad enabled (a forward that
+    differentiates inside), return an ExampleInputError with the model's own message (the
+    caller raises it if the rewrite fails too: the target's autocast, simulated, may take
+    inputs this machine's cannot). None when it runs, or for models or inputs on the meta
+    device (nothing can run there)."""
     if _on_meta(model, args, kwargs):
         log.debug("example inputs not checked: meta tensors")
-        return
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
+        return None
     devices = sorted({t.device.type for t in tree_flatten((args, kwargs))[0]
                       if isinstance(t, torch.Tensor)} | {"cpu"})
+    device = next((d for d in devices if d != "cpu"), "cpu")
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                _reparametrize_module(model, buffers, strict=False):
-            with _autocast_off(devices):
-                model(*args, **kwargs)
+        _run(model, args, kwargs, False, _autocast_off(devices))
+        return None
     except Exception as exc:  # noqa: BLE001 - the model's own failure, reported as such
-        text = str(exc).strip()
-        msg = (f"{type(model).__name__} fails in FP32 on the example inputs, before any "
-               f"precision change: {type(exc).__name__}: "
-               f"{text.splitlines()[0] if text else ''}")
-        where = _user_frame(exc)
-        if where:
-            msg += f"\n  source: {where}"
-        shapes = ", ".join(_describe(a) for a in args) or "none"
-        msg += (f"\n  example inputs: ({shapes})"
-                "\n  what to do: pass example_inputs (a tuple of the forward's positional "
-                "arguments, example_kwargs for keyword ones) with which model(*example_inputs) "
-                "runs")
-        raise ExampleInputError(msg) from exc
+        first = exc
+    for grad, autocast in ((False, torch.autocast(device, dtype=low)),
+                           (True, _autocast_off(devices))):
+        try:
+            _run(model, args, kwargs, grad, autocast)
+            return None
+        except Exception:  # noqa: BLE001 - the first failure is the one reported
+            pass
+    exc = first
+    text = str(exc).strip()
+    msg = (f"{type(model).__name__} fails on the example inputs, in FP32 and under "
+           f"torch.autocast, before any precision change: {type(exc).__name__}: "
+           f"{text.splitlines()[0] if text else ''}")
+    where = _user_frame(exc)
+    if where:
+        msg += f"\n  source: {where}"
+    shapes = ", ".join(_describe(a) for a in args) or "none"
+    msg += (f"\n  example inputs: ({shapes})"
+            "\n  what to do: pass example_inputs (a tuple of the forward's positional "
+            "arguments, example_kwargs for keyword ones) with which model(*example_inputs) "
+            "runs")
+    error = ExampleInputError(msg)
+    error.__cause__ = exc
+    log.debug("the model fails on the example inputs: %s", msg)
+    return error
 
 
 def _describe(value: Any) -> str:

@@ -24,6 +24,7 @@ from .export_front import export_trace, flat_inputs, plain_inputs_hook, quiet_to
 from .hooks import check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime
 from .inputs import check_example_inputs
 from .state import ModelState, report_side_effects
+from .state_dict import complete_state
 from .trace import trace
 
 log = logging.getLogger(__name__)
@@ -158,11 +159,18 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     try:
         with state.watch():
             try:
-                check_example_inputs(model, args, dict(example_kwargs or {}))
+                problem = check_example_inputs(model, args, dict(example_kwargs or {}),
+                                               pol.compute)
             finally:  # a cache the FP32 run filled must not reach the tracer
                 changed += state.restore()
-            return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
-                           frontend=frontend)
+            try:
+                return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
+                               frontend=frontend)
+            except Exception:
+                if problem is None:
+                    raise
+                # the inputs are the cause: report the model's own error, not the tracer's
+                raise problem from problem.__cause__
     finally:
         torch.set_grad_enabled(grad)
         changed += [c for c in state.restore() if c not in changed]
@@ -328,6 +336,7 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
     gm.fxamp_source = oplists.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
     _copy_training_flags(model, gm)
+    complete_state(model, gm)
     copy_root_hooks(model, gm)
     if taken == "export":
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
