@@ -44,11 +44,14 @@ def _rewritten_grads(model, gm, x):
 def _same_as_autocast(model, gm, x):
     ref, ref_grads = _autocast_grads(model, x)
     out, grads = _rewritten_grads(model, gm, x)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert _rel(out, ref) < 1e-2
     assert grads.keys() == ref_grads.keys()
-    for name in ref_grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=2e-2, atol=2e-2,
-                                   msg=name)
+    for name in ref_grads:  # bf16 rounding apart (the rewritten model returns FP32)
+        assert _rel(grads[name], ref_grads[name]) < 1e-2, name
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _no_fakes(model):
@@ -99,10 +102,12 @@ def test_full_backward_hook_runs_with_the_same_gradients():
     torch.testing.assert_close(grads[1], grads[0])
 
 
-def test_root_forward_hook_moves_to_the_rewritten_module():
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_root_hooks_move_to_the_rewritten_module_and_run_once(frontend):
     model = Net()
-    model.register_forward_hook(lambda mod, inp, out: out - 5)
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    model.register_forward_hook(lambda mod, inp, out: out * 10)
+    model.register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
+    gm = fxamp.amp_rewrite(model, (_x(),), frontend=frontend, **BF16)
     _same_as_autocast(model, gm, _x())
 
 

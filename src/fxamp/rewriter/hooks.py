@@ -13,7 +13,8 @@ traced ops, so they are refused.
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List
+import contextlib
+from typing import Any, Dict, Iterator, List
 
 import torch.fx as fx
 import torch.nn as nn
@@ -69,6 +70,21 @@ def hooked_modules(model: nn.Module) -> Dict[str, List[str]]:
     """Submodule path -> its hooks, for every submodule (not the root) that has call hooks."""
     return {path: hook_names(m) for path, m in model.named_modules()
             if path and has_call_hooks(m)}
+
+
+@contextlib.contextmanager
+def without_root_hooks(model: nn.Module) -> Iterator[None]:
+    """The root's call hooks taken off while a front end that would run them (torch.export
+    calls the model) traces it; ``copy_root_hooks`` puts them on the rewritten module."""
+    saved = {kind: getattr(model, kind) for kind in ROOT_HOOKS[:7]
+             if getattr(model, kind, None)}
+    for kind in saved:
+        setattr(model, kind, collections.OrderedDict())
+    try:
+        yield
+    finally:
+        for kind, hooks in saved.items():
+            setattr(model, kind, hooks)
 
 
 def copy_root_hooks(model: nn.Module, gm: nn.Module) -> None:

@@ -21,7 +21,8 @@ from ..plan import Plan, RangeStats
 from ..policy import Policy, dtype_name, make_policy, parse_dtype
 from .eager_root import eager_root, submodule_calls
 from .export_front import export_trace, flat_inputs, plain_inputs_hook, quiet_torch_logs
-from .hooks import check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime
+from .hooks import (check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime,
+                    without_root_hooks)
 from .inputs import check_example_inputs
 from .state import ModelState, report_side_effects
 from .state_dict import complete_state
@@ -237,7 +238,8 @@ def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend:
     state = state or ModelState(model)
     if frontend == "export":
         _refuse_hooks_in_export(model)
-        gm = export_trace(model, args, kwargs)
+        with without_root_hooks(model):
+            gm = export_trace(model, args, kwargs)
         return gm, "export", flat_inputs(gm, args, kwargs), []
     try:
         return trace(model, (), frontend), "fx", _fx_inputs(model, args, kwargs), []
@@ -248,7 +250,8 @@ def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend:
         fx_error = err
     try:
         _refuse_hooks_in_export(model)
-        gm = export_trace(model, args, kwargs, "auto")
+        with without_root_hooks(model):
+            gm = export_trace(model, args, kwargs, "auto")
         log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
         return gm, "export", flat_inputs(gm, args, kwargs), []
     except TraceError as err:
