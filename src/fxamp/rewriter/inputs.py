@@ -1,8 +1,9 @@
-"""The example inputs are checked against the FP32 model before anything is traced.
+"""The example inputs are checked against the FP32 model when a rewrite fails.
 
 A wrong shape, a missing argument or a wrong type is the user's input mistake, not a
-precision problem: run the model once, as it is, and report its own error as such (before a
-tracer or the fake-tensor run turns it into something else).
+precision problem: run the model once, as it is, and report its own error as such (instead
+of what a tracer or the fake-tensor run made of it). Run only after a failure: one forward
+of a large model costs about as much as its whole rewrite (ResNet-50 on CPU).
 """
 from __future__ import annotations
 
@@ -47,10 +48,9 @@ def check_example_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
     """Run ``model`` in FP32 on the example inputs (no grad, on copies of its buffers, with
     a forked RNG, autocast off). If it fails, and fails too under ``torch.autocast``
     (``low``, for inputs already in low precision) and with grad enabled (a forward that
-    differentiates inside), return an ExampleInputError with the model's own message (the
-    caller raises it if the rewrite fails too: the target's autocast, simulated, may take
-    inputs this machine's cannot). None when it runs, or for models or inputs on the meta
-    device (nothing can run there)."""
+    differentiates inside), return an ExampleInputError with the model's own message.
+    None when it runs, or for models or inputs on the meta device (nothing can run
+    there)."""
     if _on_meta(model, args, kwargs):
         log.debug("example inputs not checked: meta tensors")
         return None

@@ -133,8 +133,9 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     torch.autocast (``rule="runtime"``). The plan header records which one took the model.
 
     ``dtype`` defaults to float16 (or the policy's ``compute=``; the two must agree).
-    The model is run once in FP32 on the example inputs first (an error there is an
-    ``ExampleInputError``), and is left exactly as it was (see ``rewriter/state.py``).
+    When the rewrite fails, the model is run once in FP32 on the example inputs: if that
+    fails too, the model's own error is raised (``ExampleInputError``). The model is left
+    exactly as it was (see ``rewriter/state.py``).
     """
     pol = _policy(policy, dtype, target)
     if frontend not in FRONTENDS:
@@ -156,26 +157,25 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     check_global_hooks()
     state = ModelState(model)
     grad = torch.is_grad_enabled()
-    changed: List[str] = []
     try:
         with state.watch():
-            try:
-                problem = check_example_inputs(model, args, dict(example_kwargs or {}),
-                                               pol.compute)
-            finally:  # a cache the FP32 run filled must not reach the tracer
-                changed += state.restore()
             try:
                 return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
                                frontend=frontend)
             except Exception:
+                # when the FP32 model itself fails on the example inputs, that is the cause:
+                # report the model's own error, not the tracer's (checked only on failure:
+                # one forward costs as much as a rewrite of a large model)
+                state.restore()
+                problem = check_example_inputs(model, args, dict(example_kwargs or {}),
+                                               pol.compute)
                 if problem is None:
                     raise
-                # the inputs are the cause: report the model's own error, not the tracer's
                 raise problem from problem.__cause__
     finally:
         torch.set_grad_enabled(grad)
-        changed += [c for c in state.restore() if c not in changed]
-        report_side_effects(model, changed)
+        state.restore()
+        report_side_effects(model, state.restored)
 
 
 def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],

@@ -18,6 +18,7 @@ import logging
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
 from ..errors import is_library_file, short_path
@@ -74,8 +75,11 @@ class _Watch:
 
 
 def _watched_setattr(module: nn.Module, name: str, value: Any) -> None:
-    for state in _Watch.active:
-        state.note_setattr(module, name)
+    # Python values only (a counter, a flag, a cache): torch sets tensors and modules on
+    # every functional call, and a plain tensor attribute is reported without its line
+    if not isinstance(value, (torch.Tensor, nn.Module)):
+        for state in _Watch.active:
+            state.note_setattr(module, name)
     _Watch.original(module, name, value)
 
 
@@ -98,6 +102,7 @@ class ModelState:
         self.saved: List[Tuple[nn.Module, Dict[str, Any]]] = []
         self.containers: Dict[int, Tuple[Any, Any, str]] = {}
         self.lines: Dict[Tuple[int, str], str] = {}
+        self.restored: List[str] = []  # what restores (this one's, nested ones) put back
         for path, module in model.named_modules(remove_duplicate=True):
             self.paths[id(module)] = path
             attrs = dict(module.__dict__)
@@ -159,7 +164,8 @@ class ModelState:
                    for container, contents, _ in self.containers.values())
 
     def _describe(self, module: nn.Module, path: str, name: str, how: str) -> str:
-        line = self.lines.get((id(module), name), "")
+        key = (id(module), name)
+        line = next((s.lines[key] for s in [self] + _Watch.active if key in s.lines), "")
         text = f"{path}.{name}" if path else name
         return f"{text} ({how} at {line})" if line else text
 
@@ -168,6 +174,8 @@ class ModelState:
         if not self._changed():
             return []
         changed = self.changes()
+        for state in [self] + _Watch.active:  # the watching (outer) snapshots hear of it
+            state.restored += [c for c in changed if c not in state.restored]
         for module, attrs in self.saved:
             now = module.__dict__
             if any(now.get(k, attrs) is not v for k, v in attrs.items()) or set(now) != set(attrs):
