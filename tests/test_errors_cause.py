@@ -75,3 +75,22 @@ def test_conflicting_dtype_and_compute_raise_policy_error():
     gm = fxamp.amp_rewrite(Net(), x, dtype=torch.bfloat16, policy="compute=bf16",
                            target="cpu")
     assert gm(*x).dtype == torch.float32
+
+
+def test_cli_takes_compute_from_the_policy_and_refuses_a_conflict():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "fxamp", "plan", "fxamp.demo:small_cnn",
+                               *args], capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+
+    ok = cli("--policy", "compute=bf16,target=cpu")
+    assert ok.returncode == 0, ok.stderr
+    assert "# policy: compute=bf16,target=cpu" in ok.stdout
+    bad = cli("--dtype", "fp16", "--policy", "compute=bf16,target=cpu")
+    assert bad.returncode == 2
+    assert "conflicts with the policy's compute=bf16" in bad.stderr
+    assert "Traceback" not in bad.stderr
