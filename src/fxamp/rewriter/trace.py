@@ -193,13 +193,17 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx"
     keep working on the result. Submodules named in ``leaves`` are kept as calls.
     ``frontend`` is the front end the user asked for (it shapes the advice in errors).
     """
+    from .state import ModelState
+
     before = set(vars(model))
+    state = ModelState(model)  # forward ran on Proxies: put caches and counters back
     try:
         return _trace_both_modes(model, frozenset(leaves), frontend)
     finally:  # fx stores tensor constants on the traced root: keep the user's model clean
         for name in set(vars(model)) - before:
             if name.startswith(_CONSTANT):
                 delattr(model, name)
+        state.restore()
 
 
 def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str],
