@@ -4,7 +4,8 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from fxamp.errors import ExampleInputError, FxampError, PolicyError, TraceError
+from fxamp import ExampleInputError
+from fxamp.errors import FxampError, PolicyError, TraceError
 
 
 class Net(nn.Module):

@@ -12,11 +12,10 @@ BF16 = dict(target="cpu", dtype=torch.bfloat16)
 class NoGrad(nn.Module):
     """Normalises by a statistic computed without gradient (the issue's model)."""
 
-    def __init__(self, region: str = "no_grad") -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
         self.lin2 = nn.Linear(8, 8)
-        self.region = region
 
     def forward(self, x):
         h = self.lin(x)
