@@ -64,8 +64,8 @@ def _rewrite(args: argparse.Namespace) -> Any:
     from . import amp_rewrite
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    return amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
-                       policy=args.policy, frontend=args.frontend)
+    return amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype) if args.dtype else None,
+                       target=args.target, policy=args.policy, frontend=args.frontend)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -160,7 +160,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from .passes.audit import audit, summary
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    findings = audit(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
+    findings = audit(model, inputs, dtype=parse_dtype(args.dtype or "fp16"), target=args.target,
                      policy=args.policy)
     order = ("error", "warning", "info")
     shown = [f for f in findings if order.index(f.severity) <= order.index(args.min_severity)]
@@ -183,8 +183,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     start = step(f"rewriting {args.factory}")
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    gm = amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype), target=args.target,
-                     policy=args.policy, frontend=args.frontend)
+    gm = amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype) if args.dtype else None,
+                     target=args.target, policy=args.policy, frontend=args.frontend)
     try:
         from .export import export_onnx, precision_report
     except ImportError as err:
@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("factory", help="MODULE:FACTORY returning a model or (model, inputs)")
-        p.add_argument("--dtype", default="fp16", help="fp16 or bf16 (default fp16)")
+        p.add_argument("--dtype", default=None,
+                       help="fp16 or bf16 (default fp16, or the policy's compute=)")
         p.add_argument("--target", default="cuda", choices=["cuda", "cpu"],
                        help="whose autocast lists to mirror (default cuda)")
         p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')

@@ -39,6 +39,10 @@ class TrainingDivergedError(FxampError):
     """Too many consecutive optimizer steps were skipped for non-finite gradients."""
 
 
+class ExampleInputError(FxampError, ValueError):
+    """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
+
+
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                       for m in (torch,)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 

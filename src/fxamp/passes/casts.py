@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from ..policy import Policy, dtype_name
 from ..rewriter import runtime
+from ..rewriter.grad_mode import is_grad_mode_node
+from ..rewriter.hooks import has_call_hooks
 from . import PassResult, layout
 from .annotate import META, VALUE
 
@@ -33,8 +35,8 @@ _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_tr
 def _functional_form(module: nn.Module, n_args: int, has_kwargs: bool) -> Optional[Tuple]:
     """(function, extra positional args after the params) for simple leaf modules, else None."""
     cls = type(module)
-    if has_kwargs or n_args != 1:
-        return None
+    if has_kwargs or n_args != 1 or has_call_hooks(module):
+        return None  # (a hooked module is called, so that its hooks run)
     if cls is nn.Linear:
         return F.linear, ()
     if cls in _CONV and module.padding_mode == "zeros":
@@ -157,6 +159,8 @@ class _Builder:
         changed = _mutated(node, self.src)
         if changed is not None:
             self.forget_casts(changed)
+        if is_grad_mode_node(node):
+            self.casts.clear()  # a cast made under no_grad must not be reused outside it
         return new
 
     def forget_casts(self, changed: fx.Node) -> None:

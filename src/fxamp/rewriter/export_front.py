@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
+from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .trace import trace_error
 
 log = logging.getLogger(__name__)
@@ -56,17 +57,18 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> An
 
 #: torch loggers that print whole graphs as warnings when an export fails; fxamp reports
 #: the failure itself (see TraceError), so they are quietened while fxamp exports
-_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export")
+_NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+                  "torch._subclasses.fake_tensor", "torch.fx.interpreter")
 
 
 @contextlib.contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
+def quiet_torch_logs() -> Iterator[None]:
     """Quieten those loggers, and the partial graph torch.export prints to stderr when it
     fails (kept at debug level in fxamp's log)."""
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
+    for lg in loggers:  # (fake_tensor logs whole tracebacks at ERROR level)
+        lg.setLevel(logging.CRITICAL)
     printed = io.StringIO()
     try:
         with contextlib.redirect_stderr(printed):
@@ -78,27 +80,41 @@ def _quiet_torch_logs() -> Iterator[None]:
             log.debug("torch.export printed:\n%s", printed.getvalue())
 
 
-def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.GraphModule:
+#: what to do when export fails, by the front end asked for (never advise the one in use)
+_ADVICE = {
+    "export": "frontend='auto' (the default) traces around the submodule that fails and "
+              "runs it under torch.autocast; or remove the branch on tensor values "
+              "(torch.where, torch.cond)",
+    "auto": "remove the branch on tensor values (torch.where, torch.cond), or move it out "
+            "of forward",
+}
+
+
+def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
+            frontend: str = "export") -> fx.GraphModule:
     try:
         shapes = _dynamic_shapes(model, args, kwargs)
-        with _quiet_torch_logs():
+        with quiet_torch_logs(), refusing_inference_mode():
             program = torch.export.export(model, args, kwargs, strict=False,
                                           dynamic_shapes=shapes)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes a TraceError
+        refused = next((e for e in (exc, exc.__cause__, exc.__context__)
+                        if isinstance(e, RegionRefused)), None)
         raise trace_error(
             f"torch.export cannot export {type(model).__name__}", exc, model,
-            "frontend='auto' (the default) traces around the submodule that fails and runs "
-            "it under torch.autocast; or remove the branch on tensor values (torch.where, "
-            "torch.cond)") from exc
+            str(refused) if refused is not None else _ADVICE.get(frontend, _ADVICE["auto"])
+            ) from exc
     gm = program.module()
-    _refuse_data_dependent_sizes(gm, model)
+    _refuse_data_dependent_sizes(gm, model, frontend)
     _drop_guards(gm)
+    inline_grad_regions(gm)
     return gm
 
 
-def _refuse_data_dependent_sizes(gm: fx.GraphModule, model: nn.Module) -> None:
+def _refuse_data_dependent_sizes(gm: fx.GraphModule, model: nn.Module,
+                                frontend: str = "export") -> None:
     """torch.export traces a size that depends on values (``nonzero``, boxes kept by a
     threshold) as an unbacked symbol plus asserts taken from the example; such a graph
     fails or misbehaves on other inputs, so fxamp does not use it."""
@@ -113,8 +129,10 @@ def _refuse_data_dependent_sizes(gm: fx.GraphModule, model: nn.Module) -> None:
                 f"torch.export cannot export {type(model).__name__} for all inputs: "
                 f"{node.name} ({node.target}) has a size that depends on tensor values; the "
                 "exported graph would keep assumptions from the example inputs"
-                + _where(node) + "\n  what to do: frontend='auto' (the default) runs it "
-                "under torch.autocast or rewrites its children")
+                + _where(node) + "\n  what to do: " + (
+                    "frontend='auto' (the default) runs it under torch.autocast or rewrites "
+                    "its children" if frontend == "export" else "compute the value-dependent "
+                    "sizes outside forward, or pad to a fixed size"))
 
 
 def _where(node: fx.Node) -> str:
@@ -281,17 +299,18 @@ def _follow_mode(gm: fx.GraphModule, aligned: _Alignment) -> None:
 
 
 def _export_in_mode(model: nn.Module, train: bool, args: tuple,
-                    kwargs: Dict[str, Any]) -> fx.GraphModule:
+                    kwargs: Dict[str, Any], frontend: str = "export") -> fx.GraphModule:
     flags = [(m, m.training) for m in model.modules()]
     try:
         model.train(train)
-        return _export(model, args, kwargs)
+        return _export(model, args, kwargs, frontend)
     finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
         for m, flag in flags:
             m.training = flag
 
 
-def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.GraphModule:
+def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
+                 frontend: str = "export") -> fx.GraphModule:
     """Export ``model`` (non-strict) and return its unlifted GraphModule, following
     ``train()`` / ``eval()``; raise TraceError naming the line that stops torch.export.
 
@@ -299,9 +318,10 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> fx.Gr
     then in the other; the train-mode graph is the base when both align."""
     args, kwargs = plain_containers((tuple(args), dict(kwargs)))
     mode = model.training
-    first = _export_in_mode(model, mode, args, kwargs)
+    first = _export_in_mode(model, mode, args, kwargs, frontend)
     try:
-        second: Optional[fx.GraphModule] = _export_in_mode(model, not mode, args, kwargs)
+        second: Optional[fx.GraphModule] = _export_in_mode(model, not mode, args, kwargs,
+                                                           frontend)
     except TraceError as err:
         log.warning("%s exports in %s mode only (%s); the rewritten graph keeps that mode's "
                     "behaviour", type(model).__name__, "train" if mode else "eval",

@@ -11,16 +11,21 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import __version__, oplists
-from ..errors import FxampError, TraceError, UnsupportedModelError
+from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from ..passes import custom_ops, joins, loss, norm_eps, softmax
 from ..passes.annotate import META, annotate, check_banned, fix
 from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
 from ..passes.placement import place_casts
 from ..plan import Plan, RangeStats
-from ..policy import Policy, make_policy
+from ..policy import Policy, dtype_name, make_policy, parse_dtype
 from .eager_root import eager_root, submodule_calls
-from .export_front import export_trace, flat_inputs, plain_inputs_hook
+from .export_front import export_trace, flat_inputs, plain_inputs_hook, quiet_torch_logs
+from .hooks import (check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime,
+                    without_root_hooks)
+from .inputs import check_example_inputs
+from .state import ModelState, report_side_effects
+from .state_dict import complete_state
 from .trace import trace
 
 log = logging.getLogger(__name__)
@@ -108,7 +113,7 @@ def plan_of(gm: nn.Module) -> Plan:
 
 def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
                 *, example_kwargs: Optional[Dict[str, Any]] = None,
-                dtype: torch.dtype = torch.float16, target: str = "cuda",
+                dtype: Optional[torch.dtype] = None, target: str = "cuda",
                 policy: Union[None, str, Policy] = None,
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
@@ -126,8 +131,13 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     the example inputs; keyword arguments go in ``example_kwargs``) or "auto": fx, then
     export, then fx with the submodules neither can take kept as calls that run under
     torch.autocast (``rule="runtime"``). The plan header records which one took the model.
+
+    ``dtype`` defaults to float16 (or the policy's ``compute=``; the two must agree).
+    When the rewrite fails, the model is run once in FP32 on the example inputs: if that
+    fails too, the model's own error is raised (``ExampleInputError``). The model is left
+    exactly as it was (see ``rewriter/state.py``).
     """
-    pol = make_policy(policy, dtype, target)
+    pol = _policy(policy, dtype, target)
     if frontend not in FRONTENDS:
         raise FxampError(f"unknown frontend {frontend!r}; valid: {', '.join(FRONTENDS)}")
     _check_model(model)
@@ -144,8 +154,42 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "arguments) to know which values are floating tensors; what to do: "
                          "pass e.g. (torch.randn(1, 3, 224, 224),)")
     args = () if example_inputs is None else _as_tuple(example_inputs)
-    return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
-                   frontend=frontend)
+    check_global_hooks()
+    state = ModelState(model)
+    grad = torch.is_grad_enabled()
+    try:
+        with state.watch():
+            try:
+                return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
+                               frontend=frontend)
+            except Exception:
+                # when the FP32 model itself fails on the example inputs, that is the cause:
+                # report the model's own error, not the tracer's (checked only on failure:
+                # one forward costs as much as a rewrite of a large model)
+                state.restore()
+                problem = check_example_inputs(model, args, dict(example_kwargs or {}),
+                                               pol.compute)
+                if problem is None:
+                    raise
+                raise problem from problem.__cause__
+    finally:
+        torch.set_grad_enabled(grad)
+        state.restore()
+        report_side_effects(model, state.restored)
+
+
+def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
+            target: str) -> Policy:
+    """make_policy, refusing a ``dtype`` that the policy's compute dtype contradicts."""
+    pol = make_policy(policy, torch.float16 if dtype is None else dtype, target)
+    if dtype is not None:
+        asked = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+        if asked != pol.compute:
+            raise PolicyError(
+                f"dtype={asked} conflicts with the policy's compute={dtype_name(pol.compute)}"
+                f" ({policy}); what to do: give the low dtype once, either dtype= or "
+                "compute= in the policy")
+    return pol
 
 
 def _fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
@@ -157,7 +201,8 @@ def _fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
     return tuple(bound.arguments.values())
 
 
-def _partial_trace(model: nn.Module, error: TraceError) -> Tuple[fx.GraphModule, List[str]]:
+def _partial_trace(model: nn.Module, error: TraceError, state: ModelState
+                   ) -> Tuple[fx.GraphModule, List[str]]:
     """fx tracing with each submodule that fails kept as a call (run under autocast)."""
     leaves: List[str] = []
     while True:
@@ -166,31 +211,54 @@ def _partial_trace(model: nn.Module, error: TraceError) -> Tuple[fx.GraphModule,
             raise error
         leaves.append(path)
         try:
-            return trace(model, leaves), leaves
+            return trace(model, leaves, "auto"), leaves
         except TraceError as err:
             error = err
+            state.restore()
 
 
-def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str
+def _refuse_hooks_in_export(model: nn.Module) -> None:
+    """torch.export runs hooks once, at export time, on fake tensors: refused."""
+    hooked = hooked_modules(model)
+    if hooked:
+        path, names = next(iter(hooked.items()))
+        raise TraceError(
+            f"torch.export would run the hooks of {type(model).__name__}.{path} ("
+            f"{', '.join(names)}) once while exporting instead of on every call"
+            + (f" (and {len(hooked) - 1} more hooked modules)" if len(hooked) > 1 else "")
+            + "\n  what to do: frontend='fx' or 'auto' keep hooked modules as calls that run "
+            "their hooks; or remove the hooks before amp_rewrite")
+
+
+def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
+                state: Optional[ModelState] = None
                 ) -> Tuple[fx.GraphModule, str, tuple, List[str]]:
-    """(graph module, front end that took it, its placeholder values, runtime leaves)."""
+    """(graph module, front end that took it, its placeholder values, runtime leaves).
+    ``state`` (the model's snapshot) is restored after each front end that fails."""
+    state = state or ModelState(model)
     if frontend == "export":
-        gm = export_trace(model, args, kwargs)
+        _refuse_hooks_in_export(model)
+        with without_root_hooks(model):
+            gm = export_trace(model, args, kwargs)
         return gm, "export", flat_inputs(gm, args, kwargs), []
     try:
-        return trace(model), "fx", _fx_inputs(model, args, kwargs), []
+        return trace(model, (), frontend), "fx", _fx_inputs(model, args, kwargs), []
     except TraceError as err:
+        state.restore()
         if frontend == "fx":
             raise
         fx_error = err
     try:
-        gm = export_trace(model, args, kwargs)
+        _refuse_hooks_in_export(model)
+        with without_root_hooks(model):
+            gm = export_trace(model, args, kwargs, "auto")
         log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
         return gm, "export", flat_inputs(gm, args, kwargs), []
     except TraceError as err:
         export_error = err
+        state.restore()
     try:
-        gm, leaves = _partial_trace(model, fx_error)
+        gm, leaves = _partial_trace(model, fx_error, state)
     except TraceError as err:
         raise TraceError(f"no front end takes {type(model).__name__}.\n- fx: {fx_error}\n"
                          f"- export: {export_error}") from err
@@ -206,9 +274,11 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
     """The pipeline behind amp_rewrite. ``fixed`` maps node names to (dtype, rule, reason)
     decisions made outside the passes (the tolerance search)."""
     kwargs = dict(kwargs or {})
+    state = ModelState(model)
     try:
-        src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend)
+        src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend, state)
     except TraceError as err:
+        state.restore()
         if frontend != "auto" or getattr(err, "module", "") or fixed or calibration_data:
             raise
         try:  # the model's own forward is what fails: rewrite its children instead
@@ -219,6 +289,11 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
                     "with its children rewritten (%s)", type(model).__name__,
                     plan_of(result).header.get("nested", ""))
         return result  # type: ignore[return-value]
+    if taken != "export":
+        hooked = mark_hooked_runtime(src)
+        if hooked:
+            log.info("%s: modules with hooks stay calls run under torch.autocast: %s",
+                     type(model).__name__, ", ".join(hooked))
     nested = _rewrite_leaves(model, src, leaves, inputs, kwargs, pol) if leaves else {}
     runtime = [leaf for leaf in leaves if leaf not in nested]
     if runtime:
@@ -240,17 +315,17 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
             if graph_pass(src, pol).modified:
                 src.graph.lint()
                 src.recompile()
-    annotate(src, inputs, pol)
+    _annotate(src, inputs, pol, state)
     if pol.numerics:
         for numerics_pass in NUMERICS_PASSES:
             if numerics_pass(src, pol).modified:
                 log.debug("%s changed decisions", numerics_pass.__name__)
-                annotate(src, inputs, pol)
+                _annotate(src, inputs, pol, state)
     stats = _ranges(src, calibration_data, pol)
     if stats and keep_in_range(src, pol, stats).modified:
-        annotate(src, inputs, pol)
+        _annotate(src, inputs, pol, state)
     if pol.placement and place_casts(src, pol).modified:
-        annotate(src, inputs, pol)
+        _annotate(src, inputs, pol, state)
     check_banned(src)
     gm = insert_casts(src, pol).graph_module  # GraphModule() compiled it already
     gm.graph.lint()
@@ -264,9 +339,27 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
     gm.fxamp_source = oplists.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
     _copy_training_flags(model, gm)
+    complete_state(model, gm)
+    copy_root_hooks(model, gm)
     if taken == "export":
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
     return gm
+
+
+def _annotate(src: fx.GraphModule, inputs: tuple, pol: Policy, state: ModelState) -> None:
+    """annotate's fake run, with torch's fake-tensor logging kept from the user and the
+    model's attributes restored after it (hooks run on fake tensors there)."""
+    grad = torch.is_grad_enabled()
+    try:
+        with quiet_torch_logs():
+            annotate(src, inputs, pol)
+    except FxampError as err:  # fx's notes ("While executing ..., Use tlparse") are noise
+        if hasattr(err, "__notes__"):
+            del err.__notes__
+        raise
+    finally:
+        torch.set_grad_enabled(grad)
+        state.restore()
 
 
 def _ranges(src: fx.GraphModule, data: Any, pol: Policy) -> Dict[str, RangeStats]:

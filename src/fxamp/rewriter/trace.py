@@ -18,7 +18,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import TraceError, is_library_file, short_path
-from . import stacks
+from . import grad_mode, stacks
+from .hooks import has_call_hooks
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,9 @@ class FxampTracer(fx.Tracer):
         return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(
+        # a module with hooks stays a call, so that calling it runs them (see hooks.py)
+        return module_qualified_name in self.leaves or (
+            bool(module_qualified_name) and has_call_hooks(m)) or super().is_leaf_module(
             m, module_qualified_name)
 
 
@@ -181,31 +184,38 @@ def _follow_training(graph: fx.Graph, diffs: List[Tuple]) -> None:
         node.args, node.kwargs = tree_unflatten(flat, spec)
 
 
-def trace(model: nn.Module, leaves: Iterable[str] = ()) -> fx.GraphModule:
+def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx"
+          ) -> fx.GraphModule:
     """Trace ``model`` with torch.fx; raise TraceError naming the line and the way out.
 
     Custom modules whose forward reads ``self.training`` are traced in both modes; the
     constants that differ become reads of the module's flag, so ``train()`` / ``eval()``
     keep working on the result. Submodules named in ``leaves`` are kept as calls.
+    ``frontend`` is the front end the user asked for (it shapes the advice in errors).
     """
+    from .state import ModelState
+
     before = set(vars(model))
+    state = ModelState(model)  # forward ran on Proxies: put caches and counters back
     try:
-        return _trace_both_modes(model, frozenset(leaves))
+        return _trace_both_modes(model, frozenset(leaves), frontend)
     finally:  # fx stores tensor constants on the traced root: keep the user's model clean
         for name in set(vars(model)) - before:
             if name.startswith(_CONSTANT):
                 delattr(model, name)
+        state.restore()
 
 
-def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str]) -> fx.GraphModule:
-    graph = _trace_graph(model, leaves)
+def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str],
+                      frontend: str) -> fx.GraphModule:
+    graph = _trace_graph(model, leaves, frontend)
     if any(reads_training(type(m)) and not type(m).__module__.startswith("torch.nn")
            for m in model.modules()):
         mode = model.training
         flags = [(m, m.training) for m in model.modules()]
         try:
             model.train(not mode)
-            other = _trace_graph(model, leaves)
+            other = _trace_graph(model, leaves, frontend)
         finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
             for m, flag in flags:
                 m.training = flag
@@ -220,18 +230,30 @@ def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str]) -> fx.GraphModul
     return fx.GraphModule(model, graph, name)
 
 
-def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset()) -> fx.Graph:
+#: what to do when fx fails, by the front end asked for (never advise the one in use)
+_FX_ADVICE = {
+    "fx": "use frontend='auto' (the default): it tries torch.export (frontend='export', "
+          "which takes shape-dependent code given example inputs) and then traces around "
+          "untraceable submodules, running them under torch.autocast; or make that code "
+          "traceable (no Python control flow on tensor values)",
+    "auto": "make that code traceable: no Python control flow on tensor values (use "
+            "torch.where, or torch.cond for whole branches); or move it out of forward",
+}
+
+
+def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
+                 frontend: str = "fx") -> fx.Graph:
     tracer = FxampTracer(leaves)
     try:
-        with _functions_as_leaves():
+        with _functions_as_leaves(), grad_mode.recording(tracer):
             graph = tracer.trace(model)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a TraceError
+        advice = _FX_ADVICE.get(frontend, _FX_ADVICE["auto"])
+        if isinstance(exc, grad_mode.RegionRefused):
+            advice = str(exc)
         raise trace_error(
             f"torch.fx.symbolic_trace cannot trace {type(model).__name__}", exc, model,
-            "use frontend='auto' (the default): it tries torch.export (frontend='export', "
-            "which takes shape-dependent code given example inputs) and then traces around "
-            "untraceable submodules, running them under torch.autocast; or make that code "
-            "traceable (no Python control flow on tensor values)") from exc
+            advice) from exc
     return graph
 
 

@@ -1,0 +1,120 @@
+"""Module hooks survive the rewrite: hooked submodules stay calls, the root's hooks move over.
+
+A traced graph calls no module's ``__call__``, so hooks registered on a module whose forward
+is traced would be dropped (or, for a leaf such as ``nn.Linear`` made a functional call on
+cast weights, skipped). fxamp keeps every submodule with a forward, forward-pre, backward or
+backward-pre hook as one call in the graph, run under ``torch.autocast`` at run time
+(``rule="runtime"``), so its hooks run exactly as in the original model under autocast — the
+old-style ``weight_norm`` and ``spectral_norm`` (pre-hooks that recompute ``weight``) too.
+The root's own hooks (and state-dict hooks) are registered on the rewritten module.
+Module-level global hooks (``register_module_forward_hook`` ...) cannot be kept for the
+traced ops, so they are refused.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any, Dict, Iterator, List
+
+import torch.fx as fx
+import torch.nn as nn
+from torch.nn.modules import module as module_mod
+
+from ..errors import UnsupportedModelError
+
+#: a module's hook dicts that run when it is called
+CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+              "_backward_pre_hooks")
+#: every hook dict of a module that the rewritten root takes over from the model's root
+ROOT_HOOKS = CALL_HOOKS + ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                           "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+                           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                           "_load_state_dict_post_hooks")
+_GLOBAL = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+           "_global_backward_pre_hooks")
+
+
+def hook_names(module: nn.Module) -> List[str]:
+    """The hooks that run when ``module`` is called, as ``kind: function name``."""
+    out = []
+    for kind in CALL_HOOKS:
+        for hook in (getattr(module, kind, None) or {}).values():
+            out.append(f"{kind.strip('_').replace('_hooks', '_hook')}: {_name(hook)}")
+    return out
+
+
+def _name(hook: Any) -> str:
+    inner = getattr(hook, "__func__", hook)
+    return getattr(inner, "__qualname__", None) or type(inner).__qualname__
+
+
+def has_call_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs any hook of its own."""
+    return any(getattr(module, kind, None) for kind in CALL_HOOKS)
+
+
+def check_global_hooks() -> None:
+    """Refuse while global module hooks are registered: they would run for the modules the
+    rewritten graph still calls but not for the ops traced out of the others."""
+    found = [f"{kind.strip('_')}: {_name(hook)}" for kind in _GLOBAL
+             for hook in getattr(module_mod, kind, {}).values()]
+    if found:
+        raise UnsupportedModelError(
+            "global module hooks are registered (" + "; ".join(found) + "); a traced graph "
+            "runs its ops without calling each module, so these hooks would stop running "
+            "for most modules. what to do: remove them (handle.remove()) before amp_rewrite "
+            "and register hooks on the rewritten model's modules instead")
+
+
+def hooked_modules(model: nn.Module) -> Dict[str, List[str]]:
+    """Submodule path -> its hooks, for every submodule (not the root) that has call hooks."""
+    return {path: hook_names(m) for path, m in model.named_modules()
+            if path and has_call_hooks(m)}
+
+
+@contextlib.contextmanager
+def without_root_hooks(model: nn.Module) -> Iterator[None]:
+    """The root's call hooks taken off while a front end that would run them (torch.export
+    calls the model) traces it; ``copy_root_hooks`` puts them on the rewritten module."""
+    saved = {kind: getattr(model, kind) for kind in ROOT_HOOKS[:7]
+             if getattr(model, kind, None)}
+    for kind in saved:
+        setattr(model, kind, collections.OrderedDict())
+    try:
+        yield
+    finally:
+        for kind, hooks in saved.items():
+            setattr(model, kind, hooks)
+
+
+def copy_root_hooks(model: nn.Module, gm: nn.Module) -> None:
+    """Register the root's hooks (call hooks and state-dict hooks) on the rewritten module.
+    The hooks receive the rewritten module as their ``module`` argument."""
+    for kind in ROOT_HOOKS:
+        hooks = getattr(model, kind, None)
+        if hooks:
+            mine = getattr(gm, kind)
+            setattr(gm, kind, collections.OrderedDict(list(hooks.items())
+                                                      + list(mine.items())))
+    if getattr(model, "_is_full_backward_hook", None) is not None:
+        gm._is_full_backward_hook = model._is_full_backward_hook
+
+
+def mark_hooked_runtime(gm: fx.GraphModule) -> List[str]:
+    """Make every call of a hooked submodule a runtime call (run under autocast at run
+    time, hooks and all); return their paths."""
+    from ..oplists import module_label
+    from ..passes.annotate import FIXED, Decision
+
+    marked = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(str(node.target))
+        if has_call_hooks(module):
+            node.meta[FIXED] = Decision(
+                None, "runtime", "has hooks (" + ", ".join(hook_names(module)) + "): called "
+                "as a module under torch.autocast at run time so they run as in the model",
+                module_label(module), runtime=True)
+            marked.append(str(node.target))
+    return marked

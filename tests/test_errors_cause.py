@@ -1,0 +1,97 @@
+"""Errors name the real cause: example inputs, tracing advice, conflicting dtypes."""
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from fxamp import ExampleInputError
+from fxamp.errors import FxampError, PolicyError, TraceError
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+def test_wrong_shape_is_reported_as_the_models_own_error(capfd):
+    with pytest.raises(ExampleInputError) as info:
+        fxamp.amp_rewrite(Net(), (torch.randn(4, 5),), target="cpu")
+    text = str(info.value)
+    assert "mat1 and mat2 shapes cannot be multiplied (4x5 and 8x8)" in text
+    assert "test_errors_cause.py" in text and "self.lin(x)" in text  # the model's line
+    assert "planned dtypes" not in text and "fp32:" not in text
+    assert capfd.readouterr().err == ""
+
+
+def test_empty_example_inputs_name_the_missing_argument(capfd):
+    with pytest.raises(ExampleInputError, match="missing 1 required positional argument") \
+            as info:
+        fxamp.amp_rewrite(Net(), (), target="cpu")
+    assert "tlparse" not in str(info.value)
+    assert not getattr(info.value, "__notes__", None)
+    assert capfd.readouterr().err == ""
+
+
+def test_fake_run_failure_on_a_meta_model_prints_no_torch_logs(capfd):
+    model = Net().to("meta")  # nothing runs on meta: the inputs are checked by the fake run
+    with pytest.raises(FxampError) as info:
+        fxamp.amp_rewrite(model, (torch.randn(4, 5, device="meta"),), target="cpu")
+    assert not any("tlparse" in note for note in getattr(info.value, "__notes__", []))
+    assert capfd.readouterr().err == ""
+
+
+class Branchy(nn.Module):
+    """Value-dependent control flow in the model's own forward, no children to rewrite."""
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+def test_auto_never_advises_the_front_end_in_use():
+    with pytest.raises(TraceError) as info:
+        fxamp.amp_rewrite(Branchy(), (torch.randn(2, 3),), target="cpu")
+    text = str(info.value)
+    assert "frontend='auto'" not in text
+    assert "- fx:" in text and "- export:" in text and "torch.where" in text
+
+
+def test_fx_error_advises_auto():
+    with pytest.raises(TraceError, match="frontend='auto'"):
+        fxamp.amp_rewrite(Branchy(), (torch.randn(2, 3),), target="cpu", frontend="fx")
+
+
+def test_conflicting_dtype_and_compute_raise_policy_error():
+    x = (torch.randn(2, 8),)
+    with pytest.raises(PolicyError, match="conflicts with the policy's compute=bf16"):
+        fxamp.amp_rewrite(Net(), x, dtype=torch.float16, policy="compute=bf16",
+                          target="cpu")
+    gm = fxamp.amp_rewrite(Net(), x, policy="compute=bf16", target="cpu")
+    assert fxamp.plan_of(gm).header["policy"].startswith("compute=bf16")
+    gm = fxamp.amp_rewrite(Net(), x, dtype=torch.bfloat16, policy="compute=bf16",
+                           target="cpu")
+    assert gm(*x).dtype == torch.float32
+
+
+def test_cli_takes_compute_from_the_policy_and_refuses_a_conflict():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "fxamp", "plan", "fxamp.demo:small_cnn",
+                               *args], capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+
+    ok = cli("--policy", "compute=bf16,target=cpu")
+    assert ok.returncode == 0, ok.stderr
+    assert "# policy: compute=bf16,target=cpu" in ok.stdout
+    bad = cli("--dtype", "fp16", "--policy", "compute=bf16,target=cpu")
+    assert bad.returncode == 2
+    assert "conflicts with the policy's compute=bf16" in bad.stderr
+    assert "Traceback" not in bad.stderr
