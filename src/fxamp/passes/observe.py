@@ -13,7 +13,6 @@ registered with autocast — and for whichever torch is installed.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -24,9 +23,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..rewriter.runtime import device_autocast
 
 _TO_COPY = torch.ops.aten._to_copy.default
-#: torch logs a failed meta kernel at ERROR level before raising; a failed observation is
-#: expected (the op tables decide then) and must not reach the user's terminal.
-_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 log = logging.getLogger(__name__)
 
 
@@ -150,37 +146,32 @@ def observe(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs:
     The call also runs once without autocast: the casts a kernel makes by itself (the math
     attention path upcasting fp16 to fp32) happen in both runs and are not autocast's."""
     device = torch.device(target)
-    level = _FAKE_LOG.level
-    _FAKE_LOG.setLevel(logging.CRITICAL)
+    copies = on_device((args, kwargs, params, buffers), device, {})
+    recorder = _CastRecorder.watching(copies)
     try:
-        copies = on_device((args, kwargs, params, buffers), device, {})
-        recorder = _CastRecorder.watching(copies)
+        with device_autocast(target, dtype), recorder:
+            result = call(*copies)
+    except Exception as err:  # noqa: BLE001 - judged below
+        if is_autocast_refusal(err):
+            return Observation({}, (), banned=True, message=str(err).splitlines()[0])
+        if not recorder.events:
+            raise
+        # the op's fake kernel is missing or broken (CUDA-only ops: cudnn_convolution,
+        # the fused GRU cell): autocast cast its inputs before the kernel failed; what
+        # it returns is unknown
+        log.debug("fake kernel failed after autocast's casts", exc_info=True)
+        return Observation({i: to for i, _, to, _ in recorder.events if i is not None},
+                           None)
+    events, own = recorder.events, []
+    if events:  # (no cast under autocast: nothing to tell apart)
+        plain = on_device((args, kwargs, params, buffers), device, {})
+        own_recorder = _CastRecorder.watching(plain)
         try:
-            with device_autocast(target, dtype), recorder:
-                result = call(*copies)
-        except Exception as err:  # noqa: BLE001 - judged below
-            if is_autocast_refusal(err):
-                return Observation({}, (), banned=True, message=str(err).splitlines()[0])
-            if not recorder.events:
-                raise
-            # the op's fake kernel is missing or broken (CUDA-only ops: cudnn_convolution,
-            # the fused GRU cell): autocast cast its inputs before the kernel failed; what
-            # it returns is unknown
-            log.debug("fake kernel failed after autocast's casts", exc_info=True)
-            return Observation({i: to for i, _, to, _ in recorder.events if i is not None},
-                               None)
-        events, own = recorder.events, []
-        if events:  # (no cast under autocast: nothing to tell apart)
-            plain = on_device((args, kwargs, params, buffers), device, {})
-            own_recorder = _CastRecorder.watching(plain)
-            try:
-                with own_recorder:
-                    call(*plain)
-            except Exception:  # noqa: BLE001 - e.g. a kernel only autocast's dtypes have
-                pass
-            own = own_recorder.events
-    finally:
-        _FAKE_LOG.setLevel(level)
+            with own_recorder:
+                call(*plain)
+        except Exception:  # noqa: BLE001 - e.g. a kernel only autocast's dtypes have
+            pass
+        own = own_recorder.events
     for event in own:
         if event in events:
             events.remove(event)
