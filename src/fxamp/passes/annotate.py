@@ -7,7 +7,6 @@ its inputs give it, as under autocast.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -167,13 +166,6 @@ def _cast(dtype: Optional[torch.dtype]) -> Callable[[Any], Any]:
 
 _VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 _CALLS = ("call_function", "call_method", "call_module")
-#: what autocast did with a call, by everything the call depends on (``_call_key``): a model's
-#: repeated blocks, the annotate runs of one rewrite and later rewrites observe once
-_OBSERVED: "collections.OrderedDict[tuple, Optional[observe.Observation]]" = (
-    collections.OrderedDict())
-_OBSERVED_MAX = 4096
-
-
 def _real_stand_in(value: Any, device: Optional[torch.device] = None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -191,31 +183,6 @@ _SAME_SHAPE_AS: Dict[str, Callable[..., Any]] = {
     groups, *_, **__: torch.ops.aten.convolution(x, w, None, stride, padding, dilation, True,
                                                  output_padding, groups),
 }
-
-
-def _call_key(n: fx.Node, module: Optional[nn.Module], call: tuple,
-              setting: tuple) -> Optional[tuple]:
-    """A hashable description of everything a call's observation depends on — the op (for a
-    module: its type, configuration and mode), every argument (tensors by dtype, shape,
-    stride, device and which of them are the same tensor; other values by type and repr),
-    the target and dtype — or None when some argument cannot be described."""
-    leaves, spec = tree_flatten(call)
-    first: Dict[int, int] = {}
-    described = []
-    try:
-        for i, v in enumerate(leaves):
-            if isinstance(v, torch.Tensor):
-                described.append((first.setdefault(id(v), i), v.dtype, tuple(v.shape),
-                                  v.stride(), v.device.type, v.requires_grad))
-            else:
-                described.append((type(v), repr(v)))
-        op = ((type(module), module.extra_repr(), module.training) if module is not None
-              else (n.op, n.target))
-        key = (op, str(spec), tuple(described), setting)
-        hash(key)
-    except Exception:  # noqa: BLE001 - an argument without a usable repr or hash
-        return None
-    return key
 
 
 class _Simulator(fx.Interpreter):
@@ -301,11 +268,12 @@ class _Simulator(fx.Interpreter):
             return None
         module = self.fetch_attr(n.target) if n.op == "call_module" else None
         buffers = dict(module.named_buffers()) if module is not None else {}
-        key = _call_key(n, module, (args, kwargs, params, buffers),
-                        (self.policy.target, self.policy.compute))
-        if key is not None and key in _OBSERVED:
-            _OBSERVED.move_to_end(key)
-            return _OBSERVED[key]
+        op = ((type(module), module.extra_repr(), module.training) if module is not None
+              else (n.op, n.target))
+        key = observe.call_key(op, (args, kwargs, params, buffers),
+                               (self.policy.target, self.policy.compute))
+        if key is not None and key in observe.CACHE:
+            return observe.CACHE.get(key)
 
         def call(a: tuple, k: dict, p: dict, b: dict) -> Any:
             if n.op == "call_module":
@@ -321,9 +289,7 @@ class _Simulator(fx.Interpreter):
                       exc_info=True)
             obs = None
         if key is not None:
-            _OBSERVED[key] = obs
-            if len(_OBSERVED) > _OBSERVED_MAX:
-                _OBSERVED.popitem(last=False)
+            observe.CACHE.put(key, obs)
         return obs
 
     @staticmethod

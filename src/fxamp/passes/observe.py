@@ -13,6 +13,7 @@ registered with autocast — and for whichever torch is installed.
 """
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -181,6 +182,54 @@ def observe(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs:
             casts.setdefault(index, to)
     inside = any(index is None for index, _, _, _ in events)
     return Observation(casts, float_dtypes(result), inside=inside)
+
+
+def call_key(op: Any, call: tuple, setting: tuple) -> Optional[tuple]:
+    """A hashable description of everything a call's observation depends on — ``op`` (the
+    callable, or a module's type, configuration and mode), every argument in ``call``
+    (tensors by dtype, shape, stride, device and which of them are the same tensor; other
+    values by type and repr) and ``setting`` (target, dtype) — or None when some argument
+    cannot be described."""
+    leaves, spec = tree_flatten(call)
+    first: Dict[int, int] = {}
+    described: list = []
+    try:
+        for i, v in enumerate(leaves):
+            if isinstance(v, torch.Tensor):
+                described.append((first.setdefault(id(v), i), v.dtype, tuple(v.shape),
+                                  v.stride(), v.device.type, v.requires_grad))
+            else:
+                described.append((type(v), repr(v)))
+        key = (op, str(spec), tuple(described), setting)
+        hash(key)
+    except Exception:  # noqa: BLE001 - an argument without a usable repr or hash
+        return None
+    return key
+
+
+class _Cache:
+    """Observations by ``call_key`` (least recently used dropped past ``size``): a model's
+    repeated blocks, the annotate runs of one rewrite and later rewrites observe once."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: "collections.OrderedDict[tuple, Optional[Observation]]" = (
+            collections.OrderedDict())
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.entries
+
+    def get(self, key: tuple) -> Optional[Observation]:
+        self.entries.move_to_end(key)
+        return self.entries[key]
+
+    def put(self, key: tuple, obs: Optional[Observation]) -> None:
+        self.entries[key] = obs
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+CACHE = _Cache(4096)
 
 
 def planned_casts(values: List[torch.Tensor], dtype: Optional[torch.dtype],
