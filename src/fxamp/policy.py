@@ -156,13 +156,16 @@ class Policy:
         parts.extend(str(o) for o in self.overrides)
         return ",".join(parts)
 
+    def overrides_matching(self, *names: str) -> Tuple[Override, ...]:
+        """Every override whose pattern matches any of ``names`` (node, module, op), in
+        order: the last one wins."""
+        return tuple(o for o in self.overrides
+                     if any(name and fnmatch.fnmatchcase(name, o.pattern) for name in names))
+
     def override_for(self, *names: str) -> Optional[Override]:
         """The last override whose pattern matches any of ``names`` (node, module, op)."""
-        found = None
-        for override in self.overrides:
-            if any(name and fnmatch.fnmatchcase(name, override.pattern) for name in names):
-                found = override
-        return found
+        found = self.overrides_matching(*names)
+        return found[-1] if found else None
 
 
 def make_policy(policy: Union[None, str, Policy], dtype: torch.dtype, target: str) -> Policy:
