@@ -18,7 +18,7 @@ from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
 from ..passes.placement import place_casts
 from ..plan import Plan, RangeStats
-from ..policy import Policy, dtype_name, make_policy, parse_dtype
+from ..policy import Policy, dtype_name, make_policy, parse_compute_dtype
 from .eager_root import eager_root, submodule_calls
 from .export_front import export_trace, flat_inputs, plain_inputs_hook, quiet_torch_logs
 from .hooks import (check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime,
@@ -185,7 +185,7 @@ def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
     """make_policy, refusing a ``dtype`` that the policy's compute dtype contradicts."""
     pol = make_policy(policy, torch.float16 if dtype is None else dtype, target)
     if dtype is not None:
-        asked = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+        asked = parse_compute_dtype(dtype)
         if asked != pol.compute:
             raise PolicyError(
                 f"dtype={asked} conflicts with the policy's compute={dtype_name(pol.compute)}"
