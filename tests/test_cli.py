@@ -223,3 +223,11 @@ def test_every_benchmark_script_parses_help_without_running():
         assert run.returncode == 0, (script.name, err)
         assert out.startswith("usage: "), (script.name, out[:200])
     assert (docs.read_bytes() if docs.exists() else None) == before
+
+
+def test_an_override_that_matches_nothing_exits_2_naming_the_closest():
+    r = fxamp("plan", "fxamp.demo:small_cnn", "--policy", "fp32:conv9")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr.startswith("fxamp plan: error: policy override 'fp32:conv9' matches no node")
+    closest = r.stderr.split("closest node names / module paths: ")[1].splitlines()[0]
+    assert {"conv1", "conv2"} <= set(closest.split(", "))
