@@ -4,6 +4,7 @@ Run: python benchmarks/search.py [--no-docs]
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -60,6 +61,10 @@ def cases():
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--no-docs", action="store_true",
+                    help="print the table only; do not append it to docs/benchmarks.md")
+    a = ap.parse_args()
     rows = []
     for name, model, shape, rtol in cases():
         data = [(torch.randn(*shape),) for _ in range(3)]
@@ -77,7 +82,7 @@ def main() -> None:
                "bisect s"]
     text = table(headers, rows)
     print(text)
-    if "--no-docs" not in sys.argv:
+    if not a.no_docs:
         append_docs("Tolerance search vs bisection (CPU, fp16 plans, target cpu)", text,
                     "An evaluation is one rewrite run over the 3 data batches; the search's "
                     "scoring pass counts as one. Bisection: the shorter of an FP32 prefix and "

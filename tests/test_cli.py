@@ -1,4 +1,5 @@
 """The fxamp command, run as a user runs it (a subprocess)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,9 +9,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _env():
+    """The environment with PYTHONPATH made absolute (the tests may run fxamp elsewhere)."""
+    paths = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src")] + paths))
+
+
 def fxamp(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "fxamp", *args], capture_output=True,
-                          text=True, cwd=cwd or ROOT, timeout=300)
+                          text=True, cwd=cwd or ROOT, timeout=300, env=_env())
 
 
 def test_plan_prints_the_plan():
@@ -135,3 +142,92 @@ def test_outputs_into_missing_directories_and_unwritable_places(tmp_path):
     r = fxamp("plan", "fxamp.demo:small_cnn", "-o", str(tmp_path / "afile" / "model.plan"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "afile is a file, not a directory" in r.stderr and "what to do" in r.stderr
+
+
+def test_file_factories_load_from_any_directory_relative_imports_too(tmp_path):
+    pkg = tmp_path / "proj" / "models"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "blocks.py").write_text("import torch.nn as nn\n\ndef block():\n"
+                                   "    return nn.Sequential(nn.Linear(8, 4), nn.ReLU())\n")
+    (pkg / "net.py").write_text("import torch\nfrom .blocks import block\n\ndef build():\n"
+                                "    return block(), (torch.randn(2, 8),)\n")
+    (tmp_path / "proj" / "helper.py").write_text("import torch.nn as nn\n\ndef mk():\n"
+                                                 "    return nn.Linear(8, 3)\n")
+    (tmp_path / "proj" / "flat.py").write_text(
+        "import torch\n\ndef build():\n    from helper import mk  # imported lazily\n"
+        "    return mk(), (torch.randn(2, 8),)\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = fxamp("plan", "../proj/models/net.py:build", cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("_0 ") and " nn.Linear " in line for line in r.stdout.splitlines())
+    r = fxamp("plan", str(tmp_path / "proj" / "flat.py") + ":build", "--dtype", "bf16",
+              cwd=elsewhere)
+    assert r.returncode == 0 and "# policy: compute=bf16" in r.stdout, r.stderr
+    # the README's example file, from a directory beside it
+    out = elsewhere / "audit_demo.plan"
+    r = fxamp("plan", os.path.relpath(ROOT / "examples" / "audit_demo.py", elsewhere) + ":build",
+              "-o", str(out), cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert "binary_cross_entropy" in out.read_text()
+    r = fxamp("plan", "../proj/missing.py:build", cwd=elsewhere)
+    assert r.returncode == 2 and "no such file '../proj/missing.py'" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = fxamp("plan", ".relative:build", cwd=elsewhere)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "file path" in r.stderr
+
+
+def test_version():
+    import fxamp as api
+    r = fxamp("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"fxamp {api.__version__} (torch ")
+
+
+def test_dtype_names_are_the_compute_dtypes_everywhere():
+    import torch
+    import fxamp as api
+    r = fxamp("plan", "fxamp.demo:small_cnn", "--dtype", "fp32")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    says = r.stderr.strip().splitlines()[-1]
+    assert "argument --dtype: compute dtype must be fp16 or bf16" in says
+    valid = says.split("names: ")[1].split(")")[0].split(", ")
+    assert "fp16" in valid and "bf16" in valid and "half" in valid
+    assert not {"fp32", "float32", "float", "full", "f32"} & set(valid)
+    assert "fp32:head.*" in says  # what to do instead
+    # the same names and the same message from the policy grammar and the API
+    with pytest.raises(api.PolicyError) as info:
+        api.Policy.parse("compute=fp32")
+    assert f"names: {', '.join(valid)})" in str(info.value)
+    model, inputs = __import__("fxamp.demo", fromlist=["small_cnn"]).small_cnn()
+    with pytest.raises(api.PolicyError, match="compute dtype must be fp16 or bf16"):
+        api.amp_rewrite(model, inputs, dtype="fp32")
+    # fp32 stays valid where FP32 means something: overrides and the output dtype
+    p = api.Policy.parse("output=fp32,fp32:fc")
+    assert p.output_dtype is torch.float32 and p.overrides[0].dtype is torch.float32
+    r = fxamp("demo", "--dtype", "fp32", "--steps", "1")
+    assert r.returncode == 2 and "compute dtype must be fp16 or bf16" in r.stderr
+
+
+def test_every_benchmark_script_parses_help_without_running():
+    docs = ROOT / "docs" / "benchmarks.md"
+    before = docs.read_bytes() if docs.exists() else None
+    scripts = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    assert len(scripts) >= 6
+    runs = [subprocess.Popen([sys.executable, str(p), "--help"], cwd=ROOT, env=_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for p in scripts]
+    for script, run in zip(scripts, runs):
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, (script.name, err)
+        assert out.startswith("usage: "), (script.name, out[:200])
+    assert (docs.read_bytes() if docs.exists() else None) == before
+
+
+def test_an_override_that_matches_nothing_exits_2_naming_the_closest():
+    r = fxamp("plan", "fxamp.demo:small_cnn", "--policy", "fp32:conv9")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr.startswith("fxamp plan: error: policy override 'fp32:conv9' matches no node")
+    closest = r.stderr.split("closest node names / module paths: ")[1].splitlines()[0]
+    assert {"conv1", "conv2"} <= set(closest.split(", "))

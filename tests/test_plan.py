@@ -51,6 +51,22 @@ def test_one_override_changes_one_line_and_diff_names_it():
     assert text.strip().splitlines()[-1] == "1 node changed precision: 1 FP16\u2192FP32"
 
 
+def test_diff_takes_plan_files_as_paths_or_path_objects(tmp_path):
+    model, inputs = small_cnn()
+    a = fxamp.plan_of(fxamp.amp_rewrite(model, inputs))
+    b = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy="fp32:fc"))
+    a.save(str(tmp_path / "a.plan"))
+    b.save(str(tmp_path / "b.plan"))
+    expected = fxamp.diff(a, b)
+    assert "~ fc" in expected
+    assert fxamp.diff(str(tmp_path / "a.plan"), tmp_path / "b.plan") == expected
+    assert fxamp.diff(a, str(tmp_path / "b.plan"), fmt="markdown") == fxamp.diff(
+        a, b, fmt="markdown")
+    assert fxamp.diff(tmp_path / "a.plan", a) == ""
+    with pytest.raises(TypeError, match="the second is a dict"):
+        fxamp.diff(a, {})
+
+
 def test_diff_lists_added_and_removed_nodes(plan):
     other = Plan(nodes=dict(plan.nodes), header=dict(plan.header))
     removed = next(iter(other.nodes))

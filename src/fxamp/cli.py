@@ -1,26 +1,31 @@
 """The ``fxamp`` command: a thin layer over the Python API.
 
 fxamp plan MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P] [-o FILE]
+           (or FILE.py:FACTORY, a path from the current directory)
 fxamp diff OLD NEW [--format text|markdown]
 fxamp check MODULE:FACTORY --plan FILE [--update]
 fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
 fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P]
 fxamp export MODULE:FACTORY -o model.onnx [--report report.md] [--backend auto]
 fxamp demo
+fxamp --version
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
+import os
 import sys
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import __version__
 from .errors import FxampError
 from .fileio import atomic_write_text
-from .policy import parse_dtype
+from .policy import COMPUTE_DTYPE_NAMES, dtype_name, parse_compute_dtype
 
 
 def _shape(text: str) -> Tuple[int, ...]:
@@ -31,22 +36,93 @@ def _shape(text: str) -> Tuple[int, ...]:
                                          f"1,3,224,224, got {text!r}") from None
 
 
-def load_factory(spec: str, shapes: Sequence[Tuple[int, ...]]) -> Tuple[torch.nn.Module, tuple]:
-    """Import MODULE:FACTORY and call it. The factory returns a model or (model, inputs)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise FxampError(f"expected MODULE:FACTORY (e.g. fxamp.demo:small_cnn), got {spec!r}")
-    sys.path.insert(0, ".")
+def _compute_dtype(text: str) -> torch.dtype:
+    """argparse type of --dtype: a low-precision compute dtype name."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise FxampError(f"cannot import {module_name!r}: {err}") from None
+        return parse_compute_dtype(text)
+    except FxampError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _is_file_spec(name: str) -> bool:
+    return name.endswith(".py") or "/" in name or os.sep in name
+
+
+def _import_file(path: str, added: List[str]) -> Any:
+    """Import the Python file ``path``; the directory it needs on sys.path is appended to
+    ``added`` after being put first on sys.path.
+
+    A file inside a package (directories with ``__init__.py``) is imported under its dotted
+    name with the package's parent on sys.path, so its relative imports work; any other
+    file under its stem, with its own directory on sys.path (as ``python FILE.py`` does)."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise FxampError(f"no such file {path!r} (from {os.getcwd()}); what to do: give "
+                         "FILE.py:FACTORY with a path to an existing file, or MODULE:FACTORY")
+    root, parts = os.path.dirname(full), [os.path.splitext(os.path.basename(full))[0]]
+    while os.path.isfile(os.path.join(root, "__init__.py")):
+        root, package = os.path.split(root)
+        parts.insert(0, package)
+    name = ".".join(parts)
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.abspath(getattr(loaded, "__file__", "") or "") != full:
+        if len(parts) > 1:
+            raise FxampError(
+                f"cannot import {path!r} as {name!r}: a different module of that name is "
+                f"already imported ({getattr(loaded, '__file__', None)}); what to do: run "
+                "fxamp from another directory or name the module as MODULE:FACTORY")
+        name = f"fxamp_user_{parts[0]}"  # a top-level file whose stem is taken
+    sys.path.insert(0, root)
+    added.append(root)
+    if name in sys.modules or len(parts) > 1:
+        return importlib.import_module(name)
+    spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _import(module_name: str, added: List[str]) -> Any:
+    """The module of a MODULE:FACTORY or FILE.py:FACTORY spec (the current directory first
+    on sys.path, as ``python -m`` has it)."""
+    here = os.path.abspath(".")
+    sys.path.insert(0, here)
+    added.append(here)
+    try:
+        if _is_file_spec(module_name):
+            return _import_file(module_name, added)
+        return importlib.import_module(module_name)
+    except (ImportError, SyntaxError) as err:
+        raise FxampError(f"cannot import {module_name!r}: {type(err).__name__}: {err}"
+                         ) from None
+    except TypeError as err:  # "the 'package' argument is required": a relative name
+        raise FxampError(f"cannot import {module_name!r}: {err}; what to do: write a module "
+                         "name (pkg.module:FACTORY) or a file path (dir/file.py:FACTORY)"
+                         ) from None
+
+
+def load_factory(spec: str, shapes: Sequence[Tuple[int, ...]]) -> Tuple[torch.nn.Module, tuple]:
+    """Import MODULE:FACTORY (or FILE.py:FACTORY, a path from the current directory) and
+    call the factory; it returns a model or (model, inputs)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise FxampError(f"expected MODULE:FACTORY or FILE.py:FACTORY (e.g. "
+                         f"fxamp.demo:small_cnn, examples/audit_demo.py:build), got {spec!r}")
+    added: List[str] = []
+    try:
+        module = _import(module_name, added)
+        factory = getattr(module, attr, None)
+        if factory is None:
+            raise FxampError(f"{module_name!r} has no attribute {attr!r}")
+        made: Any = factory()  # it may import lazily from its directory: still on sys.path
     finally:
-        sys.path.pop(0)
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise FxampError(f"{module_name!r} has no attribute {attr!r}")
-    made: Any = factory()
+        for entry in added:
+            sys.path.remove(entry)
     if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module):
         model, inputs = made
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -64,7 +140,7 @@ def _rewrite(args: argparse.Namespace) -> Any:
     from . import amp_rewrite
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    return amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype) if args.dtype else None,
+    return amp_rewrite(model, inputs, dtype=args.dtype,
                        target=args.target, policy=args.policy, frontend=args.frontend)
 
 
@@ -160,7 +236,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from .passes.audit import audit, summary
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    findings = audit(model, inputs, dtype=parse_dtype(args.dtype or "fp16"), target=args.target,
+    findings = audit(model, inputs, dtype=args.dtype or torch.float16, target=args.target,
                      policy=args.policy)
     order = ("error", "warning", "info")
     shown = [f for f in findings if order.index(f.severity) <= order.index(args.min_severity)]
@@ -183,7 +259,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     start = step(f"rewriting {args.factory}")
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    gm = amp_rewrite(model, inputs, dtype=parse_dtype(args.dtype) if args.dtype else None,
+    gm = amp_rewrite(model, inputs, dtype=args.dtype,
                      target=args.target, policy=args.policy, frontend=args.frontend)
     try:
         from .export import export_onnx, precision_report
@@ -208,12 +284,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    result = run_demo(steps=args.steps, dtype=parse_dtype(args.dtype), target=args.target)
+    low = args.dtype
+    result = run_demo(steps=args.steps, dtype=low, target=args.target)
     plan = result["plan"]
     sys.stdout.write(plan.to_text())
     losses: List[float] = result["losses"]  # type: ignore[assignment]
-    low = parse_dtype(args.dtype)
-    print(f"\n{plan.count(low)} nodes in {args.dtype}, {plan.count(torch.float32)} in fp32")
+    print(f"\n{plan.count(low)} nodes in {dtype_name(low)}, {plan.count(torch.float32)} in fp32")
     print(f"trained {len(losses)} steps with GradScaler on {result['device']}: "
           f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, final scale {result['scale']:.0f}")
     return 0
@@ -223,12 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxamp", description="Explicit mixed precision "
                                      "for PyTorch models: plans, diffs, rewrites.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument("--version", action="version",
+                        version=f"fxamp {__version__} (torch {torch.__version__})")
+    dtype_help = (f"compute dtype: fp16 or bf16 (names: {', '.join(COMPUTE_DTYPE_NAMES)}); "
+                  "FP32 nodes are policy overrides such as fp32:head.*")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("factory", help="MODULE:FACTORY returning a model or (model, inputs)")
-        p.add_argument("--dtype", default=None,
-                       help="fp16 or bf16 (default fp16, or the policy's compute=)")
+        p.add_argument("factory", help="MODULE:FACTORY or FILE.py:FACTORY returning a model "
+                       "or (model, inputs)")
+        p.add_argument("--dtype", default=None, type=_compute_dtype,
+                       help=dtype_help + " (default fp16, or the policy's compute=)")
         p.add_argument("--target", default="cuda", choices=["cuda", "cpu"],
                        help="whose autocast lists to mirror (default cuda)")
         p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
@@ -283,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
     m.add_argument("--steps", type=int, default=30)
-    m.add_argument("--dtype", default="fp16")
+    m.add_argument("--dtype", default=torch.float16, type=_compute_dtype,
+                   help=dtype_help + " (default fp16)")
     m.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
     m.set_defaults(func=_cmd_demo)
     return parser

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -211,14 +212,26 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def diff(a: Plan, b: Plan, fmt: str = "text") -> str:
+def _as_plan(plan: Union[Plan, str, "os.PathLike[str]"], which: str) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(os.fspath(plan))
+    raise TypeError(f"diff takes Plans or plan file paths; {which} is a "
+                    f"{type(plan).__name__}")
+
+
+def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLike[str]"],
+         fmt: str = "text") -> str:
     """A readable diff of two plans; the empty string when they decide the same.
 
+    ``a`` and ``b`` are Plans or paths of plan files (read with :meth:`Plan.load`).
     Versions in the header are ignored; other header lines, changed, added and removed nodes
     are listed, then a one-line summary. ``fmt="markdown"`` gives a table for a pull request.
     """
     if fmt not in ("text", "markdown"):
         raise ValueError(f"unknown diff format {fmt!r}; valid: text, markdown")
+    a, b = _as_plan(a, "the first"), _as_plan(b, "the second")
     headers, changes = _changes(a, b)
     if not headers and not changes:
         return ""

@@ -26,6 +26,8 @@ _DTYPE_ALIASES = {
 }
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                 torch.float64: "fp64"}
+#: the names a compute (low) dtype is given by: fp32 is no compute dtype
+COMPUTE_DTYPE_NAMES = tuple(sorted(k for k, v in _DTYPE_ALIASES.items() if v != torch.float32))
 _TARGETS = ("cuda", "cpu")
 _KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement")
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
@@ -46,6 +48,27 @@ def parse_dtype(text: Union[str, torch.dtype]) -> torch.dtype:
     if key not in _DTYPE_ALIASES:
         raise PolicyError(f"unknown dtype {text!r}; valid: {', '.join(sorted(_DTYPE_ALIASES))}")
     return _DTYPE_ALIASES[key]
+
+
+def _compute_error(got: str) -> str:
+    return (f"compute dtype must be fp16 or bf16 (torch.float16 or torch.bfloat16; names: "
+            f"{', '.join(COMPUTE_DTYPE_NAMES)}), got {got}; fxamp rewrites FP32 models into "
+            "FP16/BF16 mixed precision. To keep nodes in FP32, use overrides such as "
+            "fp32:head.* (fp32:* keeps the whole model in FP32)")
+
+
+def parse_compute_dtype(text: Union[str, torch.dtype]) -> torch.dtype:
+    """The low-precision compute dtype from an alias (``fp16``, ``half``, ``bf16``...) or a
+    torch.dtype; PolicyError for anything else, ``fp32`` included, naming the valid names."""
+    if isinstance(text, torch.dtype):
+        dtype = text
+    else:
+        dtype = _DTYPE_ALIASES.get(str(text).strip().lower().replace("torch.", ""))
+    if dtype is None:
+        raise PolicyError(f"unknown dtype {text!r}: the " + _compute_error(repr(text)))
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise PolicyError(_compute_error(repr(text) if isinstance(text, str) else str(text)))
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -88,9 +111,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.compute not in (torch.float16, torch.bfloat16):
-            raise PolicyError(
-                f"compute dtype must be torch.float16 or torch.bfloat16, got {self.compute}; "
-                "fxamp rewrites FP32 models into FP16/BF16 mixed precision")
+            raise PolicyError(_compute_error(dtype_name(self.compute)))
         if self.target not in _TARGETS:
             raise PolicyError(f"unknown target {self.target!r}; valid targets: "
                               f"{', '.join(_TARGETS)}")
@@ -111,7 +132,7 @@ class Policy:
                     raise PolicyError(f"unknown policy key {key!r} in {text!r}; valid keys: "
                                       f"{', '.join(_KEYS)}, or DTYPE:PATTERN overrides")
                 if key == "compute":
-                    policy = replace(policy, compute=parse_dtype(value))
+                    policy = replace(policy, compute=parse_compute_dtype(value))
                 elif key == "target":
                     policy = replace(policy, target=value.lower())
                 elif key == "output":
@@ -156,21 +177,23 @@ class Policy:
         parts.extend(str(o) for o in self.overrides)
         return ",".join(parts)
 
+    def overrides_matching(self, *names: str) -> Tuple[Override, ...]:
+        """Every override whose pattern matches any of ``names`` (node, module, op), in
+        order: the last one wins."""
+        return tuple(o for o in self.overrides
+                     if any(name and fnmatch.fnmatchcase(name, o.pattern) for name in names))
+
     def override_for(self, *names: str) -> Optional[Override]:
         """The last override whose pattern matches any of ``names`` (node, module, op)."""
-        found = None
-        for override in self.overrides:
-            if any(name and fnmatch.fnmatchcase(name, override.pattern) for name in names):
-                found = override
-        return found
+        found = self.overrides_matching(*names)
+        return found[-1] if found else None
 
 
 def make_policy(policy: Union[None, str, Policy], dtype: torch.dtype, target: str) -> Policy:
     """The policy amp_rewrite uses: ``policy`` if a Policy, else parsed over dtype/target."""
     if isinstance(policy, Policy):
         return policy
-    if not isinstance(dtype, torch.dtype):
-        dtype = parse_dtype(dtype)
+    dtype = parse_compute_dtype(dtype)
     base = Policy(compute=dtype, target=target)
     if policy is None:
         return base

@@ -25,6 +25,7 @@ from .. import oplists
 from ..errors import UnsupportedModelError, node_error
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
+from ..rewriter import overrides
 from ..rewriter.runtime import device_autocast, eligible
 from . import PassResult, observe
 
@@ -88,7 +89,7 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
     label, ops = oplists.node_ops(node, root)
     path = module_path(node)
     # "encoder.layer.0.*" covers the layer's own functional ops as well as its submodules
-    override = policy.override_for(node.name, path, path + "." if path else "", label)
+    override = overrides.match(policy, *overrides.node_names(node.name, path, label))
     if override is not None:
         return Decision(override.dtype, "user", f"policy override {override}", label)
     fixed = node.meta.get(FIXED)

@@ -29,6 +29,7 @@ from ..oplists import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
+from .overrides import override_scope
 from .runtime import device_autocast, device_type
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
         child_args, child_kwargs, _ = calls[name]
         child = model.get_submodule(name)
         try:
-            sub = rewrite(child, tuple(child_args), inner, kwargs=child_kwargs)
+            with override_scope(name):
+                sub = rewrite(child, tuple(child_args), inner, kwargs=child_kwargs)
         except FxampError as err:
             log.info("%s stays under autocast: %s", name, str(err).splitlines()[0])
             runtime.append(name)

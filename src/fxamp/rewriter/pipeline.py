@@ -18,12 +18,13 @@ from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
 from ..passes.placement import place_casts
 from ..plan import Plan, RangeStats
-from ..policy import Policy, dtype_name, make_policy, parse_dtype
+from ..policy import Policy, dtype_name, make_policy, parse_compute_dtype
 from .eager_root import eager_root, submodule_calls
 from .export_front import export_trace, flat_inputs, plain_inputs_hook, quiet_torch_logs
 from .hooks import (check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime,
                     without_root_hooks)
 from .inputs import check_example_inputs
+from .overrides import Scope, check_matched, override_scope
 from .state import ModelState, report_side_effects
 from .state_dict import complete_state
 from .trace import trace
@@ -91,8 +92,9 @@ def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str]
             continue
         leaf_args, leaf_kwargs, _ = captured[path]
         try:
-            sub = rewrite(model.get_submodule(path), tuple(leaf_args), inner,
-                          kwargs=leaf_kwargs)
+            with override_scope(path):
+                sub = rewrite(model.get_submodule(path), tuple(leaf_args), inner,
+                              kwargs=leaf_kwargs)
         except FxampError as err:
             log.info("%s stays a runtime call: %s", path, str(err).splitlines()[0])
             continue
@@ -183,7 +185,7 @@ def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
     """make_policy, refusing a ``dtype`` that the policy's compute dtype contradicts."""
     pol = make_policy(policy, torch.float16 if dtype is None else dtype, target)
     if dtype is not None:
-        asked = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype)
+        asked = parse_compute_dtype(dtype)
         if asked != pol.compute:
             raise PolicyError(
                 f"dtype={asked} conflicts with the policy's compute={dtype_name(pol.compute)}"
@@ -272,7 +274,19 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
             fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None,
             kwargs: Optional[Dict[str, Any]] = None, frontend: str = "auto") -> fx.GraphModule:
     """The pipeline behind amp_rewrite. ``fixed`` maps node names to (dtype, rule, reason)
-    decisions made outside the passes (the tolerance search)."""
+    decisions made outside the passes (the tolerance search). The top-level rewrite (not
+    one nested in another) raises PolicyError when an override of ``pol`` matches no node."""
+    with override_scope() as scope:
+        return _rewrite(model, inputs, pol, calibration_data, fixed, kwargs, frontend, scope)
+
+
+def _plan_lines(plan: Plan) -> List[Tuple[str, str, str]]:
+    return [(name, p.module, p.op) for name, p in plan.nodes.items()]
+
+
+def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any,
+             fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]],
+             kwargs: Optional[Dict[str, Any]], frontend: str, scope: Scope) -> fx.GraphModule:
     kwargs = dict(kwargs or {})
     state = ModelState(model)
     try:
@@ -285,6 +299,8 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
             result = eager_root(model, inputs, kwargs, pol, rewrite, _header(pol, "eager"))
         except FxampError:
             raise err from None
+        if scope.top:
+            check_matched(pol, scope, _plan_lines(plan_of(result)))
         log.warning("%s: no tracer takes its forward; it runs eagerly under torch.autocast "
                     "with its children rewritten (%s)", type(model).__name__,
                     plan_of(result).header.get("nested", ""))
@@ -316,6 +332,11 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
                 src.graph.lint()
                 src.recompile()
     _annotate(src, inputs, pol, state)
+    if scope.top and pol.overrides:  # every node is decided: fail before the costly passes
+        check_matched(pol, scope, [(n.name, n.meta[META].module, n.meta[META].op)
+                                   for n in src.graph.nodes if n.meta.get(META)] +
+                      [(f"{path}/{line[0]}", f"{path}.{line[1]}" if line[1] else path, line[2])
+                       for path, sub_plan in nested.items() for line in _plan_lines(sub_plan)])
     if pol.numerics:
         for numerics_pass in NUMERICS_PASSES:
             if numerics_pass(src, pol).modified:

@@ -1,0 +1,131 @@
+"""Policy overrides that match nothing are errors, not silent no-ops.
+
+A rewrite records which overrides matched at least one node while it annotated. Rewrites
+nest (a submodule no tracer takes whole is rewritten on its own; the eager front end
+rewrites each child): a nested rewrite matches overrides against the names the top-level
+plan shows for its nodes (``leaf/node`` and the full module path ``leaf.sub.module``) as
+well as its own, and its matches count for the top-level rewrite only when it succeeds.
+The top-level rewrite checks, once all nodes are annotated, that every override of the
+policy matched something; if not, :class:`PolicyError` names the closest node names and
+module paths (``difflib``), so ``fp32:encoder.layer.0.*`` on a model whose paths start
+with ``bert.`` says ``did you mean bert.encoder.layer.0.*``.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import difflib
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, List, Optional, Set, Tuple
+
+from ..errors import PolicyError
+from ..policy import Override, Policy, dtype_name
+
+
+@dataclass
+class Scope:
+    """One rewrite's record: where it sits under the top-level model, what matched."""
+
+    paths: Tuple[str, ...] = ()
+    matched: Set[Override] = field(default_factory=set)
+
+    @property
+    def top(self) -> bool:
+        """Whether this is the top-level rewrite (the one that checks)."""
+        return not self.paths
+
+
+_SCOPE: contextvars.ContextVar[Optional[Scope]] = contextvars.ContextVar(
+    "fxamp_override_scope", default=None)
+
+
+@contextlib.contextmanager
+def override_scope(path: str = "") -> Iterator[Scope]:
+    """The scope of a rewrite. Outside any scope, a new top-level one; inside one, with
+    ``path`` (the submodule's path in the enclosing rewrite), a nested one whose matches
+    join the enclosing scope's when the block ends without an error; without ``path``, the
+    enclosing scope itself."""
+    parent = _SCOPE.get()
+    if parent is not None and not path:
+        yield parent
+        return
+    scope = Scope(parent.paths + (path,) if parent is not None else ())
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
+    if parent is not None:  # reached only without an exception
+        parent.matched |= scope.matched
+
+
+def node_names(name: str, module: str, label: str) -> Tuple[str, ...]:
+    """The names an override pattern is matched against for one node: its name, module path
+    (and ``path.``, so ``encoder.layer.0.*`` covers the layer's own functional ops), op
+    label, and inside a nested rewrite the same names as the top-level plan shows them."""
+    names = [name, module, module + "." if module else "", label]
+    scope = _SCOPE.get()
+    if scope is not None and scope.paths:
+        full = ".".join(scope.paths) + ("." + module if module else "")
+        names += ["/".join(scope.paths) + "/" + name, full, full + "."]
+    return tuple(names)
+
+
+def match(policy: Policy, *names: str) -> Optional[Override]:
+    """``policy.override_for(*names)``, recording in the current scope every override that
+    matches (not only the one that wins)."""
+    found = policy.overrides_matching(*names)
+    scope = _SCOPE.get()
+    if scope is not None:
+        scope.matched.update(found)
+    return found[-1] if found else None
+
+
+def _candidates(lines: Iterable[Tuple[str, str, str]]) -> List[str]:
+    """Node names, module paths, each module path's enclosing paths as ``path.*``, and op
+    labels of the (name, module, label) triples, without repeats, in order."""
+    seen: dict = {}
+    for name, module, label in lines:
+        seen.setdefault(name, None)
+        if module:
+            parts = module.split(".")
+            for i in range(1, len(parts)):
+                seen.setdefault(".".join(parts[:i]) + ".*", None)
+            seen.setdefault(module, None)
+        if label:
+            seen.setdefault(label, None)
+    return [c for c in seen if c]
+
+
+def check_matched(policy: Policy, scope: Scope,
+                  lines: Iterable[Tuple[str, str, str]]) -> None:
+    """Raise PolicyError when an override of ``policy`` matched no node in ``scope``.
+    ``lines`` are the (name, module path, op label) of every node of the top-level plan."""
+    unmatched = [o for o in policy.overrides if o not in scope.matched]
+    if not unmatched:
+        return
+    lines = list(lines)
+    candidates = _candidates(lines)
+    parts, example = [], ""
+    for override in unmatched:
+        pattern = override.pattern
+        close = difflib.get_close_matches(pattern, candidates, n=5, cutoff=0.5)
+        bare = pattern.rstrip("*").rstrip(".")  # "encoder.layer.0" in "bert.encoder.layer.0"
+        if bare and not close:
+            close = [c for c in candidates if c.endswith("." + bare + ".*") or
+                     c.endswith("." + bare)][:5]
+        unreached = [n for n, m, lab in lines if any(
+            fnmatch.fnmatchcase(v, pattern) for v in (n, m, lab) if v)]
+        example = example or (f"{dtype_name(override.dtype)}:{close[0]}" if close else "")
+        text = f"policy override '{override}' matches no node of the model"
+        if unreached:
+            text += (f" that fxamp plans: it names only {', '.join(unreached[:5])}, which "
+                     "run(s) under torch.autocast at run time (rule 'runtime')")
+        text += (f"; closest node names / module paths: {', '.join(close)}" if close else
+                 "; no node name or module path is close to it")
+        parts.append(text)
+    raise PolicyError(
+        "\n".join(parts) + "\n  what to do: write a pattern that matches a node name, module "
+        "path or op label of the plan (see `fxamp plan`)" +
+        (f", e.g. '{example}'" if example else "") + ", or drop the override")
