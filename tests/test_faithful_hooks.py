@@ -24,21 +24,24 @@ def _x():
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
 
-def _autocast_grads(model, x):
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x)
+def _grads(model, call, x):
+    """``call(x)``'s output and the gradients it leaves on ``model``'s parameters."""
+    out = call(x)
     out.float().pow(2).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return out, grads
+
+
+def _autocast_grads(model, x):
+    def under_autocast(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+    return _grads(model, under_autocast, x)
 
 
 def _rewritten_grads(model, gm, x):
-    out = gm(x)
-    out.float().pow(2).sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return out, grads
+    return _grads(model, gm, x)
 
 
 def _same_as_autocast(model, gm, x):

@@ -280,8 +280,19 @@ def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
         return _rewrite(model, inputs, pol, calibration_data, fixed, kwargs, frontend, scope)
 
 
-def _plan_lines(plan: Plan) -> List[Tuple[str, str, str]]:
-    return [(name, p.module, p.op) for name, p in plan.nodes.items()]
+def _plan_lines(nodes: Dict[str, Any]) -> List[Tuple[str, str, str]]:
+    """(node name, module path, op) of each plan line: what overrides are matched against."""
+    return [(name, p.module, p.op) for name, p in nodes.items()]
+
+
+def _plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
+    """The plan lines of ``src``'s decided nodes, then each nested plan's under ``path/``."""
+    nodes = {n.name: n.meta[META] for n in src.graph.nodes if n.meta.get(META)}
+    for path, sub_plan in nested.items():
+        nodes.update({f"{path}/{name}": dataclasses.replace(
+            p, module=f"{path}.{p.module}" if p.module else path)
+            for name, p in sub_plan.nodes.items()})
+    return nodes
 
 
 def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any,
@@ -300,7 +311,7 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
         except FxampError:
             raise err from None
         if scope.top:
-            check_matched(pol, scope, _plan_lines(plan_of(result)))
+            check_matched(pol, scope, _plan_lines(plan_of(result).nodes))
         log.warning("%s: no tracer takes its forward; it runs eagerly under torch.autocast "
                     "with its children rewritten (%s)", type(model).__name__,
                     plan_of(result).header.get("nested", ""))
@@ -333,10 +344,7 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
                 src.recompile()
     _annotate(src, inputs, pol, state)
     if scope.top and pol.overrides:  # every node is decided: fail before the costly passes
-        check_matched(pol, scope, [(n.name, n.meta[META].module, n.meta[META].op)
-                                   for n in src.graph.nodes if n.meta.get(META)] +
-                      [(f"{path}/{line[0]}", f"{path}.{line[1]}" if line[1] else path, line[2])
-                       for path, sub_plan in nested.items() for line in _plan_lines(sub_plan)])
+        check_matched(pol, scope, _plan_lines(_plan_nodes(src, nested)))
     if pol.numerics:
         for numerics_pass in NUMERICS_PASSES:
             if numerics_pass(src, pol).modified:
@@ -350,12 +358,7 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
     check_banned(src)
     gm = insert_casts(src, pol).graph_module  # GraphModule() compiled it already
     gm.graph.lint()
-    nodes = {n.name: n.meta[META] for n in src.graph.nodes if n.meta.get(META)}
-    for path, sub_plan in nested.items():
-        nodes.update({f"{path}/{name}": dataclasses.replace(
-            p, module=f"{path}.{p.module}" if p.module else path)
-            for name, p in sub_plan.nodes.items()})
-    plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, nested), ranges=stats)
+    plan = Plan(nodes=_plan_nodes(src, nested), header=_header(pol, taken, leaves, nested), ranges=stats)
     setattr(gm, _PLAN_ATTR, plan)
     gm.fxamp_source = oplists.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
