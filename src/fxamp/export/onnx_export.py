@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from .. import __version__
 from ..fileio import atomic_directory
+from ..progress import shows
 from ..rewriter import plan_of
 from ..rewriter.pipeline import _as_tuple
 from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
@@ -178,6 +179,7 @@ def _annotate(model: Any, gm: fx.GraphModule, mapping: Optional[Dict[str, str]])
         set_meta(node, MODULE, module)
 
 
+@shows(lambda gm, inputs, path, **k: f"ONNX export to {os.path.basename(path)}")
 def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                 opset: Optional[int] = None, exporter: str = "auto") -> str:
     """Export a model made by ``fxamp.amp_rewrite`` to ONNX; return ``path``.
