@@ -72,3 +72,8 @@ def test_frontends_example():
     assert "# nested: shape=export gate=eager" in r.stdout
     err = float(re.search(r"max \|rewritten - fp32\|: (\S+)", r.stdout).group(1))
     assert err < 0.05  # two bf16 linears on unit-scale values
+    names = [line.split()[0] for line in r.stdout.splitlines() if line and line[0] != "#"]
+    pointers = re.findall(r"its nodes are the plan lines (\S+)/\*", r.stdout)
+    assert len(pointers) == 3  # shape, gate and gate's lin: each names real plan lines
+    for prefix in pointers:
+        assert any(n.startswith(prefix + "/") for n in names), prefix
