@@ -167,11 +167,14 @@ def write(path: Path, only: Optional[str] = None) -> int:
         if only and only not in block.command:
             continue
         now = produce(block)
-        if _tidy(block.content) != now:  # Markdown (not fenced) gets blank lines around it
-            lines[block.start:block.end] = (now.split("\n") if block.fenced
-                                            else ["", *now.split("\n"), ""])
-            changed += 1
-            print(f"updated README.md:{block.line}  {block.command}")
+        if block.fenced and _tidy(block.content) != now:
+            lines[block.start:block.end] = now.split("\n")
+        elif not block.fenced and block.content != f"\n{now}\n":  # Markdown: blank lines
+            lines[block.start:block.end] = ["", *now.split("\n"), ""]  # around it
+        else:
+            continue
+        changed += 1
+        print(f"updated README.md:{block.line}  {block.command}")
     if changed:
         sys.path.insert(0, str(ROOT / "src"))
         from fxamp.fileio import atomic_write_text
