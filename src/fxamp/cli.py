@@ -235,24 +235,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _show_model_explorer(args: argparse.Namespace) -> int:
-    """Node data for the model's torch.export program (plan by the export front end, whose
-    node names are the program's)."""
-    from . import amp_rewrite, plan_of
-    from .model_explorer import companion_path, program_node_data, write_node_data
+    from .model_explorer import write_program_node_data
 
-    if args.frontend == "fx":
-        raise FxampError("--format model-explorer draws the model's torch.export program, so "
-                         "it needs the export front end's node names; what to do: drop "
-                         "--frontend fx (or use --frontend export)")
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    gm = amp_rewrite(model, inputs, dtype=args.dtype, target=args.target, policy=args.policy,
-                     frontend="export")
-    program = torch.export.export(model, tuple(inputs))
-    precision, rules = program_node_data(program, plan_of(gm))
-    write_node_data(args.output, precision)
-    write_node_data(companion_path(args.output, "rule"), rules)
-    print(f"wrote {args.output} and {companion_path(args.output, 'rule')} (Model Explorer node "
-          f"data, {len(precision['graph']['results'])} nodes): open the model with "
+    written = write_program_node_data(model, inputs, args.output, frontend=args.frontend,
+                                      dtype=args.dtype, target=args.target, policy=args.policy)
+    print(f"wrote {' and '.join(written)} (Model Explorer node data): open the model with "
           "model_explorer.visualize_pytorch(name, exported_program=torch.export.export(model, "
           "inputs)) and load the node data")
     return 0
@@ -304,18 +292,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
         report.save(args.report)
         print(f"wrote {args.report}: {report.summary()}")
     if args.model_explorer:
-        from .model_explorer import annotate_onnx, companion_path, onnx_node_data, write_node_data
+        from .model_explorer import write_onnx_node_data
 
         if not args.report:
             step(f"running the model on backend {args.backend}")
             report = precision_report(args.output, plan_of(gm), backend=args.backend,
                                       inputs=inputs)
-        planned, actual = onnx_node_data(args.output, report)
-        annotate_onnx(args.output, report)
-        write_node_data(args.model_explorer, planned)
-        write_node_data(companion_path(args.model_explorer, "actual"), actual)
-        print(f"wrote {args.model_explorer} and {companion_path(args.model_explorer, 'actual')} "
-              f"(Model Explorer node data: planned and actual precision)")
+        written = write_onnx_node_data(args.output, report, args.model_explorer)
+        print(f"wrote {' and '.join(written)} (Model Explorer node data: planned and actual "
+              "precision)")
     print(f"fxamp export: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 

@@ -148,6 +148,40 @@ def write_node_data(path: str, data: Dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
+def write_program_node_data(model: Any, inputs: Any, output: str, frontend: str = "auto",
+                            **rewrite: Any) -> List[str]:
+    """Plan ``model`` with the export front end, export it with ``torch.export`` and write the
+    precision node data to ``output`` and the rule node data next to it; returns the paths.
+    ``rewrite``: the other ``amp_rewrite`` arguments (dtype, target, policy)."""
+    import torch
+
+    from . import amp_rewrite, plan_of
+    from .errors import FxampError
+
+    if frontend == "fx":
+        raise FxampError("--format model-explorer draws the model's torch.export program, so "
+                         "it needs the export front end's node names; what to do: drop "
+                         "--frontend fx (or use --frontend export)")
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    gm = amp_rewrite(model, args, frontend="export", **rewrite)
+    precision, rules = program_node_data(torch.export.export(model, args), plan_of(gm))
+    rule_path = companion_path(output, "rule")
+    write_node_data(output, precision)
+    write_node_data(rule_path, rules)
+    return [output, rule_path]
+
+
+def write_onnx_node_data(onnx_path: str, report: Any, output: str) -> List[str]:
+    """Planned node data to ``output``, actual next to it (``.actual.json``), and the rule,
+    reason and precisions into the ONNX nodes' metadata; returns the JSON paths."""
+    planned, actual = onnx_node_data(onnx_path, report)
+    annotate_onnx(onnx_path, report)
+    actual_path = companion_path(output, "actual")
+    write_node_data(output, planned)
+    write_node_data(actual_path, actual)
+    return [output, actual_path]
+
+
 def companion_path(path: str, suffix: str) -> str:
     """``graph.json`` -> ``graph.<suffix>.json``."""
     stem, dot, ext = path.rpartition(".")
