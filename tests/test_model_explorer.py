@@ -79,3 +79,14 @@ def test_model_explorer_needs_the_export_front_end(tmp_path, capsys):
     assert cli.main(["show", "fxamp.demo:small_cnn", "--format", "model-explorer",
                      "--frontend", "fx", "-o", str(tmp_path / "x.json")]) == 2
     assert "export front end" in capsys.readouterr().err
+
+
+def test_a_plan_of_another_graph_is_refused_not_drawn_grey():
+    import fxamp
+    from fxamp.errors import FxampError
+    from fxamp.model_explorer import program_node_data
+
+    model, inputs = small_cnn()
+    fx_plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, frontend="fx"))
+    with pytest.raises(FxampError, match="no line in the plan"):
+        program_node_data(torch.export.export(model, inputs), fx_plan)

@@ -94,8 +94,9 @@ def test_html_picture_in_headless_chromium(tmp_path):
     path = tmp_path / "graph.html"
     path.write_text(page.replace("</body>", CHECK + "</body>"), encoding="utf-8")
     run = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
-                          "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
-                          "--enable-logging=stderr", "--v=0", "--dump-dom", path.as_uri()],
+                          "--no-first-run", "--disable-dev-shm-usage",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr",
+                          "--v=0", "--dump-dom", path.as_uri()],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
     console = [line for line in run.stderr.splitlines() if ":CONSOLE" in line]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
+from .errors import FxampError
 from .fileio import atomic_write_text
 from .plan import NodePrecision, Plan
 from .policy import dtype_name
@@ -72,11 +73,21 @@ def program_node_data(exported_program: Any, plan: Plan) -> Tuple[Dict[str, Any]
     params = {**dict(sig.inputs_to_parameters), **dict(sig.inputs_to_buffers)}
     precision: Dict[str, Dict[str, Any]] = {}
     rules: Dict[str, Dict[str, Any]] = {}
+    missing = []
     for node in exported_program.graph_module.graph.nodes:
         entry = _plan_entry(plan, node, params)
+        if entry is None and node.op == "call_function" and getattr(
+                node.meta.get("val"), "is_floating_point", lambda: False)():
+            missing.append(node.name)
         dtype = dtype_name(entry.dtype) if entry is not None else "-"
         precision[node.name] = _result(dtype)
         rules[node.name] = {"value": _rule_code(entry.rule if entry is not None else "-")}
+    if missing:
+        raise FxampError(f"{len(missing)} floating-point node(s) of the exported program have no "
+                         f"line in the plan ({', '.join(missing[:5])}"
+                         f"{', ...' if len(missing) > 5 else ''}): the plan was not made on this "
+                         "program's graph; what to do: plan with frontend='export' on the same "
+                         "model and inputs the program was exported from")
     return ({PROGRAM_GRAPH: _graph_data("fxamp precision (bits; colour = dtype)", precision)},
             {PROGRAM_GRAPH: _graph_data(_rule_legend(), rules)})
 
@@ -156,7 +167,6 @@ def write_program_node_data(model: Any, inputs: Any, output: str, frontend: str 
     import torch
 
     from . import amp_rewrite, plan_of
-    from .errors import FxampError
 
     if frontend == "fx":
         raise FxampError("--format model-explorer draws the model's torch.export program, so "
