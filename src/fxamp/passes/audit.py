@@ -472,8 +472,10 @@ def _norm_eps(node: fx.Node, gm: nn.Module) -> Optional[Tuple[str, float]]:
     if module is not None:
         return module_eps(module)
     if node.op == "call_function" and oplists.is_aten(node.target):
-        return _aten_norm_eps(node)
-    if node.op == "call_function":
+        found = _aten_norm_eps(node)
+        if found is not None:
+            return found
+    elif node.op == "call_function":
         try:
             spec = _NORM_FUNCTIONS.get(node.target)  # type: ignore[arg-type]
         except TypeError:
