@@ -35,7 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def _prefixed(findings: List[Finding], path: str) -> List[Finding]:
-    return [dataclasses.replace(f, node=f"{path}/{f.node}") for f in findings]
+    """Findings of a nested graph, named as its plan lines are (``path/node``), their
+    policy override hints too."""
+    return [dataclasses.replace(f, node=f"{path}/{f.node}",
+                                fix=f.fix.replace(f":{f.node}'", f":{path}/{f.node}'"))
+            for f in findings]
 
 
 def _runtime_part(path: str, module: nn.Module, policy: Policy) -> List[Finding]:
