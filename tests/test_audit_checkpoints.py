@@ -1,6 +1,10 @@
 """The 12 AMP debugging checkpoints (README, audit section): each new audit finding code
 triggered and not triggered, and the checkpoints that hold by construction shown."""
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +107,18 @@ def test_onnx_opset_and_batch_axis(tmp_path):
     assert audit_context(None, FP16, onnx=new) == []
     with pytest.raises(fxamp.FxampError, match="cannot read the ONNX file"):
         audit_context(None, FP16, onnx=str(tmp_path / "missing.onnx"))
+
+
+def test_cli_audit_onnx(tmp_path):
+    old = _export(tmp_path / "old.onnx", opset_version=11)
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-m", "fxamp", "audit", "fxamp.demo:small_cnn",
+                        "--onnx", old], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"warning onnx-old-opset {old}: the file uses ONNX opset 11" in r.stdout
+    assert f"info onnx-static-batch {old}: " in r.stdout
 
 
 # -- through fxamp.audit --------------------------------------------------------------------
