@@ -3,7 +3,12 @@ precision, each finding with the node, its source line, the numbers and what to 
 
 ``audit(model, example_inputs)`` rewrites the model with :func:`fxamp.amp_rewrite` (so the
 decisions are exactly the rewrite's) and reads the plan and the rewritten graph, whose nodes
-keep the source names, shapes and stack traces; ``audit_graph`` does the reading.
+keep the source names, shapes and stack traces; ``audit_graph`` does the reading. The front
+end is the caller's choice (``frontend=``, as for amp_rewrite): on torch.export's ATen graphs
+the checks read the ATen spellings (``aten.layer_norm`` / ``native_layer_norm`` / ... eps from
+the op's schema, ``aten.exp``, ``aten.to.dtype`` / ``_to_copy`` casts). Nested graphs and the
+eager front end's results are walked by :mod:`fxamp.passes.audit_results`; the optional
+optimizer / GradScaler / batch / ONNX checks are in :mod:`fxamp.passes.audit_context`.
 
 Finding codes (stable):
 
