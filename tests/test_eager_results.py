@@ -10,7 +10,6 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-import torch.nn as nn
 
 import fxamp
 from fxamp.export import export_onnx

@@ -112,7 +112,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         double = _double_batch(inputs, second)
         if double is not None:
             cases.append(("a batch of twice the example's size", double))
-    for what, case in cases:
+    for done, (what, case) in enumerate(cases):
         leaves = [t for t in tree_leaves(case) if isinstance(t, torch.Tensor)]
         if len(leaves) != len(names):
             raise ExportError(
@@ -125,6 +125,10 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         try:
             got = session.run(None, feed)
         except Exception as err:  # noqa: BLE001 - onnxruntime's own errors
+            if exporter != "torchscript" and what != "the example input":
+                log.warning("the exported graph was checked on the example input only: "
+                            "onnxruntime fails on %s (%s)", what, type(err).__name__)
+                return done
             raise ExportError(f"the {exporter} exporter's graph fails on {what} in "
                               f"onnxruntime ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}); what to do: "

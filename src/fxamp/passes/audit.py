@@ -340,7 +340,8 @@ def _check_bce(node: fx.Node, ops: Tuple[str, ...], policy: Policy,
 _MATMULS = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum"}
 _SCALES = {"mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "true_divide",
            "divide", "multiply"}
-_TRANSPARENT = {"float", "to", "_to_copy", "alias", "expand", "type", "type_as", "contiguous", "view", "reshape",
+_TRANSPARENT = {"float", "to", "_to_copy", "alias", "expand", "type", "type_as", "contiguous",
+                "view", "reshape",
                 "transpose", "permute", "masked_fill", "clone", "squeeze", "unsqueeze",
                 "flatten", "neg", "__neg__"}
 _ADDS = {"add", "__add__", "__radd__"}
