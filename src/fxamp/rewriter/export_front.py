@@ -287,6 +287,17 @@ def _is_size(value: Any) -> bool:
     return value.op == "call_function" and target in _SHAPE_CHECKS
 
 
+def _is_full_slice(node: fx.Node) -> bool:
+    """``x[:]`` along a symbolic dimension (``slice(x, dim, 0, INT64_MAX)``): an identity
+    a symbolic export keeps and a static one drops."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
+        return False
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = args[2], args[3], args[4]
+    return start in (0, None) and step in (1, None) and (
+        end is None or (type(end) is int and end >= 2 ** 62))
+
+
 def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
     """Match the train-mode graph with the other mode's; None when they differ in more
     than constants that follow the mode, identity ops and batch norm's batch count. Size
@@ -301,7 +312,8 @@ def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
             j += 1
         elif _is_batches_tracked(node):
             aligned.counts.append(node)
-        elif node.op == "call_function" and node.target in _TRAIN_ONLY_IDENTITIES:
+        elif node.op == "call_function" and node.target in _TRAIN_ONLY_IDENTITIES \
+                or _is_full_slice(node):
             aligned.alias[node] = node.args[0]
         else:
             return None
