@@ -1,0 +1,200 @@
+"""Low-precision weight copies kept across forwards, re-cast only when a weight changed.
+
+The rewritten graph casts each FP32 Parameter it computes with in low precision through
+:func:`cast_weight` (one node per weight and dtype, ``meta["fxamp_cast"]``). With the policy
+``weights=cached`` (the default) the cast is kept in a :class:`WeightCache` (a submodule
+``fxamp_weight_cache`` of the GraphModule, without parameters or buffers) and reused while the
+Parameter is unchanged: same object, same version counter (bumped by every in-place change:
+optimizer steps, ``load_state_dict``, ``copy_``), same storage, dtype, device, shape and
+strides. So eval loops, repeated forwards and the micro-batches of a gradient-accumulation
+window cast each weight once per optimizer step.
+
+Gradients: with grad mode on, the cached copy is returned through :class:`_CastBack`, whose
+backward is the backward of ``Tensor.to``: the incoming low-precision gradient cast to the
+master's dtype. Gradients reach the FP32 master exactly as without the cache.
+
+When a weight is found stale, every stale weight of the cache is re-cast in one
+``torch._foreach_copy_`` into one new flat buffer per dtype and device (policy item 2c:
+one operation instead of one per weight). Copies are never written in place, so an autograd
+graph still alive keeps the copies it saved.
+
+The cache steps aside (a plain ``param.to(dtype)``) whenever it cannot be sure of a tensor:
+while tracing, exporting or compiling, under a dispatch / torch-function mode (fake tensors,
+functionalization), for tensor subclasses, inference tensors and the meta device.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+ATTR = "fxamp_weight_cache"  # the submodule name in the rewritten GraphModule
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+class _CastBack(torch.autograd.Function):
+    """Forward: the cached low-precision copy. Backward: the gradient cast to the master's
+    dtype (what ``Tensor.to``'s backward returns)."""
+
+    @staticmethod
+    def forward(ctx: Any, master: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
+        ctx.master_dtype = master.dtype
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:
+        return (None if grad is None else grad.to(ctx.master_dtype)), None
+
+
+def _key(p: torch.Tensor) -> tuple:
+    return (id(p), p._version, p.data_ptr(), p.dtype, p.device, tuple(p.shape), p.stride())
+
+
+def _cacheable(p: Any) -> bool:
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False  # (first: dynamo cannot trace the tests below)
+    if type(p) not in _PLAIN or p.device.type == "meta" or p.is_inference():
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(p)
+
+
+class _Slot:
+    __slots__ = ("param", "dtype", "key", "copy")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.param: Optional[torch.Tensor] = None
+        self.dtype = dtype
+        self.key: Optional[tuple] = None
+        self.copy: Optional[torch.Tensor] = None
+
+
+class WeightCache(nn.Module):
+    """Low-precision copies of the weights of one rewritten graph (no parameters, no
+    buffers: nothing in ``state_dict``; copies are dropped on deepcopy and pickling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slots: List[_Slot] = []
+        self.enabled = True
+        self.hits = 0
+        self.casts = 0  # weights cast (misses), counted for tests and benchmarks
+
+    def add_slot(self, dtype: torch.dtype) -> int:
+        """A new slot for one weight cast to ``dtype``; its index."""
+        self.slots.append(_Slot(dtype))
+        return len(self.slots) - 1
+
+    def clear(self) -> None:
+        """Drop every copy (the next forward casts again)."""
+        for slot in self.slots:
+            slot.param = slot.key = slot.copy = None
+
+    def nbytes(self) -> int:
+        """Bytes held by the copies (each storage counted once)."""
+        seen: Dict[int, int] = {}
+        for slot in self.slots:
+            if slot.copy is not None:
+                storage = slot.copy.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    @torch.no_grad()
+    def refresh(self, only_stale: bool = True) -> int:
+        """Re-cast the copies of every known weight that changed (all with
+        ``only_stale=False``), one ``torch._foreach_copy_`` per dtype and device; the number
+        of weights cast."""
+        groups: Dict[tuple, List[_Slot]] = {}
+        for slot in self.slots:
+            p = slot.param
+            if p is None or not _cacheable(p):
+                continue
+            if only_stale and slot.key == _key(p):
+                continue
+            groups.setdefault((slot.dtype, p.device), []).append(slot)
+        n = 0
+        with torch.inference_mode(False):
+            for (dtype, device), group in groups.items():
+                flat_slots = [s for s in group if s.param.is_contiguous()]
+                total = sum(s.param.numel() for s in flat_slots)
+                flat = torch.empty(total, dtype=dtype, device=device)
+                dsts, offset = [], 0
+                for s in group:
+                    if s.param.is_contiguous():
+                        numel = s.param.numel()
+                        dsts.append(flat[offset:offset + numel].view(s.param.shape))
+                        offset += numel
+                    else:  # keep its memory format (channels_last conv weights)
+                        dsts.append(torch.empty_like(s.param, dtype=dtype))
+                torch._foreach_copy_(dsts, [s.param for s in group])
+                for s, dst in zip(group, dsts):
+                    s.copy, s.key = dst, _key(s.param)
+                n += len(group)
+        self.casts += n
+        return n
+
+    def get(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """The low-precision copy of ``param`` for slot ``index``, cast if it changed."""
+        slot = self.slots[index]
+        if slot.param is not param:
+            slot.param, slot.key = param, None
+        if slot.key != _key(param):
+            self.refresh()
+        else:
+            self.hits += 1
+        return slot.copy
+
+    def __deepcopy__(self, memo: dict) -> "WeightCache":
+        new = WeightCache()
+        new.slots = [_Slot(s.dtype) for s in self.slots]
+        new.enabled = self.enabled
+        new.training = self.training
+        return new
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["slots"] = [_Slot(s.dtype) for s in self.slots]
+        return state
+
+
+def cast_weight(param: Any, dtype: torch.dtype, cache: Optional[WeightCache] = None,
+                index: int = -1) -> Any:
+    """``param.to(dtype)``, served from ``cache`` while ``param`` is unchanged."""
+    if cache is None or not _cacheable(param) or not cache.enabled:
+        return param.to(dtype)
+    copy = cache.get(index, param)
+    if torch.is_grad_enabled() and param.requires_grad:
+        return _CastBack.apply(param, copy)
+    return copy
+
+
+def caches(gm: nn.Module) -> List[WeightCache]:
+    """Every WeightCache inside ``gm`` (nested rewrites have their own)."""
+    return [m for m in gm.modules() if isinstance(m, WeightCache)]
+
+
+def weight_cache_bytes(gm: nn.Module) -> int:
+    """Bytes of low-precision weight copies ``gm`` keeps between forwards (0 with the policy
+    ``weights=cast`` or before the first forward)."""
+    return sum(c.nbytes() for c in caches(gm))
+
+
+def cast_node(graph: fx.Graph, cache_node: fx.Node, cache: WeightCache, param_node: fx.Node,
+              dtype: torch.dtype, name: str) -> fx.Node:
+    """A graph node ``cast_weight(param, dtype, cache, slot)`` with a new slot."""
+    index = cache.add_slot(dtype)
+    return graph.create_node("call_function", cast_weight,
+                             (param_node, dtype, cache_node, index), {}, name)
+
+
+def is_cast_node(node: fx.Node) -> bool:
+    """A cast node of a rewritten graph: ``x.to(dtype)`` or a weight's ``cast_weight``
+    (both take the value first and the dtype second)."""
+    return ((node.op == "call_method" and node.target == "to")
+            or (node.op == "call_function" and node.target is cast_weight))
