@@ -86,7 +86,7 @@ class _Builder:
         self.n_casts = 0
         self.reserved = {n.name for n in src.graph.nodes}
         # weights=cached / o2: weight casts go through a WeightCache (rewriter/weight_cache.py)
-        self.cache = weight_cache.WeightCache() if policy.weights != "cast" else None
+        self.cache = weight_cache.WeightCache(policy.weights) if policy.weights != "cast" else None
         self.cache_node: Optional[fx.Node] = None
 
     def name(self, candidate: str) -> str:
@@ -104,6 +104,9 @@ class _Builder:
             return value
         if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
             return value
+        if kind == "tensor" and value.op == "get_attr" and self.cache is not None and \
+                isinstance(self._attr(str(value.target)), nn.Parameter):
+            return self.param(str(value.target), self._attr(str(value.target)), dtype, value)
         key = (value, dtype)
         if key not in self.casts:
             name = self.name(f"{value.name}_{dtype_name(dtype)}")
@@ -118,9 +121,15 @@ class _Builder:
             self.n_casts += 1
         return self.casts[key]
 
-    def param(self, qualname: str, tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> fx.Node:
-        """A get_attr of a parameter (one per Parameter object), cast to ``dtype``."""
-        node = self.params.get(id(tensor))
+    def _attr(self, qualname: str) -> Any:
+        module, _, name = qualname.rpartition(".")
+        return getattr(self.src.get_submodule(module) if module else self.src, name, None)
+
+    def param(self, qualname: str, tensor: torch.Tensor, dtype: Optional[torch.dtype],
+              node: Optional[fx.Node] = None) -> fx.Node:
+        """A get_attr of a parameter (one per Parameter object; ``node`` when the graph has
+        it already), cast to ``dtype``."""
+        node = node or self.params.get(id(tensor))
         if node is None:
             node = self.graph.create_node("get_attr", qualname, (), {},
                                           self.name(qualname.replace(".", "_")))
@@ -135,7 +144,7 @@ class _Builder:
                     self.cache_node = self.graph.create_node(
                         "get_attr", weight_cache.ATTR, (), {}, self.name(weight_cache.ATTR))
                 cast = weight_cache.cast_node(self.graph, self.cache_node, self.cache, node,
-                                              dtype, name)
+                                              dtype, name, tensor)
             else:
                 cast = self.graph.create_node("call_method", "to", (node, dtype), {}, name)
             cast.meta[CAST] = True

@@ -79,16 +79,21 @@ class WeightCache(nn.Module):
     """Low-precision copies of the weights of one rewritten graph (no parameters, no
     buffers: nothing in ``state_dict``; copies are dropped on deepcopy and pickling)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "cached") -> None:
         super().__init__()
         self.slots: List[_Slot] = []
+        self.mode = mode  # "cached" or "o2" (the policy's weights)
+        self.attached = False  # o2: an optimizer re-casts the copies (train/o2.py)
+        self._warned = False
         self.enabled = True
         self.hits = 0
         self.casts = 0  # weights cast (misses), counted for tests and benchmarks
 
-    def add_slot(self, dtype: torch.dtype) -> int:
-        """A new slot for one weight cast to ``dtype``; its index."""
+    def add_slot(self, dtype: torch.dtype, param: Optional[torch.Tensor] = None) -> int:
+        """A new slot for one weight (``param``, if known: the first forward then casts
+        every weight in one operation) cast to ``dtype``; its index."""
         self.slots.append(_Slot(dtype))
+        self.slots[-1].param = param
         return len(self.slots) - 1
 
     def clear(self) -> None:
@@ -105,7 +110,6 @@ class WeightCache(nn.Module):
                 seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
-    @torch.no_grad()
     def refresh(self, only_stale: bool = True) -> int:
         """Re-cast the copies of every known weight that changed (all with
         ``only_stale=False``), one ``torch._foreach_copy_`` per dtype and device; the number
@@ -119,7 +123,9 @@ class WeightCache(nn.Module):
                 continue
             groups.setdefault((slot.dtype, p.device), []).append(slot)
         n = 0
-        with torch.inference_mode(False):
+        # copies are normal tensors (usable in training) even when made under inference_mode;
+        # inference_mode(False) turns grad mode on, so no_grad comes inside it
+        with torch.inference_mode(False), torch.no_grad():
             for (dtype, device), group in groups.items():
                 flat_slots = [s for s in group if s.param.is_contiguous()]
                 total = sum(s.param.numel() for s in flat_slots)
@@ -145,13 +151,19 @@ class WeightCache(nn.Module):
         if slot.param is not param:
             slot.param, slot.key = param, None
         if slot.key != _key(param):
+            if (self.mode == "o2" and not self.attached and not self._warned
+                    and torch.is_grad_enabled() and slot.copy is not None):
+                self._warned = True
+                log.warning("policy weights=o2 but no optimizer re-casts the weights: the "
+                            "forward casts them; call fxamp.train.attach_optimizer(gm, "
+                            "optimizer) so the optimizer step does")
             self.refresh()
         else:
             self.hits += 1
         return slot.copy
 
     def __deepcopy__(self, memo: dict) -> "WeightCache":
-        new = WeightCache()
+        new = WeightCache(self.mode)
         new.slots = [_Slot(s.dtype) for s in self.slots]
         new.enabled = self.enabled
         new.training = self.training
@@ -160,6 +172,7 @@ class WeightCache(nn.Module):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["slots"] = [_Slot(s.dtype) for s in self.slots]
+        state["attached"] = False
         return state
 
 
@@ -186,9 +199,9 @@ def weight_cache_bytes(gm: nn.Module) -> int:
 
 
 def cast_node(graph: fx.Graph, cache_node: fx.Node, cache: WeightCache, param_node: fx.Node,
-              dtype: torch.dtype, name: str) -> fx.Node:
+              dtype: torch.dtype, name: str, param: Optional[torch.Tensor] = None) -> fx.Node:
     """A graph node ``cast_weight(param, dtype, cache, slot)`` with a new slot."""
-    index = cache.add_slot(dtype)
+    index = cache.add_slot(dtype, param)
     return graph.create_node("call_function", cast_weight,
                              (param_node, dtype, cache_node, index), {}, name)
 
