@@ -14,8 +14,7 @@ backward is the backward of ``Tensor.to``: the incoming low-precision gradient c
 master's dtype. Gradients reach the FP32 master exactly as without the cache.
 
 When a weight is found stale, every stale weight of the cache is re-cast in one
-``torch._foreach_copy_`` into one new flat buffer per dtype and device (policy item 2c:
-one operation instead of one per weight). Copies are never written in place, so an autograd
+``torch._foreach_copy_`` per dtype and device (one operation instead of one per weight). Copies are never written in place, so an autograd
 graph still alive keeps the copies it saved.
 
 The cache steps aside (a plain ``param.to(dtype)``) whenever it cannot be sure of a tensor:
@@ -112,8 +111,9 @@ class WeightCache(nn.Module):
 
     def refresh(self, only_stale: bool = True) -> int:
         """Re-cast the copies of every known weight that changed (all with
-        ``only_stale=False``), one ``torch._foreach_copy_`` per dtype and device; the number
-        of weights cast."""
+        ``only_stale=False``), one ``torch._foreach_copy_`` per dtype and device into new
+        tensors (a copy an autograd graph saved is never overwritten); the number of
+        weights cast."""
         groups: Dict[tuple, List[_Slot]] = {}
         for slot in self.slots:
             p = slot.param
@@ -127,17 +127,11 @@ class WeightCache(nn.Module):
         # inference_mode(False) turns grad mode on, so no_grad comes inside it
         with torch.inference_mode(False), torch.no_grad():
             for (dtype, device), group in groups.items():
-                flat_slots = [s for s in group if s.param.is_contiguous()]
-                total = sum(s.param.numel() for s in flat_slots)
-                flat = torch.empty(total, dtype=dtype, device=device)
-                dsts, offset = [], 0
-                for s in group:
-                    if s.param.is_contiguous():
-                        numel = s.param.numel()
-                        dsts.append(flat[offset:offset + numel].view(s.param.shape))
-                        offset += numel
-                    else:  # keep its memory format (channels_last conv weights)
-                        dsts.append(torch.empty_like(s.param, dtype=dtype))
+                # one new tensor per weight (what Tensor.to allocates; one flat buffer was
+                # slower on CPU: a fresh large allocation page-faults on every step)
+                for s in group:  # let go of the old copies first: their memory is reused
+                    s.copy = None
+                dsts = [torch.empty_like(s.param, dtype=dtype) for s in group]
                 torch._foreach_copy_(dsts, [s.param for s in group])
                 for s, dst in zip(group, dsts):
                     s.copy, s.key = dst, _key(s.param)
