@@ -220,3 +220,18 @@ def test_cache_steps_aside_on_meta_and_when_compiled():
     from fxamp.rewriter.weight_cache import cast_weight
     meta = nn.Parameter(torch.empty(3, 3, device="meta"))
     assert cast_weight(meta, BF16, cache, 0).dtype == BF16 and cache.casts == 0
+
+
+def test_trainer_attaches_the_optimizer_for_o2():
+    a, ga, b, gb = _pair("weights=o2")
+    opt = torch.optim.SGD(b.parameters(), lr=0.1)
+    trainer = fxamp.train.Trainer(gb, opt)
+    x = torch.randint(0, 50, (2, 7))
+    y = torch.randint(0, 50, (2 * 7,))
+    trainer.step(lambda m, x, y: F.cross_entropy(m(x).reshape(-1, 50), y), x, y)
+    cache = caches(gb)[0]
+    assert cache.attached
+    casts = cache.casts
+    with torch.no_grad():
+        gb(x)  # the step re-cast the copies: this forward casts no weight
+    assert cache.casts == casts
