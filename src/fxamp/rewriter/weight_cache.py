@@ -9,9 +9,12 @@ optimizer steps, ``load_state_dict``, ``copy_``), same storage, dtype, device, s
 strides. So eval loops, repeated forwards and the micro-batches of a gradient-accumulation
 window cast each weight once per optimizer step.
 
-Gradients: with grad mode on, the cached copy is returned through :class:`_CastBack`, whose
-backward is the backward of ``Tensor.to``: the incoming low-precision gradient cast to the
-master's dtype. Gradients reach the FP32 master exactly as without the cache.
+Gradients: with grad mode on, a stale weight is cast with ``Tensor.to`` itself and that
+result (with its ``ToCopyBackward`` node, which saves no tensor) is reused by the next
+forwards; a copy written without grad (``weights=o2``'s optimizer step, an eval forward) is
+linked to its master by :class:`_CastBack`, whose backward is the same: the low-precision
+gradient cast to the master's dtype. Gradients reach the FP32 master exactly as without the
+cache.
 
 When a weight is found stale, every stale weight of the cache is re-cast in one
 ``torch._foreach_copy_`` per dtype and device (one operation instead of one per weight). Copies are never written in place, so an autograd
@@ -55,9 +58,9 @@ def _key(p: torch.Tensor) -> tuple:
 
 
 def _cacheable(p: Any) -> bool:
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():
-        return False  # (first: dynamo cannot trace the tests below)
-    if type(p) not in _PLAIN or p.device.type == "meta" or p.is_inference():
+    if type(p) not in _PLAIN or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        return False  # (compiling before is_inference: dynamo cannot trace that)
+    if p.device.type == "meta" or p.is_inference():
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
@@ -65,13 +68,14 @@ def _cacheable(p: Any) -> bool:
 
 
 class _Slot:
-    __slots__ = ("param", "dtype", "key", "copy")
+    __slots__ = ("param", "dtype", "key", "copy", "grad_copy")
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.param: Optional[torch.Tensor] = None
         self.dtype = dtype
         self.key: Optional[tuple] = None
-        self.copy: Optional[torch.Tensor] = None
+        self.copy: Optional[torch.Tensor] = None  # no autograd history
+        self.grad_copy: Optional[torch.Tensor] = None  # the same values, linked to the master
 
 
 class WeightCache(nn.Module):
@@ -98,7 +102,7 @@ class WeightCache(nn.Module):
     def clear(self) -> None:
         """Drop every copy (the next forward casts again)."""
         for slot in self.slots:
-            slot.param = slot.key = slot.copy = None
+            slot.param = slot.key = slot.copy = slot.grad_copy = None
 
     def nbytes(self) -> int:
         """Bytes held by the copies (each storage counted once)."""
@@ -130,7 +134,7 @@ class WeightCache(nn.Module):
                 # one new tensor per weight (what Tensor.to allocates; one flat buffer was
                 # slower on CPU: a fresh large allocation page-faults on every step)
                 for s in group:  # let go of the old copies first: their memory is reused
-                    s.copy = None
+                    s.copy = s.grad_copy = None
                 dsts = [torch.empty_like(s.param, dtype=dtype) for s in group]
                 torch._foreach_copy_(dsts, [s.param for s in group])
                 for s, dst in zip(group, dsts):
@@ -139,22 +143,37 @@ class WeightCache(nn.Module):
         self.casts += n
         return n
 
-    def get(self, index: int, param: torch.Tensor) -> torch.Tensor:
-        """The low-precision copy of ``param`` for slot ``index``, cast if it changed."""
+    def get(self, index: int, param: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        """The low-precision copy of ``param`` for slot ``index``, cast if it changed;
+        ``grad``: a copy whose backward returns the gradient to ``param``."""
         slot = self.slots[index]
         if slot.param is not param:
-            slot.param, slot.key = param, None
-        if slot.key != _key(param):
-            if (self.mode == "o2" and not self.attached and not self._warned
-                    and torch.is_grad_enabled() and slot.copy is not None):
-                self._warned = True
-                log.warning("policy weights=o2 but no optimizer re-casts the weights: the "
-                            "forward casts them; call fxamp.train.attach_optimizer(gm, "
-                            "optimizer) so the optimizer step does")
-            self.refresh()
-        else:
+            slot.param, slot.key, slot.grad_copy = param, None, None
+        key = _key(param)
+        if slot.key == key and (not grad or slot.grad_copy is not None or
+                                slot.copy is not None):
             self.hits += 1
-        return slot.copy
+            if not grad:
+                return slot.copy
+            if slot.grad_copy is None:  # copy written under no_grad (o2 step, eval)
+                slot.grad_copy = _CastBack.apply(param, slot.copy)
+            return slot.grad_copy
+        if (self.mode == "o2" and not self.attached and not self._warned and grad
+                and slot.copy is not None):
+            self._warned = True
+            log.warning("policy weights=o2 but no optimizer re-casts the weights: the "
+                        "forward casts them; call fxamp.train.attach_optimizer(gm, "
+                        "optimizer) so the optimizer step does")
+        if not grad:
+            self.refresh()
+            return slot.copy
+        # with grad: Tensor.to itself (its ToCopyBackward node saves no tensor, so the
+        # micro-batches of an accumulation window reuse it); one weight at a time
+        slot.copy = slot.grad_copy = None
+        slot.grad_copy = param.to(slot.dtype)
+        slot.copy, slot.key = slot.grad_copy.detach(), key
+        self.casts += 1
+        return slot.grad_copy
 
     def __deepcopy__(self, memo: dict) -> "WeightCache":
         new = WeightCache(self.mode)
@@ -175,10 +194,7 @@ def cast_weight(param: Any, dtype: torch.dtype, cache: Optional[WeightCache] = N
     """``param.to(dtype)``, served from ``cache`` while ``param`` is unchanged."""
     if cache is None or not _cacheable(param) or not cache.enabled:
         return param.to(dtype)
-    copy = cache.get(index, param)
-    if torch.is_grad_enabled() and param.requires_grad:
-        return _CastBack.apply(param, copy)
-    return copy
+    return cache.get(index, param, torch.is_grad_enabled() and param.requires_grad)
 
 
 def caches(gm: nn.Module) -> List[WeightCache]:
