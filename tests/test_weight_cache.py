@@ -102,7 +102,7 @@ def test_eval_loop_casts_weights_once_and_launches_fewer_casts():
 
 
 @pytest.mark.parametrize("change", ["optimizer", "load_state_dict", "data", "copy_",
-                                    "new_parameter"])
+                                    "new_parameter", "the_copy_itself"])
 def test_a_changed_weight_is_cast_again(change):
     a, ga, b, gb = _pair("weights=cached")
     x = torch.randint(0, 50, (2, 7))
@@ -121,6 +121,9 @@ def test_a_changed_weight_is_cast_again(change):
     elif change == "copy_":
         with torch.no_grad():
             a.conv.weight.copy_(other.conv.weight); b.conv.weight.copy_(other.conv.weight)
+    elif change == "the_copy_itself":  # an in-place op on the cast weight (the cache's copy)
+        with torch.no_grad():
+            caches(gb)[0].slots[0].copy.mul_(2)
     else:  # the module now holds another Parameter object
         ga.fc1.weight = nn.Parameter(other.fc1.weight.clone())
         gb.fc1.weight = nn.Parameter(other.fc1.weight.clone())

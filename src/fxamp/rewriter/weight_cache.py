@@ -68,7 +68,7 @@ def _cacheable(p: Any) -> bool:
 
 
 class _Slot:
-    __slots__ = ("param", "dtype", "key", "copy", "grad_copy")
+    __slots__ = ("param", "dtype", "key", "copy", "grad_copy", "version")
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.param: Optional[torch.Tensor] = None
@@ -76,6 +76,7 @@ class _Slot:
         self.key: Optional[tuple] = None
         self.copy: Optional[torch.Tensor] = None  # no autograd history
         self.grad_copy: Optional[torch.Tensor] = None  # the same values, linked to the master
+        self.version = 0  # the copy's own version counter when it was made
 
 
 class WeightCache(nn.Module):
@@ -138,7 +139,7 @@ class WeightCache(nn.Module):
                 dsts = [torch.empty_like(s.param, dtype=dtype) for s in group]
                 torch._foreach_copy_(dsts, [s.param for s in group])
                 for s, dst in zip(group, dsts):
-                    s.copy, s.key = dst, _key(s.param)
+                    s.copy, s.key, s.version = dst, _key(s.param), dst._version
                 n += len(group)
         self.casts += n
         return n
@@ -150,8 +151,9 @@ class WeightCache(nn.Module):
         if slot.param is not param:
             slot.param, slot.key, slot.grad_copy = param, None, None
         key = _key(param)
-        if slot.key == key and (not grad or slot.grad_copy is not None or
-                                slot.copy is not None):
+        if slot.key == key and slot.copy is not None and slot.copy._version != slot.version:
+            slot.key = None  # something changed the copy itself in place: cast again
+        if slot.key == key:
             self.hits += 1
             if not grad:
                 return slot.copy
@@ -172,6 +174,7 @@ class WeightCache(nn.Module):
         slot.copy = slot.grad_copy = None
         slot.grad_copy = param.to(slot.dtype)
         slot.copy, slot.key = slot.grad_copy.detach(), key
+        slot.version = slot.copy._version
         self.casts += 1
         return slot.grad_copy
 
