@@ -16,8 +16,7 @@ import torch
 import torch.fx as fx
 
 from .passes import fetch_attr
-from .passes.annotate import META
-from .passes.casts import CAST
+from . import ir
 from .plan import Plan
 from .policy import dtype_name
 
@@ -50,14 +49,14 @@ def shown_nodes(gm: fx.GraphModule, plan: Plan) -> List[ShownNode]:
         if node.op == "output":
             continue
         inputs = [a.name for a in node.all_input_nodes]
-        if node.meta.get(CAST):
+        if ir.is_cast(node):
             dtype = node.args[1] if len(node.args) > 1 else None
             name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else "-"
             source = modules.get(inputs[0], "") if inputs else ""
             out.append(ShownNode(node.name, "cast", source, name, "cast",
                                  f"cast to {name} for the ops that need it", True, inputs))
             continue
-        p = plan.nodes.get(node.name) or node.meta.get(META)
+        p = plan.nodes.get(node.name) or ir.precision(node)
         if p is None and node.op == "get_attr":
             value = fetch_attr(gm, str(node.target))
             if isinstance(value, torch.Tensor):

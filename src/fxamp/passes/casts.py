@@ -1,4 +1,4 @@
-"""Casts pass: reads ``node.meta["fxamp"]`` and builds the explicit mixed-precision graph.
+"""Casts pass: reads the IR (``fxamp.ir``) and builds the explicit mixed-precision graph.
 
 Each node whose plan names an input dtype gets its floating inputs cast to it (one cast per
 value and dtype, reused by every consumer until the value is changed in place). Leaf modules
@@ -21,11 +21,10 @@ from ..rewriter import runtime
 from ..rewriter.grad_mode import is_grad_mode_node
 from ..rewriter.hooks import has_call_hooks
 from . import PassResult, layout
-from .annotate import META, VALUE
+from .. import ir
 
 log = logging.getLogger(__name__)
 
-CAST = "fxamp_cast"  # meta flag on the cast nodes this pass inserts
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -95,8 +94,8 @@ class _Builder:
     # -- casts -----------------------------------------------------------------------
     def cast(self, value: fx.Node, src: fx.Node, dtype: torch.dtype) -> fx.Node:
         """``value`` (the copy of ``src``) cast to ``dtype``, made once."""
-        plan = src.meta.get(META)
-        kind = src.meta.get(VALUE)
+        record = ir.get(src)
+        plan, kind = record.precision, record.value
         if plan is None or kind is None:
             return value
         if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
@@ -109,7 +108,7 @@ class _Builder:
             else:
                 node = self.graph.create_node("call_function", runtime.cast_tree,
                                               (value, dtype), {}, name)
-            node.meta[CAST] = True
+            ir.mark_cast(node)
             node.meta["stack_trace"] = src.meta.get("stack_trace")
             self.casts[key] = node
             self.n_casts += 1
@@ -128,7 +127,7 @@ class _Builder:
         if key not in self.casts:
             cast = self.graph.create_node("call_method", "to", (node, dtype), {},
                                           self.name(f"{node.name}_{dtype_name(dtype)}"))
-            cast.meta[CAST] = True
+            ir.mark_cast(cast)
             self.casts[key] = cast
             self.n_casts += 1
         return self.casts[key]
@@ -142,7 +141,7 @@ class _Builder:
 
     # -- nodes -----------------------------------------------------------------------
     def copy(self, node: fx.Node) -> fx.Node:
-        plan = node.meta.get(META)
+        plan = ir.precision(node)
         dtype = plan.inputs if plan is not None else None
         if node.op == "output":
             return self.output(node)
@@ -211,7 +210,7 @@ class _Builder:
                                           node.name)
         fn = (node.target if node.op == "call_function"
               else getattr(torch.Tensor, str(node.target)))  # a tensor method: self first
-        wrapper = runtime.autocast_wrapper(fn, low, node.meta[META].op)
+        wrapper = runtime.autocast_wrapper(fn, low, ir.precision(node).op)
         return self.graph.create_node("call_function", wrapper, args, kwargs, node.name)
 
     def channels_last(self, value: fx.Node) -> fx.Node:
@@ -219,7 +218,7 @@ class _Builder:
         node = self.graph.create_node("call_method", "contiguous", (value,),
                                       {"memory_format": torch.channels_last},
                                       self.name(f"{value.name}_channels_last"))
-        node.meta[CAST] = True
+        ir.mark_cast(node)
         return node
 
     def output(self, node: fx.Node) -> fx.Node:

@@ -17,7 +17,8 @@ import torch.fx as fx
 from .. import oplists
 from ..policy import Policy
 from . import PassResult
-from .annotate import fix
+from .. import ir
+from ..ir import fix
 
 #: fx.wrap'ed library functions whose insides autocast handles correctly at run time
 KNOWN_RUNTIME = {

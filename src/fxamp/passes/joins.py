@@ -7,7 +7,7 @@ A join is ``torch.cat`` / ``torch.concat`` / ``torch.concatenate`` / ``torch.sta
 and ``torch.index_put`` / ``Tensor.index_put`` (the destination and the values; the indices
 are no floating input). In-place forms (``index_put_``, ``x[i] = v``) and calls with ``out=``
 are left alone. The dtypes of the floating inputs are read from each input node's plan
-(``meta[META].dtype``) after annotate; the widest is ``torch.promote_types`` over them, so
+(``ir.precision(node).dtype``) after annotate; the widest is ``torch.promote_types`` over them, so
 fp16 + bf16 gives fp32.
 
 What gets rule "joins" (decided here, recorded in the plan):
@@ -42,7 +42,8 @@ import torch.fx as fx
 from .. import oplists
 from ..policy import Policy, dtype_name
 from . import PassResult, observe
-from .annotate import META, fix
+from .. import ir
+from ..ir import fix
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def _float_inputs(operands: List[Any], changed: Dict[fx.Node, torch.dtype]
         if not isinstance(arg, fx.Node) or arg in seen:
             continue
         seen.add(arg)
-        plan = arg.meta.get(META)
+        plan = ir.precision(arg)
         if plan is not None:
             out.append((arg, changed.get(arg, plan.dtype)))
     return out
@@ -132,7 +133,7 @@ def _describe(inputs: List[Tuple[fx.Node, torch.dtype]]) -> str:
 def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
             changed: Dict[fx.Node, torch.dtype]) -> Optional[Tuple[torch.dtype, str]]:
     """(dtype, reason) when the join needs rule "joins", else None."""
-    plan = node.meta.get(META)
+    plan = ir.precision(node)
     if plan is None or plan.rule in ("user", "runtime") or "out" in node.kwargs:
         return None
     inputs = _float_inputs(_operands(node, kind), changed)
@@ -175,6 +176,6 @@ def consistent_joins(gm: fx.GraphModule, policy: Policy) -> PassResult:
         if fix(node, dtype, RULE, reason):
             modified = True
             log.debug("%s: %s", node.name, reason)
-        if node.meta[META].dtype != dtype:
+        if ir.precision(node).dtype != dtype:
             changed[node] = dtype
     return PassResult(gm, modified=modified)

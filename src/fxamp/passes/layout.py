@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import PassResult, fetch_attr
-from .annotate import META, SHAPE, VALUE
+from .. import ir
 
 log = logging.getLogger(__name__)
 
@@ -68,5 +68,5 @@ def weights_to_channels_last(gm: fx.GraphModule) -> PassResult:
 
 def channels_last_inputs(gm: fx.GraphModule) -> List[fx.Node]:
     """The placeholders whose value is a 4-D floating tensor (converted on entry)."""
-    return [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(META) is not None
-            and n.meta.get(VALUE) == "tensor" and len(n.meta.get(SHAPE, ())) == 4]
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and ir.precision(n) is not None
+            and ir.get(n).value == "tensor" and len((ir.get(n).shape or ())) == 4]

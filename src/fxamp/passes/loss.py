@@ -20,7 +20,8 @@ from .. import oplists
 from ..oplists import call_name
 from ..policy import Policy
 from . import PassResult
-from .annotate import META, SHAPE, fix
+from .. import ir
+from ..ir import fix
 
 LOSS_MODULES = tuple(cls for cls in oplists.MODULE_OPS if cls.__name__.endswith("Loss"))
 LOSS_FUNCTIONS = {fn for fn, ops in oplists.FUNCTION_OPS.items()
@@ -48,7 +49,7 @@ def _hand_written_chain(node: fx.Node) -> List[fx.Node]:
     """[reduction, ..., term op] when ``node`` reduces squared/abs/log terms to a scalar."""
     if node.op not in ("call_function", "call_method") or call_name(node) not in _REDUCE:
         return []
-    shape = node.meta.get(SHAPE)
+    shape = ir.get(node).shape
     if shape is None or len(shape) != 0:
         return []
     chain = [node]
@@ -71,7 +72,7 @@ def loss_in_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
     """Fix losses to FP32 (reads the plan, writes fixed decisions)."""
     changed = False
     for node in gm.graph.nodes:
-        plan = node.meta.get(META)
+        plan = ir.precision(node)
         if plan is None:
             continue
         if _is_loss_call(gm, node):
@@ -80,7 +81,7 @@ def loss_in_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
                                f"{plan.op} is a loss: its inputs are cast to fp32")
             continue
         chain = _hand_written_chain(node)
-        if chain and any(m.meta.get(META) is None or m.meta[META].dtype != torch.float32
+        if chain and any(ir.precision(m) is None or ir.precision(m).dtype != torch.float32
                          for m in chain):
             term = chain[-1]
             for member in chain:

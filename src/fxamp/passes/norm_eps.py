@@ -26,7 +26,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ..oplists import call_name, callable_label
 from ..policy import Policy, dtype_name
 from . import PassResult, fetch_attr
-from .annotate import META, SHAPE, fix
+from .. import ir
+from ..ir import fix
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ _ADDS = {operator.add, torch.add, "add", torch.ops.aten.add.Tensor, torch.ops.at
 
 
 def _is_low(node: fx.Node, policy: Policy) -> bool:
-    plan = node.meta.get(META)
+    plan = ir.precision(node)
     return plan is not None and plan.dtype == policy.compute
 
 
@@ -147,7 +148,7 @@ def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
     for node in gm.graph.nodes:
         if not _is_low(node, policy) or not node.args or not isinstance(node.args[0], fx.Node):
             continue
-        shape = node.args[0].meta.get(SHAPE)
+        shape = ir.get(node.args[0]).shape
         if shape is None:
             continue
         if node.op == "call_module":

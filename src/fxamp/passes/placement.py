@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from .. import oplists
 from ..policy import Policy, dtype_name
 from . import PassResult, fetch_attr
-from .annotate import FIXED, META, SHAPE, VALUE, fix
+from .. import ir
+from ..ir import fix
 from .casts import _mutated
 
 log = logging.getLogger(__name__)
@@ -168,8 +169,8 @@ class _Model:
         #: value nodes in the cut: a floating tensor output in the low dtype or FP32
         self.values: Dict[fx.Node, torch.dtype] = {}
         for n in nodes:
-            p, kind = n.meta.get(META), n.meta.get(VALUE)
-            shape = n.meta.get(SHAPE)
+            p, kind = ir.precision(n), ir.get(n).value
+            shape = ir.get(n).shape
             if p is not None and kind == "tensor" and p.dtype in (self.low, _FP32) \
                     and shape is not None and all(type(d) is int for d in shape):
                 self.values[n] = p.dtype
@@ -209,8 +210,8 @@ class _Model:
     def _free_kind(self, n: fx.Node) -> Optional[str]:
         if n not in self.values or n.op not in ("call_function", "call_method", "call_module"):
             return None
-        p = n.meta[META]
-        if p.rule != "autocast" or p.inputs is not None or n.meta.get(FIXED) is not None:
+        p = ir.precision(n)
+        if p.rule != "autocast" or p.inputs is not None or ir.fixed(n) is not None:
             return None
         _, ops = oplists.node_ops(n, self.gm)
         if ops is oplists.RUNTIME or oplists.category_of(ops, self.policy.target)[0] \
@@ -219,7 +220,7 @@ class _Model:
         kind = _kind_of(n, self.gm)
         if kind is None:
             return None
-        floating = [a for a in n.all_input_nodes if a.meta.get(META) is not None]
+        floating = [a for a in n.all_input_nodes if ir.precision(a) is not None]
         if not floating or floating[0] not in self.values:
             return None
         if n.op == "call_function" and n.target is operator.getitem or \
@@ -253,7 +254,7 @@ class _Model:
 
     # -- costs --------------------------------------------------------------------------
     def numel(self, n: fx.Node) -> int:
-        return int(math.prod(n.meta[SHAPE]))
+        return int(math.prod(ir.get(n).shape))
 
     def cast_bytes(self, n: fx.Node, to: torch.dtype) -> int:
         """Bytes per step of casting value ``n`` (in the other dtype) to ``to``: the forward
@@ -289,7 +290,7 @@ class _Model:
             return out if out in (self.low, _FP32) else "pin"
         if u in self.free:
             return "free"
-        p = u.meta.get(META)
+        p = ir.precision(u)
         if p is not None and p.rule != "runtime" and p.inputs in (self.low, _FP32) \
                 and not self._promotes(u):
             return p.inputs
@@ -300,7 +301,7 @@ class _Model:
     def _promotes(self, u: fx.Node) -> bool:
         """An op on autocast's promote list: its dtype is the widest of its inputs', so it
         pins them (moving one would change it)."""
-        if u.meta[META].rule != "autocast" or u.op not in ("call_function", "call_method",
+        if ir.precision(u).rule != "autocast" or u.op not in ("call_function", "call_method",
                                                            "call_module"):
             return False
         _, ops = oplists.node_ops(u, self.gm)

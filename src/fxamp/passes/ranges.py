@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten
 from ..plan import RangeStats
 from ..policy import Policy, dtype_name
 from . import PassResult
-from .annotate import META, fix
+from .. import ir
+from ..ir import fix
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def keep_in_range(gm: fx.GraphModule, policy: Policy,
     limit = torch.finfo(low).max / MARGIN
     changed = False
     for node in gm.graph.nodes:
-        plan = node.meta.get(META)
+        plan = ir.precision(node)
         s = stats.get(node.name)
         if plan is None or s is None or node.op in ("placeholder", "get_attr"):
             continue

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from ..policy import Policy
 from . import PassResult
-from .annotate import FIXED, META, SHAPE, VALUE, fix
+from .. import ir
+from ..ir import fix
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ _SUM_FUNCS = (torch.sum, _aten.sum.dim_IntList)
 _DIV_FUNCS = (operator.truediv, torch.div, torch.true_divide, _aten.div.Tensor)
 _DIV_METHODS = ("div", "true_divide", "__truediv__")
 _SOFTMAX_FUNCS = (torch.softmax, F.softmax, torch.special.softmax, _aten.softmax.int)
-_PASS_META = (META, VALUE, SHAPE, FIXED)
 
 
 def _is_call(node: Any, funcs: Tuple[Callable, ...], methods: Tuple[str, ...]) -> bool:
@@ -222,7 +222,7 @@ def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match, policy: Policy) 
     graph = gm.graph
     with graph.inserting_before(final):
         new = graph.call_function(match.target, match.args)
-    new.meta.update({k: v for k, v in final.meta.items() if k not in _PASS_META})
+    ir.copy_foreign_meta(final, new)
     final.replace_all_uses_with(new)
     name = final.name
     graph.erase_node(final)

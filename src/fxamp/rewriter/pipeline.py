@@ -13,7 +13,9 @@ import torch.nn as nn
 from .. import __version__, oplists
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from ..passes import custom_ops, joins, loss, norm_eps, softmax
-from ..passes.annotate import META, annotate, check_banned, fix
+from .. import ir
+from ..ir import fix
+from ..passes.annotate import annotate, check_banned
 from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
 from ..passes.placement import place_casts
@@ -287,7 +289,7 @@ def _plan_lines(nodes: Dict[str, Any]) -> List[Tuple[str, str, str]]:
 
 def _plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
     """The plan lines of ``src``'s decided nodes, then each nested plan's under ``path/``."""
-    nodes = {n.name: n.meta[META] for n in src.graph.nodes if n.meta.get(META)}
+    nodes = {n.name: ir.precision(n) for n in src.graph.nodes if ir.precision(n)}
     for path, sub_plan in nested.items():
         nodes.update({f"{path}/{name}": dataclasses.replace(
             p, module=f"{path}.{p.module}" if p.module else path)
