@@ -57,6 +57,8 @@ class Rule(str, enum.Enum):
     PLACEMENT = "placement"    # casts moved to the cheaper side of a value-preserving op
     SEARCH = "search"          # the tolerance search
 
+    __hash__ = str.__hash__  # hashes as its word: {"user"} finds Rule.USER
+
     def __str__(self) -> str:
         return self.value
 

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .passes import fetch_attr
 from . import ir
+from .ir import Rule
 from .plan import Plan
 from .policy import dtype_name
 
@@ -61,7 +62,7 @@ def shown_nodes(gm: fx.GraphModule, plan: Plan) -> List[ShownNode]:
             value = fetch_attr(gm, str(node.target))
             if isinstance(value, torch.Tensor):
                 out.append(ShownNode(node.name, "get_attr", str(node.target).rpartition(".")[0],
-                                     dtype_name(value.dtype), "autocast",
+                                     dtype_name(value.dtype), Rule.AUTOCAST,
                                      "FP32 master weight or buffer", False, inputs))
                 continue
         if p is None:

@@ -22,6 +22,7 @@ from ..rewriter.grad_mode import is_grad_mode_node
 from ..rewriter.hooks import has_call_hooks
 from . import PassResult, layout
 from .. import ir
+from ..ir import Rule
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class _Builder:
         if node.op == "output":
             return self.output(node)
         args, kwargs = self.mapped(node, dtype)
-        if plan is not None and plan.rule == "runtime":
+        if plan is not None and plan.rule == Rule.RUNTIME:
             new = self.runtime_call(node, args, kwargs)
         elif node.op == "call_module" and dtype is not None and self._needs_param_casts(
                 node, dtype):

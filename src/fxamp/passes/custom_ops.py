@@ -18,7 +18,7 @@ from .. import oplists
 from ..policy import Policy
 from . import PassResult
 from .. import ir
-from ..ir import fix
+from ..ir import Rule, fix
 
 #: fx.wrap'ed library functions whose insides autocast handles correctly at run time
 KNOWN_RUNTIME = {
@@ -60,7 +60,7 @@ def fence_custom_ops(gm: fx.GraphModule, policy: Policy) -> PassResult:
         label, ops = oplists.node_ops(node, gm) if node.op == "call_function" else ("", ())
         if ops is not oplists.RUNTIME or not is_custom(node):
             continue
-        changed |= fix(node, torch.float32, "custom_ops",
+        changed |= fix(node, torch.float32, Rule.CUSTOM_OPS,
                        f"{label} has no autocast rule: its floating inputs are cast to fp32 "
                        "and it runs without autocast, as custom_fwd(cast_inputs=float32) does")
     return PassResult(gm, modified=changed)

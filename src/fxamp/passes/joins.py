@@ -43,11 +43,11 @@ from .. import oplists
 from ..policy import Policy, dtype_name
 from . import PassResult, observe
 from .. import ir
-from ..ir import fix
+from ..ir import Rule, fix
 
 log = logging.getLogger(__name__)
 
-RULE = "joins"
+RULE = Rule.JOINS
 
 _LIST_JOINS = (torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack,
                torch.vstack, torch.dstack)
@@ -134,7 +134,7 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
             changed: Dict[fx.Node, torch.dtype]) -> Optional[Tuple[torch.dtype, str]]:
     """(dtype, reason) when the join needs rule "joins", else None."""
     plan = ir.precision(node)
-    if plan is None or plan.rule in ("user", "runtime") or "out" in node.kwargs:
+    if plan is None or plan.rule in (Rule.USER, Rule.RUNTIME) or "out" in node.kwargs:
         return None
     inputs = _float_inputs(_operands(node, kind), changed)
     dtypes = [d for _, d in inputs]
@@ -153,7 +153,7 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
         if kind == "index_put":
             note = " (index_put requires one dtype)"
         return widest, f"joins {described} inputs: promoted to {dtype_name(widest)}{note}"
-    if promote and plan.rule == "autocast" and not _autocast_promotes(dtypes, policy.compute):
+    if promote and plan.rule == Rule.AUTOCAST and not _autocast_promotes(dtypes, policy.compute):
         verb = "promoted to" if len(set(dtypes)) > 1 else "kept in"
         return widest, (f"joins {described} inputs: {verb} {dtype_name(widest)} "
                         f"(torch.autocast for {policy.target} in {dtype_name(policy.compute)} "

@@ -21,7 +21,7 @@ from ..oplists import call_name
 from ..policy import Policy
 from . import PassResult
 from .. import ir
-from ..ir import fix
+from ..ir import Rule, fix
 
 LOSS_MODULES = tuple(cls for cls in oplists.MODULE_OPS if cls.__name__.endswith("Loss"))
 LOSS_FUNCTIONS = {fn for fn, ops in oplists.FUNCTION_OPS.items()
@@ -76,8 +76,8 @@ def loss_in_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
         if plan is None:
             continue
         if _is_loss_call(gm, node):
-            if plan.inputs != torch.float32 or plan.rule == "banned":
-                changed |= fix(node, torch.float32, "loss",
+            if plan.inputs != torch.float32 or plan.rule == Rule.BANNED:
+                changed |= fix(node, torch.float32, Rule.LOSS,
                                f"{plan.op} is a loss: its inputs are cast to fp32")
             continue
         chain = _hand_written_chain(node)
@@ -85,7 +85,7 @@ def loss_in_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
                          for m in chain):
             term = chain[-1]
             for member in chain:
-                changed |= fix(member, torch.float32, "loss",
+                changed |= fix(member, torch.float32, Rule.LOSS,
                                f"hand-written loss: {call_name(term)} terms reduced to a scalar "
                                "run in fp32 (small terms underflow in the low dtype)")
     return PassResult(gm, modified=changed)

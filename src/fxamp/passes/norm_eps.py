@@ -27,7 +27,7 @@ from ..oplists import call_name, callable_label
 from ..policy import Policy, dtype_name
 from . import PassResult, fetch_attr
 from .. import ir
-from ..ir import fix
+from ..ir import Rule, fix
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _hand_written(gm: fx.GraphModule, policy: Policy) -> bool:
             reason = (f"eps={eps:g} added in {dtype_name(policy.compute)} is lost (below its "
                       f"smallest normal {tiny:.2g}): this norm's statistics run in fp32")
             for member in stats + [node] + _normalise_chain(node):
-                changed |= fix(member, torch.float32, "norm_eps", reason)
+                changed |= fix(member, torch.float32, Rule.NORM_EPS, reason)
             break
     return changed
 
@@ -172,7 +172,7 @@ def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
         else:
             continue
         if _probe_finite(probe, shape, policy.compute) is False:
-            changed |= fix(node, torch.float32, "norm_eps",
+            changed |= fix(node, torch.float32, Rule.NORM_EPS,
                            f"{label} with eps={eps:g} gives inf/NaN on a constant input in "
                            f"{dtype_name(policy.compute)} (probed): statistics in fp32")
     return changed

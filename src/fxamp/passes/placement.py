@@ -49,10 +49,11 @@ from . import PassResult, fetch_attr
 from .. import ir
 from ..ir import fix
 from .casts import _mutated
+from ..ir import Rule
 
 log = logging.getLogger(__name__)
 
-RULE = "placement"
+RULE = Rule.PLACEMENT
 _FP32 = torch.float32
 
 # -- which follow ops are free ----------------------------------------------------------
@@ -211,7 +212,7 @@ class _Model:
         if n not in self.values or n.op not in ("call_function", "call_method", "call_module"):
             return None
         p = ir.precision(n)
-        if p.rule != "autocast" or p.inputs is not None or ir.fixed(n) is not None:
+        if p.rule != Rule.AUTOCAST or p.inputs is not None or ir.fixed(n) is not None:
             return None
         _, ops = oplists.node_ops(n, self.gm)
         if ops is oplists.RUNTIME or oplists.category_of(ops, self.policy.target)[0] \
@@ -291,7 +292,7 @@ class _Model:
         if u in self.free:
             return "free"
         p = ir.precision(u)
-        if p is not None and p.rule != "runtime" and p.inputs in (self.low, _FP32) \
+        if p is not None and p.rule != Rule.RUNTIME and p.inputs in (self.low, _FP32) \
                 and not self._promotes(u):
             return p.inputs
         if _shape_only(u):
@@ -301,7 +302,7 @@ class _Model:
     def _promotes(self, u: fx.Node) -> bool:
         """An op on autocast's promote list: its dtype is the widest of its inputs', so it
         pins them (moving one would change it)."""
-        if ir.precision(u).rule != "autocast" or u.op not in ("call_function", "call_method",
+        if ir.precision(u).rule != Rule.AUTOCAST or u.op not in ("call_function", "call_method",
                                                            "call_module"):
             return False
         _, ops = oplists.node_ops(u, self.gm)

@@ -23,7 +23,7 @@ from ..plan import RangeStats
 from ..policy import Policy, dtype_name
 from . import PassResult
 from .. import ir
-from ..ir import fix
+from ..ir import Rule, fix
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def keep_in_range(gm: fx.GraphModule, policy: Policy,
         if out_max > limit or in_max > limit:
             which = "its output" if out_max > limit else "an input"
             value = out_max if out_max > limit else in_max
-            changed |= fix(node, torch.float32, "ranges",
+            changed |= fix(node, torch.float32, Rule.RANGES,
                            f"{which} reaches {value:.3g} on calibration data, past "
                            f"{dtype_name(low)}'s max {torch.finfo(low).max:.6g} / {MARGIN:g}")
     return PassResult(gm, modified=changed)

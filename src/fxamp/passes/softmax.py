@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from ..policy import Policy
 from . import PassResult
 from .. import ir
-from ..ir import fix
+from ..ir import Rule, fix
 
 log = logging.getLogger(__name__)
 
-RULE = "softmax"
+RULE = Rule.SOFTMAX
 
 _aten = torch.ops.aten
 # torch.export graphs call the ATen overloads, with the same positional arguments

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import FxampError
+from ..ir import Rule
 from ..policy import Policy, dtype_name, make_policy
 from .pipeline import _as_tuple, _check_model, plan_of, rewrite
 from .runtime import eligible
@@ -72,7 +73,7 @@ class _Evaluator:
         self.count = 0
         self.history: List[Tuple[int, float]] = []
 
-    def __call__(self, nodes: Sequence[str], rule: str = "search",
+    def __call__(self, nodes: Sequence[str], rule: str = Rule.SEARCH,
                  reasons: Optional[Dict[str, str]] = None) -> Tuple[float, fx.GraphModule]:
         reasons = reasons or {}
         fixed = {n: (torch.float32, rule, reasons.get(n, "kept in fp32 to meet the tolerance"))
@@ -90,7 +91,7 @@ class _Evaluator:
 def _low_nodes(gm: fx.GraphModule, pol: Policy) -> List[str]:
     plan = plan_of(gm)
     return [name for name, p in plan.nodes.items()
-            if p.dtype == pol.compute and p.rule not in ("user", "runtime")]
+            if p.dtype == pol.compute and p.rule not in (Rule.USER, Rule.RUNTIME)]
 
 
 class _LocalError(fx.Interpreter):
