@@ -22,7 +22,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import ir, oplists
-from ..ir import Decision, Rule, fix  # noqa: F401 - fix: re-exported
+from ..ir import Decision, Rule
 from ..errors import UnsupportedModelError, node_error
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name

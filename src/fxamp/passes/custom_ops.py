@@ -17,7 +17,6 @@ import torch.fx as fx
 from .. import oplists
 from ..policy import Policy
 from . import PassResult
-from .. import ir
 from ..ir import Rule, fix
 
 #: fx.wrap'ed library functions whose insides autocast handles correctly at run time

@@ -42,7 +42,7 @@ import torch.fx as fx
 from .. import oplists
 from ..policy import Policy, dtype_name
 from . import PassResult, observe
-from .. import ir
+from .. import ir, ops
 from ..ir import Rule, fix
 
 log = logging.getLogger(__name__)
@@ -68,23 +68,17 @@ def _kind(node: fx.Node) -> Optional[str]:
     return None
 
 
-def _arg(node: fx.Node, index: int, name: str) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name)
-
-
 def _operands(node: fx.Node, kind: str) -> List[Any]:
     """The arguments of a join that may be floating tensors, in argument order."""
     if kind == "list":
-        tensors = _arg(node, 0, "tensors")
+        tensors = ops.arg(node, "tensors", 0)
         return list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
     if kind == "where":
         if node.op == "call_method":  # x.where(condition, other)
-            return [node.args[0], _arg(node, 2, "other")]
-        return [_arg(node, 1, "input"), _arg(node, 2, "other")]
+            return [node.args[0], ops.arg(node, "other", 2)]
+        return [ops.arg(node, "input", 1), ops.arg(node, "other", 2)]
     # index_put(input, indices, values, accumulate): the indices are not floating
-    return [_arg(node, 0, "input"), _arg(node, 2, "values")]
+    return [ops.arg(node, "input", 0), ops.arg(node, "values", 2)]
 
 
 def _float_inputs(operands: List[Any], changed: Dict[fx.Node, torch.dtype]

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import PassResult, fetch_attr
-from .. import ir
+from .. import ir, ops
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def _conv_weights(gm: fx.GraphModule) -> List[torch.Tensor]:
             if isinstance(module, _CONV2D_MODULES):
                 weight = module.weight
         elif node.op == "call_function" and node.target in _CONV2D_FUNCTIONS:
-            arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            arg = ops.arg(node, "weight", 1)
             if isinstance(arg, fx.Node) and arg.op == "get_attr":
                 weight = fetch_attr(gm, str(arg.target))
         if isinstance(weight, torch.Tensor) and weight.dim() == 4 and \

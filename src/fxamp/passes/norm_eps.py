@@ -14,7 +14,6 @@ InstanceNorm in fp16). The audit reports every tiny eps either way.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import List, Optional
 
 import torch
@@ -23,10 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..oplists import call_name, callable_label
+from ..oplists import callable_label
 from ..policy import Policy, dtype_name
 from . import PassResult, fetch_attr
-from .. import ir
+from .. import ir, ops
 from ..ir import Rule, fix
 
 log = logging.getLogger(__name__)
@@ -34,17 +33,16 @@ log = logging.getLogger(__name__)
 NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
                 nn.modules.instancenorm._InstanceNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm")
                                                           else ())
-NORM_FUNCTIONS = {F.layer_norm: 4, F.group_norm: 4, F.instance_norm: 7, F.batch_norm: 7,
-                  getattr(F, "rms_norm", F.layer_norm): 3}  # value: positional index of eps
-# torch.export graphs: the ATen ops take eps at the same positions as the F.* functions
-NORM_FUNCTIONS.update({
-    torch.ops.aten.layer_norm.default: 4, torch.ops.aten.group_norm.default: 4,
-    torch.ops.aten.instance_norm.default: 7, torch.ops.aten.batch_norm.default: 7,
-    torch.ops.aten.rms_norm.default: 3})
+# fx and torch.export (ATen) spellings; eps is read by name through the op's schema
+NORM_FUNCTIONS = (F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm,
+                  getattr(F, "rms_norm", F.layer_norm),
+                  torch.ops.aten.layer_norm.default, torch.ops.aten.group_norm.default,
+                  torch.ops.aten.instance_norm.default, torch.ops.aten.batch_norm.default,
+                  torch.ops.aten.rms_norm.default)
 _REDUCTIONS = {"mean", "var", "sum", "std", "square"}
 _STATS_INPUTS = {"pow", "square", "mul", "sub", "abs", "__sub__", "__mul__", "__pow__"}
 _ROOTS = {"rsqrt", "sqrt", "reciprocal", "pow"}
-_ADDS = {operator.add, torch.add, "add", torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar}
+
 
 
 def _is_low(node: fx.Node, policy: Policy) -> bool:
@@ -64,13 +62,13 @@ def _eps_value(gm: fx.GraphModule, value: object) -> Optional[float]:
 
 def _stats_chain(node: fx.Node) -> List[fx.Node]:
     """The reduction feeding an eps addition and the elementwise ops feeding it."""
-    if node.op not in ("call_function", "call_method") or call_name(node) not in _REDUCTIONS:
+    if node.op not in ("call_function", "call_method") or ops.name(node) not in _REDUCTIONS:
         return []
     chain = [node]
     current = node
     for _ in range(3):
         src = current.args[0] if current.args else None
-        if not isinstance(src, fx.Node) or call_name(src) not in _STATS_INPUTS:
+        if not isinstance(src, fx.Node) or ops.name(src) not in _STATS_INPUTS:
             break
         chain.append(src)
         current = src
@@ -83,7 +81,7 @@ def _normalise_chain(add: fx.Node) -> List[fx.Node]:
     current = add
     while len(current.users) == 1:
         user = next(iter(current.users))
-        name = call_name(user)
+        name = ops.name(user)
         if name in _ROOTS:
             chain.append(user)
             current = user
@@ -98,7 +96,8 @@ def _hand_written(gm: fx.GraphModule, policy: Policy) -> bool:
     tiny = torch.finfo(policy.compute).tiny
     changed = False
     for node in list(gm.graph.nodes):
-        if node.target not in _ADDS or len(node.args) < 2 or not _is_low(node, policy):
+        if not ops.is_call(node, ops.ADDS, ("add",)) or len(node.args) < 2 \
+                or not _is_low(node, policy):
             continue
         for stat_arg, eps_arg in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
             eps = _eps_value(gm, eps_arg)
@@ -157,9 +156,8 @@ def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
                 continue
             eps, label = module.eps, type(module).__name__
             probe = _module_probe(module)
-        elif node.op == "call_function" and node.target in NORM_FUNCTIONS:
-            index = NORM_FUNCTIONS[node.target]
-            eps = node.kwargs.get("eps", node.args[index] if len(node.args) > index else None)
+        elif ops.is_call(node, NORM_FUNCTIONS):
+            eps = ops.arg(node, "eps")
             if not isinstance(eps, float) or not 0 < eps < tiny:
                 continue
             label = callable_label(node.target)

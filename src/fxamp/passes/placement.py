@@ -14,7 +14,7 @@ bytes in that dtype plus, when it needs a gradient, the mirrored cast of the gra
 backward; each (value, dtype) is cast once and reused by all consumers, modelled by one
 auxiliary node per value and direction. A tiny extra capacity against moving each free node
 makes ties keep autocast's choice, and the pass changes nothing unless the bytes cast per step
-strictly drop. Changed nodes are recorded with ``annotate.fix`` (``rule="placement"``); the
+strictly drop. Changed nodes are recorded with ``ir.fix`` (``rule="placement"``); the
 pipeline then propagates the dtypes again.
 
 Free are only follow ops known to behave the same in either dtype (an allowlist): data
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from .. import oplists
 from ..policy import Policy, dtype_name
 from . import PassResult, fetch_attr
-from .. import ir
+from .. import ir, ops
 from ..ir import fix
 from .casts import _mutated
 from ..ir import Rule
@@ -115,12 +115,12 @@ def _kind_of(node: fx.Node, root: nn.Module) -> Optional[str]:
         except TypeError:  # unhashable target
             return None
         if node.target is F.interpolate:
-            mode = kwargs.get("mode", args[3] if len(args) > 3 else "nearest")
+            mode = ops.arg(node, "mode", 3, "nearest")
             if mode not in ("nearest", "nearest-exact"):
                 return None
         if node.target is F.pad:
-            mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
-            value = kwargs.get("value", args[3] if len(args) > 3 else None)
+            mode = ops.arg(node, "mode", 2, "constant")
+            value = ops.arg(node, "value", 3)
             if mode != "constant" or value not in (None, 0, 0.0):
                 return None
     else:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..policy import Policy
 from . import PassResult
-from .. import ir
+from .. import ir, ops
 from ..ir import Rule, fix
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,7 @@ _DIV_METHODS = ("div", "true_divide", "__truediv__")
 _SOFTMAX_FUNCS = (torch.softmax, F.softmax, torch.special.softmax, _aten.softmax.int)
 
 
-def _is_call(node: Any, funcs: Tuple[Callable, ...], methods: Tuple[str, ...]) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function":
-        return any(node.target is fn for fn in funcs)
-    if node.op == "call_method":
-        return node.target in methods
-    return False
+_is_call = ops.is_call
 
 
 def _unary_input(node: Any, funcs: Tuple[Callable, ...], method: str) -> Optional[fx.Node]:
@@ -83,18 +76,7 @@ def _int_dim(dim: Any) -> Optional[int]:
     return None
 
 
-def _bind(node: fx.Node, names: Tuple[str, ...], allowed: Tuple[str, ...]) -> Optional[Dict]:
-    """Positional args after the first bound to ``names`` plus kwargs; None if a kwarg is
-    unknown, given twice, or there are too many positional args."""
-    rest = node.args[1:]
-    if len(rest) > len(names):
-        return None
-    bound: Dict[str, Any] = dict(zip(names, rest))
-    for key, value in node.kwargs.items():
-        if key not in allowed or key in bound:
-            return None
-        bound[key] = value
-    return bound
+_bind = ops.bind
 
 
 def _sum_parts(node: Any) -> Optional[Tuple[fx.Node, int, bool]]:
