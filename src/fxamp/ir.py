@@ -14,7 +14,8 @@ Fields of :class:`NodeIR`:
 * ``shape`` — the shape of the first floating tensor of the output;
 * ``fixed`` — a decision made by a rule outside the op tables (numerics rules, ranges,
   placement, the tolerance search, hooks), honoured by every later annotate run;
-* ``cast`` — True on the cast nodes the casts pass inserts.
+* ``cast`` — True on the cast nodes the casts pass inserts;
+* ``layout`` — ``"channels_last"`` on the inputs the layout pass converts on entry.
 
 :class:`Rule` names who decided a node; its values are the words of the plan text.
 """
@@ -87,6 +88,7 @@ class NodeIR:
     shape: Optional[Tuple[int, ...]] = None
     fixed: Optional[Decision] = None
     cast: bool = False
+    layout: Optional[str] = None
 
 
 _EMPTY = NodeIR()

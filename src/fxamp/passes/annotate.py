@@ -29,6 +29,7 @@ from ..policy import Policy, dtype_name
 from ..rewriter import overrides
 from ..rewriter.runtime import device_autocast, eligible
 from . import PassResult, observe
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
     return Decision(None, Rule.AUTOCAST, "on no autocast list: follows its inputs", label)
 
 
-def check_banned(gm: fx.GraphModule) -> None:
+def check_banned(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> PassResult:
     """Raise for any node still planned with a banned op (autocast refuses those too)."""
     for node in gm.graph.nodes:
         p = ir.precision(node)
@@ -131,6 +132,7 @@ def check_banned(gm: fx.GraphModule) -> None:
                 UnsupportedModelError, node, p.reason,
                 "use binary_cross_entropy_with_logits / nn.BCEWithLogitsLoss on logits, or "
                 f"keep this node in FP32 with the policy override 'fp32:{node.name}'")
+    return PassResult(gm, modified=False)
 
 
 def _cast(dtype: Optional[torch.dtype]) -> Callable[[Any], Any]:
@@ -170,18 +172,35 @@ class _Simulator(fx.Interpreter):
     observed behaviour is the decision."""
 
     def __init__(self, gm: fx.GraphModule, policy: Policy, fake_mode: FakeTensorMode,
-                 home: torch.device) -> None:
+                 home: torch.device, memo: Optional[Dict[fx.Node, Any]] = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.policy = policy
         self.fake_mode = fake_mode
         self.home = home
         self.decisions: Dict[str, Tuple[Decision, Any]] = {}
+        # node -> (its first decision and the identities of its input values, (decision,
+        # result)) from an earlier run of the same session: reused while both are unchanged
+        self.memo: Dict[fx.Node, Any] = {} if memo is None else memo
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "output":
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         d = decide(n, self.module, args, kwargs, self.policy)
+        key = (d, tuple(id(self.env[a]) for a in n.all_input_nodes))
+        hit = self.memo.get(n)
+        if hit is not None and hit[0] == key:  # same decision, same input values
+            self.decisions[n.name] = hit[1]
+            return hit[1][1]
+        d, result = self._decide_and_run(n, d, args, kwargs)
+        self.memo[n] = (key, (d, result))
+        self.decisions[n.name] = (d, result)
+        return result
+
+    def _decide_and_run(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict
+                        ) -> Tuple[Decision, Any]:
+        """Autocast's observed behaviour corrects the tables' decision ``d``; the node is run
+        on fake tensors with the decided input casts. (final decision, fake result)"""
         params = (dict(self.fetch_attr(n.target).named_parameters())
                   if n.op == "call_module" else {})
         values = observe.float_inputs(args, kwargs, params)
@@ -233,8 +252,7 @@ class _Simulator(fx.Interpreter):
                 "check that the model runs under torch.autocast for this target and dtype, "
                 f"or keep the node in FP32 with the policy override 'fp32:{n.name}'"
             ) from error
-        self.decisions[n.name] = (d, result)
-        return result
+        return d, result
 
     def _observe(self, n: fx.Node, args: tuple, kwargs: dict,
                  params: Dict[str, torch.Tensor]) -> Optional[observe.Observation]:
@@ -367,20 +385,39 @@ def _fake_inputs(mode: FakeTensorMode, example_inputs: tuple) -> tuple:
                     tuple(example_inputs))
 
 
-def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy) -> PassResult:
-    """Record the plan line, value kind and shape (``fxamp.ir``) of every node with a floating output."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        state = {name: mode.from_tensor(t) for name, t in
-                 list(gm.named_parameters(remove_duplicate=False))
-                 + list(gm.named_buffers(remove_duplicate=False))}
-        inputs = _fake_inputs(mode, example_inputs)
-        home = (observe.device_of(tuple(example_inputs))
-                or observe.device_of(list(state.values())) or torch.device("cpu"))
-        sim = _Simulator(gm, policy, mode, home)
+class FakeSession:
+    """One fake-tensor world per rewrite: the fake mode, the graph's parameters and inputs as
+    fakes, and each node's fake result. Annotating again with the same session re-executes
+    only the nodes whose decision or input values changed since the last run; the others
+    keep their results (so the graph's fake run happens once, then only what changed)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple) -> None:
+        self.gm = gm
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with self.mode:
+            self.state = {name: self.mode.from_tensor(t) for name, t in
+                          list(gm.named_parameters(remove_duplicate=False))
+                          + list(gm.named_buffers(remove_duplicate=False))}
+            self.inputs = _fake_inputs(self.mode, example_inputs)
+        self.home = (observe.device_of(tuple(example_inputs))
+                     or observe.device_of(list(self.state.values())) or torch.device("cpu"))
+        self.memo: Dict[fx.Node, Any] = {}
+        self.runs = 0  # runs over the graph (the first executes every node)
+
+
+def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy,
+             session: Optional[FakeSession] = None) -> PassResult:
+    """Record the plan line, value kind and shape (``fxamp.ir``) of every node with a floating
+    output. ``session`` (made for this ``gm``) reuses the fake results of earlier runs."""
+    if session is None or session.gm is not gm:
+        session = FakeSession(gm, example_inputs)
+    session.runs += 1
+    with session.mode:
+        sim = _Simulator(gm, policy, session.mode, session.home, session.memo)
         # grad stays enabled, as in training: modules such as nn.MultiheadAttention take
         # the path they take when training (their inference fast path differs on fakes)
-        with _reparametrize_module(gm, state, tie_weights=True, strict=False):
-            sim.run(*inputs)
+        with _reparametrize_module(gm, session.state, tie_weights=True, strict=False):
+            sim.run(*session.inputs)
     for node in gm.graph.nodes:
         ir.clear_annotation(node)
         if node.name not in sim.decisions:

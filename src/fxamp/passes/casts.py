@@ -20,9 +20,10 @@ from ..policy import Policy, dtype_name
 from ..rewriter import runtime
 from ..rewriter.grad_mode import is_grad_mode_node
 from ..rewriter.hooks import has_call_hooks
-from . import PassResult, layout
+from . import PassResult
 from .. import ir
 from ..ir import Rule
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +233,13 @@ class _Builder:
         return self.graph.create_node("output", "output", args, {}, node.name, node.type)
 
 
-def insert_casts(src: fx.GraphModule, policy: Policy) -> PassResult:
+def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Build the rewritten GraphModule (sharing ``src``'s submodules and Parameters)."""
+    policy = ctx.policy
     builder = _Builder(src, policy)
-    # policy channels_last: conv weights in NHWC (in place), 4-D inputs converted on entry
-    nhwc = policy.channels_last and layout.weights_to_channels_last(src).modified
-    pending = layout.channels_last_inputs(src) if nhwc else []
+    # the inputs the layout pass marked are converted to channels_last on entry
+    pending = [n for n in src.graph.nodes
+               if n.op == "placeholder" and ir.get(n).layout == "channels_last"]
     last_input = [n for n in src.graph.nodes if n.op == "placeholder"][-1] if pending else None
     for node in src.graph.nodes:
         builder.env[node] = builder.copy(node)

@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 
 from .. import oplists
-from ..policy import Policy
 from . import PassResult
 from ..ir import Rule, fix
+from .manager import PassContext
 
 #: fx.wrap'ed library functions whose insides autocast handles correctly at run time
 KNOWN_RUNTIME = {
@@ -51,7 +51,7 @@ def is_custom(node: fx.Node) -> bool:
     return qualname not in KNOWN_RUNTIME
 
 
-def fence_custom_ops(gm: fx.GraphModule, policy: Policy) -> PassResult:
+def fence_custom_ops(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Give opaque custom calls FP32 inputs. Runs before annotation (it needs no dtypes, and
     such a call may refuse low-precision inputs even in the fake run)."""
     changed = False

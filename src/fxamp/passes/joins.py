@@ -44,6 +44,7 @@ from ..policy import Policy, dtype_name
 from . import PassResult, observe
 from .. import ir, ops
 from ..ir import Rule, fix
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +156,9 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
     return None
 
 
-def consistent_joins(gm: fx.GraphModule, policy: Policy) -> PassResult:
+def consistent_joins(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Fix joins of mixed dtypes to the widest one (reads and writes node.meta only)."""
+    policy = ctx.policy
     modified = False
     changed: Dict[fx.Node, torch.dtype] = {}  # joins whose output dtype this pass changes
     for node in gm.graph.nodes:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from . import PassResult, fetch_attr
 from .. import ir, ops
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,17 @@ def weights_to_channels_last(gm: fx.GraphModule) -> PassResult:
                 w.data = w.data.contiguous(memory_format=torch.channels_last)
     log.info("channels_last=on: %d conv weights kept in channels_last memory format",
              len(weights))
+    return PassResult(gm, modified=True)
+
+
+def channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """The layout pass (policy ``channels_last=on``): conv weights in channels_last memory
+    format (in place) and, when there are any, each 4-D floating input marked in the IR
+    (``layout="channels_last"``) for the casts pass to convert on entry."""
+    if not weights_to_channels_last(gm).modified:
+        return PassResult(gm, modified=False)
+    for node in channels_last_inputs(gm):
+        ir.set(node, layout="channels_last")
     return PassResult(gm, modified=True)
 
 

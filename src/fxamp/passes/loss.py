@@ -18,10 +18,10 @@ import torch.fx as fx
 
 from .. import oplists
 from ..oplists import call_name
-from ..policy import Policy
 from . import PassResult
 from .. import ir
 from ..ir import Rule, fix
+from .manager import PassContext
 
 LOSS_MODULES = tuple(cls for cls in oplists.MODULE_OPS if cls.__name__.endswith("Loss"))
 LOSS_FUNCTIONS = {fn for fn, ops in oplists.FUNCTION_OPS.items()
@@ -68,7 +68,7 @@ def _hand_written_chain(node: fx.Node) -> List[fx.Node]:
     return []
 
 
-def loss_in_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
+def loss_in_fp32(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Fix losses to FP32 (reads the plan, writes fixed decisions)."""
     changed = False
     for node in gm.graph.nodes:

@@ -27,6 +27,7 @@ from ..policy import Policy, dtype_name
 from . import PassResult, fetch_attr
 from .. import ir, ops
 from ..ir import Rule, fix
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +177,9 @@ def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
     return changed
 
 
-def norm_eps(gm: fx.GraphModule, policy: Policy) -> PassResult:
+def norm_eps(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Fix norms whose eps the low dtype would lose (reads the plan, writes decisions)."""
+    policy = ctx.policy
     changed = _hand_written(gm, policy)
     changed |= _kernels(gm, policy)
     return PassResult(gm, modified=changed)

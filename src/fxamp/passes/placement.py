@@ -50,6 +50,7 @@ from .. import ir, ops
 from ..ir import fix
 from .casts import _mutated
 from ..ir import Rule
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -418,9 +419,10 @@ def _groups(moved: List[fx.Node]) -> List[List[fx.Node]]:
     return [sorted(c, key=moved.index) for c in nx.connected_components(g)]
 
 
-def place_casts(gm: fx.GraphModule, policy: Policy) -> PassResult:
+def place_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Move free follow ops across the low/FP32 boundary where that casts fewer bytes per
     step (a minimum s-t cut); record each change with ``fix(..., rule="placement")``."""
+    policy = ctx.policy
     model = _Model(gm, policy)
     if not model.free:
         return PassResult(gm, modified=False)

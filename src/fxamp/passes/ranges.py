@@ -20,10 +20,11 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
 from ..plan import RangeStats
-from ..policy import Policy, dtype_name
+from ..policy import dtype_name
 from . import PassResult
 from .. import ir
 from ..ir import Rule, fix
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,16 @@ def _inputs_max(node: fx.Node, stats: Dict[str, RangeStats]) -> float:
     return max(values, default=0.0)
 
 
-def keep_in_range(gm: fx.GraphModule, policy: Policy,
-                  stats: Dict[str, RangeStats]) -> PassResult:
-    """Keep in FP32 the nodes whose values pass the low dtype's range (reads the plan)."""
+def keep_in_range(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Keep in FP32 the nodes whose values pass the low dtype's range (reads the plan).
+    The statistics: ``ctx.ranges`` if set (given, or collected by an earlier sweep), else
+    collected here from ``ctx.calibration`` (batches of placeholder values)."""
+    policy = ctx.policy
+    if ctx.ranges is None:
+        data = ctx.calibration
+        ctx.ranges = ({} if data is None else dict(data) if isinstance(data, dict)
+                      else collect_ranges(gm, data, policy.compute))
+    stats = ctx.ranges
     low = policy.compute
     limit = torch.finfo(low).max / MARGIN
     changed = False

@@ -33,6 +33,7 @@ from ..policy import Policy
 from . import PassResult
 from .. import ir, ops
 from ..ir import Rule, fix
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +219,9 @@ def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match, policy: Policy) 
     return new
 
 
-def stable_softmax(gm: fx.GraphModule, policy: Policy) -> PassResult:
+def stable_softmax(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite the source graph's hand-written softmax patterns (before annotation)."""
+    policy = ctx.policy
     modified = False
     for node in list(gm.graph.nodes):
         if node._erased:

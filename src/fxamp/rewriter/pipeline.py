@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -12,13 +12,14 @@ import torch.nn as nn
 
 from .. import __version__, oplists
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
-from ..passes import custom_ops, joins, loss, norm_eps, softmax
 from .. import ir
 from ..ir import fix
-from ..passes.annotate import annotate, check_banned
-from ..passes.ranges import collect_ranges, keep_in_range
+from ..passes import PassResult, custom_ops, joins, layout, loss, norm_eps, softmax
+from ..passes.annotate import FakeSession, annotate, check_banned
 from ..passes.casts import insert_casts
+from ..passes.manager import PassContext, PassManager, Step, fixpoint
 from ..passes.placement import place_casts
+from ..passes.ranges import keep_in_range
 from ..plan import Plan, RangeStats
 from ..policy import Policy, dtype_name, make_policy, parse_compute_dtype
 from .eager_root import eager_root, submodule_calls
@@ -33,11 +34,6 @@ from .trace import trace
 
 log = logging.getLogger(__name__)
 
-#: passes that run on the traced graph before it is annotated (they need no dtypes)
-GRAPH_PASSES = (softmax.stable_softmax, custom_ops.fence_custom_ops)
-#: numerics passes, in order: each reads the plan in node.meta and fixes decisions; the
-#: dtypes are propagated again after each pass that changed something
-NUMERICS_PASSES = (norm_eps.norm_eps, loss.loss_in_fp32, joins.consistent_joins)
 
 #: front ends amp_rewrite can trace with; "auto" tries fx, then export, then partial fx
 FRONTENDS = ("auto", "fx", "export")
@@ -339,28 +335,14 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
         if node is None:
             raise FxampError(f"no node named {name!r} in the traced graph")
         fix(node, dtype, rule, reason)
-    if pol.numerics:
-        for graph_pass in GRAPH_PASSES:
-            if graph_pass(src, pol).modified:
-                src.graph.lint()
-                src.recompile()
-    _annotate(src, inputs, pol, state)
-    if scope.top and pol.overrides:  # every node is decided: fail before the costly passes
-        check_matched(pol, scope, _plan_lines(_plan_nodes(src, nested)))
-    if pol.numerics:
-        for numerics_pass in NUMERICS_PASSES:
-            if numerics_pass(src, pol).modified:
-                log.debug("%s changed decisions", numerics_pass.__name__)
-                _annotate(src, inputs, pol, state)
-    stats = _ranges(src, calibration_data, pol)
-    if stats and keep_in_range(src, pol, stats).modified:
-        _annotate(src, inputs, pol, state)
-    if pol.placement and place_casts(src, pol).modified:
-        _annotate(src, inputs, pol, state)
-    check_banned(src)
-    gm = insert_casts(src, pol).graph_module  # GraphModule() compiled it already
-    gm.graph.lint()
-    plan = Plan(nodes=_plan_nodes(src, nested), header=_header(pol, taken, leaves, nested), ranges=stats)
+    ctx = PassContext(pol, inputs, calibration=_calibration(calibration_data),
+                      ranges=_given_ranges(calibration_data),
+                      annotate=lambda gm, ctx: _annotate(gm, ctx, state))
+    steps = pass_list(lambda gm, ctx: _check_overrides(gm, pol, scope, nested))
+    gm = PassManager(steps)(src, ctx).graph_module  # GraphModule() compiled it already
+    stats = ctx.ranges or {}
+    plan = Plan(nodes=_plan_nodes(src, nested), header=_header(pol, taken, leaves, nested),
+                ranges=stats)
     setattr(gm, _PLAN_ATTR, plan)
     gm.fxamp_source = oplists.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
@@ -372,13 +354,57 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
     return gm
 
 
-def _annotate(src: fx.GraphModule, inputs: tuple, pol: Policy, state: ModelState) -> None:
-    """annotate's fake run, with torch's fake-tensor logging kept from the user and the
-    model's attributes restored after it (hooks run on fake tensors there)."""
+def pass_list(check_overrides: Callable[[fx.GraphModule, PassContext], PassResult]
+              ) -> List[Step]:
+    """The passes of a rewrite, in order (each ``(gm, ctx) -> PassResult``; see
+    ``passes/manager.py``). The annotate step is ``ctx.annotate``; the decision steps
+    re-run it after each change, and are swept to a fixpoint."""
+    def numerics(ctx: PassContext) -> bool:
+        return ctx.policy.numerics
+
+    def annotate_step(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        assert ctx.annotate is not None
+        return ctx.annotate(gm, ctx)
+    return [
+        # graph rewrites before any dtype is known
+        Step("softmax", softmax.stable_softmax, numerics, rewrites=True),
+        Step("custom_ops", custom_ops.fence_custom_ops, numerics),
+        # the one fake run: every node's dtype under autocast (and the decisions so far)
+        Step("annotate", annotate_step),
+        # every node is decided: an override that matches nothing fails before the costly
+        # passes
+        Step("overrides", check_overrides, lambda ctx: bool(ctx.policy.overrides)),
+        fixpoint("decide", [
+            Step("norm_eps", norm_eps.norm_eps, numerics, decides=True),
+            Step("loss", loss.loss_in_fp32, numerics, decides=True),
+            Step("joins", joins.consistent_joins, numerics, decides=True),
+            Step("ranges", keep_in_range, decides=True),
+        ]),
+        Step("placement", place_casts, lambda ctx: ctx.policy.placement, decides=True),
+        Step("banned", check_banned),
+        Step("layout", layout.channels_last, lambda ctx: ctx.policy.channels_last),
+        Step("casts", insert_casts),
+    ]
+
+
+def _check_overrides(gm: fx.GraphModule, pol: Policy, scope: Scope,
+                     nested: Dict[str, Plan]) -> PassResult:
+    """The top-level rewrite raises PolicyError for an override that matches no node."""
+    if scope.top:
+        check_matched(pol, scope, _plan_lines(_plan_nodes(gm, nested)))
+    return PassResult(gm, modified=False)
+
+
+def _annotate(src: fx.GraphModule, ctx: PassContext, state: ModelState) -> PassResult:
+    """annotate's fake run (one FakeSession per rewrite: later runs re-execute only the
+    nodes whose decision or inputs changed), with torch's fake-tensor logging kept from the
+    user and the model's attributes restored after it (hooks run on fake tensors there)."""
     grad = torch.is_grad_enabled()
     try:
         with quiet_torch_logs():
-            annotate(src, inputs, pol)
+            if ctx.session is None or ctx.session.gm is not src:
+                ctx.session = FakeSession(src, ctx.inputs)
+            return annotate(src, ctx.inputs, ctx.policy, ctx.session)
     except FxampError as err:  # fx's notes ("While executing ..., Use tlparse") are noise
         if hasattr(err, "__notes__"):
             del err.__notes__
@@ -388,14 +414,20 @@ def _annotate(src: fx.GraphModule, inputs: tuple, pol: Policy, state: ModelState
         state.restore()
 
 
-def _ranges(src: fx.GraphModule, data: Any, pol: Policy) -> Dict[str, RangeStats]:
+def _given_ranges(data: Any) -> Optional[Dict[str, RangeStats]]:
+    """The range statistics given as a Plan or a dict (None: collected from batches)."""
     if data is None:
         return {}
     if isinstance(data, Plan):
         return dict(data.ranges)
     if isinstance(data, dict):
         return dict(data)
-    return collect_ranges(src, data, pol.compute)
+    return None
+
+
+def _calibration(data: Any) -> Any:
+    """Calibration batches to collect ranges from (None when statistics were given)."""
+    return None if data is None or isinstance(data, (Plan, dict)) else data
 
 
 def _copy_training_flags(model: nn.Module, gm: fx.GraphModule) -> None:
