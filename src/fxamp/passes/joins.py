@@ -39,12 +39,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .. import oplists
+from .. import ir, oplists, ops
+from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
-from . import PassResult, observe
-from .. import ir, ops
-from ..ir import Rule, fix
+from . import observe
 from .manager import PassContext
+from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
@@ -156,22 +156,30 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
     return None
 
 
-def consistent_joins(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Fix joins of mixed dtypes to the widest one (reads and writes node.meta only)."""
-    policy = ctx.policy
-    modified = False
-    changed: Dict[fx.Node, torch.dtype] = {}  # joins whose output dtype this pass changes
-    for node in gm.graph.nodes:
-        kind = _kind(node)
-        if kind is None:
-            continue
-        decided = _decide(node, kind, gm, policy, changed)
+class JoinsRule(DecisionRule):
+    """Joins of mixed dtypes get the widest one (see the module docstring). The rule
+    remembers, within one sweep, the joins whose output dtype it changes: a join fed by
+    such a join sees the new dtype."""
+
+    name = RULE
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        super().__init__(gm, ctx)
+        self.changed: Dict[fx.Node, torch.dtype] = {}
+
+    def applies(self, node: fx.Node) -> bool:
+        return _kind(node) is not None
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        decided = _decide(node, _kind(node), self.gm, self.policy, self.changed)
         if decided is None:
-            continue
+            return {}
         dtype, reason = decided
-        if fix(node, dtype, RULE, reason):
-            modified = True
-            log.debug("%s: %s", node.name, reason)
+        log.debug("%s: %s", node.name, reason)
         if ir.precision(node).dtype != dtype:
-            changed[node] = dtype
-    return PassResult(gm, modified=modified)
+            self.changed[node] = dtype
+        return {node: self.verdict(dtype, reason)}
+
+
+#: the joins pass: ``(gm, ctx) -> PassResult``
+consistent_joins = rule_pass(JoinsRule)

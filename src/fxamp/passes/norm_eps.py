@@ -14,7 +14,7 @@ InstanceNorm in fp16). The audit reports every tiny eps either way.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.fx as fx
@@ -22,12 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from .. import ir, ops
+from ..ir import Decision, Rule
 from ..oplists import callable_label
 from ..policy import Policy, dtype_name
-from . import PassResult, fetch_attr
-from .. import ir, ops
-from ..ir import Rule, fix
-from .manager import PassContext
+from . import fetch_attr
+from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
@@ -93,26 +93,26 @@ def _normalise_chain(add: fx.Node) -> List[fx.Node]:
     return chain
 
 
-def _hand_written(gm: fx.GraphModule, policy: Policy) -> bool:
+def _hand_written(gm: fx.GraphModule, policy: Policy, node: fx.Node
+                  ) -> Dict[fx.Node, Decision]:
+    """An eps addition of a hand-written norm planned in the low dtype: its statistics,
+    the sum, the root and the normalising op in fp32."""
     tiny = torch.finfo(policy.compute).tiny
-    changed = False
-    for node in list(gm.graph.nodes):
-        if not ops.is_call(node, ops.ADDS, ("add",)) or len(node.args) < 2 \
-                or not _is_low(node, policy):
+    if not ops.is_call(node, ops.ADDS, ("add",)) or len(node.args) < 2 \
+            or not _is_low(node, policy):
+        return {}
+    for stat_arg, eps_arg in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        eps = _eps_value(gm, eps_arg)
+        if eps is None or not 0 < eps < tiny or not isinstance(stat_arg, fx.Node):
             continue
-        for stat_arg, eps_arg in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            eps = _eps_value(gm, eps_arg)
-            if eps is None or not 0 < eps < tiny or not isinstance(stat_arg, fx.Node):
-                continue
-            stats = _stats_chain(stat_arg)
-            if not stats:
-                continue
-            reason = (f"eps={eps:g} added in {dtype_name(policy.compute)} is lost (below its "
-                      f"smallest normal {tiny:.2g}): this norm's statistics run in fp32")
-            for member in stats + [node] + _normalise_chain(node):
-                changed |= fix(member, torch.float32, Rule.NORM_EPS, reason)
-            break
-    return changed
+        stats = _stats_chain(stat_arg)
+        if not stats:
+            continue
+        d = Decision(torch.float32, Rule.NORM_EPS,
+                     f"eps={eps:g} added in {dtype_name(policy.compute)} is lost (below its "
+                     f"smallest normal {tiny:.2g}): this norm's statistics run in fp32")
+        return {member: d for member in stats + [node] + _normalise_chain(node)}
+    return {}
 
 
 def _probe_finite(fn, shape: tuple, dtype: torch.dtype) -> Optional[bool]:
@@ -142,44 +142,54 @@ def _module_probe(module: nn.Module):  # type: ignore[no-untyped-def]
     return probe
 
 
-def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
+def _kernel(gm: fx.GraphModule, policy: Policy, node: fx.Node) -> Dict[fx.Node, Decision]:
+    """A norm module or function with a tiny eps whose kernel (probed) gives inf/NaN on a
+    constant input in the low dtype: in fp32."""
     tiny = torch.finfo(policy.compute).tiny
-    changed = False
-    for node in gm.graph.nodes:
-        if not _is_low(node, policy) or not node.args or not isinstance(node.args[0], fx.Node):
-            continue
-        shape = ir.get(node.args[0]).shape
-        if shape is None:
-            continue
-        if node.op == "call_module":
-            module = gm.get_submodule(node.target)
-            if not isinstance(module, NORM_MODULES) or not 0 < module.eps < tiny:
-                continue
-            eps, label = module.eps, type(module).__name__
-            probe = _module_probe(module)
-        elif ops.is_call(node, NORM_FUNCTIONS):
-            eps = ops.arg(node, "eps")
-            if not isinstance(eps, float) or not 0 < eps < tiny:
-                continue
-            label = callable_label(node.target)
-            args = [None if isinstance(a, fx.Node) else a for a in node.args[1:]]
-            kwargs = {k: None if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
-            fn = node.target
+    if not _is_low(node, policy) or not node.args or not isinstance(node.args[0], fx.Node):
+        return {}
+    shape = ir.get(node.args[0]).shape
+    if shape is None:
+        return {}
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, NORM_MODULES) or not 0 < module.eps < tiny:
+            return {}
+        eps, label = module.eps, type(module).__name__
+        probe = _module_probe(module)
+    elif ops.is_call(node, NORM_FUNCTIONS):
+        eps = ops.arg(node, "eps")
+        if not isinstance(eps, float) or not 0 < eps < tiny:
+            return {}
+        label = callable_label(node.target)
+        args = [None if isinstance(a, fx.Node) else a for a in node.args[1:]]
+        kwargs = {k: None if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+        fn = node.target
 
-            def probe(x, fn=fn, args=args, kwargs=kwargs):  # type: ignore[no-untyped-def]
-                return fn(x, *args, **kwargs)
-        else:
-            continue
-        if _probe_finite(probe, shape, policy.compute) is False:
-            changed |= fix(node, torch.float32, Rule.NORM_EPS,
-                           f"{label} with eps={eps:g} gives inf/NaN on a constant input in "
-                           f"{dtype_name(policy.compute)} (probed): statistics in fp32")
-    return changed
+        def probe(x, fn=fn, args=args, kwargs=kwargs):  # type: ignore[no-untyped-def]
+            return fn(x, *args, **kwargs)
+    else:
+        return {}
+    if _probe_finite(probe, shape, policy.compute) is False:
+        return {node: Decision(torch.float32, Rule.NORM_EPS,
+                               f"{label} with eps={eps:g} gives inf/NaN on a constant input "
+                               f"in {dtype_name(policy.compute)} (probed): statistics in fp32")}
+    return {}
 
 
-def norm_eps(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Fix norms whose eps the low dtype would lose (reads the plan, writes decisions)."""
-    policy = ctx.policy
-    changed = _hand_written(gm, policy)
-    changed |= _kernels(gm, policy)
-    return PassResult(gm, modified=changed)
+class NormEpsRule(DecisionRule):
+    """Norms whose eps the low dtype would lose run in fp32 (see the module docstring):
+    hand-written eps additions and norm kernels that give inf/NaN when probed."""
+
+    name = Rule.NORM_EPS
+
+    def applies(self, node: fx.Node) -> bool:
+        return _is_low(node, self.policy)
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        return {**_hand_written(self.gm, self.policy, node),
+                **_kernel(self.gm, self.policy, node)}
+
+
+#: the norm eps pass: ``(gm, ctx) -> PassResult``
+norm_eps = rule_pass(NormEpsRule)
