@@ -14,35 +14,24 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            DynamicOutputShapeException, FakeTensorMode,
                                            unset_fake_temporarily)
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import ir, oplists
+from .. import ir
 from ..ir import Decision, Rule
 from ..errors import UnsupportedModelError, node_error
-from ..plan import NodePrecision, Plan
+from ..plan import NodePrecision
 from ..policy import Policy, dtype_name
-from ..rewriter import overrides
 from ..rewriter.runtime import device_autocast, eligible
 from . import PassResult, observe
+from .autocast_rules import decide, make_rules, module_path
 from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
-
-
-def module_path(node: fx.Node) -> str:
-    """The module a node belongs to: its target for call_module, else the innermost module."""
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op == "get_attr":
-        return str(node.target).rpartition(".")[0]
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else ""
 
 
 def float_leaves(value: Any) -> List[torch.Tensor]:
@@ -63,64 +52,6 @@ def first_float(value: Any) -> Optional[torch.Tensor]:
     """The first floating tensor in a (nested) value, or None."""
     leaves = float_leaves(value)
     return leaves[0] if leaves else None
-
-
-def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
-           policy: Policy) -> Decision:
-    """What autocast (or the policy) does with ``node`` given its input values."""
-    target, low = policy.target, policy.compute
-    if node.op == "placeholder":
-        return Decision(None, Rule.AUTOCAST, "model input", "placeholder")
-    if node.op == "get_attr":
-        return Decision(None, Rule.AUTOCAST, "FP32 master weight or buffer", "get_attr")
-    label, ops = oplists.node_ops(node, root)
-    path = module_path(node)
-    # "encoder.layer.0.*" covers the layer's own functional ops as well as its submodules
-    override = overrides.match(policy, *overrides.node_names(node.name, path, label))
-    if override is not None:
-        return Decision(override.dtype, Rule.USER, f"policy override {override}", label)
-    fixed = ir.fixed(node)
-    if fixed is not None:
-        return Decision(fixed.inputs, fixed.rule, fixed.reason, label, fixed.runtime)
-    if node.op == "call_module" and node.target == "_guards_fn":
-        return Decision(None, Rule.AUTOCAST, "torch.export's check of the input shapes", label)
-    if node.op == "call_module" and isinstance(
-            getattr(root.get_submodule(node.target), "fxamp_plan", None), Plan):
-        source = getattr(root.get_submodule(node.target), "fxamp_source", label)
-        # it was planned with the FP32 model's inputs: it gets FP32 inputs
-        return Decision(torch.float32, Rule.NESTED, "rewritten on its own (a submodule the "
-                        "whole-model trace could not take), planned for FP32 inputs; its nodes "
-                        f"are the plan lines {node.target}/*", source)
-    if ops is oplists.RUNTIME:
-        return Decision(None, Rule.RUNTIME, "opaque call: torch.autocast decides inside it at "
-                        "run time", label, runtime=True)
-    category, op = oplists.category_of(ops, target)
-    if category == oplists.LOWER:
-        return Decision(low, Rule.AUTOCAST,
-                        f"{op} is on autocast's lower-precision list for {target}", label)
-    if category == oplists.FP32:
-        return Decision(torch.float32, Rule.AUTOCAST,
-                        f"{op} is on autocast's fp32 list for {target}", label)
-    if category == oplists.FP32_OPT:
-        explicit = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype)
-                                                          for a in args[1:])
-        if explicit:
-            return Decision(None, Rule.AUTOCAST, f"{op} runs in the dtype it is given", label)
-        return Decision(torch.float32, Rule.AUTOCAST,
-                        f"{op} runs in fp32 under autocast for {target} (no dtype given)", label)
-    if category == oplists.PROMOTE:
-        leaves, _ = tree_flatten((args, kwargs))
-        dtypes = [v.dtype for v in leaves if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        if node.op == "call_module":
-            dtypes += [p.dtype for p in root.get_submodule(node.target).parameters()
-                       if p.is_floating_point()]
-        widest = observe.widest(dtypes)
-        return Decision(widest, Rule.AUTOCAST, f"{op} runs in the widest dtype of its inputs "
-                        f"({dtype_name(widest)}) under autocast for {target}", label)
-    if category == oplists.BANNED:
-        return Decision(None, Rule.BANNED, f"{op} is unsafe in {dtype_name(low)} and "
-                        "torch.autocast refuses it", label)
-    return Decision(None, Rule.AUTOCAST, "on no autocast list: follows its inputs", label)
 
 
 def check_banned(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> PassResult:
@@ -178,6 +109,7 @@ class _Simulator(fx.Interpreter):
         self.fake_mode = fake_mode
         self.home = home
         self.decisions: Dict[str, Tuple[Decision, Any]] = {}
+        self.rules = make_rules(gm, policy)
         # node -> (its first decision and the identities of its input values, (decision,
         # result)) from an earlier run of the same session: reused while both are unchanged
         self.memo: Dict[fx.Node, Any] = {} if memo is None else memo
@@ -186,7 +118,7 @@ class _Simulator(fx.Interpreter):
         if n.op == "output":
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        d = decide(n, self.module, args, kwargs, self.policy)
+        d = decide(n, self.rules, args, kwargs)
         key = (d, tuple(id(self.env[a]) for a in n.all_input_nodes))
         hit = self.memo.get(n)
         if hit is not None and hit[0] == key:  # same decision, same input values

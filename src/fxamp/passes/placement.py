@@ -43,14 +43,13 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import oplists
+from .. import ir, oplists, ops
+from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
-from . import PassResult, fetch_attr
-from .. import ir, ops
-from ..ir import fix
+from . import fetch_attr
 from .casts import _mutated
-from ..ir import Rule
 from .manager import PassContext
+from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
@@ -419,26 +418,25 @@ def _groups(moved: List[fx.Node]) -> List[List[fx.Node]]:
     return [sorted(c, key=moved.index) for c in nx.connected_components(g)]
 
 
-def place_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Move free follow ops across the low/FP32 boundary where that casts fewer bytes per
-    step (a minimum s-t cut); record each change with ``fix(..., rule="placement")``."""
-    policy = ctx.policy
+def _verdicts(gm: fx.GraphModule, policy: Policy) -> Dict[fx.Node, Tuple[torch.dtype, str]]:
+    """The minimum cut's (dtype, reason) for each free node it moves or whose input it
+    moved; empty when autocast's placement is already cheapest."""
     model = _Model(gm, policy)
     if not model.free:
-        return PassResult(gm, modified=False)
+        return {}
     before = {v: model.values[v] for v in model.free}
     old_bytes, old_casts = model.cost(before)
     if old_bytes == 0:  # no cast touches a free node: nothing to gain
-        return PassResult(gm, modified=False)
+        return {}
     after = _solve(model)
     new_bytes, new_casts = model.cost(after)
     if new_bytes >= old_bytes:
         log.debug("placement: autocast's placement is already cheapest (%d bytes)", old_bytes)
-        return PassResult(gm, modified=False)
+        return {}
     log.info("placement: the casts around free ops move %s per step instead of %s",
              _fmt(new_bytes), _fmt(old_bytes))
     moved = [v for v in model.free if after[v] != before[v]]
-    modified = False
+    verdicts: Dict[fx.Node, Tuple[torch.dtype, str]] = {}
     for group in _groups(moved):
         touched = set(group) | {a for n in group for a in n.all_input_nodes}
         was = {c for c in old_casts if c[0] in touched}
@@ -449,15 +447,38 @@ def place_casts(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                if added else f"reusing casts made anyway instead of casting "
                f"{_describe(removed, model)}")
         for n in group:
-            reason = (f"runs in {dtype_name(after[n])} (autocast: {dtype_name(before[n])}): "
-                      f"{how} saves {_fmt(saved)} per training step (forward and backward)")
-            modified |= fix(n, after[n], RULE, reason)
+            verdicts[n] = (after[n], f"runs in {dtype_name(after[n])} (autocast: "
+                           f"{dtype_name(before[n])}): {how} saves {_fmt(saved)} per training "
+                           "step (forward and backward)")
     for n in model.free:  # unmoved free nodes whose inputs moved now cast them explicitly
         if after[n] == before[n] and any(after.get(a, model.values.get(a)) != after[n]
                                          for a in n.all_input_nodes if a in model.values):
             moved_in = [a for a in n.all_input_nodes if a in after and after[a] != after[n]]
-            modified |= fix(n, after[n], RULE,
-                            f"stays {dtype_name(after[n])} and casts its input "
-                            f"{', '.join(a.name for a in moved_in)}, which placement moved "
-                            f"to {dtype_name(after[moved_in[0]]) if moved_in else '?'}")
-    return PassResult(gm, modified=modified)
+            verdicts[n] = (after[n], f"stays {dtype_name(after[n])} and casts its input "
+                           f"{', '.join(a.name for a in moved_in)}, which placement moved "
+                           f"to {dtype_name(after[moved_in[0]]) if moved_in else '?'}")
+    return verdicts
+
+
+class PlacementRule(DecisionRule):
+    """Move free follow ops across the low/FP32 boundary where that casts fewer bytes per
+    step. The minimum s-t cut is solved once for the graph when the rule is made;
+    ``applies`` says whether the cut changes the node, ``decide`` gives its new dtype."""
+
+    name = RULE
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        super().__init__(gm, ctx)
+        self.verdicts = _verdicts(gm, self.policy)
+
+    def applies(self, node: fx.Node) -> bool:
+        return node in self.verdicts
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        dtype, reason = self.verdicts[node]
+        return {node: self.verdict(dtype, reason)}
+
+
+#: the placement pass: ``(gm, ctx) -> PassResult``; each change is recorded with
+#: ``rule="placement"``
+place_casts = rule_pass(PlacementRule)
