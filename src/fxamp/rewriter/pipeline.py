@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -14,20 +14,17 @@ from .. import __version__, oplists
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from .. import ir
 from ..ir import fix
-from ..passes import PassResult, custom_ops, joins, layout, loss, norm_eps, softmax
-from ..passes.annotate import FakeSession, annotate, check_banned
-from ..passes.casts import insert_casts
-from ..passes.manager import PassContext, PassManager, Step, fixpoint
-from ..passes.placement import place_casts
-from ..passes.ranges import keep_in_range
+from ..passes import PassResult
+from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
 from ..policy import Policy, dtype_name, make_policy, parse_compute_dtype
 from .eager_root import eager_root, submodule_calls
-from .export_front import export_trace, flat_inputs, plain_inputs_hook, quiet_torch_logs
+from .export_front import export_trace, flat_inputs, plain_inputs_hook
 from .hooks import (check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime,
                     without_root_hooks)
 from .inputs import check_example_inputs
 from .overrides import Scope, check_matched, override_scope
+from .pass_list import annotate_step, pass_list
 from .state import ModelState, report_side_effects
 from .state_dict import complete_state
 from .trace import trace
@@ -337,7 +334,7 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
         fix(node, dtype, rule, reason)
     ctx = PassContext(pol, inputs, calibration=_calibration(calibration_data),
                       ranges=_given_ranges(calibration_data),
-                      annotate=lambda gm, ctx: _annotate(gm, ctx, state))
+                      annotate=lambda gm, ctx: annotate_step(gm, ctx, state))
     steps = pass_list(lambda gm, ctx: _check_overrides(gm, pol, scope, nested))
     gm = PassManager(steps)(src, ctx).graph_module  # GraphModule() compiled it already
     stats = ctx.ranges or {}
@@ -354,64 +351,12 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
     return gm
 
 
-def pass_list(check_overrides: Callable[[fx.GraphModule, PassContext], PassResult]
-              ) -> List[Step]:
-    """The passes of a rewrite, in order (each ``(gm, ctx) -> PassResult``; see
-    ``passes/manager.py``). The annotate step is ``ctx.annotate``; the decision steps
-    re-run it after each change, and are swept to a fixpoint."""
-    def numerics(ctx: PassContext) -> bool:
-        return ctx.policy.numerics
-
-    def annotate_step(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        assert ctx.annotate is not None
-        return ctx.annotate(gm, ctx)
-    return [
-        # graph rewrites before any dtype is known
-        Step("softmax", softmax.stable_softmax, numerics, rewrites=True),
-        Step("custom_ops", custom_ops.fence_custom_ops, numerics),
-        # the one fake run: every node's dtype under autocast (and the decisions so far)
-        Step("annotate", annotate_step),
-        # every node is decided: an override that matches nothing fails before the costly
-        # passes
-        Step("overrides", check_overrides, lambda ctx: bool(ctx.policy.overrides)),
-        fixpoint("decide", [
-            Step("norm_eps", norm_eps.norm_eps, numerics, decides=True),
-            Step("loss", loss.loss_in_fp32, numerics, decides=True),
-            Step("joins", joins.consistent_joins, numerics, decides=True),
-            Step("ranges", keep_in_range, decides=True),
-        ]),
-        Step("placement", place_casts, lambda ctx: ctx.policy.placement, decides=True),
-        Step("banned", check_banned),
-        Step("layout", layout.channels_last, lambda ctx: ctx.policy.channels_last),
-        Step("casts", insert_casts),
-    ]
-
-
 def _check_overrides(gm: fx.GraphModule, pol: Policy, scope: Scope,
                      nested: Dict[str, Plan]) -> PassResult:
     """The top-level rewrite raises PolicyError for an override that matches no node."""
     if scope.top:
         check_matched(pol, scope, _plan_lines(_plan_nodes(gm, nested)))
     return PassResult(gm, modified=False)
-
-
-def _annotate(src: fx.GraphModule, ctx: PassContext, state: ModelState) -> PassResult:
-    """annotate's fake run (one FakeSession per rewrite: later runs re-execute only the
-    nodes whose decision or inputs changed), with torch's fake-tensor logging kept from the
-    user and the model's attributes restored after it (hooks run on fake tensors there)."""
-    grad = torch.is_grad_enabled()
-    try:
-        with quiet_torch_logs():
-            if ctx.session is None or ctx.session.gm is not src:
-                ctx.session = FakeSession(src, ctx.inputs)
-            return annotate(src, ctx.inputs, ctx.policy, ctx.session)
-    except FxampError as err:  # fx's notes ("While executing ..., Use tlparse") are noise
-        if hasattr(err, "__notes__"):
-            del err.__notes__
-        raise
-    finally:
-        torch.set_grad_enabled(grad)
-        state.restore()
 
 
 def _given_ranges(data: Any) -> Optional[Dict[str, RangeStats]]:
