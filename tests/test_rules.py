@@ -20,6 +20,7 @@ from fxamp.passes.manager import PassContext
 from fxamp.passes.norm_eps import NormEpsRule
 from fxamp.passes.placement import PlacementRule
 from fxamp.passes.ranges import RangesRule
+from fxamp.passes.softmax import SoftmaxRule
 from fxamp.plan import RangeStats
 from fxamp.policy import Policy
 from fxamp.rewriter.trace import trace
@@ -141,6 +142,24 @@ def test_custom_ops_rule_gives_an_opaque_function_fp32_inputs():
     got = decided(rule, gm)
     assert list(got) == ["needs_fp32_apply"]
     assert got["needs_fp32_apply"][:2] == (FP32, Rule.CUSTOM_OPS)
+
+
+class HandSoftmax(nn.Module):
+    def forward(self, x):
+        e = torch.exp(x)
+        return e / e.sum(-1, keepdim=True)
+
+
+def test_softmax_rule_replaces_a_hand_written_softmax_by_the_fused_call_in_fp32():
+    gm = trace(HandSoftmax(), (), "fx")  # runs before annotate: needs no IR
+    rule = SoftmaxRule(gm, PassContext(Policy.parse("compute=fp16,target=cuda")))
+    final = node(gm, "truediv")
+    assert [n.name for n in gm.graph.nodes if rule.applies(n)] == ["truediv"]
+    d = rule.decide(final)[final]
+    assert (d.inputs, d.rule) == (FP32, Rule.SOFTMAX) and "exp overflows fp16" in d.reason
+    new = rule.rewrite(final)
+    assert (new.name, new.target) == ("truediv", torch.softmax)
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_function", "output"]
 
 
 class UpsampleConv(nn.Module):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from ..policy import Policy
 from . import PassResult
 from .. import ir, ops
-from ..ir import Rule, fix
+from ..ir import Decision, Rule, fix
 from .manager import PassContext
+from .rule import DecisionRule
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def _rename(node: fx.Node, name: str) -> None:
     graph._graph_namespace._rename_object(node, name)
 
 
-def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match, policy: Policy) -> fx.Node:
+def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match) -> fx.Node:
     graph = gm.graph
     with graph.inserting_before(final):
         new = graph.call_function(match.target, match.args)
@@ -213,22 +214,44 @@ def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match, policy: Policy) 
     for part in match.parts:  # consumers first: erasing one frees the next
         if not part._erased and not part.users:
             graph.erase_node(part)
-    reason = _reason(match, policy)
-    fix(new, torch.float32, RULE, reason)
-    log.debug("%s: %s", name, reason)
     return new
+
+
+class SoftmaxRule(DecisionRule):
+    """Hand-written softmax, log-softmax and log-sum-exp patterns become the fused call in
+    FP32 (a rewrite rule: ``decide`` gives the decision for the pattern's final node,
+    ``rewrite`` replaces the pattern by the call, which keeps the node's name)."""
+
+    name = RULE
+
+    def _match(self, node: fx.Node) -> Optional[_Match]:
+        return None if node._erased else _match_softmax(node) or _match_log(node, self.gm)
+
+    def applies(self, node: fx.Node) -> bool:
+        return self._match(node) is not None
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        match = self._match(node)
+        assert match is not None
+        return {node: self.verdict(torch.float32, _reason(match, self.policy))}
+
+    def rewrite(self, node: fx.Node) -> fx.Node:
+        """Replace the pattern ending at ``node``; returns the new call node."""
+        match = self._match(node)
+        assert match is not None
+        return _replace(self.gm, node, match)
 
 
 def stable_softmax(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite the source graph's hand-written softmax patterns (before annotation)."""
-    policy = ctx.policy
+    rule = SoftmaxRule(gm, ctx)
     modified = False
     for node in list(gm.graph.nodes):
-        if node._erased:
+        if node._erased or not rule.applies(node):
             continue
-        match = _match_softmax(node) or _match_log(node, gm)
-        if match is None:
-            continue
-        _replace(gm, node, match, policy)
+        d = rule.decide(node)[node]
+        new = rule.rewrite(node)
+        fix(new, d.inputs, d.rule, d.reason)
+        log.debug("%s: %s", new.name, d.reason)
         modified = True
     return PassResult(gm, modified=modified)
