@@ -214,6 +214,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from . import plan_of
     from .show import render
 
+    if args.format == "model-explorer":
+        return _show_model_explorer(args)
     gm = _rewrite(args)
     fmt = args.format or {"svg": "svg", "dot": "dot", "gv": "dot", "mmd": "mermaid",
                           "md": "mermaid"}.get(args.output.rpartition(".")[2], "html")
@@ -229,6 +231,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
         text = render(gm, plan_of(gm), fmt, title=f"fxamp plan of {args.factory}")
     atomic_write_text(args.output, text)
     print(f"wrote {args.output} ({fmt})")
+    return 0
+
+
+def _show_model_explorer(args: argparse.Namespace) -> int:
+    from .model_explorer import write_program_node_data
+
+    model, inputs = load_factory(args.factory, args.input_shape or [])
+    written = write_program_node_data(model, inputs, args.output, frontend=args.frontend,
+                                      dtype=args.dtype, target=args.target, policy=args.policy)
+    print(f"wrote {' and '.join(written)} (Model Explorer node data): open the model with "
+          "model_explorer.visualize_pytorch(name, exported_program=torch.export.export(model, "
+          "inputs)) and load the node data")
     return 0
 
 
@@ -277,6 +291,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
         step(f"writing the report {args.report}")
         report.save(args.report)
         print(f"wrote {args.report}: {report.summary()}")
+    if args.model_explorer:
+        from .model_explorer import write_onnx_node_data
+
+        if not args.report:
+            step(f"running the model on backend {args.backend}")
+            report = precision_report(args.output, plan_of(gm), backend=args.backend,
+                                      inputs=inputs)
+        written = write_onnx_node_data(args.output, report, args.model_explorer)
+        print(f"wrote {' and '.join(written)} (Model Explorer node data: planned and actual "
+              "precision)")
     print(f"fxamp export: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 
@@ -341,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(s)
     s.add_argument("-o", "--output", required=True, help="graph.html, graph.dot, graph.svg, "
                    "graph.mmd")
-    s.add_argument("--format", choices=["html", "dot", "svg", "mermaid"],
-                   help="default: from the file extension, else html")
+    s.add_argument("--format", choices=["html", "dot", "svg", "mermaid", "model-explorer"],
+                   help="default: from the file extension, else html; model-explorer: node "
+                   "data JSON for Google's Model Explorer (OUTPUT and OUTPUT's .rule.json)")
     s.set_defaults(func=_cmd_show)
 
     a = sub.add_parser("audit", help="list what works against mixed precision in a model "
@@ -360,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
                    help="backend the report inspects (default auto: TensorRT when it and a "
                    "GPU are there, else onnxruntime)")
+    e.add_argument("--model-explorer", metavar="FILE.json",
+                   help="also write Model Explorer node data for the ONNX file: planned "
+                   "precision to FILE.json, actual to FILE.actual.json (rule and reason go "
+                   "into the ONNX nodes' metadata)")
     e.set_defaults(func=_cmd_export)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")

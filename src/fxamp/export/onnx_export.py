@@ -16,13 +16,14 @@ import logging
 import os
 import tempfile
 import warnings
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
 from .. import __version__
 from ..fileio import atomic_directory
+from ..progress import shows
 from ..rewriter import plan_of
 from ..rewriter.pipeline import _as_tuple
 from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
@@ -130,15 +131,27 @@ def _torchscript_fx_node(node: Any, gm: fx.GraphModule, by_module: Dict[str, str
     return by_module.get(scope)
 
 
-def _scoped_fx_node(node: Any, by_module: Dict[str, str]) -> Optional[str]:
-    """The plan node of the innermost module scope the exporter recorded for ``node``."""
+def _scope_paths(node: Any) -> List[str]:
+    """The module paths of the scopes the dynamo exporter recorded for ``node``, outermost
+    first, without the root and the op itself. The exporter records each scope by its full
+    path (``['', 'bert', 'bert.encoder', ..., 'linear']``); scopes recorded as bare names
+    (``['', 'bert', 'encoder']``) are joined into paths."""
     scopes = get_meta(node, "pkg.torch.onnx.name_scopes")
     if not scopes or not scopes.startswith("["):
-        return None
+        return []
     parts = [s.strip(" '\"") for s in scopes.strip("[]").split(",")][:-1]
-    parts = [p for p in parts if p]
-    for end in range(len(parts), 0, -1):
-        hit = by_module.get(".".join(parts[:end]))
+    paths: List[str] = []
+    for part in (p for p in parts if p):
+        if paths and not part.startswith(paths[-1] + "."):
+            part = f"{paths[-1]}.{part}"  # a bare name: join it to its parent's path
+        paths.append(part)
+    return paths
+
+
+def _scoped_fx_node(node: Any, by_module: Dict[str, str]) -> Optional[str]:
+    """The plan node of the innermost module scope the exporter recorded for ``node``."""
+    for path in reversed(_scope_paths(node)):
+        hit = by_module.get(path)
         if hit is not None:
             return hit
     return None
@@ -161,13 +174,12 @@ def _annotate(model: Any, gm: fx.GraphModule, mapping: Optional[Dict[str, str]])
         p = plan.nodes.get(name)
         module = p.module if p is not None else ""
         if not module:
-            scopes = get_meta(node, "pkg.torch.onnx.name_scopes")
-            if scopes and scopes.startswith("["):
-                parts = [s.strip(" '\"") for s in scopes.strip("[]").split(",")]
-                module = ".".join(s for s in parts[:-1] if s)
+            paths = _scope_paths(node)
+            module = paths[-1] if paths else ""
         set_meta(node, MODULE, module)
 
 
+@shows(lambda gm, inputs, path, **k: f"ONNX export to {os.path.basename(path)}")
 def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                 opset: Optional[int] = None, exporter: str = "auto") -> str:
     """Export a model made by ``fxamp.amp_rewrite`` to ONNX; return ``path``.

@@ -20,9 +20,10 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
 from ..plan import RangeStats
-from ..policy import dtype_name
 from .. import ir
 from ..ir import Decision, Rule
+from ..policy import dtype_name
+from ..progress import track
 from .manager import PassContext
 from .rule import DecisionRule, rule_pass
 
@@ -63,7 +64,7 @@ def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any],
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     count = 0
     with torch.no_grad(), _reparametrize_module(gm, buffers, strict=False):
-        for batch in batches:
+        for batch in track(batches, "calibration", unit="batch"):
             batch = batch if isinstance(batch, (tuple, list)) else (batch,)
             recorder.run(*batch)
             count += 1

@@ -148,7 +148,8 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                                         torch.float32)
             for key, p in nested[name].nodes.items():
                 nodes[f"{name}/{key}"] = dataclasses.replace(
-                    p, module=f"{name}.{p.module}" if p.module else name)
+                    p, module=f"{name}.{p.module}" if p.module else name,
+                    reason=p.reason.replace(f"plan lines {key}/*", f"plan lines {name}/{key}/*"))
         else:
             nodes[name] = NodePrecision(dtype, Rule.RUNTIME, "not traceable: runs under "
                                         f"torch.autocast ({dtype_name(low)}) at run time",

@@ -280,12 +280,19 @@ def _plan_lines(nodes: Dict[str, Any]) -> List[Tuple[str, str, str]]:
     return [(name, p.module, p.op) for name, p in nodes.items()]
 
 
+def _nested_reason(reason: str, path: str, name: str) -> str:
+    """A nested plan line's reason under ``path/``: "its nodes are the plan lines name/*"
+    names them by their full plan names, ``path/name/*``."""
+    return reason.replace(f"plan lines {name}/*", f"plan lines {path}/{name}/*")
+
+
 def _plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
     """The plan lines of ``src``'s decided nodes, then each nested plan's under ``path/``."""
     nodes = {n.name: ir.precision(n) for n in src.graph.nodes if ir.precision(n)}
     for path, sub_plan in nested.items():
         nodes.update({f"{path}/{name}": dataclasses.replace(
-            p, module=f"{path}.{p.module}" if p.module else path)
+            p, module=f"{path}.{p.module}" if p.module else path,
+            reason=_nested_reason(p.reason, path, name))
             for name, p in sub_plan.nodes.items()})
     return nodes
 
