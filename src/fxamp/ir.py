@@ -57,6 +57,7 @@ class Rule(str, enum.Enum):
     RANGES = "ranges"          # calibration: values out of the low dtype's range
     PLACEMENT = "placement"    # casts moved to the cheaper side of a value-preserving op
     SEARCH = "search"          # the tolerance search
+    BISECT = "bisect"          # the bisection baseline of the search
 
     __hash__ = str.__hash__  # hashes as its word: {"user"} finds Rule.USER
 

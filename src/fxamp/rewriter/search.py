@@ -214,19 +214,19 @@ def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], 
     """Polygraphy-style baseline: bisect the shortest FP32 prefix, and the shortest FP32
     suffix, of the low-precision nodes in graph order; keep the smaller."""
     evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target)
-    error, gm = evaluate([], rule="bisect")
+    error, gm = evaluate([], rule=Rule.BISECT)
     if error <= rtol:
         return SearchResult(gm, [], evaluate.count, error, True, evaluate.history)
     order = _low_nodes(gm, evaluate.pol)
     found: List[Tuple[List[str], float, fx.GraphModule]] = []
     for part in (lambda m: order[:m], lambda m: order[len(order) - m:]):
-        e, g = evaluate(part(len(order)), rule="bisect")
+        e, g = evaluate(part(len(order)), rule=Rule.BISECT)
         if e > rtol:
             continue
         lo, hi, best = 0, len(order), (part(len(order)), e, g)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            e, g = evaluate(part(mid), rule="bisect")
+            e, g = evaluate(part(mid), rule=Rule.BISECT)
             if e <= rtol:
                 hi, best = mid, (part(mid), e, g)
             else:
