@@ -95,7 +95,9 @@ def test_heavy_ops_take_the_planned_dtype(exported, name):
     _, _, gm, path, _ = exported[name]
     plan = fxamp.plan_of(gm)
     model, types = _compute_inputs(path)
-    assert dict((p.key, p.value) for p in model.metadata_props)["fxamp.exporter"] == "dynamo"
+    meta = dict((p.key, p.value) for p in model.metadata_props)
+    assert meta["fxamp.exporter"] == "dynamo"
+    assert meta["fxamp.checked_inputs"] == "2"  # run against PyTorch on two inputs
     fp16, checked = onnx.TensorProto.FLOAT16, 0
     for node in model.graph.node:
         meta = {p.key: p.value for p in node.metadata_props}
@@ -279,7 +281,7 @@ def test_torchscript_exporter_fallback(tmp_path):
     gm = fxamp.amp_rewrite(model, inputs)
     path = export_onnx(gm, inputs, str(tmp_path / "ts.onnx"), exporter="torchscript")
     meta = {p.key: p.value for p in onnx.load(path).metadata_props}
-    assert meta["fxamp.exporter"] == "torchscript"
+    assert meta["fxamp.exporter"] == "torchscript" and meta["fxamp.checked_inputs"] == "2"
     check_numerics(path, model, inputs)
 
 

@@ -6,6 +6,7 @@ fxamp diff OLD NEW [--format text|markdown]
 fxamp check MODULE:FACTORY --plan FILE [--update]
 fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
 fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P]
+            [--frontend auto|fx|export] [--onnx FILE]
 fxamp export MODULE:FACTORY -o model.onnx [--report report.md] [--backend auto]
 fxamp demo
 fxamp --version
@@ -251,7 +252,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
     findings = audit(model, inputs, dtype=args.dtype or torch.float16, target=args.target,
-                     policy=args.policy)
+                     policy=args.policy, frontend=args.frontend, onnx=args.onnx)
     order = ("error", "warning", "info")
     shown = [f for f in findings if order.index(f.severity) <= order.index(args.min_severity)]
     for finding in shown:
@@ -375,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(a)
     a.add_argument("--min-severity", default="info", choices=["error", "warning", "info"],
                    help="show findings of this severity and above (default: all)")
+    a.add_argument("--onnx", metavar="FILE", help="also check this exported ONNX file (opset, "
+                   "dynamic batch axis)")
     a.set_defaults(func=_cmd_audit)
 
     e = sub.add_parser("export", help="rewrite, export to ONNX and report what a backend "

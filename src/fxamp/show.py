@@ -40,8 +40,33 @@ class ShownNode:
     inputs: List[str]
 
 
+def _eager_nodes(model: torch.nn.Module, plan: Plan) -> List[ShownNode]:
+    """The eager front end's result (its own forward is Python, so it has no graph): each
+    rewritten child's graph, its nodes named ``child/node``, and each child that runs under
+    torch.autocast at run time as one node (rule ``runtime``). Nothing links the children:
+    the Python forward that calls them is not a graph."""
+    out: List[ShownNode] = []
+    for name, p in plan.nodes.items():
+        if "/" in name:
+            continue
+        sub = getattr(model, name, None)
+        sub_plan = getattr(sub, "fxamp_plan", None)
+        if p.rule == "nested" and isinstance(sub_plan, Plan):
+            for n in shown_nodes(sub, sub_plan):
+                module = f"{name}.{n.module}" if n.module else name
+                out.append(ShownNode(f"{name}/{n.name}", n.op, module, n.dtype, n.rule,
+                                     n.reason, n.cast, [f"{name}/{i}" for i in n.inputs]))
+            continue
+        out.append(ShownNode(name, p.op, p.module or name, dtype_name(p.dtype), p.rule,
+                             p.reason, False, []))
+    return out
+
+
 def shown_nodes(gm: fx.GraphModule, plan: Plan) -> List[ShownNode]:
-    """The nodes of the rewritten graph (casts included) with their plan entries."""
+    """The nodes of the rewritten graph (casts included) with their plan entries; for the
+    eager front end's result, the nodes of its rewritten children (see ``_eager_nodes``)."""
+    if not isinstance(gm, fx.GraphModule):
+        return _eager_nodes(gm, plan)
     out: List[ShownNode] = []
     modules: Dict[str, str] = {}
     for node in gm.graph.nodes:

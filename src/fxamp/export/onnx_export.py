@@ -29,6 +29,7 @@ from ..rewriter.pipeline import _as_tuple
 from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
                       restore_tiny_adds, set_meta)
 from .report import ExportError
+from .verify import check_export
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
         kwargs["opset_version"] = opset
     with contextlib.redirect_stdout(io.StringIO()):
         program = torch.onnx.export(gm, inputs, **kwargs)
-    mapping = _fx_names(program.exported_program, gm)
+    mapping = (_fx_names(program.exported_program, gm) if isinstance(gm, fx.GraphModule)
+               else {})
     return program.model_proto, mapping, program.exported_program
 
 
@@ -184,7 +186,10 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                 opset: Optional[int] = None, exporter: str = "auto") -> str:
     """Export a model made by ``fxamp.amp_rewrite`` to ONNX; return ``path``.
 
-    The casts of the rewritten graph become ONNX Cast nodes and FP16 initializers (the weight
+    Before the file is written, the exported graph is run with onnxruntime and compared with
+    the rewritten model on the example inputs and a second, different input (see
+    :mod:`fxamp.export.verify`): a graph that disagrees (a traced value-dependent branch) is
+    refused with an ExportError. The casts of the rewritten graph become ONNX Cast nodes and FP16 initializers (the weight
     casts are constant-folded), FP32 islands stay FP32. The export is for inference: modules
     are put in eval mode for it (their flags are restored). ``exporter``: "auto" (dynamo, then
     TorchScript), "dynamo" or "torchscript".
@@ -226,9 +231,14 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     repaired = repair_types(model)
     eps_fixed = fix_eps(model)
     _annotate(model, gm, mapping)
+    # a traced graph (TorchScript) holds the branches the example took: check the file on a
+    # second input too; torch.export's graph is checked the same way (cheap insurance)
+    with _eval_mode(gm):
+        checked = check_export(model, gm, inputs, used)
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, "fxamp.plan": plan.to_text(),
             "fxamp.folded_weight_casts": str(folded), "fxamp.restored_eps_adds": str(restored),
-            "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed)}
+            "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed),
+            "fxamp.checked_inputs": str(checked)}
     if error:
         meta["fxamp.dynamo_error"] = error
     for key, value in meta.items():
