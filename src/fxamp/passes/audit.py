@@ -60,7 +60,7 @@ from ..errors import FxampError, source_line
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name, make_policy
 from ..rewriter import runtime
-from .. import ir
+from .. import ir, ops
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,7 @@ def _ops(node: fx.Node, gm: nn.Module) -> Tuple[str, ...]:
 
 
 def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else default
+    return ops.arg(node, name, index, default)
 
 
 def _finding(node: fx.Node, severity: str, code: str, message: str, fix: str) -> Finding:
