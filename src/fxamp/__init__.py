@@ -8,6 +8,7 @@ from .policy import Override, Policy  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
 from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
 from .passes.audit import Finding, audit  # noqa: E402
+from .rewriter.weight_cache import weight_cache_bytes  # noqa: E402
 from . import train  # noqa: E402
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
     "PlanFormatError", "ExampleInputError", "audit", "Finding", "train",
+    "weight_cache_bytes",
 ]
