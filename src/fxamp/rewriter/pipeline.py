@@ -19,7 +19,7 @@ from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
 from ..policy import Policy, dtype_name, make_policy, parse_compute_dtype
 from .eager_root import eager_root, submodule_calls
-from .export_front import export_trace, flat_inputs, plain_inputs_hook
+from .export_front import ShapeCheck, export_trace, flat_inputs, plain_inputs_hook
 from .hooks import (check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime,
                     without_root_hooks)
 from .inputs import check_example_inputs
@@ -114,7 +114,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                 policy: Union[None, str, Policy] = None,
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
-                frontend: str = "auto") -> fx.GraphModule:
+                frontend: str = "auto", dynamic_shapes: Any = None) -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule`` (for the "eager"
     front end, a copy of the model whose children are such modules).
 
@@ -128,6 +128,12 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     the example inputs; keyword arguments go in ``example_kwargs``) or "auto": fx, then
     export, then fx with the submodules neither can take kept as calls that run under
     torch.autocast (``rule="runtime"``). The plan header records which one took the model.
+
+    ``dynamic_shapes`` (torch.export's own spelling, passed to it) says which input
+    dimensions the export front end keeps symbolic; by default the batch (dim 0 of every
+    tensor input) and the sequence (dim 1 of integer inputs: token ids, masks), all others
+    static. A call of the result with another size on a static dimension raises
+    InputShapeError. (fx graphs take any size: the fx front end ignores it.)
 
     ``dtype`` defaults to float16 (or the policy's ``compute=``; the two must agree).
     When the rewrite fails, the model is run once in FP32 on the example inputs: if that
@@ -158,7 +164,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         with state.watch():
             try:
                 return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
-                               frontend=frontend)
+                               frontend=frontend, dynamic_shapes=dynamic_shapes)
             except Exception:
                 # when the FP32 model itself fails on the example inputs, that is the cause:
                 # report the model's own error, not the tracer's (checked only on failure:
@@ -228,7 +234,7 @@ def _refuse_hooks_in_export(model: nn.Module) -> None:
 
 
 def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
-                state: Optional[ModelState] = None
+                state: Optional[ModelState] = None, dynamic_shapes: Any = None
                 ) -> Tuple[fx.GraphModule, str, tuple, List[str]]:
     """(graph module, front end that took it, its placeholder values, runtime leaves).
     ``state`` (the model's snapshot) is restored after each front end that fails."""
@@ -236,7 +242,7 @@ def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend:
     if frontend == "export":
         _refuse_hooks_in_export(model)
         with without_root_hooks(model):
-            gm = export_trace(model, args, kwargs)
+            gm = export_trace(model, args, kwargs, dynamic_shapes=dynamic_shapes)
         return gm, "export", flat_inputs(gm, args, kwargs), []
     try:
         return trace(model, (), frontend), "fx", _fx_inputs(model, args, kwargs), []
@@ -248,7 +254,7 @@ def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend:
     try:
         _refuse_hooks_in_export(model)
         with without_root_hooks(model):
-            gm = export_trace(model, args, kwargs, "auto")
+            gm = export_trace(model, args, kwargs, "auto", dynamic_shapes)
         log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
         return gm, "export", flat_inputs(gm, args, kwargs), []
     except TraceError as err:
@@ -267,12 +273,14 @@ def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend:
 def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
             calibration_data: Union[None, Iterable[Any], Plan, Dict[str, RangeStats]] = None,
             fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None,
-            kwargs: Optional[Dict[str, Any]] = None, frontend: str = "auto") -> fx.GraphModule:
+            kwargs: Optional[Dict[str, Any]] = None, frontend: str = "auto",
+            dynamic_shapes: Any = None) -> fx.GraphModule:
     """The pipeline behind amp_rewrite. ``fixed`` maps node names to (dtype, rule, reason)
     decisions made outside the passes (the tolerance search). The top-level rewrite (not
     one nested in another) raises PolicyError when an override of ``pol`` matches no node."""
     with override_scope() as scope:
-        return _rewrite(model, inputs, pol, calibration_data, fixed, kwargs, frontend, scope)
+        return _rewrite(model, inputs, pol, calibration_data, fixed, kwargs, frontend, scope,
+                        dynamic_shapes)
 
 
 def _plan_lines(nodes: Dict[str, Any]) -> List[Tuple[str, str, str]]:
@@ -299,11 +307,13 @@ def _plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
 
 def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any,
              fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]],
-             kwargs: Optional[Dict[str, Any]], frontend: str, scope: Scope) -> fx.GraphModule:
+             kwargs: Optional[Dict[str, Any]], frontend: str, scope: Scope,
+             dynamic_shapes: Any = None) -> fx.GraphModule:
     kwargs = dict(kwargs or {})
     state = ModelState(model)
     try:
-        src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend, state)
+        src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend, state,
+                                               dynamic_shapes)
     except TraceError as err:
         state.restore()
         if frontend != "auto" or getattr(err, "module", "") or fixed or calibration_data:
@@ -329,7 +339,7 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
         log.warning("%s: torch.fx and torch.export cannot take %s; they run under "
                     "torch.autocast at run time (rule 'runtime')", type(model).__name__,
                     ", ".join(runtime))
-    inputs = flat
+    example, inputs = (inputs, kwargs), flat
     if taken == "export" and calibration_data is not None and not isinstance(
             calibration_data, (Plan, dict)):
         calibration_data = [flat_inputs(src, _as_tuple(batch), {})
@@ -354,6 +364,7 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
     complete_state(model, gm)
     copy_root_hooks(model, gm)
     if taken == "export":
+        gm.register_forward_pre_hook(ShapeCheck(src, model, *example), with_kwargs=True)
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
     return gm
 
