@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.passes.annotate import FIXED
+from fxamp import ir
 
 log = logging.getLogger(__name__)
 
@@ -227,4 +227,4 @@ def test_user_override_wins() -> None:
     gm = fxamp.amp_rewrite(model, inputs, target="cuda", policy="fp16:cat")
     cat = fxamp.plan_of(gm).nodes["cat"]
     assert (cat.rule, cat.inputs) == ("user", FP16)
-    assert FIXED not in gm.graph.find_nodes(op="call_function", target=torch.cat)[0].meta
+    assert ir.fixed(gm.graph.find_nodes(op="call_function", target=torch.cat)[0]) is None

@@ -356,6 +356,7 @@ class WithSubmodule(nn.Module):
 
 
 def test_pass_keeps_name_and_meta() -> None:
+    from fxamp.passes.manager import PassContext
     from fxamp.passes.softmax import stable_softmax
     from fxamp.policy import Policy
 
@@ -363,11 +364,11 @@ def test_pass_keeps_name_and_meta() -> None:
     src = fxamp_trace(model)
     old = next(n for n in src.graph.nodes if n.name == "truediv")
     meta = {k: old.meta.get(k) for k in ("stack_trace", "nn_module_stack")}
-    assert stable_softmax(src, Policy()).modified
+    assert stable_softmax(src, PassContext(Policy())).modified
     src.graph.lint()
     new = next(n for n in src.graph.nodes if n.name == "truediv")
     assert new.target is torch.softmax and new.args[1] == -1
     assert {k: new.meta.get(k) for k in meta} == meta
-    assert not stable_softmax(src, Policy()).modified  # nothing left to rewrite
+    assert not stable_softmax(src, PassContext(Policy())).modified  # nothing left to rewrite
     plan = fxamp.plan_of(fxamp.amp_rewrite(model, (torch.randn(2, 8),)))
     assert (plan.nodes["truediv"].module, plan.nodes["truediv"].rule) == ("attn", "softmax")

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
+from fxamp import ir
 from fxamp.demo import small_cnn
 from fxamp.show import DRAW_LIMIT, render, shown_nodes
 
@@ -52,7 +53,7 @@ def test_html_is_well_formed_and_names_every_node_with_its_reason():
     parser.feed(page)
     assert parser.errors == [] and parser.stack == []
     assert set(plan.nodes) <= set(parser.nodes)
-    casts = [n.name for n in gm.graph.nodes if n.meta.get("fxamp_cast")]
+    casts = [n.name for n in gm.graph.nodes if ir.is_cast(n)]
     assert casts and set(casts) <= set(parser.nodes)
     assert "layer_norm is on autocast&#x27;s fp32 list for cuda" in page
     assert "<svg" in page  # small graph: drawn

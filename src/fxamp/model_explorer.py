@@ -28,13 +28,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import FxampError
 from .fileio import atomic_write_text
+from .ir import Rule
 from .plan import NodePrecision, Plan
 from .policy import dtype_name
 from .show import COLOURS
 
 BITS = {"fp64": 64, "fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "-": 0}
-RULES = ["-", "autocast", "policy", "override", "runtime", "nested", "joins", "softmax", "loss",
-         "eps", "placement", "custom_ops", "bisect", "search", "other"]
+#: the rule codes drawn: "-" (no plan line), each plan rule (fxamp.ir.Rule), "other"
+RULES = ["-"] + [rule.value for rule in Rule] + ["other"]
 PROGRAM_GRAPH = "graph"  # the graph id of Model Explorer's PyTorch ExportedProgram adapter
 _NONE_COLOUR = COLOURS["-"]
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import ops as op_vocab
+
 LOWER = "lower"  # runs in the low-precision dtype
 FP32 = "fp32"  # runs in fp32
 FP32_OPT = "fp32_opt"  # runs in fp32 unless an explicit dtype is given
@@ -455,14 +457,14 @@ def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tupl
             return label, einsum_ops(node.args)
         return label, (name,)
     if fn in _INTERPOLATE:
-        mode = node.kwargs.get("mode", node.args[3] if len(node.args) > 3 else "nearest")
+        mode = op_vocab.arg(node, "mode", 3, "nearest")
         if fn is F.upsample_bilinear:
             mode = "bilinear"
         antialias = bool(node.kwargs.get("antialias", False))
         return label, interpolate_ops(mode if isinstance(mode, str) else "nearest", antialias)
     if fn is F.pad:
-        mode = node.kwargs.get("mode", node.args[2] if len(node.args) > 2 else "constant")
-        pad = node.kwargs.get("pad", node.args[1] if len(node.args) > 1 else ())
+        mode = op_vocab.arg(node, "mode", 2, "constant")
+        pad = op_vocab.arg(node, "pad", 1, ())
         return label, pad_ops(mode, len(pad) if isinstance(pad, (list, tuple)) else 0)
     if fn in RUNTIME_FUNCTIONS:
         return label, RUNTIME

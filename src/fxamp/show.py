@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 
 from .passes import fetch_attr
-from .passes.annotate import META
-from .passes.casts import CAST
+from . import ir
+from .ir import Rule
 from .plan import Plan
 from .policy import dtype_name
 
@@ -75,19 +75,19 @@ def shown_nodes(gm: fx.GraphModule, plan: Plan) -> List[ShownNode]:
         if node.op == "output":
             continue
         inputs = [a.name for a in node.all_input_nodes]
-        if node.meta.get(CAST):
+        if ir.is_cast(node):
             dtype = node.args[1] if len(node.args) > 1 else None
             name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else "-"
             source = modules.get(inputs[0], "") if inputs else ""
             out.append(ShownNode(node.name, "cast", source, name, "cast",
                                  f"cast to {name} for the ops that need it", True, inputs))
             continue
-        p = plan.nodes.get(node.name) or node.meta.get(META)
+        p = plan.nodes.get(node.name) or ir.precision(node)
         if p is None and node.op == "get_attr":
             value = fetch_attr(gm, str(node.target))
             if isinstance(value, torch.Tensor):
                 out.append(ShownNode(node.name, "get_attr", str(node.target).rpartition(".")[0],
-                                     dtype_name(value.dtype), "autocast",
+                                     dtype_name(value.dtype), Rule.AUTOCAST,
                                      "FP32 master weight or buffer", False, inputs))
                 continue
         if p is None:

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import FxampError
 from ..plan import Plan
+from ..ir import Rule
 from ..policy import dtype_name
 from .onnx_export import FX_NODE, MODULE
 from .repairs import NOTE, get_meta, value_types
@@ -86,7 +87,7 @@ def _planned(plan: Optional[Plan], fx_node: Optional[str], onnx_node: Any,
     if p is None:  # a cast fxamp inserted: "<value>_<dtype>"
         suffix = fx_node.rstrip("_").rpartition("_")[2]
         return suffix if suffix in ("fp16", "bf16", "fp32") else None
-    if p.rule == "runtime":  # torch.autocast decides per op inside it: nothing to compare
+    if p.rule == Rule.RUNTIME:  # torch.autocast decides per op inside it: nothing to compare
         return None
     want = p.inputs if p.inputs is not None else p.dtype
     if onnx_node.op_type == "Cast":  # a cast inside the node's lowering: lands on its dtype

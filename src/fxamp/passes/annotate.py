@@ -1,6 +1,6 @@
 """Annotate pass: autocast's op lists for the target decide each node's precision.
 
-For every node with a floating output it writes ``node.meta["fxamp"] = NodePrecision``.
+For every node with a floating output it records the plan line (``NodePrecision``) in the IR (``fxamp.ir``).
 The dtypes come from running the graph on fake tensors (no real compute, no state change)
 with each node's planned input casts applied, so a node on no list gets exactly the dtype
 its inputs give it, as under autocast.
@@ -14,37 +14,24 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            DynamicOutputShapeException, FakeTensorMode,
                                            unset_fake_temporarily)
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .. import oplists
+from .. import ir
+from ..ir import Decision, Rule
 from ..errors import UnsupportedModelError, node_error
-from ..plan import NodePrecision, Plan
+from ..plan import NodePrecision
 from ..policy import Policy, dtype_name
-from ..rewriter import overrides
 from ..rewriter.runtime import device_autocast, eligible
 from . import PassResult, observe
+from .autocast_rules import decide, make_rules, module_path
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
-META = "fxamp"
-VALUE = "fxamp_value"  # "tensor" | "seq": what kind of value carries the floating output
-SHAPE = "fxamp_shape"  # shape of the first floating tensor of the output
-FIXED = "fxamp_fixed"  # a numerics pass's Decision, honoured by later annotate runs
-
-
-def module_path(node: fx.Node) -> str:
-    """The module a node belongs to: its target for call_module, else the innermost module."""
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op == "get_attr":
-        return str(node.target).rpartition(".")[0]
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else ""
 
 
 def float_leaves(value: Any) -> List[torch.Tensor]:
@@ -67,94 +54,16 @@ def first_float(value: Any) -> Optional[torch.Tensor]:
     return leaves[0] if leaves else None
 
 
-class Decision:
-    """A node's planned input dtype, rule and reason, before its output dtype is known."""
-
-    __slots__ = ("inputs", "rule", "reason", "label", "runtime")
-
-    def __init__(self, inputs: Optional[torch.dtype], rule: str, reason: str, label: str,
-                 runtime: bool = False) -> None:
-        self.inputs, self.rule, self.reason = inputs, rule, reason
-        self.label, self.runtime = label, runtime
-
-
-def decide(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict,
-           policy: Policy) -> Decision:
-    """What autocast (or the policy) does with ``node`` given its input values."""
-    target, low = policy.target, policy.compute
-    if node.op == "placeholder":
-        return Decision(None, "autocast", "model input", "placeholder")
-    if node.op == "get_attr":
-        return Decision(None, "autocast", "FP32 master weight or buffer", "get_attr")
-    label, ops = oplists.node_ops(node, root)
-    path = module_path(node)
-    # "encoder.layer.0.*" covers the layer's own functional ops as well as its submodules
-    override = overrides.match(policy, *overrides.node_names(node.name, path, label))
-    if override is not None:
-        return Decision(override.dtype, "user", f"policy override {override}", label)
-    fixed = node.meta.get(FIXED)
-    if fixed is not None:
-        return Decision(fixed.inputs, fixed.rule, fixed.reason, label, fixed.runtime)
-    if node.op == "call_module" and node.target == "_guards_fn":
-        return Decision(None, "autocast", "torch.export's check of the input shapes", label)
-    if node.op == "call_module" and isinstance(
-            getattr(root.get_submodule(node.target), "fxamp_plan", None), Plan):
-        source = getattr(root.get_submodule(node.target), "fxamp_source", label)
-        # it was planned with the FP32 model's inputs: it gets FP32 inputs
-        return Decision(torch.float32, "nested", "rewritten on its own (a submodule the "
-                        "whole-model trace could not take), planned for FP32 inputs; its nodes "
-                        f"are the plan lines {node.target}/*", source)
-    if ops is oplists.RUNTIME:
-        return Decision(None, "runtime", "opaque call: torch.autocast decides inside it at "
-                        "run time", label, runtime=True)
-    category, op = oplists.category_of(ops, target)
-    if category == oplists.LOWER:
-        return Decision(low, "autocast",
-                        f"{op} is on autocast's lower-precision list for {target}", label)
-    if category == oplists.FP32:
-        return Decision(torch.float32, "autocast",
-                        f"{op} is on autocast's fp32 list for {target}", label)
-    if category == oplists.FP32_OPT:
-        explicit = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype)
-                                                          for a in args[1:])
-        if explicit:
-            return Decision(None, "autocast", f"{op} runs in the dtype it is given", label)
-        return Decision(torch.float32, "autocast",
-                        f"{op} runs in fp32 under autocast for {target} (no dtype given)", label)
-    if category == oplists.PROMOTE:
-        leaves, _ = tree_flatten((args, kwargs))
-        dtypes = [v.dtype for v in leaves if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        if node.op == "call_module":
-            dtypes += [p.dtype for p in root.get_submodule(node.target).parameters()
-                       if p.is_floating_point()]
-        widest = observe.widest(dtypes)
-        return Decision(widest, "autocast", f"{op} runs in the widest dtype of its inputs "
-                        f"({dtype_name(widest)}) under autocast for {target}", label)
-    if category == oplists.BANNED:
-        return Decision(None, "banned", f"{op} is unsafe in {dtype_name(low)} and "
-                        "torch.autocast refuses it", label)
-    return Decision(None, "autocast", "on no autocast list: follows its inputs", label)
-
-
-def fix(node: fx.Node, inputs: Optional[torch.dtype], rule: str, reason: str) -> bool:
-    """Record a numerics pass's decision for ``node``; True if it changed anything."""
-    new = Decision(inputs, rule, reason, "")
-    old = node.meta.get(FIXED)
-    if old is not None and (old.inputs, old.rule, old.reason) == (inputs, rule, reason):
-        return False
-    node.meta[FIXED] = new
-    return True
-
-
-def check_banned(gm: fx.GraphModule) -> None:
+def check_banned(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> PassResult:
     """Raise for any node still planned with a banned op (autocast refuses those too)."""
     for node in gm.graph.nodes:
-        p = node.meta.get(META)
-        if p is not None and p.rule == "banned":
+        p = ir.precision(node)
+        if p is not None and p.rule == Rule.BANNED:
             raise node_error(
                 UnsupportedModelError, node, p.reason,
                 "use binary_cross_entropy_with_logits / nn.BCEWithLogitsLoss on logits, or "
                 f"keep this node in FP32 with the policy override 'fp32:{node.name}'")
+    return PassResult(gm, modified=False)
 
 
 def _cast(dtype: Optional[torch.dtype]) -> Callable[[Any], Any]:
@@ -194,29 +103,47 @@ class _Simulator(fx.Interpreter):
     observed behaviour is the decision."""
 
     def __init__(self, gm: fx.GraphModule, policy: Policy, fake_mode: FakeTensorMode,
-                 home: torch.device) -> None:
+                 home: torch.device, memo: Optional[Dict[fx.Node, Any]] = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.policy = policy
         self.fake_mode = fake_mode
         self.home = home
         self.decisions: Dict[str, Tuple[Decision, Any]] = {}
+        self.rules = make_rules(gm, policy)
+        # node -> (its first decision and the identities of its input values, (decision,
+        # result)) from an earlier run of the same session: reused while both are unchanged
+        self.memo: Dict[fx.Node, Any] = {} if memo is None else memo
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op == "output":
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        d = decide(n, self.module, args, kwargs, self.policy)
+        d = decide(n, self.rules, args, kwargs)
+        key = (d, tuple(id(self.env[a]) for a in n.all_input_nodes))
+        hit = self.memo.get(n)
+        if hit is not None and hit[0] == key:  # same decision, same input values
+            self.decisions[n.name] = hit[1]
+            return hit[1][1]
+        d, result = self._decide_and_run(n, d, args, kwargs)
+        self.memo[n] = (key, (d, result))
+        self.decisions[n.name] = (d, result)
+        return result
+
+    def _decide_and_run(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict
+                        ) -> Tuple[Decision, Any]:
+        """Autocast's observed behaviour corrects the tables' decision ``d``; the node is run
+        on fake tensors with the decided input casts. (final decision, fake result)"""
         params = (dict(self.fetch_attr(n.target).named_parameters())
                   if n.op == "call_module" else {})
         values = observe.float_inputs(args, kwargs, params)
-        if d.rule == "autocast" and d.inputs is not None and values and not any(
+        if d.rule == Rule.AUTOCAST and d.inputs is not None and values and not any(
                 eligible(v) for v in values):
-            d = Decision(None, "autocast", "float64 inputs: torch.autocast leaves float64 "
+            d = Decision(None, Rule.AUTOCAST, "float64 inputs: torch.autocast leaves float64 "
                          "alone", d.label)
         obs = (self._observe(n, args, kwargs, params)
-               if n.op in _CALLS and d.rule == "autocast" and not d.runtime else None)
+               if n.op in _CALLS and d.rule == Rule.AUTOCAST and not d.runtime else None)
         if obs is not None and obs.banned:
-            d = Decision(None, "banned", f"{d.label} is unsafe in "
+            d = Decision(None, Rule.BANNED, f"{d.label} is unsafe in "
                          f"{dtype_name(self.policy.compute)}: torch.autocast refuses it "
                          f"({obs.message})", d.label)
         try:
@@ -241,7 +168,7 @@ class _Simulator(fx.Interpreter):
                 except Exception as err:  # noqa: BLE001
                     error = err
             if obs.inside or error is not None or self._differs(d, obs, values, result):
-                d = Decision(None, "runtime", f"torch.autocast({self.policy.target!r}) "
+                d = Decision(None, Rule.RUNTIME, f"torch.autocast({self.policy.target!r}) "
                              "casts inside this call, not only its inputs (observed): it "
                              "runs under torch.autocast at run time", d.label, runtime=True)
                 try:
@@ -257,8 +184,7 @@ class _Simulator(fx.Interpreter):
                 "check that the model runs under torch.autocast for this target and dtype, "
                 f"or keep the node in FP32 with the policy override 'fp32:{n.name}'"
             ) from error
-        self.decisions[n.name] = (d, result)
-        return result
+        return d, result
 
     def _observe(self, n: fx.Node, args: tuple, kwargs: dict,
                  params: Dict[str, torch.Tensor]) -> Optional[observe.Observation]:
@@ -309,7 +235,7 @@ class _Simulator(fx.Interpreter):
         dtype = obs.cast_dtype
         did = (f"casts its inputs to {dtype_name(dtype)}" if dtype is not None
                else "leaves its inputs as they are")
-        return Decision(dtype, "autocast", f"torch.autocast({target!r}) {did} (observed; "
+        return Decision(dtype, Rule.AUTOCAST, f"torch.autocast({target!r}) {did} (observed; "
                         f"the op tables said: {d.reason})", d.label)
 
     def _run(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
@@ -391,32 +317,50 @@ def _fake_inputs(mode: FakeTensorMode, example_inputs: tuple) -> tuple:
                     tuple(example_inputs))
 
 
-def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy) -> PassResult:
-    """Write ``node.meta["fxamp"]`` (and the value kind) on every node with a floating output."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        state = {name: mode.from_tensor(t) for name, t in
-                 list(gm.named_parameters(remove_duplicate=False))
-                 + list(gm.named_buffers(remove_duplicate=False))}
-        inputs = _fake_inputs(mode, example_inputs)
-        home = (observe.device_of(tuple(example_inputs))
-                or observe.device_of(list(state.values())) or torch.device("cpu"))
-        sim = _Simulator(gm, policy, mode, home)
+class FakeSession:
+    """One fake-tensor world per rewrite: the fake mode, the graph's parameters and inputs as
+    fakes, and each node's fake result. Annotating again with the same session re-executes
+    only the nodes whose decision or input values changed since the last run; the others
+    keep their results (so the graph's fake run happens once, then only what changed)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: tuple) -> None:
+        self.gm = gm
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with self.mode:
+            self.state = {name: self.mode.from_tensor(t) for name, t in
+                          list(gm.named_parameters(remove_duplicate=False))
+                          + list(gm.named_buffers(remove_duplicate=False))}
+            self.inputs = _fake_inputs(self.mode, example_inputs)
+        self.home = (observe.device_of(tuple(example_inputs))
+                     or observe.device_of(list(self.state.values())) or torch.device("cpu"))
+        self.memo: Dict[fx.Node, Any] = {}
+        self.runs = 0  # runs over the graph (the first executes every node)
+
+
+def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy,
+             session: Optional[FakeSession] = None) -> PassResult:
+    """Record the plan line, value kind and shape (``fxamp.ir``) of every node with a floating
+    output. ``session`` (made for this ``gm``) reuses the fake results of earlier runs."""
+    if session is None or session.gm is not gm:
+        session = FakeSession(gm, example_inputs)
+    session.runs += 1
+    with session.mode:
+        sim = _Simulator(gm, policy, session.mode, session.home, session.memo)
         # grad stays enabled, as in training: modules such as nn.MultiheadAttention take
         # the path they take when training (their inference fast path differs on fakes)
-        with _reparametrize_module(gm, state, tie_weights=True, strict=False):
-            sim.run(*inputs)
+        with _reparametrize_module(gm, session.state, tie_weights=True, strict=False):
+            sim.run(*session.inputs)
     for node in gm.graph.nodes:
-        for key in (META, VALUE, SHAPE):
-            node.meta.pop(key, None)
+        ir.clear_annotation(node)
         if node.name not in sim.decisions:
             continue
         d, result = sim.decisions[node.name]
         tensor = first_float(result)
         if tensor is None:
             continue
-        node.meta[META] = NodePrecision(
+        ir.set(node, precision=NodePrecision(
             dtype=tensor.dtype, rule=d.rule, reason=d.reason, op=d.label,
-            module=module_path(node), inputs=d.inputs)
-        node.meta[VALUE] = "tensor" if isinstance(result, torch.Tensor) else "seq"
-        node.meta[SHAPE] = tuple(tensor.shape)
+            module=module_path(node), inputs=d.inputs),
+            value="tensor" if isinstance(result, torch.Tensor) else "seq",
+            shape=tuple(tensor.shape))
     return PassResult(gm, modified=False)

@@ -60,8 +60,7 @@ from ..errors import FxampError, source_line
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name, make_policy
 from ..rewriter import runtime
-from .annotate import SHAPE
-from .casts import CAST
+from .. import ir, ops
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ def summary(findings: Sequence[Finding]) -> str:
 # ---------------------------------------------------------------------------------------
 def _origin(value: Any) -> Any:
     """``value`` with the casts fxamp inserted stripped off."""
-    while isinstance(value, fx.Node) and value.meta.get(CAST) and value.args:
+    while isinstance(value, fx.Node) and ir.is_cast(value) and value.args:
         value = value.args[0]
     return value
 
@@ -122,7 +121,7 @@ def _shape(value: Any, gm: nn.Module) -> Optional[Tuple[int, ...]]:
         return tuple(value.shape)
     if not isinstance(value, fx.Node):
         return None
-    shape = value.meta.get(SHAPE)
+    shape = ir.get(value).shape
     if shape is not None:
         return tuple(shape)
     if value.op == "get_attr":
@@ -161,9 +160,7 @@ def _ops(node: fx.Node, gm: nn.Module) -> Tuple[str, ...]:
 
 
 def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else default
+    return ops.arg(node, name, index, default)
 
 
 def _finding(node: fx.Node, severity: str, code: str, message: str, fix: str) -> Finding:
@@ -260,7 +257,7 @@ def _low_dtype_of(value: Any) -> Optional[torch.dtype]:
 
 def _explicit_cast(node: fx.Node) -> Optional[Tuple[str, torch.dtype]]:
     """(how it is written, dtype) when ``node`` casts to fp16/bf16 by hand."""
-    if node.meta.get(CAST):
+    if ir.is_cast(node):
         return None
     name = call_name(node)
     if node.op == "call_function" and oplists.is_aten(node.target):
@@ -366,7 +363,7 @@ def _is_tensor_operand(value: Any) -> bool:
     value = _origin(value)
     if not isinstance(value, fx.Node):
         return False
-    shape = value.meta.get(SHAPE)
+    shape = ir.get(value).shape
     return shape is not None and len(shape) > 0
 
 
@@ -549,7 +546,7 @@ def audit_graph(gm: fx.GraphModule, plan: Plan, policy: Policy) -> List[Finding]
     """
     findings: List[Finding] = []
     for node in gm.graph.nodes:
-        if node.meta.get(CAST) or node.op in ("placeholder", "output", "get_attr"):
+        if ir.is_cast(node) or node.op in ("placeholder", "output", "get_attr"):
             continue
         p = plan.nodes.get(node.name)
         ops = _ops(node, gm)

@@ -29,7 +29,7 @@ from ..oplists import module_label
 from ..plan import Plan
 from ..policy import Policy, dtype_name
 from .audit import Finding, audit_graph, eps_finding, module_eps
-from .casts import CAST
+from .. import ir
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _runtime_part(path: str, module: nn.Module, policy: Policy) -> List[Finding]
 def _output_dtype(node: Any, plan: Plan) -> Optional[torch.dtype]:
     if not isinstance(node, fx.Node):
         return None
-    if node.meta.get(CAST):
+    if ir.is_cast(node):
         dtype = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
         return dtype if isinstance(dtype, torch.dtype) else None
     p = plan.nodes.get(node.name)

@@ -1,4 +1,4 @@
-"""Casts pass: reads ``node.meta["fxamp"]`` and builds the explicit mixed-precision graph.
+"""Casts pass: reads the IR (``fxamp.ir``) and builds the explicit mixed-precision graph.
 
 Each node whose plan names an input dtype gets its floating inputs cast to it (one cast per
 value and dtype, reused by every consumer until the value is changed in place). Leaf modules
@@ -20,12 +20,13 @@ from ..policy import Policy, dtype_name
 from ..rewriter import runtime, weight_cache
 from ..rewriter.grad_mode import is_grad_mode_node
 from ..rewriter.hooks import has_call_hooks
-from . import PassResult, layout
-from .annotate import META, VALUE
+from . import PassResult
+from .. import ir
+from ..ir import Rule
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
-CAST = "fxamp_cast"  # meta flag on the cast nodes this pass inserts
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 _CONV_T = {nn.ConvTranspose1d: F.conv_transpose1d, nn.ConvTranspose2d: F.conv_transpose2d,
@@ -98,8 +99,8 @@ class _Builder:
     # -- casts -----------------------------------------------------------------------
     def cast(self, value: fx.Node, src: fx.Node, dtype: torch.dtype) -> fx.Node:
         """``value`` (the copy of ``src``) cast to ``dtype``, made once."""
-        plan = src.meta.get(META)
-        kind = src.meta.get(VALUE)
+        record = ir.get(src)
+        plan, kind = record.precision, record.value
         if plan is None or kind is None:
             return value
         if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
@@ -115,7 +116,7 @@ class _Builder:
             else:
                 node = self.graph.create_node("call_function", runtime.cast_tree,
                                               (value, dtype), {}, name)
-            node.meta[CAST] = True
+            ir.mark_cast(node)
             node.meta["stack_trace"] = src.meta.get("stack_trace")
             self.casts[key] = node
             self.n_casts += 1
@@ -147,7 +148,7 @@ class _Builder:
                                               dtype, name, tensor)
             else:
                 cast = self.graph.create_node("call_method", "to", (node, dtype), {}, name)
-            cast.meta[CAST] = True
+            ir.mark_cast(cast)
             self.casts[key] = cast
             self.n_casts += 1
         return self.casts[key]
@@ -161,12 +162,12 @@ class _Builder:
 
     # -- nodes -----------------------------------------------------------------------
     def copy(self, node: fx.Node) -> fx.Node:
-        plan = node.meta.get(META)
+        plan = ir.precision(node)
         dtype = plan.inputs if plan is not None else None
         if node.op == "output":
             return self.output(node)
         args, kwargs = self.mapped(node, dtype)
-        if plan is not None and plan.rule == "runtime":
+        if plan is not None and plan.rule == Rule.RUNTIME:
             new = self.runtime_call(node, args, kwargs)
         elif node.op == "call_module" and dtype is not None and self._needs_param_casts(
                 node, dtype):
@@ -230,7 +231,7 @@ class _Builder:
                                           node.name)
         fn = (node.target if node.op == "call_function"
               else getattr(torch.Tensor, str(node.target)))  # a tensor method: self first
-        wrapper = runtime.autocast_wrapper(fn, low, node.meta[META].op)
+        wrapper = runtime.autocast_wrapper(fn, low, ir.precision(node).op)
         return self.graph.create_node("call_function", wrapper, args, kwargs, node.name)
 
     def channels_last(self, value: fx.Node) -> fx.Node:
@@ -238,7 +239,7 @@ class _Builder:
         node = self.graph.create_node("call_method", "contiguous", (value,),
                                       {"memory_format": torch.channels_last},
                                       self.name(f"{value.name}_channels_last"))
-        node.meta[CAST] = True
+        ir.mark_cast(node)
         return node
 
     def output(self, node: fx.Node) -> fx.Node:
@@ -251,12 +252,13 @@ class _Builder:
         return self.graph.create_node("output", "output", args, {}, node.name, node.type)
 
 
-def insert_casts(src: fx.GraphModule, policy: Policy) -> PassResult:
+def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Build the rewritten GraphModule (sharing ``src``'s submodules and Parameters)."""
+    policy = ctx.policy
     builder = _Builder(src, policy)
-    # policy channels_last: conv weights in NHWC (in place), 4-D inputs converted on entry
-    nhwc = policy.channels_last and layout.weights_to_channels_last(src).modified
-    pending = layout.channels_last_inputs(src) if nhwc else []
+    # the inputs the layout pass marked are converted to channels_last on entry
+    pending = [n for n in src.graph.nodes
+               if n.op == "placeholder" and ir.get(n).layout == "channels_last"]
     last_input = [n for n in src.graph.nodes if n.op == "placeholder"][-1] if pending else None
     for node in src.graph.nodes:
         builder.env[node] = builder.copy(node)

@@ -11,13 +11,14 @@ functions listed in ``KNOWN_RUNTIME``.
 """
 from __future__ import annotations
 
+from typing import Dict
+
 import torch
 import torch.fx as fx
 
-from .. import oplists
-from ..policy import Policy
-from . import PassResult
-from .annotate import fix
+from .. import oplists, ops
+from ..ir import Decision, Rule
+from .rule import DecisionRule, rule_pass
 
 #: fx.wrap'ed library functions whose insides autocast handles correctly at run time
 KNOWN_RUNTIME = {
@@ -51,15 +52,22 @@ def is_custom(node: fx.Node) -> bool:
     return qualname not in KNOWN_RUNTIME
 
 
-def fence_custom_ops(gm: fx.GraphModule, policy: Policy) -> PassResult:
+class CustomOpsRule(DecisionRule):
     """Give opaque custom calls FP32 inputs. Runs before annotation (it needs no dtypes, and
     such a call may refuse low-precision inputs even in the fake run)."""
-    changed = False
-    for node in gm.graph.nodes:
-        label, ops = oplists.node_ops(node, gm) if node.op == "call_function" else ("", ())
-        if ops is not oplists.RUNTIME or not is_custom(node):
-            continue
-        changed |= fix(node, torch.float32, "custom_ops",
-                       f"{label} has no autocast rule: its floating inputs are cast to fp32 "
-                       "and it runs without autocast, as custom_fwd(cast_inputs=float32) does")
-    return PassResult(gm, modified=changed)
+
+    name = Rule.CUSTOM_OPS
+
+    def applies(self, node: fx.Node) -> bool:
+        return (node.op == "call_function" and ops.autocast_ops(node, self.gm)[1]
+                is oplists.RUNTIME and is_custom(node))
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        return {node: self.verdict(
+            torch.float32, f"{ops.label(node, self.gm)} has no autocast rule: its floating "
+            "inputs are cast to fp32 and it runs without autocast, as "
+            "custom_fwd(cast_inputs=float32) does")}
+
+
+#: the custom-ops pass: ``(gm, ctx) -> PassResult``
+fence_custom_ops = rule_pass(CustomOpsRule)

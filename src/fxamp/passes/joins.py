@@ -7,7 +7,7 @@ A join is ``torch.cat`` / ``torch.concat`` / ``torch.concatenate`` / ``torch.sta
 and ``torch.index_put`` / ``Tensor.index_put`` (the destination and the values; the indices
 are no floating input). In-place forms (``index_put_``, ``x[i] = v``) and calls with ``out=``
 are left alone. The dtypes of the floating inputs are read from each input node's plan
-(``meta[META].dtype``) after annotate; the widest is ``torch.promote_types`` over them, so
+(``ir.precision(node).dtype``) after annotate; the widest is ``torch.promote_types`` over them, so
 fp16 + bf16 gives fp32.
 
 What gets rule "joins" (decided here, recorded in the plan):
@@ -39,14 +39,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .. import oplists
+from .. import ir, oplists, ops
+from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
-from . import PassResult, observe
-from .annotate import META, fix
+from . import observe
+from .manager import PassContext
+from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
-RULE = "joins"
+RULE = Rule.JOINS
 
 _LIST_JOINS = (torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack,
                torch.vstack, torch.dstack)
@@ -67,23 +69,17 @@ def _kind(node: fx.Node) -> Optional[str]:
     return None
 
 
-def _arg(node: fx.Node, index: int, name: str) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name)
-
-
 def _operands(node: fx.Node, kind: str) -> List[Any]:
     """The arguments of a join that may be floating tensors, in argument order."""
     if kind == "list":
-        tensors = _arg(node, 0, "tensors")
+        tensors = ops.arg(node, "tensors", 0)
         return list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
     if kind == "where":
         if node.op == "call_method":  # x.where(condition, other)
-            return [node.args[0], _arg(node, 2, "other")]
-        return [_arg(node, 1, "input"), _arg(node, 2, "other")]
+            return [node.args[0], ops.arg(node, "other", 2)]
+        return [ops.arg(node, "input", 1), ops.arg(node, "other", 2)]
     # index_put(input, indices, values, accumulate): the indices are not floating
-    return [_arg(node, 0, "input"), _arg(node, 2, "values")]
+    return [ops.arg(node, "input", 0), ops.arg(node, "values", 2)]
 
 
 def _float_inputs(operands: List[Any], changed: Dict[fx.Node, torch.dtype]
@@ -95,7 +91,7 @@ def _float_inputs(operands: List[Any], changed: Dict[fx.Node, torch.dtype]
         if not isinstance(arg, fx.Node) or arg in seen:
             continue
         seen.add(arg)
-        plan = arg.meta.get(META)
+        plan = ir.precision(arg)
         if plan is not None:
             out.append((arg, changed.get(arg, plan.dtype)))
     return out
@@ -132,8 +128,8 @@ def _describe(inputs: List[Tuple[fx.Node, torch.dtype]]) -> str:
 def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
             changed: Dict[fx.Node, torch.dtype]) -> Optional[Tuple[torch.dtype, str]]:
     """(dtype, reason) when the join needs rule "joins", else None."""
-    plan = node.meta.get(META)
-    if plan is None or plan.rule in ("user", "runtime") or "out" in node.kwargs:
+    plan = ir.precision(node)
+    if plan is None or plan.rule in (Rule.USER, Rule.RUNTIME) or "out" in node.kwargs:
         return None
     inputs = _float_inputs(_operands(node, kind), changed)
     dtypes = [d for _, d in inputs]
@@ -152,7 +148,7 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
         if kind == "index_put":
             note = " (index_put requires one dtype)"
         return widest, f"joins {described} inputs: promoted to {dtype_name(widest)}{note}"
-    if promote and plan.rule == "autocast" and not _autocast_promotes(dtypes, policy.compute):
+    if promote and plan.rule == Rule.AUTOCAST and not _autocast_promotes(dtypes, policy.compute):
         verb = "promoted to" if len(set(dtypes)) > 1 else "kept in"
         return widest, (f"joins {described} inputs: {verb} {dtype_name(widest)} "
                         f"(torch.autocast for {policy.target} in {dtype_name(policy.compute)} "
@@ -160,21 +156,30 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
     return None
 
 
-def consistent_joins(gm: fx.GraphModule, policy: Policy) -> PassResult:
-    """Fix joins of mixed dtypes to the widest one (reads and writes node.meta only)."""
-    modified = False
-    changed: Dict[fx.Node, torch.dtype] = {}  # joins whose output dtype this pass changes
-    for node in gm.graph.nodes:
-        kind = _kind(node)
-        if kind is None:
-            continue
-        decided = _decide(node, kind, gm, policy, changed)
+class JoinsRule(DecisionRule):
+    """Joins of mixed dtypes get the widest one (see the module docstring). The rule
+    remembers, within one sweep, the joins whose output dtype it changes: a join fed by
+    such a join sees the new dtype."""
+
+    name = RULE
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        super().__init__(gm, ctx)
+        self.changed: Dict[fx.Node, torch.dtype] = {}
+
+    def applies(self, node: fx.Node) -> bool:
+        return _kind(node) is not None
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        decided = _decide(node, _kind(node), self.gm, self.policy, self.changed)
         if decided is None:
-            continue
+            return {}
         dtype, reason = decided
-        if fix(node, dtype, RULE, reason):
-            modified = True
-            log.debug("%s: %s", node.name, reason)
-        if node.meta[META].dtype != dtype:
-            changed[node] = dtype
-    return PassResult(gm, modified=modified)
+        log.debug("%s: %s", node.name, reason)
+        if ir.precision(node).dtype != dtype:
+            self.changed[node] = dtype
+        return {node: self.verdict(dtype, reason)}
+
+
+#: the joins pass: ``(gm, ctx) -> PassResult``
+consistent_joins = rule_pass(JoinsRule)

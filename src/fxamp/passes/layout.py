@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import PassResult, fetch_attr
-from .annotate import META, SHAPE, VALUE
+from .. import ir, ops
+from .manager import PassContext
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _conv_weights(gm: fx.GraphModule) -> List[torch.Tensor]:
             if isinstance(module, _CONV2D_MODULES):
                 weight = module.weight
         elif node.op == "call_function" and node.target in _CONV2D_FUNCTIONS:
-            arg = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+            arg = ops.arg(node, "weight", 1)
             if isinstance(arg, fx.Node) and arg.op == "get_attr":
                 weight = fetch_attr(gm, str(arg.target))
         if isinstance(weight, torch.Tensor) and weight.dim() == 4 and \
@@ -66,7 +67,18 @@ def weights_to_channels_last(gm: fx.GraphModule) -> PassResult:
     return PassResult(gm, modified=True)
 
 
+def channels_last(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """The layout pass (policy ``channels_last=on``): conv weights in channels_last memory
+    format (in place) and, when there are any, each 4-D floating input marked in the IR
+    (``layout="channels_last"``) for the casts pass to convert on entry."""
+    if not weights_to_channels_last(gm).modified:
+        return PassResult(gm, modified=False)
+    for node in channels_last_inputs(gm):
+        ir.set(node, layout="channels_last")
+    return PassResult(gm, modified=True)
+
+
 def channels_last_inputs(gm: fx.GraphModule) -> List[fx.Node]:
     """The placeholders whose value is a 4-D floating tensor (converted on entry)."""
-    return [n for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get(META) is not None
-            and n.meta.get(VALUE) == "tensor" and len(n.meta.get(SHAPE, ())) == 4]
+    return [n for n in gm.graph.nodes if n.op == "placeholder" and ir.precision(n) is not None
+            and ir.get(n).value == "tensor" and len((ir.get(n).shape or ())) == 4]

@@ -11,16 +11,16 @@ computed outside, ``Policy(output_dtype=...)`` decides the output dtype (FP32 by
 from __future__ import annotations
 
 import operator
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.fx as fx
 
 from .. import oplists
 from ..oplists import call_name
-from ..policy import Policy
-from . import PassResult
-from .annotate import META, SHAPE, fix
+from .. import ir
+from ..ir import Decision, Rule
+from .rule import DecisionRule, rule_pass
 
 LOSS_MODULES = tuple(cls for cls in oplists.MODULE_OPS if cls.__name__.endswith("Loss"))
 LOSS_FUNCTIONS = {fn for fn, ops in oplists.FUNCTION_OPS.items()
@@ -48,7 +48,7 @@ def _hand_written_chain(node: fx.Node) -> List[fx.Node]:
     """[reduction, ..., term op] when ``node`` reduces squared/abs/log terms to a scalar."""
     if node.op not in ("call_function", "call_method") or call_name(node) not in _REDUCE:
         return []
-    shape = node.meta.get(SHAPE)
+    shape = ir.get(node).shape
     if shape is None or len(shape) != 0:
         return []
     chain = [node]
@@ -67,24 +67,31 @@ def _hand_written_chain(node: fx.Node) -> List[fx.Node]:
     return []
 
 
-def loss_in_fp32(gm: fx.GraphModule, policy: Policy) -> PassResult:
-    """Fix losses to FP32 (reads the plan, writes fixed decisions)."""
-    changed = False
-    for node in gm.graph.nodes:
-        plan = node.meta.get(META)
-        if plan is None:
-            continue
-        if _is_loss_call(gm, node):
-            if plan.inputs != torch.float32 or plan.rule == "banned":
-                changed |= fix(node, torch.float32, "loss",
-                               f"{plan.op} is a loss: its inputs are cast to fp32")
-            continue
+class LossRule(DecisionRule):
+    """Losses in FP32: loss modules and functions get fp32 inputs; a hand-written loss
+    (squared / abs / log terms reduced to a scalar) runs in fp32 from its terms on."""
+
+    name = Rule.LOSS
+
+    def applies(self, node: fx.Node) -> bool:
+        return ir.precision(node) is not None
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        plan = ir.precision(node)
+        if _is_loss_call(self.gm, node):
+            if plan.inputs != torch.float32 or plan.rule == Rule.BANNED:
+                return {node: self.verdict(torch.float32,
+                                           f"{plan.op} is a loss: its inputs are cast to fp32")}
+            return {}
         chain = _hand_written_chain(node)
-        if chain and any(m.meta.get(META) is None or m.meta[META].dtype != torch.float32
+        if chain and any(ir.precision(m) is None or ir.precision(m).dtype != torch.float32
                          for m in chain):
-            term = chain[-1]
-            for member in chain:
-                changed |= fix(member, torch.float32, "loss",
-                               f"hand-written loss: {call_name(term)} terms reduced to a scalar "
-                               "run in fp32 (small terms underflow in the low dtype)")
-    return PassResult(gm, modified=changed)
+            d = self.verdict(torch.float32, f"hand-written loss: {call_name(chain[-1])} terms "
+                             "reduced to a scalar run in fp32 (small terms underflow in the "
+                             "low dtype)")
+            return {member: d for member in chain}
+        return {}
+
+
+#: the loss pass: ``(gm, ctx) -> PassResult``
+loss_in_fp32 = rule_pass(LossRule)

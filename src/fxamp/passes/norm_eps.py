@@ -14,8 +14,7 @@ InstanceNorm in fp16). The audit reports every tiny eps either way.
 from __future__ import annotations
 
 import logging
-import operator
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.fx as fx
@@ -23,31 +22,32 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..oplists import call_name, callable_label
+from .. import ir, ops
+from ..ir import Decision, Rule
+from ..oplists import callable_label
 from ..policy import Policy, dtype_name
-from . import PassResult, fetch_attr
-from .annotate import META, SHAPE, fix
+from . import fetch_attr
+from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
 NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
                 nn.modules.instancenorm._InstanceNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm")
                                                           else ())
-NORM_FUNCTIONS = {F.layer_norm: 4, F.group_norm: 4, F.instance_norm: 7, F.batch_norm: 7,
-                  getattr(F, "rms_norm", F.layer_norm): 3}  # value: positional index of eps
-# torch.export graphs: the ATen ops take eps at the same positions as the F.* functions
-NORM_FUNCTIONS.update({
-    torch.ops.aten.layer_norm.default: 4, torch.ops.aten.group_norm.default: 4,
-    torch.ops.aten.instance_norm.default: 7, torch.ops.aten.batch_norm.default: 7,
-    torch.ops.aten.rms_norm.default: 3})
+# fx and torch.export (ATen) spellings; eps is read by name through the op's schema
+NORM_FUNCTIONS = (F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm,
+                  getattr(F, "rms_norm", F.layer_norm),
+                  torch.ops.aten.layer_norm.default, torch.ops.aten.group_norm.default,
+                  torch.ops.aten.instance_norm.default, torch.ops.aten.batch_norm.default,
+                  torch.ops.aten.rms_norm.default)
 _REDUCTIONS = {"mean", "var", "sum", "std", "square"}
 _STATS_INPUTS = {"pow", "square", "mul", "sub", "abs", "__sub__", "__mul__", "__pow__"}
 _ROOTS = {"rsqrt", "sqrt", "reciprocal", "pow"}
-_ADDS = {operator.add, torch.add, "add", torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar}
+
 
 
 def _is_low(node: fx.Node, policy: Policy) -> bool:
-    plan = node.meta.get(META)
+    plan = ir.precision(node)
     return plan is not None and plan.dtype == policy.compute
 
 
@@ -63,13 +63,13 @@ def _eps_value(gm: fx.GraphModule, value: object) -> Optional[float]:
 
 def _stats_chain(node: fx.Node) -> List[fx.Node]:
     """The reduction feeding an eps addition and the elementwise ops feeding it."""
-    if node.op not in ("call_function", "call_method") or call_name(node) not in _REDUCTIONS:
+    if node.op not in ("call_function", "call_method") or ops.name(node) not in _REDUCTIONS:
         return []
     chain = [node]
     current = node
     for _ in range(3):
         src = current.args[0] if current.args else None
-        if not isinstance(src, fx.Node) or call_name(src) not in _STATS_INPUTS:
+        if not isinstance(src, fx.Node) or ops.name(src) not in _STATS_INPUTS:
             break
         chain.append(src)
         current = src
@@ -82,7 +82,7 @@ def _normalise_chain(add: fx.Node) -> List[fx.Node]:
     current = add
     while len(current.users) == 1:
         user = next(iter(current.users))
-        name = call_name(user)
+        name = ops.name(user)
         if name in _ROOTS:
             chain.append(user)
             current = user
@@ -93,25 +93,26 @@ def _normalise_chain(add: fx.Node) -> List[fx.Node]:
     return chain
 
 
-def _hand_written(gm: fx.GraphModule, policy: Policy) -> bool:
+def _hand_written(gm: fx.GraphModule, policy: Policy, node: fx.Node
+                  ) -> Dict[fx.Node, Decision]:
+    """An eps addition of a hand-written norm planned in the low dtype: its statistics,
+    the sum, the root and the normalising op in fp32."""
     tiny = torch.finfo(policy.compute).tiny
-    changed = False
-    for node in list(gm.graph.nodes):
-        if node.target not in _ADDS or len(node.args) < 2 or not _is_low(node, policy):
+    if not ops.is_call(node, ops.ADDS, ("add",)) or len(node.args) < 2 \
+            or not _is_low(node, policy):
+        return {}
+    for stat_arg, eps_arg in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        eps = _eps_value(gm, eps_arg)
+        if eps is None or not 0 < eps < tiny or not isinstance(stat_arg, fx.Node):
             continue
-        for stat_arg, eps_arg in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-            eps = _eps_value(gm, eps_arg)
-            if eps is None or not 0 < eps < tiny or not isinstance(stat_arg, fx.Node):
-                continue
-            stats = _stats_chain(stat_arg)
-            if not stats:
-                continue
-            reason = (f"eps={eps:g} added in {dtype_name(policy.compute)} is lost (below its "
-                      f"smallest normal {tiny:.2g}): this norm's statistics run in fp32")
-            for member in stats + [node] + _normalise_chain(node):
-                changed |= fix(member, torch.float32, "norm_eps", reason)
-            break
-    return changed
+        stats = _stats_chain(stat_arg)
+        if not stats:
+            continue
+        d = Decision(torch.float32, Rule.NORM_EPS,
+                     f"eps={eps:g} added in {dtype_name(policy.compute)} is lost (below its "
+                     f"smallest normal {tiny:.2g}): this norm's statistics run in fp32")
+        return {member: d for member in stats + [node] + _normalise_chain(node)}
+    return {}
 
 
 def _probe_finite(fn, shape: tuple, dtype: torch.dtype) -> Optional[bool]:
@@ -141,44 +142,54 @@ def _module_probe(module: nn.Module):  # type: ignore[no-untyped-def]
     return probe
 
 
-def _kernels(gm: fx.GraphModule, policy: Policy) -> bool:
+def _kernel(gm: fx.GraphModule, policy: Policy, node: fx.Node) -> Dict[fx.Node, Decision]:
+    """A norm module or function with a tiny eps whose kernel (probed) gives inf/NaN on a
+    constant input in the low dtype: in fp32."""
     tiny = torch.finfo(policy.compute).tiny
-    changed = False
-    for node in gm.graph.nodes:
-        if not _is_low(node, policy) or not node.args or not isinstance(node.args[0], fx.Node):
-            continue
-        shape = node.args[0].meta.get(SHAPE)
-        if shape is None:
-            continue
-        if node.op == "call_module":
-            module = gm.get_submodule(node.target)
-            if not isinstance(module, NORM_MODULES) or not 0 < module.eps < tiny:
-                continue
-            eps, label = module.eps, type(module).__name__
-            probe = _module_probe(module)
-        elif node.op == "call_function" and node.target in NORM_FUNCTIONS:
-            index = NORM_FUNCTIONS[node.target]
-            eps = node.kwargs.get("eps", node.args[index] if len(node.args) > index else None)
-            if not isinstance(eps, float) or not 0 < eps < tiny:
-                continue
-            label = callable_label(node.target)
-            args = [None if isinstance(a, fx.Node) else a for a in node.args[1:]]
-            kwargs = {k: None if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
-            fn = node.target
+    if not _is_low(node, policy) or not node.args or not isinstance(node.args[0], fx.Node):
+        return {}
+    shape = ir.get(node.args[0]).shape
+    if shape is None:
+        return {}
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, NORM_MODULES) or not 0 < module.eps < tiny:
+            return {}
+        eps, label = module.eps, type(module).__name__
+        probe = _module_probe(module)
+    elif ops.is_call(node, NORM_FUNCTIONS):
+        eps = ops.arg(node, "eps")
+        if not isinstance(eps, float) or not 0 < eps < tiny:
+            return {}
+        label = callable_label(node.target)
+        args = [None if isinstance(a, fx.Node) else a for a in node.args[1:]]
+        kwargs = {k: None if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
+        fn = node.target
 
-            def probe(x, fn=fn, args=args, kwargs=kwargs):  # type: ignore[no-untyped-def]
-                return fn(x, *args, **kwargs)
-        else:
-            continue
-        if _probe_finite(probe, shape, policy.compute) is False:
-            changed |= fix(node, torch.float32, "norm_eps",
-                           f"{label} with eps={eps:g} gives inf/NaN on a constant input in "
-                           f"{dtype_name(policy.compute)} (probed): statistics in fp32")
-    return changed
+        def probe(x, fn=fn, args=args, kwargs=kwargs):  # type: ignore[no-untyped-def]
+            return fn(x, *args, **kwargs)
+    else:
+        return {}
+    if _probe_finite(probe, shape, policy.compute) is False:
+        return {node: Decision(torch.float32, Rule.NORM_EPS,
+                               f"{label} with eps={eps:g} gives inf/NaN on a constant input "
+                               f"in {dtype_name(policy.compute)} (probed): statistics in fp32")}
+    return {}
 
 
-def norm_eps(gm: fx.GraphModule, policy: Policy) -> PassResult:
-    """Fix norms whose eps the low dtype would lose (reads the plan, writes decisions)."""
-    changed = _hand_written(gm, policy)
-    changed |= _kernels(gm, policy)
-    return PassResult(gm, modified=changed)
+class NormEpsRule(DecisionRule):
+    """Norms whose eps the low dtype would lose run in fp32 (see the module docstring):
+    hand-written eps additions and norm kernels that give inf/NaN when probed."""
+
+    name = Rule.NORM_EPS
+
+    def applies(self, node: fx.Node) -> bool:
+        return _is_low(node, self.policy)
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        return {**_hand_written(self.gm, self.policy, node),
+                **_kernel(self.gm, self.policy, node)}
+
+
+#: the norm eps pass: ``(gm, ctx) -> PassResult``
+norm_eps = rule_pass(NormEpsRule)

@@ -14,7 +14,7 @@ bytes in that dtype plus, when it needs a gradient, the mirrored cast of the gra
 backward; each (value, dtype) is cast once and reused by all consumers, modelled by one
 auxiliary node per value and direction. A tiny extra capacity against moving each free node
 makes ties keep autocast's choice, and the pass changes nothing unless the bytes cast per step
-strictly drop. Changed nodes are recorded with ``annotate.fix`` (``rule="placement"``); the
+strictly drop. Changed nodes are recorded with ``ir.fix`` (``rule="placement"``); the
 pipeline then propagates the dtypes again.
 
 Free are only follow ops known to behave the same in either dtype (an allowlist): data
@@ -43,15 +43,17 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import oplists
+from .. import ir, oplists, ops
+from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
-from . import PassResult, fetch_attr
-from .annotate import FIXED, META, SHAPE, VALUE, fix
+from . import fetch_attr
 from .casts import _mutated
+from .manager import PassContext
+from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
-RULE = "placement"
+RULE = Rule.PLACEMENT
 _FP32 = torch.float32
 
 # -- which follow ops are free ----------------------------------------------------------
@@ -113,12 +115,12 @@ def _kind_of(node: fx.Node, root: nn.Module) -> Optional[str]:
         except TypeError:  # unhashable target
             return None
         if node.target is F.interpolate:
-            mode = kwargs.get("mode", args[3] if len(args) > 3 else "nearest")
+            mode = ops.arg(node, "mode", 3, "nearest")
             if mode not in ("nearest", "nearest-exact"):
                 return None
         if node.target is F.pad:
-            mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
-            value = kwargs.get("value", args[3] if len(args) > 3 else None)
+            mode = ops.arg(node, "mode", 2, "constant")
+            value = ops.arg(node, "value", 3)
             if mode != "constant" or value not in (None, 0, 0.0):
                 return None
     else:
@@ -168,8 +170,8 @@ class _Model:
         #: value nodes in the cut: a floating tensor output in the low dtype or FP32
         self.values: Dict[fx.Node, torch.dtype] = {}
         for n in nodes:
-            p, kind = n.meta.get(META), n.meta.get(VALUE)
-            shape = n.meta.get(SHAPE)
+            p, kind = ir.precision(n), ir.get(n).value
+            shape = ir.get(n).shape
             if p is not None and kind == "tensor" and p.dtype in (self.low, _FP32) \
                     and shape is not None and all(type(d) is int for d in shape):
                 self.values[n] = p.dtype
@@ -209,8 +211,8 @@ class _Model:
     def _free_kind(self, n: fx.Node) -> Optional[str]:
         if n not in self.values or n.op not in ("call_function", "call_method", "call_module"):
             return None
-        p = n.meta[META]
-        if p.rule != "autocast" or p.inputs is not None or n.meta.get(FIXED) is not None:
+        p = ir.precision(n)
+        if p.rule != Rule.AUTOCAST or p.inputs is not None or ir.fixed(n) is not None:
             return None
         _, ops = oplists.node_ops(n, self.gm)
         if ops is oplists.RUNTIME or oplists.category_of(ops, self.policy.target)[0] \
@@ -219,7 +221,7 @@ class _Model:
         kind = _kind_of(n, self.gm)
         if kind is None:
             return None
-        floating = [a for a in n.all_input_nodes if a.meta.get(META) is not None]
+        floating = [a for a in n.all_input_nodes if ir.precision(a) is not None]
         if not floating or floating[0] not in self.values:
             return None
         if n.op == "call_function" and n.target is operator.getitem or \
@@ -253,7 +255,7 @@ class _Model:
 
     # -- costs --------------------------------------------------------------------------
     def numel(self, n: fx.Node) -> int:
-        return int(math.prod(n.meta[SHAPE]))
+        return int(math.prod(ir.get(n).shape))
 
     def cast_bytes(self, n: fx.Node, to: torch.dtype) -> int:
         """Bytes per step of casting value ``n`` (in the other dtype) to ``to``: the forward
@@ -289,8 +291,8 @@ class _Model:
             return out if out in (self.low, _FP32) else "pin"
         if u in self.free:
             return "free"
-        p = u.meta.get(META)
-        if p is not None and p.rule != "runtime" and p.inputs in (self.low, _FP32) \
+        p = ir.precision(u)
+        if p is not None and p.rule != Rule.RUNTIME and p.inputs in (self.low, _FP32) \
                 and not self._promotes(u):
             return p.inputs
         if _shape_only(u):
@@ -300,7 +302,7 @@ class _Model:
     def _promotes(self, u: fx.Node) -> bool:
         """An op on autocast's promote list: its dtype is the widest of its inputs', so it
         pins them (moving one would change it)."""
-        if u.meta[META].rule != "autocast" or u.op not in ("call_function", "call_method",
+        if ir.precision(u).rule != Rule.AUTOCAST or u.op not in ("call_function", "call_method",
                                                            "call_module"):
             return False
         _, ops = oplists.node_ops(u, self.gm)
@@ -416,25 +418,25 @@ def _groups(moved: List[fx.Node]) -> List[List[fx.Node]]:
     return [sorted(c, key=moved.index) for c in nx.connected_components(g)]
 
 
-def place_casts(gm: fx.GraphModule, policy: Policy) -> PassResult:
-    """Move free follow ops across the low/FP32 boundary where that casts fewer bytes per
-    step (a minimum s-t cut); record each change with ``fix(..., rule="placement")``."""
+def _verdicts(gm: fx.GraphModule, policy: Policy) -> Dict[fx.Node, Tuple[torch.dtype, str]]:
+    """The minimum cut's (dtype, reason) for each free node it moves or whose input it
+    moved; empty when autocast's placement is already cheapest."""
     model = _Model(gm, policy)
     if not model.free:
-        return PassResult(gm, modified=False)
+        return {}
     before = {v: model.values[v] for v in model.free}
     old_bytes, old_casts = model.cost(before)
     if old_bytes == 0:  # no cast touches a free node: nothing to gain
-        return PassResult(gm, modified=False)
+        return {}
     after = _solve(model)
     new_bytes, new_casts = model.cost(after)
     if new_bytes >= old_bytes:
         log.debug("placement: autocast's placement is already cheapest (%d bytes)", old_bytes)
-        return PassResult(gm, modified=False)
+        return {}
     log.info("placement: the casts around free ops move %s per step instead of %s",
              _fmt(new_bytes), _fmt(old_bytes))
     moved = [v for v in model.free if after[v] != before[v]]
-    modified = False
+    verdicts: Dict[fx.Node, Tuple[torch.dtype, str]] = {}
     for group in _groups(moved):
         touched = set(group) | {a for n in group for a in n.all_input_nodes}
         was = {c for c in old_casts if c[0] in touched}
@@ -445,15 +447,38 @@ def place_casts(gm: fx.GraphModule, policy: Policy) -> PassResult:
                if added else f"reusing casts made anyway instead of casting "
                f"{_describe(removed, model)}")
         for n in group:
-            reason = (f"runs in {dtype_name(after[n])} (autocast: {dtype_name(before[n])}): "
-                      f"{how} saves {_fmt(saved)} per training step (forward and backward)")
-            modified |= fix(n, after[n], RULE, reason)
+            verdicts[n] = (after[n], f"runs in {dtype_name(after[n])} (autocast: "
+                           f"{dtype_name(before[n])}): {how} saves {_fmt(saved)} per training "
+                           "step (forward and backward)")
     for n in model.free:  # unmoved free nodes whose inputs moved now cast them explicitly
         if after[n] == before[n] and any(after.get(a, model.values.get(a)) != after[n]
                                          for a in n.all_input_nodes if a in model.values):
             moved_in = [a for a in n.all_input_nodes if a in after and after[a] != after[n]]
-            modified |= fix(n, after[n], RULE,
-                            f"stays {dtype_name(after[n])} and casts its input "
-                            f"{', '.join(a.name for a in moved_in)}, which placement moved "
-                            f"to {dtype_name(after[moved_in[0]]) if moved_in else '?'}")
-    return PassResult(gm, modified=modified)
+            verdicts[n] = (after[n], f"stays {dtype_name(after[n])} and casts its input "
+                           f"{', '.join(a.name for a in moved_in)}, which placement moved "
+                           f"to {dtype_name(after[moved_in[0]]) if moved_in else '?'}")
+    return verdicts
+
+
+class PlacementRule(DecisionRule):
+    """Move free follow ops across the low/FP32 boundary where that casts fewer bytes per
+    step. The minimum s-t cut is solved once for the graph when the rule is made;
+    ``applies`` says whether the cut changes the node, ``decide`` gives its new dtype."""
+
+    name = RULE
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        super().__init__(gm, ctx)
+        self.verdicts = _verdicts(gm, self.policy)
+
+    def applies(self, node: fx.Node) -> bool:
+        return node in self.verdicts
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        dtype, reason = self.verdicts[node]
+        return {node: self.verdict(dtype, reason)}
+
+
+#: the placement pass: ``(gm, ctx) -> PassResult``; each change is recorded with
+#: ``rule="placement"``
+place_casts = rule_pass(PlacementRule)

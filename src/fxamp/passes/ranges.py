@@ -20,10 +20,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
 from ..plan import RangeStats
-from ..policy import Policy, dtype_name
+from .. import ir
+from ..ir import Decision, Rule
+from ..policy import dtype_name
 from ..progress import track
-from . import PassResult
-from .annotate import META, fix
+from .manager import PassContext
+from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
@@ -80,27 +82,43 @@ def _inputs_max(node: fx.Node, stats: Dict[str, RangeStats]) -> float:
     return max(values, default=0.0)
 
 
-def keep_in_range(gm: fx.GraphModule, policy: Policy,
-                  stats: Dict[str, RangeStats]) -> PassResult:
-    """Keep in FP32 the nodes whose values pass the low dtype's range (reads the plan)."""
-    low = policy.compute
-    limit = torch.finfo(low).max / MARGIN
-    changed = False
-    for node in gm.graph.nodes:
-        plan = node.meta.get(META)
-        s = stats.get(node.name)
-        if plan is None or s is None or node.op in ("placeholder", "get_attr"):
-            continue
-        out_max, in_max = s.max_abs, _inputs_max(node, stats)
+class RangesRule(DecisionRule):
+    """Keep in FP32 the nodes whose values pass the low dtype's range on calibration data.
+    The statistics: ``ctx.ranges`` if set (given, or collected by an earlier sweep), else
+    collected once from ``ctx.calibration`` (batches of placeholder values)."""
+
+    name = Rule.RANGES
+
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        super().__init__(gm, ctx)
+        if ctx.ranges is None:
+            data = ctx.calibration
+            ctx.ranges = ({} if data is None else dict(data) if isinstance(data, dict)
+                          else collect_ranges(gm, data, self.policy.compute))
+        self.stats = ctx.ranges
+        self.low = self.policy.compute
+        self.limit = torch.finfo(self.low).max / MARGIN
+
+    def applies(self, node: fx.Node) -> bool:
+        return (ir.precision(node) is not None and node.name in self.stats
+                and node.op not in ("placeholder", "get_attr"))
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        plan, s, low = ir.precision(node), self.stats[node.name], self.low
+        out_max, in_max = s.max_abs, _inputs_max(node, self.stats)
         if s.underflow > 0.5:
             log.warning("%s: %.0f%% of its non-zero values are below %s's smallest normal",
                         node.name, 100 * s.underflow, dtype_name(low))
         if plan.dtype != low and plan.inputs != low:
-            continue
-        if out_max > limit or in_max > limit:
-            which = "its output" if out_max > limit else "an input"
-            value = out_max if out_max > limit else in_max
-            changed |= fix(node, torch.float32, "ranges",
-                           f"{which} reaches {value:.3g} on calibration data, past "
-                           f"{dtype_name(low)}'s max {torch.finfo(low).max:.6g} / {MARGIN:g}")
-    return PassResult(gm, modified=changed)
+            return {}
+        if out_max > self.limit or in_max > self.limit:
+            which = "its output" if out_max > self.limit else "an input"
+            value = out_max if out_max > self.limit else in_max
+            return {node: self.verdict(
+                torch.float32, f"{which} reaches {value:.3g} on calibration data, past "
+                f"{dtype_name(low)}'s max {torch.finfo(low).max:.6g} / {MARGIN:g}")}
+        return {}
+
+
+#: the ranges pass: ``(gm, ctx) -> PassResult``
+keep_in_range = rule_pass(RangesRule)

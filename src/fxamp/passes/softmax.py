@@ -31,11 +31,14 @@ import torch.nn.functional as F
 
 from ..policy import Policy
 from . import PassResult
-from .annotate import FIXED, META, SHAPE, VALUE, fix
+from .. import ir, ops
+from ..ir import Decision, Rule, fix
+from .manager import PassContext
+from .rule import DecisionRule
 
 log = logging.getLogger(__name__)
 
-RULE = "softmax"
+RULE = Rule.SOFTMAX
 
 _aten = torch.ops.aten
 # torch.export graphs call the ATen overloads, with the same positional arguments
@@ -45,17 +48,9 @@ _SUM_FUNCS = (torch.sum, _aten.sum.dim_IntList)
 _DIV_FUNCS = (operator.truediv, torch.div, torch.true_divide, _aten.div.Tensor)
 _DIV_METHODS = ("div", "true_divide", "__truediv__")
 _SOFTMAX_FUNCS = (torch.softmax, F.softmax, torch.special.softmax, _aten.softmax.int)
-_PASS_META = (META, VALUE, SHAPE, FIXED)
 
 
-def _is_call(node: Any, funcs: Tuple[Callable, ...], methods: Tuple[str, ...]) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function":
-        return any(node.target is fn for fn in funcs)
-    if node.op == "call_method":
-        return node.target in methods
-    return False
+_is_call = ops.is_call
 
 
 def _unary_input(node: Any, funcs: Tuple[Callable, ...], method: str) -> Optional[fx.Node]:
@@ -83,18 +78,7 @@ def _int_dim(dim: Any) -> Optional[int]:
     return None
 
 
-def _bind(node: fx.Node, names: Tuple[str, ...], allowed: Tuple[str, ...]) -> Optional[Dict]:
-    """Positional args after the first bound to ``names`` plus kwargs; None if a kwarg is
-    unknown, given twice, or there are too many positional args."""
-    rest = node.args[1:]
-    if len(rest) > len(names):
-        return None
-    bound: Dict[str, Any] = dict(zip(names, rest))
-    for key, value in node.kwargs.items():
-        if key not in allowed or key in bound:
-            return None
-        bound[key] = value
-    return bound
+_bind = ops.bind
 
 
 def _sum_parts(node: Any) -> Optional[Tuple[fx.Node, int, bool]]:
@@ -218,11 +202,11 @@ def _rename(node: fx.Node, name: str) -> None:
     graph._graph_namespace._rename_object(node, name)
 
 
-def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match, policy: Policy) -> fx.Node:
+def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match) -> fx.Node:
     graph = gm.graph
     with graph.inserting_before(final):
         new = graph.call_function(match.target, match.args)
-    new.meta.update({k: v for k, v in final.meta.items() if k not in _PASS_META})
+    ir.copy_foreign_meta(final, new)
     final.replace_all_uses_with(new)
     name = final.name
     graph.erase_node(final)
@@ -230,21 +214,44 @@ def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match, policy: Policy) 
     for part in match.parts:  # consumers first: erasing one frees the next
         if not part._erased and not part.users:
             graph.erase_node(part)
-    reason = _reason(match, policy)
-    fix(new, torch.float32, RULE, reason)
-    log.debug("%s: %s", name, reason)
     return new
 
 
-def stable_softmax(gm: fx.GraphModule, policy: Policy) -> PassResult:
+class SoftmaxRule(DecisionRule):
+    """Hand-written softmax, log-softmax and log-sum-exp patterns become the fused call in
+    FP32 (a rewrite rule: ``decide`` gives the decision for the pattern's final node,
+    ``rewrite`` replaces the pattern by the call, which keeps the node's name)."""
+
+    name = RULE
+
+    def _match(self, node: fx.Node) -> Optional[_Match]:
+        return None if node._erased else _match_softmax(node) or _match_log(node, self.gm)
+
+    def applies(self, node: fx.Node) -> bool:
+        return self._match(node) is not None
+
+    def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
+        match = self._match(node)
+        assert match is not None
+        return {node: self.verdict(torch.float32, _reason(match, self.policy))}
+
+    def rewrite(self, node: fx.Node) -> fx.Node:
+        """Replace the pattern ending at ``node``; returns the new call node."""
+        match = self._match(node)
+        assert match is not None
+        return _replace(self.gm, node, match)
+
+
+def stable_softmax(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Rewrite the source graph's hand-written softmax patterns (before annotation)."""
+    rule = SoftmaxRule(gm, ctx)
     modified = False
     for node in list(gm.graph.nodes):
-        if node._erased:
+        if node._erased or not rule.applies(node):
             continue
-        match = _match_softmax(node) or _match_log(node, gm)
-        if match is None:
-            continue
-        _replace(gm, node, match, policy)
+        d = rule.decide(node)[node]
+        new = rule.rewrite(node)
+        fix(new, d.inputs, d.rule, d.reason)
+        log.debug("%s: %s", new.name, d.reason)
         modified = True
     return PassResult(gm, modified=modified)

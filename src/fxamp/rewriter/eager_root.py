@@ -25,6 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map
 
 from ..errors import FxampError
+from ..ir import Rule
 from ..oplists import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
@@ -141,7 +142,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
         label = module_label(model.get_submodule(name))
         dtype = value.dtype if value is not None else torch.float32
         if name in nested:
-            nodes[name] = NodePrecision(dtype, "nested", "rewritten on its own (the model's "
+            nodes[name] = NodePrecision(dtype, Rule.NESTED, "rewritten on its own (the model's "
                                         "forward is not traceable), planned for FP32 inputs; "
                                         f"its nodes are the plan lines {name}/*", label, name,
                                         torch.float32)
@@ -150,7 +151,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                     p, module=f"{name}.{p.module}" if p.module else name,
                     reason=p.reason.replace(f"plan lines {key}/*", f"plan lines {name}/{key}/*"))
         else:
-            nodes[name] = NodePrecision(dtype, "runtime", "not traceable: runs under "
+            nodes[name] = NodePrecision(dtype, Rule.RUNTIME, "not traceable: runs under "
                                         f"torch.autocast ({dtype_name(low)}) at run time",
                                         label, name)
     header = dict(header, frontend="eager")

@@ -104,7 +104,7 @@ def mark_hooked_runtime(gm: fx.GraphModule) -> List[str]:
     """Make every call of a hooked submodule a runtime call (run under autocast at run
     time, hooks and all); return their paths."""
     from ..oplists import module_label
-    from ..passes.annotate import FIXED, Decision
+    from .. import ir
 
     marked = []
     for node in gm.graph.nodes:
@@ -112,9 +112,9 @@ def mark_hooked_runtime(gm: fx.GraphModule) -> List[str]:
             continue
         module = gm.get_submodule(str(node.target))
         if has_call_hooks(module):
-            node.meta[FIXED] = Decision(
-                None, "runtime", "has hooks (" + ", ".join(hook_names(module)) + "): called "
+            ir.set(node, fixed=ir.Decision(
+                None, ir.Rule.RUNTIME, "has hooks (" + ", ".join(hook_names(module)) + "): called "
                 "as a module under torch.autocast at run time so they run as in the model",
-                module_label(module), runtime=True)
+                module_label(module), runtime=True))
             marked.append(str(node.target))
     return marked

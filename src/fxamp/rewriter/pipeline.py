@@ -12,31 +12,25 @@ import torch.nn as nn
 
 from .. import __version__, oplists
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
-from ..passes import custom_ops, joins, loss, norm_eps, softmax
-from ..passes.annotate import META, annotate, check_banned, fix
-from ..passes.ranges import collect_ranges, keep_in_range
-from ..passes.casts import insert_casts
-from ..passes.placement import place_casts
+from .. import ir
+from ..ir import fix
+from ..passes import PassResult
+from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
 from ..policy import Policy, dtype_name, make_policy, parse_compute_dtype
 from .eager_root import eager_root, submodule_calls
-from .export_front import (ShapeCheck, export_trace, flat_inputs, plain_inputs_hook,
-                          quiet_torch_logs)
+from .export_front import ShapeCheck, export_trace, flat_inputs, plain_inputs_hook
 from .hooks import (check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime,
                     without_root_hooks)
 from .inputs import check_example_inputs
 from .overrides import Scope, check_matched, override_scope
+from .pass_list import annotate_step, pass_list
 from .state import ModelState, report_side_effects
 from .state_dict import complete_state
 from .trace import trace
 
 log = logging.getLogger(__name__)
 
-#: passes that run on the traced graph before it is annotated (they need no dtypes)
-GRAPH_PASSES = (softmax.stable_softmax, custom_ops.fence_custom_ops)
-#: numerics passes, in order: each reads the plan in node.meta and fixes decisions; the
-#: dtypes are propagated again after each pass that changed something
-NUMERICS_PASSES = (norm_eps.norm_eps, loss.loss_in_fp32, joins.consistent_joins)
 
 #: front ends amp_rewrite can trace with; "auto" tries fx, then export, then partial fx
 FRONTENDS = ("auto", "fx", "export")
@@ -302,7 +296,7 @@ def _nested_reason(reason: str, path: str, name: str) -> str:
 
 def _plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
     """The plan lines of ``src``'s decided nodes, then each nested plan's under ``path/``."""
-    nodes = {n.name: n.meta[META] for n in src.graph.nodes if n.meta.get(META)}
+    nodes = {n.name: ir.precision(n) for n in src.graph.nodes if ir.precision(n)}
     for path, sub_plan in nested.items():
         nodes.update({f"{path}/{name}": dataclasses.replace(
             p, module=f"{path}.{p.module}" if p.module else path,
@@ -355,28 +349,14 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
         if node is None:
             raise FxampError(f"no node named {name!r} in the traced graph")
         fix(node, dtype, rule, reason)
-    if pol.numerics:
-        for graph_pass in GRAPH_PASSES:
-            if graph_pass(src, pol).modified:
-                src.graph.lint()
-                src.recompile()
-    _annotate(src, inputs, pol, state)
-    if scope.top and pol.overrides:  # every node is decided: fail before the costly passes
-        check_matched(pol, scope, _plan_lines(_plan_nodes(src, nested)))
-    if pol.numerics:
-        for numerics_pass in NUMERICS_PASSES:
-            if numerics_pass(src, pol).modified:
-                log.debug("%s changed decisions", numerics_pass.__name__)
-                _annotate(src, inputs, pol, state)
-    stats = _ranges(src, calibration_data, pol)
-    if stats and keep_in_range(src, pol, stats).modified:
-        _annotate(src, inputs, pol, state)
-    if pol.placement and place_casts(src, pol).modified:
-        _annotate(src, inputs, pol, state)
-    check_banned(src)
-    gm = insert_casts(src, pol).graph_module  # GraphModule() compiled it already
-    gm.graph.lint()
-    plan = Plan(nodes=_plan_nodes(src, nested), header=_header(pol, taken, leaves, nested), ranges=stats)
+    ctx = PassContext(pol, inputs, calibration=_calibration(calibration_data),
+                      ranges=_given_ranges(calibration_data),
+                      annotate=lambda gm, ctx: annotate_step(gm, ctx, state))
+    steps = pass_list(lambda gm, ctx: _check_overrides(gm, pol, scope, nested))
+    gm = PassManager(steps)(src, ctx).graph_module  # GraphModule() compiled it already
+    stats = ctx.ranges or {}
+    plan = Plan(nodes=_plan_nodes(src, nested), header=_header(pol, taken, leaves, nested),
+                ranges=stats)
     setattr(gm, _PLAN_ATTR, plan)
     gm.fxamp_source = oplists.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
@@ -389,30 +369,28 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
     return gm
 
 
-def _annotate(src: fx.GraphModule, inputs: tuple, pol: Policy, state: ModelState) -> None:
-    """annotate's fake run, with torch's fake-tensor logging kept from the user and the
-    model's attributes restored after it (hooks run on fake tensors there)."""
-    grad = torch.is_grad_enabled()
-    try:
-        with quiet_torch_logs():
-            annotate(src, inputs, pol)
-    except FxampError as err:  # fx's notes ("While executing ..., Use tlparse") are noise
-        if hasattr(err, "__notes__"):
-            del err.__notes__
-        raise
-    finally:
-        torch.set_grad_enabled(grad)
-        state.restore()
+def _check_overrides(gm: fx.GraphModule, pol: Policy, scope: Scope,
+                     nested: Dict[str, Plan]) -> PassResult:
+    """The top-level rewrite raises PolicyError for an override that matches no node."""
+    if scope.top:
+        check_matched(pol, scope, _plan_lines(_plan_nodes(gm, nested)))
+    return PassResult(gm, modified=False)
 
 
-def _ranges(src: fx.GraphModule, data: Any, pol: Policy) -> Dict[str, RangeStats]:
+def _given_ranges(data: Any) -> Optional[Dict[str, RangeStats]]:
+    """The range statistics given as a Plan or a dict (None: collected from batches)."""
     if data is None:
         return {}
     if isinstance(data, Plan):
         return dict(data.ranges)
     if isinstance(data, dict):
         return dict(data)
-    return collect_ranges(src, data, pol.compute)
+    return None
+
+
+def _calibration(data: Any) -> Any:
+    """Calibration batches to collect ranges from (None when statistics were given)."""
+    return None if data is None or isinstance(data, (Plan, dict)) else data
 
 
 def _copy_training_flags(model: nn.Module, gm: fx.GraphModule) -> None:

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import FxampError
+from ..ir import Rule
 from ..policy import Policy, dtype_name, make_policy
 from ..progress import advance, shows, track
 from .pipeline import _as_tuple, _check_model, plan_of, rewrite
@@ -73,7 +74,7 @@ class _Evaluator:
         self.count = 0
         self.history: List[Tuple[int, float]] = []
 
-    def __call__(self, nodes: Sequence[str], rule: str = "search",
+    def __call__(self, nodes: Sequence[str], rule: str = Rule.SEARCH,
                  reasons: Optional[Dict[str, str]] = None) -> Tuple[float, fx.GraphModule]:
         reasons = reasons or {}
         fixed = {n: (torch.float32, rule, reasons.get(n, "kept in fp32 to meet the tolerance"))
@@ -92,7 +93,7 @@ class _Evaluator:
 def _low_nodes(gm: fx.GraphModule, pol: Policy) -> List[str]:
     plan = plan_of(gm)
     return [name for name, p in plan.nodes.items()
-            if p.dtype == pol.compute and p.rule not in ("user", "runtime")]
+            if p.dtype == pol.compute and p.rule not in (Rule.USER, Rule.RUNTIME)]
 
 
 class _LocalError(fx.Interpreter):
@@ -213,19 +214,19 @@ def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], 
     """Polygraphy-style baseline: bisect the shortest FP32 prefix, and the shortest FP32
     suffix, of the low-precision nodes in graph order; keep the smaller."""
     evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target)
-    error, gm = evaluate([], rule="bisect")
+    error, gm = evaluate([], rule=Rule.BISECT)
     if error <= rtol:
         return SearchResult(gm, [], evaluate.count, error, True, evaluate.history)
     order = _low_nodes(gm, evaluate.pol)
     found: List[Tuple[List[str], float, fx.GraphModule]] = []
     for part in (lambda m: order[:m], lambda m: order[len(order) - m:]):
-        e, g = evaluate(part(len(order)), rule="bisect")
+        e, g = evaluate(part(len(order)), rule=Rule.BISECT)
         if e > rtol:
             continue
         lo, hi, best = 0, len(order), (part(len(order)), e, g)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            e, g = evaluate(part(mid), rule="bisect")
+            e, g = evaluate(part(mid), rule=Rule.BISECT)
             if e <= rtol:
                 hi, best = mid, (part(mid), e, g)
             else:

@@ -1,9 +1,9 @@
 """Low-precision weight copies kept across forwards, re-cast only when a weight changed.
 
 The rewritten graph casts each FP32 Parameter it computes with in low precision through
-:func:`cast_weight` (one node per weight and dtype, ``meta["fxamp_cast"]``). With the policy
-``weights=cached`` (the default) the cast is kept in a :class:`WeightCache` (a submodule
-``fxamp_weight_cache`` of the GraphModule, without parameters or buffers) and reused while the
+:func:`cast_weight` (one node per weight and dtype, marked as a cast in the IR:
+``ir.is_cast``). With the policy ``weights=cached`` (the default) the cast is kept in a
+:class:`WeightCache` (a submodule ``fxamp_weight_cache`` of the GraphModule, without parameters or buffers) and reused while the
 Parameter is unchanged: same object, same version counter (bumped by every in-place change:
 optimizer steps, ``load_state_dict``, ``copy_``), same storage, dtype, device, shape and
 strides. So eval loops, repeated forwards and the micro-batches of a gradient-accumulation

@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from ..errors import FxampError, source_line
-from ..passes.casts import CAST
+from .. import ir
 from ..plan import Plan
 from ..policy import dtype_name
 from ..rewriter import plan_of
@@ -137,7 +137,7 @@ def _blame(gm: fx.GraphModule, plan: Plan, name: str) -> Optional[fx.Node]:
     node = nodes.get(name)
     if node is None or name in plan.nodes:
         return node
-    if node.meta.get(CAST) or node.op == "get_attr":
+    if ir.is_cast(node) or node.op == "get_attr":
         for user in node.users:
             if user.name in plan.nodes:
                 return user

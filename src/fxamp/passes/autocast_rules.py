@@ -1,0 +1,216 @@
+"""The rules annotate asks for each node during its fake run, in order; the first that
+applies decides (:func:`decide`).
+
+Each is a :class:`~fxamp.passes.rule.DecisionRule`; unlike the decision rules run after
+annotate, ``decide`` also gets the node's input values (fake tensors), because autocast's
+promote and fp32-unless-a-dtype lists depend on them.
+
+1. :class:`GraphInputRule` — placeholders and get_attr (FP32 master weights) stay as they are;
+2. :class:`UserOverrideRule` — a policy override (``fp32:encoder.*``) wins (rule "user");
+3. :class:`FixedRule` — a decision an earlier rule recorded in the IR (``ir.fix``);
+4. :class:`GuardsRule` — torch.export's input-shape check;
+5. :class:`NestedRule` — a submodule rewritten on its own gets FP32 inputs (rule "nested");
+6. :class:`RuntimeRule` — an opaque call runs under torch.autocast at run time;
+7. :class:`AutocastRule` — autocast's op tables for the target (always applies: last).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple, Type
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from .. import ir, oplists
+from ..ir import Decision, Rule
+from ..plan import Plan
+from ..policy import Policy, dtype_name
+from ..rewriter import overrides
+from . import observe
+from .manager import PassContext
+from .rule import DecisionRule
+
+
+def module_path(node: fx.Node) -> str:
+    """The module a node belongs to: its target for call_module, else the innermost module."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "get_attr":
+        return str(node.target).rpartition(".")[0]
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+class AnnotateRule(DecisionRule):
+    """A rule annotate asks during the fake run (``decide`` gets the input values)."""
+
+    def decide(self, node: fx.Node, args: tuple = (), kwargs: Optional[dict] = None
+               ) -> Dict[fx.Node, Decision]:
+        return {node: self.decision(node, args, kwargs or {})}
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        """The node's decision (its op label included)."""
+        raise NotImplementedError
+
+    def label(self, node: fx.Node) -> str:
+        return oplists.node_ops(node, self.gm)[0]
+
+
+class GraphInputRule(AnnotateRule):
+    """Model inputs and FP32 master weights or buffers are left as they are."""
+
+    name = Rule.AUTOCAST
+
+    def applies(self, node: fx.Node) -> bool:
+        return node.op in ("placeholder", "get_attr")
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        if node.op == "placeholder":
+            return Decision(None, self.name, "model input", "placeholder")
+        return Decision(None, self.name, "FP32 master weight or buffer", "get_attr")
+
+
+class UserOverrideRule(AnnotateRule):
+    """A policy override matching the node's name, module path or op label."""
+
+    name = Rule.USER
+
+    def _override(self, node: fx.Node) -> Optional[Tuple[object, str]]:
+        label = self.label(node)
+        # "encoder.layer.0.*" covers the layer's own functional ops as well as its submodules
+        found = overrides.match(self.policy, *overrides.node_names(node.name, module_path(node),
+                                                                   label))
+        return None if found is None else (found, label)
+
+    def applies(self, node: fx.Node) -> bool:
+        return bool(self.policy.overrides) and self._override(node) is not None
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        found = self._override(node)
+        assert found is not None
+        override, label = found
+        return Decision(override.dtype, self.name,  # type: ignore[attr-defined]
+                        f"policy override {override}", label)
+
+
+class FixedRule(AnnotateRule):
+    """A decision a rule recorded in the IR: numerics, ranges, placement, search, hooks."""
+
+    name = Rule.AUTOCAST  # (the recorded decision carries its own rule)
+
+    def applies(self, node: fx.Node) -> bool:
+        return ir.fixed(node) is not None
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        fixed = ir.fixed(node)
+        assert fixed is not None
+        return Decision(fixed.inputs, fixed.rule, fixed.reason, self.label(node), fixed.runtime)
+
+
+class GuardsRule(AnnotateRule):
+    """torch.export's check of the input shapes computes nothing."""
+
+    name = Rule.AUTOCAST
+
+    def applies(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and node.target == "_guards_fn"
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        return Decision(None, self.name, "torch.export's check of the input shapes",
+                        self.label(node))
+
+
+class NestedRule(AnnotateRule):
+    """A submodule rewritten on its own, planned for FP32 inputs: it gets FP32 inputs."""
+
+    name = Rule.NESTED
+
+    def applies(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and isinstance(
+            getattr(self.gm.get_submodule(node.target), "fxamp_plan", None), Plan)
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        source = getattr(self.gm.get_submodule(node.target), "fxamp_source", self.label(node))
+        return Decision(torch.float32, self.name, "rewritten on its own (a submodule the "
+                        "whole-model trace could not take), planned for FP32 inputs; its nodes "
+                        f"are the plan lines {node.target}/*", source)
+
+
+class RuntimeRule(AnnotateRule):
+    """An opaque call (a module or function fxamp cannot see into) runs under
+    torch.autocast at run time."""
+
+    name = Rule.RUNTIME
+
+    def applies(self, node: fx.Node) -> bool:
+        return oplists.node_ops(node, self.gm)[1] is oplists.RUNTIME
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        return Decision(None, self.name, "opaque call: torch.autocast decides inside it at "
+                        "run time", self.label(node), runtime=True)
+
+
+class AutocastRule(AnnotateRule):
+    """torch.autocast's op tables for the target: lower precision, fp32, fp32 unless a
+    dtype is given, promote to the widest input, banned; on no list: follows its inputs."""
+
+    name = Rule.AUTOCAST
+
+    def applies(self, node: fx.Node) -> bool:
+        return True
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        target, low = self.policy.target, self.policy.compute
+        label, ops = oplists.node_ops(node, self.gm)
+        category, op = oplists.category_of(ops, target)
+        if category == oplists.LOWER:
+            return Decision(low, self.name,
+                            f"{op} is on autocast's lower-precision list for {target}", label)
+        if category == oplists.FP32:
+            return Decision(torch.float32, self.name,
+                            f"{op} is on autocast's fp32 list for {target}", label)
+        if category == oplists.FP32_OPT:
+            explicit = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype)
+                                                              for a in args[1:])
+            if explicit:
+                return Decision(None, self.name, f"{op} runs in the dtype it is given", label)
+            return Decision(torch.float32, self.name,
+                            f"{op} runs in fp32 under autocast for {target} (no dtype given)",
+                            label)
+        if category == oplists.PROMOTE:
+            leaves, _ = tree_flatten((args, kwargs))
+            dtypes = [v.dtype for v in leaves
+                      if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            if node.op == "call_module":
+                dtypes += [p.dtype for p in self.gm.get_submodule(node.target).parameters()
+                           if p.is_floating_point()]
+            widest = observe.widest(dtypes)
+            return Decision(widest, self.name, f"{op} runs in the widest dtype of its inputs "
+                            f"({dtype_name(widest)}) under autocast for {target}", label)
+        if category == oplists.BANNED:
+            return Decision(None, Rule.BANNED, f"{op} is unsafe in {dtype_name(low)} and "
+                            "torch.autocast refuses it", label)
+        return Decision(None, self.name, "on no autocast list: follows its inputs", label)
+
+
+#: in order: the first rule that applies decides
+ANNOTATE_RULES: Tuple[Type[AnnotateRule], ...] = (
+    GraphInputRule, UserOverrideRule, FixedRule, GuardsRule, NestedRule, RuntimeRule,
+    AutocastRule)
+
+
+def make_rules(root: nn.Module, policy: Policy) -> Tuple[AnnotateRule, ...]:
+    """The annotate rules for one graph module and policy."""
+    ctx = PassContext(policy)
+    return tuple(cls(root, ctx) for cls in ANNOTATE_RULES)  # type: ignore[arg-type]
+
+
+def decide(node: fx.Node, rules: Tuple[AnnotateRule, ...], args: tuple, kwargs: dict
+           ) -> Decision:
+    """What autocast (or the policy, or an earlier rule) does with ``node`` given its input
+    values: the decision of the first rule that applies."""
+    for rule in rules:
+        if rule.applies(node):
+            return rule.decision(node, args, kwargs)
+    raise AssertionError("AutocastRule applies to every node")

@@ -1,0 +1,73 @@
+"""The pass list of a rewrite (``pass_list``) and its annotate step (``annotate_step``).
+
+Each pass is ``(gm, ctx) -> PassResult`` (``passes/manager.py``); ``amp_rewrite`` runs this
+list with a ``PassManager``. docs/architecture.md ("The pass list") describes each step.
+"""
+from __future__ import annotations
+
+from typing import Callable, List
+
+import torch
+import torch.fx as fx
+
+from ..errors import FxampError
+from ..passes import PassResult, custom_ops, joins, layout, loss, norm_eps, softmax
+from ..passes.annotate import FakeSession, annotate, check_banned
+from ..passes.casts import insert_casts
+from ..passes.manager import PassContext, Step, fixpoint
+from ..passes.placement import place_casts
+from ..passes.ranges import keep_in_range
+from .export_front import quiet_torch_logs
+from .state import ModelState
+
+
+def pass_list(check_overrides: Callable[[fx.GraphModule, PassContext], PassResult]
+              ) -> List[Step]:
+    """The passes of a rewrite, in order (each ``(gm, ctx) -> PassResult``; see
+    ``passes/manager.py``). The annotate step is ``ctx.annotate``; the decision steps
+    re-run it after each change, and are swept to a fixpoint."""
+    def numerics(ctx: PassContext) -> bool:
+        return ctx.policy.numerics
+
+    def annotate_step(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        assert ctx.annotate is not None
+        return ctx.annotate(gm, ctx)
+    return [
+        # graph rewrites before any dtype is known
+        Step("softmax", softmax.stable_softmax, numerics, rewrites=True),
+        Step("custom_ops", custom_ops.fence_custom_ops, numerics),
+        # the one fake run: every node's dtype under autocast (and the decisions so far)
+        Step("annotate", annotate_step),
+        # every node is decided: an override that matches nothing fails before the costly
+        # passes
+        Step("overrides", check_overrides, lambda ctx: bool(ctx.policy.overrides)),
+        fixpoint("decide", [
+            Step("norm_eps", norm_eps.norm_eps, numerics, decides=True),
+            Step("loss", loss.loss_in_fp32, numerics, decides=True),
+            Step("joins", joins.consistent_joins, numerics, decides=True),
+            Step("ranges", keep_in_range, decides=True),
+        ]),
+        Step("placement", place_casts, lambda ctx: ctx.policy.placement, decides=True),
+        Step("banned", check_banned),
+        Step("layout", layout.channels_last, lambda ctx: ctx.policy.channels_last),
+        Step("casts", insert_casts),
+    ]
+
+
+def annotate_step(src: fx.GraphModule, ctx: PassContext, state: ModelState) -> PassResult:
+    """annotate's fake run (one FakeSession per rewrite: later runs re-execute only the
+    nodes whose decision or inputs changed), with torch's fake-tensor logging kept from the
+    user and the model's attributes restored after it (hooks run on fake tensors there)."""
+    grad = torch.is_grad_enabled()
+    try:
+        with quiet_torch_logs():
+            if ctx.session is None or ctx.session.gm is not src:
+                ctx.session = FakeSession(src, ctx.inputs)
+            return annotate(src, ctx.inputs, ctx.policy, ctx.session)
+    except FxampError as err:  # fx's notes ("While executing ..., Use tlparse") are noise
+        if hasattr(err, "__notes__"):
+            del err.__notes__
+        raise
+    finally:
+        torch.set_grad_enabled(grad)
+        state.restore()
