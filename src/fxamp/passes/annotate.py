@@ -25,8 +25,8 @@ from .. import oplists
 from ..errors import UnsupportedModelError, node_error
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
-from ..rewriter import overrides
-from ..rewriter.runtime import device_autocast, eligible
+from .. import overrides
+from ..runtime import device_autocast, eligible
 from . import PassResult, observe
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,10 @@
 """Audit: a check pass that changes nothing. It lists what in a model works against mixed
 precision, each finding with the node, its source line, the numbers and what to do.
 
-``audit(model, example_inputs)`` rewrites the model with :func:`fxamp.amp_rewrite` (so the
-decisions are exactly the rewrite's) and reads the plan and the rewritten graph, whose nodes
-keep the source names, shapes and stack traces; ``audit_graph`` does the reading.
+``fxamp.audit(model, example_inputs)`` (in ``rewriter/audit.py``, the layer above) rewrites
+the model with :func:`fxamp.amp_rewrite` (so the decisions are exactly the rewrite's) and
+hands the plan and the rewritten graph, whose nodes keep the source names, shapes and stack
+traces, to ``audit_graph`` here, which does the reading.
 
 Finding codes (stable):
 
@@ -41,7 +42,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -51,10 +52,10 @@ import torch.nn.functional as F
 from .. import oplists
 from ..oplists import call_name
 from . import fetch_attr
-from ..errors import FxampError, source_line
+from ..errors import source_line
 from ..plan import NodePrecision, Plan
-from ..policy import Policy, dtype_name, make_policy
-from ..rewriter import runtime
+from ..policy import Policy, dtype_name
+from .. import runtime
 from .annotate import SHAPE
 from .casts import CAST
 
@@ -510,44 +511,3 @@ def audit_graph(gm: fx.GraphModule, plan: Plan, policy: Policy) -> List[Finding]
         findings.extend(f for f in checks if f is not None)
     log.debug("audit: %d findings", len(findings))
     return findings
-
-
-def _banned_nodes(model: nn.Module, target: str) -> List[str]:
-    """Names of the traced model's nodes on autocast's banned list for ``target``."""
-    from ..rewriter.trace import trace
-
-    src = trace(model)
-    names = []
-    for node in src.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        _, ops = oplists.node_ops(node, src)
-        if ops and oplists.category_of(ops, target)[0] == oplists.BANNED:
-            names.append(node.name)
-    return names
-
-
-def audit(model: nn.Module, example_inputs: Union[Sequence[Any], Any], *,
-          dtype: torch.dtype = torch.float16, target: str = "cuda",
-          policy: Union[None, str, Policy] = None) -> List[Finding]:
-    """Audit ``model`` for mixed precision: a list of :class:`Finding`, changing nothing.
-
-    The model is rewritten with :func:`fxamp.amp_rewrite` as asked (the rewrite shares the
-    model's Parameters and leaves the model as it was) and the rewritten graph is read. A model
-    the rewrite refuses for a banned op is rewritten again with an ``fp32:<node>`` override per
-    banned node, so those are reported rather than raised.
-    """
-    from ..rewriter import amp_rewrite, plan_of
-
-    pol = make_policy(policy, dtype, target)
-    try:
-        gm = amp_rewrite(model, example_inputs, policy=pol)
-    except FxampError as err:
-        banned = _banned_nodes(model, pol.target) if isinstance(model, nn.Module) else []
-        if not banned:
-            raise
-        log.info("audit: the rewrite refused %s (%s); auditing with FP32 overrides for them",
-                 ", ".join(banned), str(err).splitlines()[0])
-        patched = Policy.parse(",".join(f"fp32:{name}" for name in banned), base=pol)
-        gm = amp_rewrite(model, example_inputs, policy=patched)
-    return audit_graph(gm, plan_of(gm), pol)

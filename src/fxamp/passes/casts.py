@@ -17,9 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..policy import Policy, dtype_name
-from ..rewriter import runtime
-from ..rewriter.grad_mode import is_grad_mode_node
-from ..rewriter.hooks import has_call_hooks
+from .. import runtime
+from ..runtime import has_call_hooks, is_grad_mode_node
 from . import PassResult, layout
 from .annotate import META, VALUE
 

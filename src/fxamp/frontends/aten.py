@@ -29,12 +29,11 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
+from .common import training_flags, warn_one_mode
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
-from .trace import trace_error
+from .fx import trace_error
 
 log = logging.getLogger(__name__)
-
-_GUARDS = "_guards_fn"
 
 
 def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
@@ -300,13 +299,8 @@ def _follow_mode(gm: fx.GraphModule, aligned: _Alignment) -> None:
 
 def _export_in_mode(model: nn.Module, train: bool, args: tuple,
                     kwargs: Dict[str, Any], frontend: str = "export") -> fx.GraphModule:
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        model.train(train)
+    with training_flags(model, train):
         return _export(model, args, kwargs, frontend)
-    finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
-        for m, flag in flags:
-            m.training = flag
 
 
 def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
@@ -330,9 +324,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
     gm, other = (first, second) if mode else (second, first)
     aligned = _align(gm.graph, other.graph)
     if aligned is None:
-        log.warning("%s exports differently in train and eval mode: the rewritten graph "
-                    "keeps the %s-mode behaviour; rewrite again after switching modes",
-                    type(model).__name__, "train" if mode else "eval")
+        warn_one_mode(model, "exports")
         return first
     _follow_mode(gm, aligned)
     return gm
@@ -363,9 +355,3 @@ def plain_containers(value: Any) -> Any:
 def plain_inputs_hook(_module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
     """A forward pre-hook giving an exported graph its inputs with plain dicts."""
     return plain_containers(tuple(args)), plain_containers(dict(kwargs))
-
-
-def is_exported(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` came from the export front end (its call_functions are ATen ops)."""
-    return getattr(gm, "_in_spec", None) is not None
-
