@@ -19,7 +19,7 @@ from ..passes.ranges import collect_ranges, keep_in_range
 from ..passes.casts import insert_casts
 from ..passes.placement import place_casts
 from ..overrides import Scope, check_matched, override_scope
-from ..plan import Plan, RangeStats
+from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
 from ..policy import Policy
 from ..frontends import trace_model
 from ..frontends.aten import flat_inputs, plain_inputs_hook, quiet_torch_logs
@@ -38,7 +38,7 @@ GRAPH_PASSES = (softmax.stable_softmax, custom_ops.fence_custom_ops)
 #: dtypes are propagated again after each pass that changed something
 NUMERICS_PASSES = (norm_eps.norm_eps, loss.loss_in_fp32, joins.consistent_joins)
 
-_PLAN_ATTR = "fxamp_plan"
+_PLAN_ATTR = PLAN_ATTR
 _POLICY_ATTR = "fxamp_policy"
 
 
@@ -104,15 +104,6 @@ def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str]
         setattr(src.get_submodule(parent) if parent else src, name, sub)
         nested[path] = plan_of(sub)
     return nested
-
-
-def plan_of(gm: nn.Module) -> Plan:
-    """The Plan that amp_rewrite used to make ``gm``."""
-    plan = getattr(gm, _PLAN_ATTR, None)
-    if not isinstance(plan, Plan):
-        raise FxampError(f"{type(gm).__name__} was not made by fxamp.amp_rewrite; "
-                         "what to do: call fxamp.amp_rewrite(model, example_inputs) first")
-    return plan
 
 
 def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
