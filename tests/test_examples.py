@@ -13,12 +13,54 @@ def run(*args):
 
 
 def test_quickstart_trains_and_prints_the_plan():
-    r = run("examples/quickstart.py")
+    """On CPU, fp16: the GradScaler really scales (a bare GradScaler() would warn and
+    disable itself there), the loss falls, no warning is printed."""
+    r = run("-W", "error::UserWarning", "examples/quickstart.py", "--device", "cpu")
     assert r.returncode == 0, r.stderr
+    assert "device cpu, fp16, GradScaler enabled: True" in r.stdout
+    scales = [float(m) for m in re.findall(r"scale (\d+)", r.stdout)]
+    assert scales and min(scales) > 1  # scaled: 65536, not the disabled scaler's 1.0
     losses = [float(m) for m in re.findall(r"loss (\d+\.\d+)", r.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0]
-    assert "# fxamp precision plan v2" in r.stdout
-    assert "layer_norm is on autocast's fp32 list for cuda" in r.stdout
+    assert "# fxamp precision plan v2" in r.stdout and "target=cpu" in r.stdout
+    assert "linear is on autocast's lower-precision list for cpu" in r.stdout
+
+
+def _quickstart():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples" / "quickstart.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # main() runs only as a script
+    return module
+
+
+def test_quickstart_scaler_per_device_and_dtype():
+    import torch
+    qs = _quickstart()
+    assert qs.make_scaler(torch.device("cpu"), torch.float16).is_enabled()
+    assert not qs.make_scaler(torch.device("cpu"), torch.bfloat16).is_enabled()
+    if torch.cuda.is_available():
+        assert qs.make_scaler(torch.device("cuda"), torch.float16).is_enabled()
+
+
+def test_quickstart_rewrites_on_meta():
+    """The quickstart's model on the meta device (no data, no compute): rewritten with the
+    lists of the target, its gradients FP32 meta tensors. (GradScaler itself reads values
+    with .item(), which meta tensors do not have.)"""
+    import torch
+    import torch.nn.functional as F
+    qs = _quickstart()
+    meta = torch.device("meta")
+    model, gm = qs.build(meta, torch.float16, target="cuda")
+    x, y = torch.randn(32, 64, device=meta), torch.randint(0, 10, (32,), device=meta)
+    F.cross_entropy(gm(x), y).backward()
+    assert all(p.device.type == "meta" and p.grad.dtype == torch.float32
+               for p in model.parameters())
+    import fxamp
+    plan = fxamp.plan_of(gm)
+    assert plan.header["policy"] == "compute=fp16,target=cuda"
+    assert [p.dtype for p in plan.nodes.values() if p.module in ("0", "2", "5")] == [
+        torch.float16, torch.float32, torch.float16]  # linear fp16, layer_norm fp32 (cuda)
 
 
 def test_demo_trains_with_gradscaler():
@@ -72,3 +114,8 @@ def test_frontends_example():
     assert "# nested: shape=export gate=eager" in r.stdout
     err = float(re.search(r"max \|rewritten - fp32\|: (\S+)", r.stdout).group(1))
     assert err < 0.05  # two bf16 linears on unit-scale values
+    names = [line.split()[0] for line in r.stdout.splitlines() if line and line[0] != "#"]
+    pointers = re.findall(r"its nodes are the plan lines (\S+)/\*", r.stdout)
+    assert len(pointers) == 3  # shape, gate and gate's lin: each names real plan lines
+    for prefix in pointers:
+        assert any(n.startswith(prefix + "/") for n in names), prefix

@@ -95,7 +95,9 @@ def test_heavy_ops_take_the_planned_dtype(exported, name):
     _, _, gm, path, _ = exported[name]
     plan = fxamp.plan_of(gm)
     model, types = _compute_inputs(path)
-    assert dict((p.key, p.value) for p in model.metadata_props)["fxamp.exporter"] == "dynamo"
+    meta = dict((p.key, p.value) for p in model.metadata_props)
+    assert meta["fxamp.exporter"] == "dynamo"
+    assert meta["fxamp.checked_inputs"] == "2"  # run against PyTorch on two inputs
     fp16, checked = onnx.TensorProto.FLOAT16, 0
     for node in model.graph.node:
         meta = {p.key: p.value for p in node.metadata_props}
@@ -279,7 +281,7 @@ def test_torchscript_exporter_fallback(tmp_path):
     gm = fxamp.amp_rewrite(model, inputs)
     path = export_onnx(gm, inputs, str(tmp_path / "ts.onnx"), exporter="torchscript")
     meta = {p.key: p.value for p in onnx.load(path).metadata_props}
-    assert meta["fxamp.exporter"] == "torchscript"
+    assert meta["fxamp.exporter"] == "torchscript" and meta["fxamp.checked_inputs"] == "2"
     check_numerics(path, model, inputs)
 
 
@@ -395,3 +397,41 @@ def test_opaque_calls_export_and_map_by_module_scope(tmp_path):
     (square,) = [layer for layer in report.layers if layer.fx_node == "_square_apply"
                  or (layer.fx_node or "").endswith("square_apply")]
     assert square.planned == square.exported == "fp32"
+
+
+class _Deep(nn.Module):
+    """A hooked (opaque, rule "runtime") Linear two modules deep: enc.blocks.0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Module()
+        self.enc.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.ReLU())])
+        self.enc.blocks[0].register_forward_hook(lambda m, i, o: None)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc.blocks[0](x))
+
+
+def test_module_paths_from_nested_onnx_scopes_are_not_doubled(tmp_path):
+    """The dynamo exporter records scopes by full path ('enc', 'enc.blocks', ...): the
+    report's module column is that path (was 'enc.enc.blocks...', as 'bert.bert.embeddings'
+    on BERT) and ONNX nodes inside a nested opaque call map to its plan node."""
+    torch.manual_seed(0)
+    model, inputs = _Deep().eval(), (torch.randn(4, 8),)
+    gm = fxamp.amp_rewrite(model, inputs)
+    plan = fxamp.plan_of(gm)
+    (hooked,) = [n for n, p in plan.nodes.items() if p.module == "enc.blocks.0"]
+    assert plan.nodes[hooked].rule == "runtime"
+    path = export_onnx(gm, inputs, str(tmp_path / "deep.onnx"))
+    report = precision_report(path, plan, backend="onnxruntime", inputs=inputs)
+    names = {name for name, _ in model.named_modules()}
+    from fxamp.export.onnx_export import _scope_paths
+    scoped = [_scope_paths(node) for node in onnx.load(path).graph.node]
+    assert [p for p in scoped if p], "the exporter recorded no scopes"
+    for paths in scoped:  # each scope is a real module path, outermost first
+        assert set(paths) <= names and paths == sorted(paths, key=len), paths
+    modules = {layer.module for layer in report.layers}
+    assert modules <= names | {""} and {"enc.blocks.0", "head"} <= modules, modules
+    inside = [layer for layer in report.layers if layer.module == "enc.blocks.0"]
+    assert inside and all(layer.fx_node == hooked for layer in inside)

@@ -20,11 +20,11 @@ SRC = pathlib.Path(fxamp.__file__).resolve().parent
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("core", ("fxamp._version", "fxamp.errors", "fxamp.policy", "fxamp.plan_text",
               "fxamp.plan", "fxamp.fileio", "fxamp.oplists", "fxamp.perf", "fxamp.runtime",
-              "fxamp.overrides", "fxamp.config")),
+              "fxamp.overrides", "fxamp.config", "fxamp.progress", "fxamp.weight_cache")),
     ("passes", ("fxamp.passes",)),
     ("frontends", ("fxamp.frontends",)),
     ("rewriter", ("fxamp.rewriter",)),
-    ("stages", ("fxamp.export", "fxamp.train", "fxamp.show")),
+    ("stages", ("fxamp.export", "fxamp.train", "fxamp.show", "fxamp.model_explorer")),
     ("top", ("fxamp.demo", "fxamp.cli", "fxamp.__main__", "fxamp")),
 ]
 

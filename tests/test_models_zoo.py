@@ -220,6 +220,18 @@ def test_torchvision_detection_list_of_images():
         # the best score per image (a softmax probability: bf16 logits move it by ~1e-2)
         assert len(g["scores"]) and len(r["scores"])
         assert abs(float(g["scores"].max()) - float(r["scores"].max())) < REL_TOL
+    # show and audit read the eager result: its rewritten children's graphs, with the parts
+    # that run under autocast (the transform, the anchor generator, the RoI pooler) marked
+    from fxamp.passes.audit_results import audit_result
+    from fxamp.show import shown_nodes
+    plan = fxamp.plan_of(gm)
+    drawn = {n.name: n for n in shown_nodes(gm, plan)}
+    assert any(name.startswith("backbone/") for name in drawn)
+    assert drawn["transform"].rule == "runtime"
+    findings = audit_result(gm, gm.fxamp_policy)
+    runtime = {f.node for f in findings if f.code == "runs-under-autocast"}
+    assert "transform" in runtime and "rpn/anchor_generator" in runtime
+    assert any(f.code == "dims-not-multiple-of-8" and "/" in f.node for f in findings)
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ fxamp diff OLD NEW [--format text|markdown]
 fxamp check MODULE:FACTORY --plan FILE [--update]
 fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
 fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P]
+            [--frontend auto|fx|export] [--onnx FILE]
 fxamp export MODULE:FACTORY -o model.onnx [--report report.md] [--backend auto]
 fxamp demo
 fxamp --version
@@ -222,6 +223,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from . import plan_of
     from .show import render
 
+    if args.format == "model-explorer":
+        return _show_model_explorer(args)
     gm = _rewrite(args)
     fmt = args.format or {"svg": "svg", "dot": "dot", "gv": "dot", "mmd": "mermaid",
                           "md": "mermaid"}.get(args.output.rpartition(".")[2], "html")
@@ -240,13 +243,25 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show_model_explorer(args: argparse.Namespace) -> int:
+    from .model_explorer import write_program_node_data
+
+    model, inputs = load_factory(args.factory, args.input_shape or [])
+    written = write_program_node_data(model, inputs, args.output, frontend=args.frontend,
+                                      dtype=args.dtype, target=args.target, policy=args.policy)
+    print(f"wrote {' and '.join(written)} (Model Explorer node data): open the model with "
+          "model_explorer.visualize_pytorch(name, exported_program=torch.export.export(model, "
+          "inputs)) and load the node data")
+    return 0
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
     from .passes.audit import summary
     from .rewriter.audit import audit
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
     config = _config(args)
-    findings = audit(model, inputs, config=config)
+    findings = audit(model, inputs, config=config, onnx=args.onnx)
     order = ("error", "warning", "info")
     shown = [f for f in findings if order.index(f.severity) <= order.index(args.min_severity)]
     for finding in shown:
@@ -285,6 +300,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
         step(f"writing the report {args.report}")
         report.save(args.report)
         print(f"wrote {args.report}: {report.summary()}")
+    if args.model_explorer:
+        from .model_explorer import write_onnx_node_data
+
+        if not args.report:
+            step(f"running the model on backend {args.backend}")
+            report = precision_report(args.output, plan_of(gm), backend=args.backend,
+                                      inputs=inputs)
+        written = write_onnx_node_data(args.output, report, args.model_explorer)
+        print(f"wrote {' and '.join(written)} (Model Explorer node data: planned and actual "
+              "precision)")
     print(f"fxamp export: done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 
@@ -349,8 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(s)
     s.add_argument("-o", "--output", required=True, help="graph.html, graph.dot, graph.svg, "
                    "graph.mmd")
-    s.add_argument("--format", choices=["html", "dot", "svg", "mermaid"],
-                   help="default: from the file extension, else html")
+    s.add_argument("--format", choices=["html", "dot", "svg", "mermaid", "model-explorer"],
+                   help="default: from the file extension, else html; model-explorer: node "
+                   "data JSON for Google's Model Explorer (OUTPUT and OUTPUT's .rule.json)")
     s.set_defaults(func=_cmd_show)
 
     a = sub.add_parser("audit", help="list what works against mixed precision in a model "
@@ -358,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(a)
     a.add_argument("--min-severity", default="info", choices=["error", "warning", "info"],
                    help="show findings of this severity and above (default: all)")
+    a.add_argument("--onnx", metavar="FILE", help="also check this exported ONNX file (opset, "
+                   "dynamic batch axis)")
     a.set_defaults(func=_cmd_audit)
 
     e = sub.add_parser("export", help="rewrite, export to ONNX and report what a backend "
@@ -368,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
                    help="backend the report inspects (default auto: TensorRT when it and a "
                    "GPU are there, else onnxruntime)")
+    e.add_argument("--model-explorer", metavar="FILE.json",
+                   help="also write Model Explorer node data for the ONNX file: planned "
+                   "precision to FILE.json, actual to FILE.actual.json (rule and reason go "
+                   "into the ONNX nodes' metadata)")
     e.set_defaults(func=_cmd_export)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")

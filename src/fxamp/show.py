@@ -40,8 +40,33 @@ class ShownNode:
     inputs: List[str]
 
 
+def _eager_nodes(model: torch.nn.Module, plan: Plan) -> List[ShownNode]:
+    """The eager front end's result (its own forward is Python, so it has no graph): each
+    rewritten child's graph, its nodes named ``child/node``, and each child that runs under
+    torch.autocast at run time as one node (rule ``runtime``). Nothing links the children:
+    the Python forward that calls them is not a graph."""
+    out: List[ShownNode] = []
+    for name, p in plan.nodes.items():
+        if "/" in name:
+            continue
+        sub = getattr(model, name, None)
+        sub_plan = getattr(sub, "fxamp_plan", None)
+        if p.rule == "nested" and isinstance(sub_plan, Plan):
+            for n in shown_nodes(sub, sub_plan):
+                module = f"{name}.{n.module}" if n.module else name
+                out.append(ShownNode(f"{name}/{n.name}", n.op, module, n.dtype, n.rule,
+                                     n.reason, n.cast, [f"{name}/{i}" for i in n.inputs]))
+            continue
+        out.append(ShownNode(name, p.op, p.module or name, dtype_name(p.dtype), p.rule,
+                             p.reason, False, []))
+    return out
+
+
 def shown_nodes(gm: fx.GraphModule, plan: Plan) -> List[ShownNode]:
-    """The nodes of the rewritten graph (casts included) with their plan entries."""
+    """The nodes of the rewritten graph (casts included) with their plan entries; for the
+    eager front end's result, the nodes of its rewritten children (see ``_eager_nodes``)."""
+    if not isinstance(gm, fx.GraphModule):
+        return _eager_nodes(gm, plan)
     out: List[ShownNode] = []
     modules: Dict[str, str] = {}
     for node in gm.graph.nodes:
@@ -89,12 +114,18 @@ def _layers(nodes: List[ShownNode]) -> Dict[str, int]:
     return depth
 
 
+CHAR_W = 7  # px per character of the 11 px monospace node labels (measured: 6.6)
+
+
 def _svg(nodes: List[ShownNode]) -> str:
+    """The drawn graph: one box per node (full name, monospace, box wide enough for the
+    longest), one arrow per edge from producer to consumer."""
     depth = _layers(nodes)
     rows: Dict[int, List[ShownNode]] = defaultdict(list)
     for n in nodes:
         rows[depth[n.name]].append(n)
-    w, h, gap_x, gap_y = 150, 30, 20, 28
+    w = max(150, CHAR_W * max(len(n.name) for n in nodes) + 16)
+    h, gap_x, gap_y = 30, 20, 28
     pos = {}
     width = max(len(r) for r in rows.values()) * (w + gap_x) + gap_x
     for d, row in rows.items():
@@ -103,26 +134,48 @@ def _svg(nodes: List[ShownNode]) -> str:
             pos[n.name] = (offset + gap_x / 2 + i * (w + gap_x), 10 + d * (h + gap_y))
     height = (max(rows) + 1) * (h + gap_y) + 20
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height}" '
-             f'class="graph">']
+             f'class="graph"><defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" '
+             f'markerWidth="8" markerHeight="8" orient="auto-start-reverse">'
+             f'<path d="M 0 0 L 10 5 L 0 10 z" fill="#666"/></marker></defs>']
     for n in nodes:
         x2, y2 = pos[n.name]
         for i in n.inputs:
             if i in pos:
                 x1, y1 = pos[i]
-                parts.append(f'<line x1="{x1 + w / 2:.0f}" y1="{y1 + h}" x2="{x2 + w / 2:.0f}" '
-                             f'y2="{y2}" stroke="#999"/>')
+                parts.append(f'<line class="edge" data-from="{html.escape(i)}" '
+                             f'data-to="{html.escape(n.name)}" x1="{x1 + w / 2:.0f}" '
+                             f'y1="{y1 + h}" x2="{x2 + w / 2:.0f}" y2="{y2}" stroke="#666" '
+                             f'marker-end="url(#arrow)"/>')
     for n in nodes:
         x, y = pos[n.name]
         title = html.escape(f"{n.name} ({n.op}) {n.dtype} {n.rule}: {n.reason}")
         dash = ' stroke-dasharray="4 2"' if n.cast else ""
+        cast = ' data-cast="1"' if n.cast else ""
         parts.append(
-            f'<g class="node" data-node="{html.escape(n.name)}"><title>{title}</title>'
+            f'<g class="node" data-node="{html.escape(n.name)}" data-dtype="{n.dtype}"'
+            f'{cast}><title>{title}</title>'
             f'<rect x="{x:.0f}" y="{y}" width="{w}" height="{h}" rx="5" '
             f'fill="{COLOURS.get(n.dtype, "#ccc")}" stroke="#333"{dash}/>'
-            f'<text x="{x + w / 2:.0f}" y="{y + 19}" text-anchor="middle" font-size="11">'
-            f'{html.escape(n.name[:22])}</text></g>')
+            f'<text x="{x + w / 2:.0f}" y="{y + 19}" text-anchor="middle" font-size="11" '
+            f'font-family="monospace">{html.escape(n.name)}</text></g>')
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _legend(nodes: List[ShownNode]) -> str:
+    """One chip per dtype in the colour its nodes are drawn in (casts counted in the dtype
+    they cast to, as drawn), and a dashed chip for the casts."""
+    counts: Dict[str, int] = defaultdict(int)
+    for n in nodes:
+        counts[n.dtype] += 1
+    chips = [f'<span class="chip legend" data-dtype="{html.escape(k)}" '
+             f'style="background:{COLOURS.get(k, "#ccc")}">{html.escape(k)}: {v}</span>'
+             for k, v in sorted(counts.items())]
+    casts = sum(1 for n in nodes if n.cast)
+    if casts:
+        chips.append(f'<span class="chip legend cast" data-cast="1" style="border:1px dashed '
+                     f'#333">cast (dashed outline, filled with its target dtype): {casts}</span>')
+    return " ".join(chips)
 
 
 def to_html(gm: fx.GraphModule, plan: Plan, title: str = "fxamp plan") -> str:
@@ -131,12 +184,7 @@ def to_html(gm: fx.GraphModule, plan: Plan, title: str = "fxamp plan") -> str:
     groups: Dict[str, List[ShownNode]] = defaultdict(list)
     for n in nodes:
         groups[n.module.split(".")[0] if n.module else "(root)"].append(n)
-    counts: Dict[str, int] = defaultdict(int)
-    for n in nodes:
-        counts["cast" if n.cast else n.dtype] += 1
-    legend = " ".join(
-        f'<span class="chip" style="background:{COLOURS.get(k, "#ccc")}">{html.escape(k)}: '
-        f'{v}</span>' for k, v in sorted(counts.items()))
+    legend = _legend(nodes)
     sections = []
     for group, members in groups.items():
         low = sum(1 for m in members if m.dtype in ("fp16", "bf16") and not m.cast)

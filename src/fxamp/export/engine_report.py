@@ -15,8 +15,10 @@ model). A node computing in FP32 there but FP16 in the file is a fallback. With 
 profiling on, the provider that ran each node is read back; where a GPU provider was asked for,
 a node run by the CPU provider is a fallback too.
 
-TensorRT: see :func:`_tensorrt_layers`. It is written against the TensorRT 10/11 Python API
-but was NOT run by fxamp's tests (no TensorRT, no GPU there); treat its output as unverified.
+TensorRT: :func:`_tensorrt_layers` builds an engine (TensorRT 10/11 Python API; NOT run by
+fxamp's tests: no TensorRT there) and reads its inspector JSON with
+:mod:`fxamp.export.trt_layers`, which is tested on NVIDIA's published engine files; an engine
+built elsewhere can be read with ``precision_report(..., engine_info=FILE)``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import json
 import logging
 import os
 import tempfile
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import FxampError
 from ..plan import Plan
@@ -32,6 +34,7 @@ from ..policy import dtype_name
 from .onnx_export import FX_NODE, MODULE
 from .repairs import NOTE, get_meta, value_types
 from .report import BackendUnavailableError, LayerPrecision, NumericsError, PrecisionReport
+from .trt_layers import apply_engine_info
 
 log = logging.getLogger(__name__)
 
@@ -225,25 +228,13 @@ def tensorrt_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _trt_dtype(text: str) -> Optional[str]:
-    """Datatype of a TensorRT inspector string: 10.x "Format/Datatype" values such as
-    "Row major linear FP16 format" / "Half", 11.x fields such as "DataType.HALF"."""
-    t = text.lower()
-    for keys, name in ((("fp16", "half"), "fp16"), (("bf16", "bfloat"), "bf16"),
-                       (("fp32", "float"), "fp32"), (("int8",), "int8"), (("fp8",), "fp8")):
-        if any(k in t for k in keys):
-            return name
-    return None
-
-
 def _tensorrt_layers(path: str, layers: List[LayerPrecision]) -> str:  # pragma: no cover
     """Build a strongly typed TensorRT engine and read layer precisions from its inspector.
 
-    NOT TESTED: written for TensorRT 10.x/11.x but never run by fxamp's test suite (no
-    TensorRT or GPU there). A strongly typed network keeps the ONNX file's types, so TensorRT
-    may not pick other precisions; the inspector still shows what each fused layer reads and
-    writes. Each engine layer is matched to ONNX nodes by name (TensorRT names fused layers
-    after their ONNX nodes, joined with "+").
+    The engine build is NOT run by fxamp's tests (no TensorRT or GPU there); reading the
+    inspector's JSON is (:mod:`fxamp.export.trt_layers`, tested on NVIDIA's published engine
+    files). A strongly typed network keeps the ONNX file's types, so TensorRT may not pick
+    other precisions; the inspector still shows what each fused layer reads and writes.
     """
     import tensorrt as trt
 
@@ -262,27 +253,7 @@ def _tensorrt_layers(path: str, layers: List[LayerPrecision]) -> str:  # pragma:
         raise FxampError(f"TensorRT could not build an engine from {path}")
     engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
     inspector = engine.create_engine_inspector()
-    info = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
-    by_onnx: Dict[str, Tuple[str, Optional[str]]] = {}
-    for entry in info.get("Layers", []):
-        if not isinstance(entry, dict):
-            continue
-        name = entry.get("Name", "")
-        fmts = [str(i.get("Format/Datatype", i.get("DataType", "")))
-                for i in entry.get("Inputs", []) if isinstance(i, dict)]
-        dtype = next((d for d in map(_trt_dtype, fmts) if d), None)
-        for part in name.replace("||", "+").split("+"):
-            by_onnx[part.strip()] = (name, dtype)
-    for layer in layers:
-        hit = by_onnx.get(layer.onnx_node)
-        if hit is None:
-            layer.note = (layer.note + " not found among TensorRT layers (fused or "
-                          "removed)").strip()
-            continue
-        layer.actual = hit[1]
-        if layer.planned and layer.actual and layer.actual != layer.planned:
-            layer.fallback = True
-            layer.note = (layer.note + f" TensorRT layer {hit[0]} reads {layer.actual}").strip()
+    apply_engine_info(layers, inspector.get_engine_information(trt.LayerInformationFormat.JSON))
     return "TensorRT"
 
 
@@ -307,7 +278,7 @@ def _resolve(backend: str) -> str:
 def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "auto", *,
                      inputs: Optional[Sequence[Any]] = None, reference: Any = None,
                      device: Optional[str] = None, rtol: float = 1e-2,
-                     atol: float = 1e-2) -> PrecisionReport:
+                     atol: float = 1e-2, engine_info: Any = None) -> PrecisionReport:
     """Per-layer precision of the ONNX model at ``path`` against ``plan`` on ``backend``.
 
     plan: the fxamp Plan (default: the one export_onnx stored in the file). backend:
@@ -315,8 +286,18 @@ def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "aut
     the example inputs (default: random, dynamic dims 1). reference: the FP32 PyTorch model;
     when given with ``inputs`` the report's ``numerics`` holds the per-output errors (without
     raising; use :func:`check_numerics` to fail above tolerance). device: an onnxruntime
-    provider to ask for (default CUDA when available, else CPU).
+    provider to ask for (default CUDA when available, else CPU). engine_info: the inspector JSON
+    of a TensorRT engine built from this file elsewhere (path, text or dict; e.g. from
+    ``trtexec --exportLayerInfo``): ``actual`` is read from it, nothing is built or run.
     """
+    if engine_info is not None:
+        model = _load(path)
+        layers = _exported_layers(model, _plan_from(model, plan))
+        apply_engine_info(layers, engine_info)
+        return PrecisionReport(layers=layers, backend="tensorrt", device="inspector JSON",
+                               model=os.path.basename(path),
+                               exporter=next((p.value for p in model.metadata_props
+                                              if p.key == "fxamp.exporter"), ""))
     chosen = _resolve(backend)
     model = _load(path)
     plan = _plan_from(model, plan)

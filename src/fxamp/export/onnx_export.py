@@ -16,7 +16,7 @@ import logging
 import os
 import tempfile
 import warnings
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -24,11 +24,13 @@ import torch.fx as fx
 from .._version import __version__
 from ..fileio import atomic_directory
 from ..frontends.common import training_flags
+from ..progress import shows
 from ..rewriter import plan_of
 from ..rewriter.pipeline import _as_tuple
 from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
                       restore_tiny_adds, set_meta)
 from .report import ExportError
+from .verify import check_export
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,8 @@ def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
         kwargs["opset_version"] = opset
     with contextlib.redirect_stdout(io.StringIO()):
         program = torch.onnx.export(gm, inputs, **kwargs)
-    mapping = _fx_names(program.exported_program, gm)
+    mapping = (_fx_names(program.exported_program, gm) if isinstance(gm, fx.GraphModule)
+               else {})
     return program.model_proto, mapping, program.exported_program
 
 
@@ -126,15 +129,27 @@ def _torchscript_fx_node(node: Any, gm: fx.GraphModule, by_module: Dict[str, str
     return by_module.get(scope)
 
 
-def _scoped_fx_node(node: Any, by_module: Dict[str, str]) -> Optional[str]:
-    """The plan node of the innermost module scope the exporter recorded for ``node``."""
+def _scope_paths(node: Any) -> List[str]:
+    """The module paths of the scopes the dynamo exporter recorded for ``node``, outermost
+    first, without the root and the op itself. The exporter records each scope by its full
+    path (``['', 'bert', 'bert.encoder', ..., 'linear']``); scopes recorded as bare names
+    (``['', 'bert', 'encoder']``) are joined into paths."""
     scopes = get_meta(node, "pkg.torch.onnx.name_scopes")
     if not scopes or not scopes.startswith("["):
-        return None
+        return []
     parts = [s.strip(" '\"") for s in scopes.strip("[]").split(",")][:-1]
-    parts = [p for p in parts if p]
-    for end in range(len(parts), 0, -1):
-        hit = by_module.get(".".join(parts[:end]))
+    paths: List[str] = []
+    for part in (p for p in parts if p):
+        if paths and not part.startswith(paths[-1] + "."):
+            part = f"{paths[-1]}.{part}"  # a bare name: join it to its parent's path
+        paths.append(part)
+    return paths
+
+
+def _scoped_fx_node(node: Any, by_module: Dict[str, str]) -> Optional[str]:
+    """The plan node of the innermost module scope the exporter recorded for ``node``."""
+    for path in reversed(_scope_paths(node)):
+        hit = by_module.get(path)
         if hit is not None:
             return hit
     return None
@@ -157,18 +172,20 @@ def _annotate(model: Any, gm: fx.GraphModule, mapping: Optional[Dict[str, str]])
         p = plan.nodes.get(name)
         module = p.module if p is not None else ""
         if not module:
-            scopes = get_meta(node, "pkg.torch.onnx.name_scopes")
-            if scopes and scopes.startswith("["):
-                parts = [s.strip(" '\"") for s in scopes.strip("[]").split(",")]
-                module = ".".join(s for s in parts[:-1] if s)
+            paths = _scope_paths(node)
+            module = paths[-1] if paths else ""
         set_meta(node, MODULE, module)
 
 
+@shows(lambda gm, inputs, path, **k: f"ONNX export to {os.path.basename(path)}")
 def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                 opset: Optional[int] = None, exporter: str = "auto") -> str:
     """Export a model made by ``fxamp.amp_rewrite`` to ONNX; return ``path``.
 
-    The casts of the rewritten graph become ONNX Cast nodes and FP16 initializers (the weight
+    Before the file is written, the exported graph is run with onnxruntime and compared with
+    the rewritten model on the example inputs and a second, different input (see
+    :mod:`fxamp.export.verify`): a graph that disagrees (a traced value-dependent branch) is
+    refused with an ExportError. The casts of the rewritten graph become ONNX Cast nodes and FP16 initializers (the weight
     casts are constant-folded), FP32 islands stay FP32. The export is for inference: modules
     are put in eval mode for it (their flags are restored). ``exporter``: "auto" (dynamo, then
     TorchScript), "dynamo" or "torchscript".
@@ -210,9 +227,14 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     repaired = repair_types(model)
     eps_fixed = fix_eps(model)
     _annotate(model, gm, mapping)
+    # a traced graph (TorchScript) holds the branches the example took: check the file on a
+    # second input too; torch.export's graph is checked the same way (cheap insurance)
+    with _eval_mode(gm):
+        checked = check_export(model, gm, inputs, used)
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, "fxamp.plan": plan.to_text(),
             "fxamp.folded_weight_casts": str(folded), "fxamp.restored_eps_adds": str(restored),
-            "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed)}
+            "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed),
+            "fxamp.checked_inputs": str(checked)}
     if error:
         meta["fxamp.dynamo_error"] = error
     for key, value in meta.items():

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
+from ..progress import shows
 from .common import training_flags, warn_one_mode
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
@@ -89,6 +90,7 @@ _ADVICE = {
 }
 
 
+@shows(lambda model, *a, **k: f"torch.export of {type(model).__name__}")
 def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
             frontend: str = "export") -> fx.GraphModule:
     try:

@@ -42,9 +42,16 @@ def nested_lines(nested: Dict[str, Plan]) -> Dict[str, Any]:
     nodes: Dict[str, Any] = {}
     for path, sub_plan in nested.items():
         nodes.update({f"{path}/{name}": dataclasses.replace(
-            p, module=f"{path}.{p.module}" if p.module else path)
+            p, module=f"{path}.{p.module}" if p.module else path,
+            reason=_nested_reason(p.reason, path, name))
             for name, p in sub_plan.nodes.items()})
     return nodes
+
+
+def _nested_reason(reason: str, path: str, name: str) -> str:
+    """A nested plan line's reason under ``path/``: "its nodes are the plan lines name/*"
+    names them by their full plan names, ``path/name/*``."""
+    return reason.replace(f"plan lines {name}/*", f"plan lines {path}/{name}/*")
 
 
 def nested_header(header: Dict[str, str], runtime: "list[str] | tuple" = (),

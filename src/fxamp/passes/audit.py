@@ -4,7 +4,12 @@ precision, each finding with the node, its source line, the numbers and what to 
 ``fxamp.audit(model, example_inputs)`` (in ``rewriter/audit.py``, the layer above) rewrites
 the model with :func:`fxamp.amp_rewrite` (so the decisions are exactly the rewrite's) and
 hands the plan and the rewritten graph, whose nodes keep the source names, shapes and stack
-traces, to ``audit_graph`` here, which does the reading.
+traces, to ``audit_graph`` here, which does the reading. The front
+end is the caller's choice (``frontend=``, as for amp_rewrite): on torch.export's ATen graphs
+the checks read the ATen spellings (``aten.layer_norm`` / ``native_layer_norm`` / ... eps from
+the op's schema, ``aten.exp``, ``aten.to.dtype`` / ``_to_copy`` casts). Nested graphs and the
+eager front end's results are walked by :mod:`fxamp.passes.audit_results`; the optional
+optimizer / GradScaler / batch / ONNX checks are in :mod:`fxamp.passes.audit_context`.
 
 Finding codes (stable):
 
@@ -259,6 +264,8 @@ def _explicit_cast(node: fx.Node) -> Optional[Tuple[str, torch.dtype]]:
     if node.meta.get(CAST):
         return None
     name = call_name(node)
+    if node.op == "call_function" and oplists.is_aten(node.target):
+        return _aten_cast(node, name)
     if node.op == "call_function" and node.target not in (torch.Tensor.half,
                                                           torch.Tensor.bfloat16,
                                                           torch.Tensor.to, torch.Tensor.type):
@@ -278,6 +285,18 @@ def _explicit_cast(node: fx.Node) -> Optional[Tuple[str, torch.dtype]]:
                     key = next(k for k, v in node.kwargs.items() if v is value)
                     shown = f"{key}={shown}"
                 return f".{name}({shown})", dtype
+    return None
+
+
+def _aten_cast(node: fx.Node, name: str) -> Optional[Tuple[str, torch.dtype]]:
+    """``aten.to.dtype`` / ``aten._to_copy`` (torch.export's spelling of ``.half()``,
+    ``.to(torch.float16)``) to fp16/bf16: (how it reads, dtype)."""
+    if name not in ("to", "_to_copy"):
+        return None
+    for value in list(node.args[1:]) + list(node.kwargs.values()):
+        dtype = value if isinstance(value, torch.dtype) and value in _LOW else None
+        if dtype is not None:
+            return f"aten.{oplists.aten_name(node.target)}({dtype})", dtype  # type: ignore
     return None
 
 
@@ -322,17 +341,20 @@ def _check_bce(node: fx.Node, ops: Tuple[str, ...], policy: Policy,
 _MATMULS = {"matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "einsum"}
 _SCALES = {"mul", "__mul__", "__rmul__", "truediv", "__truediv__", "div", "true_divide",
            "divide", "multiply"}
-_TRANSPARENT = {"float", "to", "type", "type_as", "contiguous", "view", "reshape",
+_TRANSPARENT = {"float", "to", "_to_copy", "alias", "expand", "type", "type_as", "contiguous",
+                "view", "reshape",
                 "transpose", "permute", "masked_fill", "clone", "squeeze", "unsqueeze",
                 "flatten", "neg", "__neg__"}
 _ADDS = {"add", "__add__", "__radd__"}
 _SUBS = {"sub", "__sub__", "subtract"}
 _MAXES = {"amax", "max", "logsumexp"}
 _MAX_WRAPPERS = {"getitem", "getattr", "detach", "unsqueeze", "view", "reshape", "expand",
-                 "expand_as", "to", "float", "type_as", "contiguous"}
+                 "expand_as", "to", "_to_copy", "float", "type_as", "contiguous"}
 
 
 def _is_exp(node: fx.Node) -> bool:
+    if node.op == "call_function" and oplists.is_aten(node.target):
+        return oplists.aten_name(node.target) == "exp"  # torch.export graphs
     return (node.op == "call_function" and node.target is torch.exp) or \
         (node.op == "call_method" and node.target == "exp")
 
@@ -434,15 +456,33 @@ def _number(value: Any) -> Optional[float]:
     return None
 
 
+def _aten_norm_eps(node: fx.Node) -> Optional[Tuple[str, float]]:
+    """(op, eps) for an ATen norm of a torch.export graph (``aten.layer_norm``,
+    ``native_layer_norm``, ``group_norm`` / ``native_group_norm``, ``batch_norm`` /
+    ``_native_batch_norm_legit*``, ``instance_norm``, ``rms_norm`` ...): any op whose name
+    has "norm" and whose schema has an ``eps`` / ``epsilon`` argument (its default when not
+    given)."""
+    name = oplists.aten_name(node.target)  # type: ignore[arg-type]
+    if "norm" not in name.split(".")[0]:
+        return None
+    schema = node.target._schema  # type: ignore[union-attr]
+    for index, argument in enumerate(schema.arguments):
+        if argument.name in ("eps", "epsilon"):
+            eps = _number(_arg(node, index, argument.name, argument.default_value))
+            return (f"aten.{name}", eps) if eps is not None else None
+    return None
+
+
 def _norm_eps(node: fx.Node, gm: nn.Module) -> Optional[Tuple[str, float]]:
     """(what, eps) for a norm module / function / hand-written norm, else None."""
     module = _module(node, gm)
     if module is not None:
-        if isinstance(module, _NORM_MODULES):
-            eps = _number(getattr(module, "eps", None))
-            return (f"nn.{type(module).__name__}", eps) if eps is not None else None
-        return None
-    if node.op == "call_function":
+        return module_eps(module)
+    if node.op == "call_function" and oplists.is_aten(node.target):
+        found = _aten_norm_eps(node)
+        if found is not None:
+            return found
+    elif node.op == "call_function":
         try:
             spec = _NORM_FUNCTIONS.get(node.target)  # type: ignore[arg-type]
         except TypeError:
@@ -459,31 +499,44 @@ def _norm_eps(node: fx.Node, gm: nn.Module) -> Optional[Tuple[str, float]]:
     return None
 
 
-def _check_eps(node: fx.Node, gm: nn.Module, policy: Policy) -> Optional[Finding]:
-    found = _norm_eps(node, gm)
-    if found is None:
-        return None
-    what, eps = found
+def eps_finding(name: str, source: str, what: str, eps: float,
+                policy: Policy) -> Optional[Finding]:
+    """The norm-eps finding for a norm ``what`` with ``eps`` at node / module ``name``."""
     low = policy.compute
     tiny = torch.finfo(low).tiny
     if not 0 < eps < tiny:
         return None
     as_low = torch.tensor(eps, dtype=low).item()
-    name = dtype_name(low)
+    dt = dtype_name(low)
     if as_low == 0:
-        return _finding(
-            node, "warning", "norm-eps-underflow",
-            f"{what} eps={eps:g} is below {name}'s smallest normal {tiny:.2g} and is 0 in "
-            f"{name}: wherever eps is held in {name} (a hand-written norm computing in {name}, "
-            f"{name} export to ONNX/TensorRT) a constant row divides by 0 (NaN)",
+        return Finding(
+            "warning", "norm-eps-underflow", name, source,
+            f"{what} eps={eps:g} is below {dt}'s smallest normal {tiny:.2g} and is 0 in "
+            f"{dt}: wherever eps is held in {dt} (a hand-written norm computing in {dt}, "
+            f"{dt} export to ONNX/TensorRT) a constant row divides by 0 (NaN)",
             f"use eps >= {tiny:.2g} (e.g. 1e-4), or keep the norm in FP32 (policy "
-            f"'fp32:{node.name}')")
-    return _finding(
-        node, "info", "norm-eps-subnormal",
-        f"{what} eps={eps:g} is below {name}'s smallest normal {tiny:.2g} (subnormal in "
-        f"{name})",
-        f"harmless while the kernel keeps eps in FP32 (autocast, fxamp); for {name} export "
+            f"'fp32:{name}')")
+    return Finding(
+        "info", "norm-eps-subnormal", name, source,
+        f"{what} eps={eps:g} is below {dt}'s smallest normal {tiny:.2g} (subnormal in "
+        f"{dt})",
+        f"harmless while the kernel keeps eps in FP32 (autocast, fxamp); for {dt} export "
         f"(ONNX/TensorRT), which may flush it to 0, use eps >= {tiny:.2g}")
+
+
+def module_eps(module: nn.Module) -> Optional[Tuple[str, float]]:
+    """(label, eps) of a norm module, else None."""
+    if isinstance(module, _NORM_MODULES):
+        eps = _number(getattr(module, "eps", None))
+        return (f"nn.{type(module).__name__}", eps) if eps is not None else None
+    return None
+
+
+def _check_eps(node: fx.Node, gm: nn.Module, policy: Policy) -> Optional[Finding]:
+    found = _norm_eps(node, gm)
+    if found is None:
+        return None
+    return eps_finding(node.name, source_line(node), found[0], found[1], policy)
 
 
 # ---------------------------------------------------------------------------------------

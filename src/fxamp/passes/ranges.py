@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..plan import RangeStats
 from ..policy import Policy, dtype_name
+from ..progress import track
 from . import PassResult
 from .annotate import META, fix
 
@@ -61,7 +62,7 @@ def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any],
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     count = 0
     with torch.no_grad(), _reparametrize_module(gm, buffers, strict=False):
-        for batch in batches:
+        for batch in track(batches, "calibration", unit="batch"):
             batch = batch if isinstance(batch, (tuple, list)) else (batch,)
             recorder.run(*batch)
             count += 1

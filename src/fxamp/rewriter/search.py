@@ -27,6 +27,7 @@ from ..config import RewriteConfig
 from ..errors import FxampError
 from ..frontends import graph_inputs, trace_model
 from ..policy import Policy, dtype_name, make_policy
+from ..progress import advance, shows, track
 from ..runtime import eligible
 from .pipeline import _as_tuple, _check_model, plan_of, rewrite
 
@@ -88,6 +89,7 @@ class _Evaluator:
         error = self.metric(outputs, self.references)
         self.history.append((len(nodes), error))
         log.info("evaluation %d: %d fp32 nodes, error %.3g", self.count, len(nodes), error)
+        advance(postfix=f"{len(nodes)} fp32 nodes, error {error:.3g}")
         return error, gm
 
 
@@ -140,7 +142,7 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
     buffers = {name: b.clone() for name, b in src.named_buffers()}
     with torch.no_grad(), torch.nn.utils.stateless._reparametrize_module(src, buffers,
                                                                           strict=False):
-        for batch in batches:
+        for batch in track(batches, "scoring nodes", unit="batch"):
             scorer.run(*graph_inputs(model, traced, tuple(batch), kwargs))
     return scorer.scores
 
@@ -158,6 +160,7 @@ def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
                       metric or max_relative_error)
 
 
+@shows("search", unit="eval")
 def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: float = 1e-2,
            metric: Optional[Metric] = None, dtype: torch.dtype = torch.float16,
            target: str = "cuda", policy: Union[None, str, Policy] = None,
@@ -217,6 +220,7 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
     return SearchResult(gm, chosen, evaluate.count, error, True, evaluate.history)
 
 
+@shows("bisection", unit="eval")
 def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], *,
                     rtol: float = 1e-2, metric: Optional[Metric] = None,
                     dtype: torch.dtype = torch.float16, target: str = "cuda",

@@ -1,0 +1,224 @@
+"""Produce the README's real-output blocks from the commands that print them, or check them.
+
+A block is marked by an HTML comment (invisible on GitHub) on the line just before it:
+
+    <!-- output: python examples/numerics.py -->
+    ```
+    ...exactly what the command prints (stdout)...
+    ```
+
+* ``<!-- output: COMMAND -->`` before a fenced block: the block is COMMAND's stdout. COMMAND
+  is a bash command line (pipes allowed, e.g. ``| cut -c1-150`` for an excerpt that says so).
+* ``<!-- output: session -->`` before a fenced block: the block's ``$ `` lines are the
+  commands; each runs in turn (in one scratch directory, so files carry over) and is followed
+  by its output.
+* A marker whose next line is not a fence covers the Markdown up to ``<!-- end output -->``
+  (a table to render): the block is COMMAND's stdout, as Markdown.
+
+Each block runs in a fresh scratch directory holding the repository's ``examples/`` (so
+``python examples/x.py``, ``examples.audit_demo:build`` and source lines read
+``examples/...``), with the repository's ``src`` on PYTHONPATH, ``fxamp`` and ``python``
+meaning this interpreter, one thread, no GPU (CUDA_VISIBLE_DEVICES=""), no progress bars and
+PYTHONHASHSEED=0; the examples seed torch themselves. Exit status 0 and 1 (fxamp's "found
+something" / "differs") are accepted; any other, or a traceback on stderr, is an error.
+
+The only text compared loosely is VOLATILE: the ``# fxamp: X`` and ``# torch: X`` version
+lines of a plan header. Everything else must match exactly (trailing spaces and trailing
+blank lines aside).
+
+    python scripts/readme_outputs.py --check    # exit 1 and a diff when a block drifted
+    python scripts/readme_outputs.py --write    # regenerate the blocks in place
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"^<!-- output: (.+?) -->\s*$")
+END = "<!-- end output -->"
+FENCE = re.compile(r"^```")
+VOLATILE = [(re.compile(r"^# (fxamp|torch): \S+$", re.M), r"# \1: <version>")]
+TIMEOUT_S = 300
+
+
+@dataclass
+class Block:
+    """One marked block: ``command`` at README line ``line`` (1-based); ``start``/``end``
+    index the lines of its content (``lines[start:end]``)."""
+
+    line: int
+    command: str
+    fenced: bool
+    start: int
+    end: int
+    content: str
+
+
+class ReadmeOutputError(Exception):
+    """A marker without its block, or a command that failed."""
+
+
+def find_blocks(text: str) -> List[Block]:
+    """The marked blocks of a README, in order."""
+    lines = text.split("\n")
+    blocks: List[Block] = []
+    i = 0
+    while i < len(lines):
+        m = MARKER.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        command = m.group(1).strip()
+        if i + 1 < len(lines) and FENCE.match(lines[i + 1]):
+            start = i + 2
+            end = next((j for j in range(start, len(lines)) if lines[j].rstrip() == "```"), None)
+            if end is None:
+                raise ReadmeOutputError(f"line {i + 1}: the fenced block after the marker "
+                                        "is not closed")
+            fenced = True
+        else:
+            start = i + 1
+            end = next((j for j in range(start, len(lines)) if lines[j].strip() == END), None)
+            if end is None:
+                raise ReadmeOutputError(f"line {i + 1}: a marker not followed by a fenced "
+                                        f"block needs {END} after its Markdown")
+            fenced = False
+        if command == "session" and not fenced:
+            raise ReadmeOutputError(f"line {i + 1}: a session must be a fenced block")
+        blocks.append(Block(i + 1, command, fenced, start, end, "\n".join(lines[start:end])))
+        i = end + 1
+    return blocks
+
+
+def _scratch(tmp: str) -> dict:
+    """Fill the scratch directory; return the environment the commands run in."""
+    os.symlink(ROOT / "examples", Path(tmp) / "examples")
+    bindir = Path(tmp) / ".bin"
+    bindir.mkdir()
+    for name, args in (("fxamp", "-m fxamp"), ("python", "")):
+        shim = bindir / name
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" {args} "$@"\n')
+        shim.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FXAMP_", "PYTHON"))}
+    env.update(PYTHONPATH=str(ROOT / "src"), PYTHONHASHSEED="0", OMP_NUM_THREADS="1",
+               MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", FXAMP_PROGRESS="off",
+               COLUMNS="100", LC_ALL="C.UTF-8", PATH=f"{bindir}{os.pathsep}"
+               f"{os.environ.get('PATH', '')}")
+    return env
+
+
+def _run(command: str, cwd: str, env: dict) -> str:
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", command], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    if r.returncode not in (0, 1) or "Traceback (most recent call last)" in r.stderr:
+        raise ReadmeOutputError(f"`{command}` exited {r.returncode}:\n{r.stderr[-3000:]}")
+    return r.stdout
+
+
+def produce(block: Block) -> str:
+    """What the block should contain now: its command(s) run afresh."""
+    with tempfile.TemporaryDirectory(prefix="readme-output-") as tmp:
+        env = _scratch(tmp)
+        if block.command != "session":
+            return _tidy(_run(block.command, tmp, env))
+        commands = [line[2:] for line in block.content.split("\n") if line.startswith("$ ")]
+        if not commands:
+            raise ReadmeOutputError(f"line {block.line}: a session block needs `$ ` lines")
+        return _tidy("".join(f"$ {c}\n" + _run(c, tmp, env) for c in commands))
+
+
+def _tidy(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip("\n")
+
+
+def normalise(text: str) -> str:
+    """The text with VOLATILE parts (version numbers in plan headers) made equal."""
+    text = _tidy(text)
+    for pattern, replacement in VOLATILE:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def check_block(block: Block) -> Tuple[bool, str]:
+    """(matches, a unified diff README -> now)."""
+    now = produce(block)
+    if normalise(block.content) == normalise(now):
+        return True, ""
+    diff = difflib.unified_diff(_tidy(block.content).split("\n"), now.split("\n"),
+                                f"README.md:{block.line} (as written)", "now", lineterm="")
+    return False, "\n".join(diff)
+
+
+def write(path: Path, only: Optional[str] = None) -> int:
+    """Regenerate the blocks in place (atomically); return how many changed."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    changed = 0
+    for block in reversed(find_blocks(text)):  # bottom up: earlier indices stay valid
+        if only and only not in block.command:
+            continue
+        now = produce(block)
+        if block.fenced and _tidy(block.content) != now:
+            lines[block.start:block.end] = now.split("\n")
+        elif not block.fenced and block.content != f"\n{now}\n":  # Markdown: blank lines
+            lines[block.start:block.end] = ["", *now.split("\n"), ""]  # around it
+        else:
+            continue
+        changed += 1
+        print(f"updated README.md:{block.line}  {block.command}")
+    if changed:
+        sys.path.insert(0, str(ROOT / "src"))
+        from fxamp.fileio import atomic_write_text
+
+        atomic_write_text(str(path), "\n".join(lines))
+    return changed
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="Marking a block: see the module docstring or "
+                                            "the README's 'How it is checked'.")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="compare; exit 1 on drift")
+    mode.add_argument("--write", action="store_true", help="regenerate the blocks in place")
+    mode.add_argument("--list", action="store_true", help="list the marked blocks")
+    parser.add_argument("--only", help="only blocks whose command contains this text")
+    parser.add_argument("readme", nargs="?", default=str(ROOT / "README.md"))
+    args = parser.parse_args(argv)
+    path = Path(args.readme)
+    try:
+        if args.write:
+            print(f"{write(path, args.only)} block(s) updated")
+            return 0
+        blocks = [b for b in find_blocks(path.read_text(encoding="utf-8"))
+                  if not args.only or args.only in b.command]
+        if args.list:
+            for b in blocks:
+                print(f"README.md:{b.line}  {b.command}")
+            return 0
+        bad = 0
+        for b in blocks:
+            ok, diff = check_block(b)
+            print(f"{'ok   ' if ok else 'DRIFT'} README.md:{b.line}  {b.command}")
+            if not ok:
+                bad += 1
+                print(diff)
+        print(f"{len(blocks)} block(s) checked, {bad} drifted"
+              + ("; run: python scripts/readme_outputs.py --write" if bad else ""))
+        return 1 if bad else 0
+    except ReadmeOutputError as err:
+        print(f"readme_outputs: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Check an exported ONNX graph against PyTorch: the rewritten model and the ONNX file (run
+with onnxruntime) must agree on the example inputs and on a second, different input (the
+example's floating tensors negated: a branch on a sign, a sum or a max goes the other way),
+and, when the file has a dynamic batch axis, on a batch of twice the size.
+
+A tracing exporter (TorchScript) records the branch the example input took; torch.export
+refuses value-dependent branches, but the eager front end's results (whose own forward is
+Python) can only be traced. A file that disagrees is refused with an ``ExportError`` naming
+the input and the output that differ, never written.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .report import ExportError
+
+log = logging.getLogger(__name__)
+
+#: outputs agree when |onnx - torch| <= RTOL * |torch| + ATOL * max(1, max |torch|): the two
+#: compute in the same precisions but round differently (fp16 sums, fused kernels)
+RTOL, ATOL = 0.02, 0.02
+
+
+def second_input(value: Any) -> Any:
+    """A different input of the same structure and shapes: floating tensors negated (plus 1
+    where that changes nothing), other values as they are."""
+    def other(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            neg = -t
+            return neg + 1 if torch.equal(neg, t) else neg
+        return t
+    return tree_map(other, value)
+
+
+def _double_batch(first: Any, second: Any) -> Optional[Any]:
+    """The two inputs stacked along dim 0 (None when the tensors have no common batch)."""
+    sizes = {t.shape[0] for t in tree_leaves(first) if isinstance(t, torch.Tensor) and t.dim()}
+    if len(sizes) != 1:
+        return None
+    return tree_map(lambda a, b: torch.cat([a, b]) if isinstance(a, torch.Tensor) and a.dim()
+                    else a, first, second)
+
+
+def _graph_inputs(proto: Any) -> List[Any]:
+    initializers = {i.name for i in proto.graph.initializer}
+    return [i for i in proto.graph.input if i.name not in initializers]
+
+
+def _dynamic_batch(proto: Any) -> bool:
+    inputs = _graph_inputs(proto)
+    dims = [i.type.tensor_type.shape.dim for i in inputs]
+    return bool(dims) and all(len(d) and not d[0].HasField("dim_value") for d in dims)
+
+
+def _compare(got: List[Any], want: List[torch.Tensor]) -> Optional[Tuple[int, str]]:
+    """(output index, what differs) for the first output that disagrees, else None."""
+    if len(got) != len(want):
+        return -1, f"the ONNX graph has {len(got)} outputs, the model returns {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        g_t = torch.as_tensor(g).float()
+        w_t = w.detach().float().cpu()
+        if tuple(g_t.shape) != tuple(w_t.shape):
+            return i, f"shape {tuple(g_t.shape)} instead of {tuple(w_t.shape)}"
+        scale = max(1.0, float(w_t.nan_to_num(0, 0, 0).abs().max()) if w_t.numel() else 1.0)
+        if not torch.allclose(g_t, w_t, rtol=RTOL, atol=ATOL * scale, equal_nan=True):
+            diff = float((g_t - w_t).nan_to_num(0, 0, 0).abs().max())
+            return i, f"values differ by up to {diff:.4g} (max |output| {scale:.4g})"
+    return None
+
+
+def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: str) -> int:
+    """Run ``proto`` with onnxruntime and ``model`` with PyTorch on the example inputs, a
+    second input and (dynamic batch only) a double batch; raise ExportError when they
+    disagree or the file cannot be checked. Returns the number of inputs checked."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise ExportError("checking the exported graph needs onnxruntime; what to do: pip "
+                          "install 'fxamp[onnx]'") from None
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta"
+           for t in tree_leaves(inputs)):
+        raise ExportError("the example inputs are on device 'meta': the exported graph "
+                          "cannot be checked against PyTorch; what to do: export with real "
+                          "example inputs")
+    if proto.ByteSize() > 1_800_000_000:
+        raise ExportError(f"the {exporter} exporter's graph is too large (> 1.8 GB) to check "
+                          "against PyTorch in memory; what to do: export the model's parts")
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(),
+                                       providers=["CPUExecutionProvider"])
+    except Exception as err:  # noqa: BLE001 - e.g. no CPU kernel for a bf16 op
+        why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if exporter != "torchscript":  # torch.export's graph is sound without the check
+            log.warning("the exported graph was not run against PyTorch: onnxruntime on CPU "
+                        "cannot load it (%s)", why)
+            return 0
+        raise ExportError(
+            f"the {exporter} exporter traced the model, and the traced graph cannot be "
+            f"checked against PyTorch: onnxruntime on CPU cannot load it ({why}); an unchecked "
+            "trace may hold the wrong branch of a value-dependent 'if', so it is not written. "
+            "what to do: make the model exportable by torch.export (frontend='export'), or "
+            "export with dtype fp16, which onnxruntime runs on CPU") from None
+    names = [i.name for i in session.get_inputs()]
+    second = second_input(inputs)
+    cases: List[Tuple[str, Any]] = [("the example input", inputs),
+                                    ("a second input (the example's values negated)", second)]
+    if _dynamic_batch(proto):
+        double = _double_batch(inputs, second)
+        if double is not None:
+            cases.append(("a batch of twice the example's size", double))
+    for done, (what, case) in enumerate(cases):
+        leaves = [t for t in tree_leaves(case) if isinstance(t, torch.Tensor)]
+        if len(leaves) != len(names):
+            raise ExportError(
+                f"the {exporter} exporter's graph takes {len(names)} inputs where the model "
+                f"takes {len(leaves)} tensors: it cannot be checked against PyTorch, so it is "
+                "not written; what to do: pass the model's inputs as plain tensors")
+        with torch.no_grad():
+            want = [t for t in tree_leaves(model(*case)) if isinstance(t, torch.Tensor)]
+        feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
+        try:
+            got = session.run(None, feed)
+        except Exception as err:  # noqa: BLE001 - onnxruntime's own errors
+            if exporter != "torchscript" and what != "the example input":
+                log.warning("the exported graph was checked on the example input only: "
+                            "onnxruntime fails on %s (%s)", what, type(err).__name__)
+                return done
+            raise ExportError(f"the {exporter} exporter's graph fails on {what} in "
+                              f"onnxruntime ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); what to do: "
+                              "export with example inputs of the shapes it will get") from None
+        problem = _compare(got, want)
+        if problem is not None:
+            index, detail = problem
+            which = f"output {index}" if index >= 0 else "the outputs"
+            raise ExportError(
+                f"the {exporter} exporter's graph does not compute what the model computes "
+                f"on {what}: {which}: {detail}. A tracing exporter records only the branch "
+                "the example input took (Python control flow on tensor values, e.g. "
+                "'if x.sum() > 0', in the model's forward); the file is not written. what to "
+                "do: write the branch as a tensor op (torch.where), or export the model's "
+                "traceable parts (its rewritten submodules) on their own")
+    log.info("checked the exported graph against PyTorch on %d inputs", len(cases))
+    return len(cases)

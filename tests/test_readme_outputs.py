@@ -1,0 +1,94 @@
+"""The README's real-output blocks are what their commands print now (no drift).
+
+Each marked block (``<!-- output: COMMAND -->``, see scripts/readme_outputs.py) is one test,
+so ``pytest -v tests/test_readme_outputs.py`` lists the blocks it checked. Only the plan
+header's ``# fxamp:`` / ``# torch:`` version lines are compared loosely.
+"""
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "readme_outputs.py"
+_spec = importlib.util.spec_from_file_location("readme_outputs", SCRIPT)
+ro = importlib.util.module_from_spec(_spec)
+sys.modules["readme_outputs"] = ro  # its dataclass looks its module up
+_spec.loader.exec_module(ro)
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+BLOCKS = ro.find_blocks(README)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"L{b.line}:{b.command[:70]}" for b in BLOCKS])
+def test_block_is_what_its_command_prints(block):
+    ok, diff = ro.check_block(block)
+    assert ok, (f"README.md:{block.line} is not what `{block.command}` prints now:\n{diff}\n"
+                "if the new output is right: python scripts/readme_outputs.py --write")
+
+
+def test_every_real_output_claim_has_a_marked_block():
+    """A sentence that introduces real output ("Real output of ...:") is followed by a
+    marked block, so no block can claim to be real without being checked."""
+    lines = README.split("\n")
+    claims = 0
+    for m in re.finditer(r"real\s+(output|excerpt|report)", README, re.IGNORECASE):
+        line = README.count("\n", 0, m.start())
+        colon = next((i for i in range(line, min(line + 4, len(lines)))
+                      if lines[i].rstrip().endswith(":")), None)
+        if colon is None:  # prose about real output, not an introduction of a block
+            continue
+        claims += 1
+        after = next(i for i in range(colon + 1, len(lines)) if lines[i].strip())
+        assert ro.MARKER.match(lines[after]), (
+            f"README.md:{line + 1} introduces real output, but line {after + 1} is not an "
+            "<!-- output: COMMAND --> marker")
+    assert claims >= len(BLOCKS) - 2  # the two diff sessions share one introduction
+
+
+def test_help_does_not_run_anything():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "--check" in r.stdout and "--write" in r.stdout
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_check_finds_drift_and_write_fixes_it(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "# t\n\n<!-- output: echo hello; echo '# torch: 9.9' -->\n```\nhullo\n# torch: 1.0\n```\n"
+        "\n<!-- output: session -->\n```\n$ echo a\nold\n$ printf 'b\\nc\\n'\n```\n"
+        "\n<!-- output: printf '| x |\\n|---|\\n| 1 |\\n' -->\n<!-- end output -->\ntail\n")
+    r = _cli("--check", str(readme))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "DRIFT README.md:3" in r.stdout and "-hullo" in r.stdout and "+hello" in r.stdout
+    r = _cli("--write", str(readme))
+    assert r.returncode == 0 and "3 block(s) updated" in r.stdout, r.stdout + r.stderr
+    text = readme.read_text()
+    assert "```\nhello\n# torch: 9.9\n```" in text
+    assert "```\n$ echo a\na\n$ printf 'b\\nc\\n'\nb\nc\n```" in text
+    assert "-->\n\n| x |\n|---|\n| 1 |\n\n<!-- end output -->\ntail\n" in text
+    r = _cli("--check", str(readme))
+    assert r.returncode == 0 and "3 block(s) checked, 0 drifted" in r.stdout, r.stdout
+    readme.write_text(text.replace("# torch: 9.9", "# torch: 2.99"))  # a version: loose
+    assert _cli("--check", str(readme)).returncode == 0
+
+
+def test_a_failing_command_is_an_error_not_a_block(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- output: echo partial; exit 3 -->\n```\npartial\n```\n")
+    r = _cli("--check", str(readme))
+    assert r.returncode == 2 and "exited 3" in r.stderr, r.stdout + r.stderr
+    readme.write_text("<!-- output: python -c 'raise SystemExit(1 / 0)' -->\n```\n```\n")
+    r = _cli("--write", str(readme))
+    assert r.returncode == 2 and "ZeroDivisionError" in r.stderr
+    readme.write_text("<!-- output: echo x -->\nno fence and no end marker\n")
+    r = _cli("--check", str(readme))
+    assert r.returncode == 2 and "end output" in r.stderr
