@@ -124,7 +124,7 @@ def test_audit_and_cli_take_the_config(tmp_path) -> None:
     with pytest.raises(fxamp.TraceError):
         fxamp.audit(model, (x,), target="cpu", frontend="fx")  # the front end reached it too
     # the CLI builds one config from --policy/--dtype/--target/--frontend for every command
-    factory = tmp_path / "branchy.py"
+    factory = tmp_path / "config_shape_branch.py"  # a module name no other test uses
     factory.write_text(
         "import torch\nimport torch.nn as nn\n\n\nclass M(nn.Module):\n"
         "    def __init__(self):\n        super().__init__()\n"
