@@ -382,10 +382,21 @@ def run_one(key: str) -> Dict[str, Any]:
         with torch.no_grad():
             ref = model(*args, **kwargs)
         stage = "amp_rewrite"
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         gm, rec["note"] = _rewrite(fxamp, model, args, kwargs)
         rec["rewrite_s"] = round(time.perf_counter() - t0, 2)
+        rewrite_cpu = [time.process_time() - c0]
         rec["frontend"] = fxamp.plan_of(gm).header.get("frontend", "?")
+        stage = "plain trace"
+        plain = [plain_trace_s(rec["frontend"], model, args, kwargs)]
+        for _ in range(REPEAT - 1):  # interleaved with the plain trace; medians
+            c0 = time.process_time()
+            _rewrite(fxamp, model, args, kwargs)
+            rewrite_cpu.append(time.process_time() - c0)
+            plain.append(plain_trace_s(rec["frontend"], model, args, kwargs))
+        rec["rewrite_cpu_s"] = round(statistics.median(rewrite_cpu), 2)
+        if plain[0] is not None:
+            rec["plain_cpu_s"] = round(statistics.median(plain), 2)
         rec["nodes"], rec["graphs"] = node_count(gm)
         stage = "rewritten forward"
         gm.eval()
@@ -407,6 +418,28 @@ def run_one(key: str) -> Dict[str, Any]:
         rec["traceback"] = traceback.format_exc()[-4000:]
     rec["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     return rec
+
+
+#: rewrites (and plain traces) per model, interleaved; the medians are reported
+REPEAT = int(os.environ.get("FXAMP_COVERAGE_REPEAT", "1"))
+
+
+def plain_trace_s(frontend: str, model: Any, args: tuple, kwargs: dict) -> Optional[float]:
+    """Process CPU seconds of the front end's own trace alone, static shapes
+    (``torch.fx.symbolic_trace`` / ``torch.export.export(strict=False)``); None for the
+    eager and fx+runtime front ends, or when the plain call fails."""
+    import torch
+    c0 = time.process_time()
+    try:
+        if frontend == "fx":
+            torch.fx.symbolic_trace(model)
+        elif frontend == "export":
+            torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        else:
+            return None
+    except Exception:  # noqa: BLE001 - no plain figure for this model
+        return None
+    return time.process_time() - c0
 
 
 def node_count(gm: Any) -> Tuple[Optional[int], int]:
@@ -495,8 +528,8 @@ def _cell(s: Any) -> str:
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
-    head = ["family", "model", "input", "frontend", "fx nodes", "rewrite s", "rel. output error",
-            "failure"]
+    head = ["family", "model", "input", "frontend", "fx nodes", "rewrite s", "plain trace CPU s",
+            "rewrite CPU s", "rewrite/plain", "rel. output error", "failure"]
     out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         fail = r.get("failure", "")
@@ -504,9 +537,16 @@ def table(rows: List[Dict[str, Any]]) -> str:
             fail = f"{r['stage']}: {fail}"
         cells = [r["family"], r["model"], r.get("input", ""), r.get("frontend") or "-",
                  _fmt_nodes(r),
-                 r["rewrite_s"] if r.get("rewrite_s") is not None else "", _fmt_err(r), fail]
+                 r["rewrite_s"] if r.get("rewrite_s") is not None else "",
+                 r.get("plain_cpu_s", ""), r.get("rewrite_cpu_s", ""), _ratio(r),
+                 _fmt_err(r), fail]
         out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(out)
+
+
+def _ratio(rec: Dict[str, Any]) -> str:
+    plain, rew = rec.get("plain_cpu_s"), rec.get("rewrite_cpu_s")
+    return f"{rew / plain:.1f}" if plain and rew is not None else ""
 
 
 def _reason_key(rec: Dict[str, Any]) -> str:
@@ -622,6 +662,13 @@ runs eagerly under autocast and its children are rewritten); **fx nodes** is
 `len(gm.graph.nodes)` of the rewritten graph, casts included (for `eager`, the sum over its
 rewritten children's graphs); **rewrite s** is the wall time
 of `amp_rewrite` alone on this shared machine (noisy: other jobs ran on the same cores);
+**plain trace CPU s** is the process CPU time of the front end's own trace alone with static
+shapes (`torch.fx.symbolic_trace(model)` or `torch.export.export(model, args, kwargs,
+strict=False)`; none for `eager`), **rewrite CPU s** that of `amp_rewrite` (medians of
+`--repeat` interleaved runs; CPU time is less disturbed than wall time by other load), and
+**rewrite/plain** their ratio (the export front end exports with the batch dimension, and the
+sequence dimension of integer inputs, symbolic, and a second time, static, in the other mode
+for models that read `training`);
 **rel. output error** is max |rewritten - FP32| over all floating output leaves divided by
 max |FP32| over them (bf16 keeps 8 significant bits, so ~1e-2 is what bf16 compute gives;
 random-weight models are not calibrated, so this shows the rewrite runs and stays close, not
@@ -658,8 +705,11 @@ def main() -> None:
     ap.add_argument("--from-json", metavar="FILE",
                     help="print (and with --write, write) the results saved by an earlier "
                          "run's --json instead of running the models")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rewrites and plain traces per model, interleaved (medians; 1)")
     ap.add_argument("--one", help=argparse.SUPPRESS)   # internal: run one model in this process
     ns = ap.parse_args()
+    os.environ["FXAMP_COVERAGE_REPEAT"] = str(ns.repeat)  # read by each model's process
     if ns.one:
         rec = run_one(ns.one)
         print(MARK + json.dumps(rec), flush=True)

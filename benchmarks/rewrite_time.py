@@ -5,7 +5,12 @@ LayerNorm-ish (x - mean) * rsqrt(var + eps) ... so the traced graph has ~``nodes
 nodes per block; sizes go 1k -> 3k -> 10k (-> 30k with --big) nodes. Per-node times show
 whether the rewrite grows linearly.
 
-    python benchmarks/rewrite_time.py [--big] [--repeat 3]
+Models torch.fx cannot trace (timm; the export front end takes them): plain
+``torch.export.export(m, (x,), strict=False)`` with static shapes against ``amp_rewrite``
+(which exports with the batch dimension dynamic, plus, for models that read ``training``,
+a static eval-mode export to follow train()/eval()), interleaved, medians.
+
+    python benchmarks/rewrite_time.py [--big] [--repeat 3] [--export-models NAME:SIZE,...]
 """
 from __future__ import annotations
 
@@ -50,6 +55,51 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(ts)
 
 
+EXPORT_MODELS = ("maxvit_tiny_tf_224:224,mobilevit_xxs:64,tiny_vit_5m_224:64,"
+                 "twins_svt_small:64")
+
+
+def export_rows(spec: str, repeat: int) -> list:
+    """[model, nodes, plain export s, amp_rewrite s, ratio, exports per rewrite] for each
+    NAME:SIZE in ``spec``, plain export and rewrite interleaved ``repeat`` times."""
+    import timm
+
+    rows = []
+    for item in filter(None, spec.split(",")):
+        name, size = item.split(":")
+        torch.manual_seed(0)
+        model = timm.create_model(name, pretrained=False).eval()
+        x = torch.randn(2, 3, int(size), int(size))
+        real = torch.export.export
+        calls = []
+
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        plain, rew = [], []
+        nodes = 0
+        for _ in range(repeat):
+            t0 = time.process_time()
+            ep = real(model, (x,), strict=False)
+            plain.append(time.process_time() - t0)
+            nodes = len(ep.graph.nodes)
+            calls.clear()
+            torch.export.export = counting
+            try:
+                t0 = time.process_time()
+                fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu",
+                                  frontend="export")
+                rew.append(time.process_time() - t0)
+            finally:
+                torch.export.export = real
+        p, r = statistics.median(plain), statistics.median(rew)
+        rows.append([f"{name} ({size}x{size})", nodes, f"{p:.2f}", f"{r:.2f}", f"{r / p:.1f}",
+                     len(calls)])
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--big", action="store_true", help="also 30k nodes")
@@ -57,6 +107,10 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,3000,10000",
                     help="synthetic graph sizes in nodes (comma-separated)")
     ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--export-models", default=EXPORT_MODELS,
+                    help="timm models fx cannot trace, NAME:IMAGE_SIZE comma-separated "
+                         "('' for none); default: %(default)s")
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
     # process CPU time on one thread: the rewrite is single-threaded Python, and CPU time is
@@ -79,13 +133,19 @@ def main() -> None:
                      f"{t_def * 1e3:.0f}", f"{t_def / t_trace:.1f}",
                      f"{t_def / n * 1e6:.0f}", f"{t_run * 1e3:.0f}"])
         print(rows[-1], flush=True)
+    erows = export_rows(a.export_models, a.repeat)
+    md_export = _common.table(["model (batch 2)", "exported nodes", "plain static export s",
+                               "amp_rewrite s", "rewrite/export", "torch.export calls per "
+                               "rewrite"], erows)
+    print(md_export)
     md_real = _common.table(["model", "fx nodes", "symbolic_trace ms", "amp_rewrite "
                              "numerics=off ms", "amp_rewrite default ms", "default/trace",
                              "µs/node (default)", "one FP32 forward ms (for scale)"], rows)
     print(md_real)
     srows = []
     x = torch.randn(2, 8)
-    sizes = [int(s) for s in a.sizes.split(",")] + ([30_000] if a.big else [])
+    sizes = ([] if a.skip_synthetic else [int(s) for s in a.sizes.split(",")]
+             + ([30_000] if a.big else []))
     per_block = None
     for target_nodes in sizes:
         if per_block is None:
@@ -112,9 +172,13 @@ def main() -> None:
                 "`amp_rewrite` includes its own trace, the shape/dtype propagation over the "
                 "example inputs (FakeTensor propagation, node by node), the passes and "
                 "recompile; 'one FP32 forward' is a real eager forward, for scale.\n\n"
-                + ("Real models (batch 2, 64x64):\n\n" + md_real if rows else "") +
-                f"\n\nSynthetic chains (Linear, relu, hand-written LayerNorm, residual; "
-                f"~{per_block:.0f} nodes per block, input 2x8):\n\n" + md_syn)
+                + ("Real models (batch 2, 64x64):\n\n" + md_real if rows else "")
+                + ("\n\nModels only the export front end takes (timm, random weights, "
+                   "eval mode; plain export and amp_rewrite interleaved):\n\n" + md_export
+                   if erows else "")
+                + (f"\n\nSynthetic chains (Linear, relu, hand-written LayerNorm, residual; "
+                   f"~{per_block:.0f} nodes per block, input 2x8):\n\n" + md_syn
+                   if srows else ""))
         _common.append_docs("amp_rewrite time", body)
 
 

@@ -30,13 +30,15 @@ Calibration = Union[None, Iterable[Any], Plan, Dict[str, RangeStats]]
 
 @dataclass(frozen=True)
 class RewriteConfig:
-    """How to rewrite: the policy, the front end, the example keyword arguments and the
-    calibration (an iterable of input tuples, a Plan whose ranges to reuse, or ranges)."""
+    """How to rewrite: the policy, the front end, the example keyword arguments, the
+    calibration (an iterable of input tuples, a Plan whose ranges to reuse, or ranges) and
+    torch.export's ``dynamic_shapes`` (None: the export front end's default)."""
 
     policy: Policy
     frontend: str = "auto"
     example_kwargs: Optional[Dict[str, Any]] = field(default=None, compare=False)
     calibration: Calibration = field(default=None, compare=False)
+    dynamic_shapes: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.frontend not in FRONTENDS:
@@ -47,11 +49,13 @@ class RewriteConfig:
     def make(cls, policy: Union[None, str, Policy] = None, dtype: Optional[torch.dtype] = None,
              target: str = "cuda", frontend: str = "auto",
              example_kwargs: Optional[Dict[str, Any]] = None,
-             calibration_data: Calibration = None) -> "RewriteConfig":
+             calibration_data: Calibration = None,
+             dynamic_shapes: Any = None) -> "RewriteConfig":
         """The config of ``amp_rewrite``'s arguments; PolicyError when ``dtype`` and the
         policy's ``compute=`` disagree, FxampError for an unknown front end."""
         return cls(_policy(policy, dtype, target), frontend,
-                   dict(example_kwargs) if example_kwargs else None, calibration_data)
+                   dict(example_kwargs) if example_kwargs else None, calibration_data,
+                   dynamic_shapes)
 
     def replace(self, **changes: Any) -> "RewriteConfig":
         """A copy with ``changes`` (dataclasses.replace)."""

@@ -39,6 +39,11 @@ class TrainingDivergedError(FxampError):
     """Too many consecutive optimizer steps were skipped for non-finite gradients."""
 
 
+class InputShapeError(FxampError, ValueError):
+    """A rewritten (exported) model was called with another size on a dimension that was
+    exported static; the message names the input, the dimension and ``dynamic_shapes=``."""
+
+
 class ExampleInputError(FxampError, ValueError):
     """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
 

@@ -104,10 +104,10 @@ class AtenFrontend:
     name = "export"
 
     def capture(self, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-                asked: str = "export") -> Traced:
+                asked: str = "export", dynamic_shapes: Any = None) -> Traced:
         _refuse_hooks_in_export(model)
         with without_root_hooks(model):
-            gm = export_trace(model, args, kwargs, asked)
+            gm = export_trace(model, args, kwargs, asked, dynamic_shapes)
         return Traced(gm, "export", flat_inputs(gm, args, kwargs), [])
 
 
@@ -132,13 +132,13 @@ def _partial_trace(model: nn.Module, error: TraceError, state: ModelState
 
 
 def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
-                state: Optional[ModelState] = None) -> Traced:
+                state: Optional[ModelState] = None, dynamic_shapes: Any = None) -> Traced:
     """The graph of ``model`` from the front end ``frontend`` names ("auto": fx, then
     export, then fx with runtime leaves). ``state`` (the model's snapshot) is restored
-    after each front end that fails."""
+    after each front end that fails; ``dynamic_shapes`` goes to torch.export."""
     state = state or ModelState(model)
     if frontend == "export":
-        return ATEN.capture(model, args, kwargs, "export")
+        return ATEN.capture(model, args, kwargs, "export", dynamic_shapes)
     try:
         return FX.capture(model, args, kwargs, frontend)
     except TraceError as err:
@@ -147,7 +147,7 @@ def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend:
             raise
         fx_error = err
     try:
-        traced = ATEN.capture(model, args, kwargs, "auto")
+        traced = ATEN.capture(model, args, kwargs, "auto", dynamic_shapes)
         log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
         return traced
     except TraceError as err:

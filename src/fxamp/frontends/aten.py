@@ -16,6 +16,7 @@ module's ``training`` flag, so ``train()`` / ``eval()`` work on the result; batc
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import logging
@@ -37,22 +38,36 @@ from .fx import trace_error
 log = logging.getLogger(__name__)
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
-    """``Dim.AUTO`` for every dimension of every tensor input, keyed by parameter name."""
-    from torch.export import Dim
-
-    def spec(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return {i: Dim.AUTO for i in range(value.dim())} or None
-        return None
-
+def _bound_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The forward's arguments by parameter name (torch.export keys dynamic_shapes so)."""
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as err:
         raise TraceError(f"the example inputs do not match {type(model).__name__}.forward: "
                          f"{err}; what to do: pass example_inputs (positional) and "
                          "example_kwargs (keyword) as the forward takes them") from err
-    return {name: tree_map(spec, value) for name, value in bound.arguments.items()}
+    return dict(bound.arguments)
+
+
+def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
+    """torch.export ``dynamic_shapes`` keeping only the dimensions that really vary between
+    calls symbolic: the batch (dim 0 of every tensor input) and the sequence (dim 1 of
+    integer inputs of two or more dimensions: token ids, attention masks), both as
+    ``Dim.AUTO`` (export specialises them where the code needs a fixed size). Every other
+    dimension is static: an all-symbolic export costs up to 20x a static one."""
+    from torch.export import Dim
+
+    def spec(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return None
+        dims = {0: Dim.AUTO}
+        if value.dim() >= 2 and not value.is_floating_point() and not value.is_complex() \
+                and value.dtype is not torch.bool:
+            dims[1] = Dim.AUTO
+        return dims
+
+    return {name: tree_map(spec, value)
+            for name, value in _bound_inputs(model, args, kwargs).items()}
 
 
 #: torch loggers that print whole graphs as warnings when an export fails; fxamp reports
@@ -90,11 +105,19 @@ _ADVICE = {
 }
 
 
+#: ``dynamic_shapes`` value asking for an all-static export (the other-mode graph, which
+#: is only compared with the first one)
+STATIC = "static"
+
+
 @shows(lambda model, *a, **k: f"torch.export of {type(model).__name__}")
 def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-            frontend: str = "export") -> fx.GraphModule:
+            frontend: str = "export", dynamic_shapes: Any = None) -> fx.GraphModule:
     try:
-        shapes = _dynamic_shapes(model, args, kwargs)
+        if dynamic_shapes is None:
+            shapes = default_dynamic_shapes(model, args, kwargs)
+        else:
+            shapes = None if dynamic_shapes is STATIC else dynamic_shapes
         with quiet_torch_logs(), refusing_inference_mode():
             program = torch.export.export(model, args, kwargs, strict=False,
                                           dynamic_shapes=shapes)
@@ -215,8 +238,9 @@ class _Alignment:
         return node
 
     def same_value(self, a: Any, b: Any) -> bool:
-        if _is_size(a) and _is_size(b):
-            return True  # sizes do not depend on the mode (the graphs number them apart)
+        if _is_size(a) and (_is_size(b) or type(b) is int):
+            return True  # sizes do not depend on the mode (the graphs number them apart;
+            # the other-mode graph may be static: its sizes are plain ints)
         if isinstance(a, fx.Node) or isinstance(b, fx.Node):
             return (isinstance(a, fx.Node) and isinstance(b, fx.Node)
                     and self.resolve(a) is self.match.get(b))
@@ -246,9 +270,33 @@ class _Alignment:
         return True
 
 
+#: shape-only nodes that a symbolic export has and a static one has not
+_SHAPE_CHECKS = tuple(op for op in (
+    getattr(torch.ops.aten, "_assert_scalar", None),
+    getattr(torch.ops.aten, "sym_constrain_range_for_size", None),
+    getattr(torch.ops.aten, "sym_constrain_range", None)) if op is not None)
+
+
 def _is_size(value: Any) -> bool:
-    """A node computing a symbolic size (``sym_size``, arithmetic on sizes)."""
-    return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.SymInt)
+    """A node computing a symbolic size (``sym_size``, arithmetic on sizes, checks on
+    them)."""
+    if not isinstance(value, fx.Node):
+        return False
+    if isinstance(value.meta.get("val"), (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        return True
+    target = getattr(value.target, "overloadpacket", value.target)
+    return value.op == "call_function" and target in _SHAPE_CHECKS
+
+
+def _is_full_slice(node: fx.Node) -> bool:
+    """``x[:]`` along a symbolic dimension (``slice(x, dim, 0, INT64_MAX)``): an identity
+    a symbolic export keeps and a static one drops."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
+        return False
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = args[2], args[3], args[4]
+    return start in (0, None) and step in (1, None) and (
+        end is None or (type(end) is int and end >= 2 ** 62))
 
 
 def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
@@ -265,7 +313,8 @@ def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
             j += 1
         elif _is_batches_tracked(node):
             aligned.counts.append(node)
-        elif node.op == "call_function" and node.target in _TRAIN_ONLY_IDENTITIES:
+        elif node.op == "call_function" and node.target in _TRAIN_ONLY_IDENTITIES \
+                or _is_full_slice(node):
             aligned.alias[node] = node.args[0]
         else:
             return None
@@ -299,37 +348,90 @@ def _follow_mode(gm: fx.GraphModule, aligned: _Alignment) -> None:
     gm.recompile()
 
 
-def _export_in_mode(model: nn.Module, train: bool, args: tuple,
-                    kwargs: Dict[str, Any], frontend: str = "export") -> fx.GraphModule:
+def _export_in_mode(model: nn.Module, train: bool, args: tuple, kwargs: Dict[str, Any],
+                    frontend: str = "export", dynamic_shapes: Any = None) -> fx.GraphModule:
     with training_flags(model, train):
-        return _export(model, args, kwargs, frontend)
+        return _export(model, args, kwargs, frontend, dynamic_shapes)
 
 
 def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-                 frontend: str = "export") -> fx.GraphModule:
+                 frontend: str = "export", dynamic_shapes: Any = None) -> fx.GraphModule:
     """Export ``model`` (non-strict) and return its unlifted GraphModule, following
     ``train()`` / ``eval()``; raise TraceError naming the line that stops torch.export.
 
-    The graph is taken in the model's current mode first (its error is the one raised),
-    then in the other; the train-mode graph is the base when both align."""
+    ``dynamic_shapes`` (torch.export's spelling) defaults to default_dynamic_shapes: the
+    batch and token-sequence dimensions symbolic, every other one static.
+
+    A model none of whose modules reads ``training`` (see reads_training) is exported once,
+    in its current mode. Otherwise the train-mode graph, exported with those dynamic shapes,
+    is the base, and the eval-mode graph, exported with static shapes (it is only compared
+    with the base: 2-4x cheaper), supplies the constants that follow the mode. Only where
+    they do not align is a mode exported again (with the dynamic shapes)."""
     args, kwargs = plain_containers((tuple(args), dict(kwargs)))
     mode = model.training
-    first = _export_in_mode(model, mode, args, kwargs, frontend)
+    if not reads_training(model):
+        return _export_in_mode(model, mode, args, kwargs, frontend, dynamic_shapes)
     try:
-        second: Optional[fx.GraphModule] = _export_in_mode(model, not mode, args, kwargs,
-                                                           frontend)
+        base = _export_in_mode(model, True, args, kwargs, frontend, dynamic_shapes)
     except TraceError as err:
-        log.warning("%s exports in %s mode only (%s); the rewritten graph keeps that mode's "
-                    "behaviour", type(model).__name__, "train" if mode else "eval",
-                    str(err).splitlines()[0])
-        return first
-    gm, other = (first, second) if mode else (second, first)
-    aligned = _align(gm.graph, other.graph)
+        if mode:
+            raise  # the model's own mode: its error is the one raised
+        only = _export_in_mode(model, False, args, kwargs, frontend, dynamic_shapes)
+        _warn_one_mode(model, False, err)
+        return only
+    try:
+        other = _export_in_mode(model, False, args, kwargs, frontend, STATIC)
+    except TraceError as err:
+        if not mode:  # an eval-mode model that exports in train mode only
+            raise
+        _warn_one_mode(model, True, err)
+        return base
+    aligned = _align(base.graph, other.graph)
+    if aligned is None and not mode:
+        log.debug("%s: train and static eval graphs do not align; exporting eval mode "
+                  "with the dynamic shapes", type(model).__name__)
+        other = _export_in_mode(model, False, args, kwargs, frontend, dynamic_shapes)
+        aligned = _align(base.graph, other.graph)
+        if aligned is None:
+            warn_one_mode(model, "exports")
+            return other
     if aligned is None:
         warn_one_mode(model, "exports")
-        return first
-    _follow_mode(gm, aligned)
-    return gm
+        return base
+    _follow_mode(base, aligned)
+    return base
+
+
+def _warn_one_mode(model: nn.Module, mode: bool, err: TraceError) -> None:
+    log.warning("%s exports in %s mode only (%s); the rewritten graph keeps that mode's "
+                "behaviour", type(model).__name__, "train" if mode else "eval",
+                str(err).splitlines()[0])
+
+
+def reads_training(model: nn.Module) -> bool:
+    """Whether the code of any of ``model``'s modules may read ``training`` (so that the
+    graph may depend on the mode): the source of each torch.nn class (BatchNorm, Dropout...)
+    and the whole source file of every other class (its helper functions included) is
+    searched for the word; a class without source counts as reading it."""
+    return any(_class_reads_training(type(m)) for m in model.modules())
+
+
+@functools.lru_cache(maxsize=None)
+def _class_reads_training(cls: type) -> bool:
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        try:
+            if klass.__module__.startswith("torch.nn."):
+                source = inspect.getsource(klass)
+            else:
+                module = inspect.getmodule(klass)
+                source = inspect.getsource(module) if module is not None else None
+        except (OSError, TypeError):
+            return True
+        if source is None or "training" in source:
+            return True
+    return False
 
 
 def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tuple:
@@ -341,6 +443,92 @@ def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tupl
 
     value = plain_containers((tuple(args), dict(kwargs)))
     return tuple(fx_pytree.tree_flatten_spec(value, spec))
+
+
+def input_sizes(gm: fx.GraphModule) -> List[Tuple[str, Optional[Tuple[Optional[int], ...]]]]:
+    """(placeholder name, sizes) of each graph input: an int for a dimension the export
+    fixed, None for a symbolic one; sizes None for a non-tensor input."""
+    out: List[Tuple[str, Optional[Tuple[Optional[int], ...]]]] = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        sizes = None
+        if isinstance(val, torch.Tensor):
+            sizes = tuple(s if type(s) is int else None for s in val.shape)
+        out.append((node.name, sizes))
+    return out
+
+
+class ShapeCheck:
+    """A forward pre-hook raising InputShapeError when a call's input has another size on a
+    dimension the export specialised (fxamp's message instead of the exported graph's
+    guard), naming the input and dimension and the ``dynamic_shapes=`` that allows it."""
+
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, args: tuple,
+                 kwargs: Dict[str, Any]) -> None:
+        self.sizes = input_sizes(gm)
+        self.model_name = type(model).__name__
+        names = _input_names(model, args, kwargs)
+        if len(names) == len(self.sizes):  # the forward's own names, not the graph's
+            self.sizes = [(name, sizes) for name, (_, sizes) in zip(names, self.sizes)]
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        try:
+            flat = flat_inputs(module, args, kwargs)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - another structure: the graph's own check says so
+            return None
+        for (name, sizes), value in zip(self.sizes, flat):
+            if sizes is None or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() != len(sizes):
+                self._raise(name, sizes, None, value)
+            for dim, size in enumerate(sizes):
+                if size is not None and value.shape[dim] != size:
+                    self._raise(name, sizes, dim, value)
+        return None
+
+    def _raise(self, name: str, sizes: Tuple[Optional[int], ...], dim: Optional[int],
+               value: torch.Tensor) -> None:
+        from ..errors import InputShapeError
+
+        shown = "x".join("*" if s is None else str(s) for s in sizes)
+        if dim is None:
+            raise InputShapeError(
+                f"the rewritten {self.model_name} takes input {name!r} with {len(sizes)} "
+                f"dimensions ({shown}, * = any size); this call gives {value.dim()} "
+                f"({tuple(value.shape)})\n  what to do: call it as it was exported, or "
+                "rewrite it with example inputs of that rank")
+        dims = {i for i, s in enumerate(sizes) if s is None} | {dim}
+        spec = "{" + ", ".join(f"{i}: Dim.AUTO" for i in sorted(dims)) + "}"
+        raise InputShapeError(
+            f"the rewritten {self.model_name} was exported with dimension {dim} of input "
+            f"{name!r} fixed at {sizes[dim]} (sizes {shown}, * = any size); this call gives "
+            f"{value.shape[dim]}. By default only the batch dimension (dim 0) and the "
+            "sequence dimension of integer token inputs are dynamic, and torch.export fixes "
+            "a dynamic one where the model's code needs a fixed size or the example size "
+            "is 0 or 1\n  what to do: rewrite with amp_rewrite(..., dynamic_shapes="
+            f"{{{name!r}: {spec}}}) (torch.export's spelling, Dim from torch.export; for an "
+            "input nested in a list or dict the spec follows its structure), or call it "
+            f"with size {sizes[dim]}")
+
+
+def _input_names(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[str]:
+    """The forward parameter (and the path inside it) of each leaf of ``(args, kwargs)``
+    in torch.export's order; [] where they cannot be told."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+        leaves, _ = tree_flatten_with_path(plain_containers((tuple(args), dict(kwargs))))
+    except (TypeError, ValueError):
+        return []
+    names = []
+    for path, _ in leaves:
+        where, key = path[0], path[1]
+        index = getattr(key, "idx", None)
+        top = (params[index] if where.idx == 0 and index is not None and index < len(params)
+               else str(getattr(key, "key", key)))
+        names.append(top + keystr(path[2:]))
+    return names
 
 
 def plain_containers(value: Any) -> Any:

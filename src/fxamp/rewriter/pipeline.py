@@ -22,7 +22,7 @@ from ..overrides import Scope, check_matched, override_scope
 from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
 from ..policy import Policy
 from ..frontends import trace_model
-from ..frontends.aten import flat_inputs, plain_inputs_hook, quiet_torch_logs
+from ..frontends.aten import ShapeCheck, flat_inputs, plain_inputs_hook, quiet_torch_logs
 from ..frontends.common import nested_header, nested_lines
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks, mark_hooked_runtime
@@ -112,8 +112,8 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                 policy: Union[None, str, Policy] = None,
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
-                frontend: str = "auto", config: Optional[RewriteConfig] = None
-                ) -> fx.GraphModule:
+                frontend: str = "auto", dynamic_shapes: Any = None,
+                config: Optional[RewriteConfig] = None) -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule`` (for the "eager"
     front end, a copy of the model whose children are such modules).
 
@@ -128,6 +128,12 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     export, then fx with the submodules neither can take kept as calls that run under
     torch.autocast (``rule="runtime"``). The plan header records which one took the model.
 
+    ``dynamic_shapes`` (torch.export's own spelling, passed to it) says which input
+    dimensions the export front end keeps symbolic; by default the batch (dim 0 of every
+    tensor input) and the sequence (dim 1 of integer inputs: token ids, masks), all others
+    static. A call of the result with another size on a static dimension raises
+    InputShapeError. (fx graphs take any size: the fx front end ignores it.)
+
     ``dtype`` defaults to float16 (or the policy's ``compute=``; the two must agree).
     When the rewrite fails, the model is run once in FP32 on the example inputs: if that
     fails too, the model's own error is raised (``ExampleInputError``). The model is left
@@ -139,12 +145,13 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     """
     if config is None:
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
-                                    calibration_data)
-    elif (policy, dtype, frontend, example_kwargs, calibration_data, target) != (
-            None, None, "auto", None, None, "cuda"):
+                                    calibration_data, dynamic_shapes)
+    elif (policy, dtype, frontend, example_kwargs, calibration_data, target,
+          dynamic_shapes) != (None, None, "auto", None, None, "cuda", None):
         raise FxampError("amp_rewrite takes either config= or the keyword arguments it "
                          "holds (policy, dtype, target, frontend, example_kwargs, "
-                         "calibration_data), not both; what to do: config.replace(...)")
+                         "calibration_data, dynamic_shapes), not both; what to do: "
+                         "config.replace(...)")
     pol = config.policy
     example_kwargs = config.example_kwargs
     _check_model(model)
@@ -234,7 +241,8 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     kwargs = dict(config.example_kwargs or {})
     state = ModelState(model)
     try:
-        src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend, state)
+        src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend, state,
+                                               config.dynamic_shapes)
     except TraceError as err:
         state.restore()
         if frontend != "auto" or getattr(err, "module", "") or fixed or calibration_data:
@@ -260,7 +268,7 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
         log.warning("%s: torch.fx and torch.export cannot take %s; they run under "
                     "torch.autocast at run time (rule 'runtime')", type(model).__name__,
                     ", ".join(runtime))
-    inputs = flat
+    example, inputs = (inputs, kwargs), flat
     if taken == "export" and calibration_data is not None and not isinstance(
             calibration_data, (Plan, dict)):
         calibration_data = [flat_inputs(src, _as_tuple(batch), {})
@@ -299,6 +307,7 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     complete_state(model, gm)
     copy_root_hooks(model, gm)
     if taken == "export":
+        gm.register_forward_pre_hook(ShapeCheck(src, model, *example), with_kwargs=True)
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
     return gm
 

@@ -1,0 +1,120 @@
+"""The export front end's shapes: static but for the batch (and token-sequence) dimensions
+or the user's ``dynamic_shapes=``; a clear InputShapeError on a fixed dimension; and how
+many times torch.export.export runs per rewrite (counted by a passthrough to the real one)."""
+from __future__ import annotations
+
+import os
+from typing import List
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.export import Dim
+
+import fxamp
+from fxamp.errors import InputShapeError
+
+BF16 = dict(dtype=torch.bfloat16, target="cpu", frontend="export")
+
+
+@pytest.fixture
+def export_calls(monkeypatch) -> List[int]:
+    """torch.export.export still runs (the real one); each call is counted."""
+    calls: List[int] = []
+    real = torch.export.export
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    return calls
+
+
+class Pool(nn.Module):
+    """Image-like input: a conv, a pool that keeps the spatial size out of the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def test_one_export_for_a_model_without_mode_dependent_code(export_calls) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    gm = fxamp.amp_rewrite(model, (torch.randn(3, 8),), **BF16)
+    assert fxamp.plan_of(gm).header["frontend"] == "export"
+    assert len(export_calls) == 1
+
+
+def test_dropout_model_still_follows_train_and_eval_with_two_exports(export_calls) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)).eval()
+    gm = fxamp.amp_rewrite(model, (torch.randn(3, 8),), **BF16)
+    assert len(export_calls) == 2  # the train graph (base) and the eval graph (static)
+    x = torch.randn(5, 8)  # another batch size than the example's
+    gm.eval()
+    assert torch.equal(gm(x), gm(x))
+    torch.testing.assert_close(gm(x), model(x), rtol=0.03, atol=0.03)
+    gm.train()
+    assert not torch.equal(gm(x), gm(x))  # dropout is on in train mode
+
+
+def test_batch_is_dynamic_other_dims_are_fixed_with_a_clear_error() -> None:
+    torch.manual_seed(0)
+    model = Pool().eval()
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 3, 16, 16),), **BF16)
+    for batch in (1, 5):
+        x = torch.randn(batch, 3, 16, 16)
+        torch.testing.assert_close(gm(x), model(x), rtol=0.03, atol=0.03)
+    with pytest.raises(InputShapeError) as info:
+        gm(torch.randn(2, 3, 20, 16))
+    message = str(info.value)
+    assert "dimension 2 of input 'x' fixed at 16" in message
+    assert "this call gives 20" in message
+    assert "dynamic_shapes={'x': {0: Dim.AUTO, 2: Dim.AUTO}}" in message
+    with pytest.raises(InputShapeError, match="4 dimensions"):
+        gm(torch.randn(2, 3, 16))
+
+
+def test_user_dynamic_shapes_are_honoured() -> None:
+    torch.manual_seed(0)
+    model = Pool().eval()
+    shapes = {"x": {0: Dim.AUTO, 2: Dim.AUTO, 3: Dim.AUTO}}
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 3, 16, 16),), dynamic_shapes=shapes,
+                           **BF16)
+    for size in ((3, 3, 20, 24), (1, 3, 9, 16)):
+        x = torch.randn(*size)
+        torch.testing.assert_close(gm(x), model(x), rtol=0.03, atol=0.03)
+    # and a fully static request fixes the batch too
+    static = fxamp.amp_rewrite(model, (torch.randn(2, 3, 16, 16),),
+                               dynamic_shapes={"x": None}, **BF16)
+    with pytest.raises(InputShapeError, match="dimension 0 of input 'x' fixed at 2"):
+        static(torch.randn(4, 3, 16, 16))
+
+
+def test_token_inputs_keep_batch_and_sequence_dynamic() -> None:
+    """Hugging Face BERT (only the export front end takes it): token ids and the attention
+    mask are integer inputs, so their batch and sequence dimensions stay symbolic."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64, vocab_size=100)).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    gm = fxamp.amp_rewrite(model, (), example_kwargs={"input_ids": ids,
+                                                      "attention_mask": torch.ones_like(ids)},
+                           **BF16)
+    for batch, seq in ((3, 12), (1, 5)):
+        ids = torch.randint(0, 100, (batch, seq))
+        mask = torch.ones_like(ids)
+        mask[0, -2:] = 0
+        out = gm(input_ids=ids, attention_mask=mask).last_hidden_state
+        ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert out.shape == (batch, seq, 32)
+        torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
