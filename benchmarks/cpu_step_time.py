@@ -1,16 +1,33 @@
-"""CPU training-step time: FP32 vs torch.autocast(bf16) vs fxamp bf16 (target="cpu").
+"""CPU step time, bf16: fxamp (each weights option) vs both autocast settings vs the limit.
 
-One step = zero_grad + forward + cross-entropy (FP32) + backward + SGD step. The variants
-share one model (same Parameters) and run interleaved: each round runs every variant for
-``--steps`` steps and records the mean step time of that round; the table gives the median
-over rounds, the spread (min-max over rounds) and the median of the per-round ratios.
+Variants, all on one model's FP32 Parameters except the limit:
 
-With ``--channels-last`` a fourth variant, "fxamp channels_last" (policy
-``channels_last=on``: conv weights and the input in NHWC), runs in the same rounds. That
-policy converts the conv weights of the model it rewrites in place, so this variant rewrites
-its own copy of the model (same initial weights, its own SGD); the other three keep NCHW.
+- ``fp32``: the model as is;
+- ``autocast``: ``torch.autocast("cpu", bf16)`` (weight-cast cache on, the default);
+- ``autocast nocache``: ``torch.autocast(..., cache_enabled=False)`` (the faster setting at
+  small batch on CPU);
+- ``limit``: ``copy.deepcopy(model).to(bf16)`` (inputs cast once outside the step): zero casts,
+  no FP32 islands, the fastest a mixed-precision rewrite could get;
+- ``fxamp``: ``amp_rewrite`` default (``weights=cached``: weight copies kept between forwards);
+- ``fxamp cast``: policy ``weights=cast`` (every weight cast on every forward, in the graph);
+- ``fxamp o2``: policy ``weights=o2`` + ``fxamp.train.attach_optimizer`` (the optimizer step
+  writes the bf16 copies);
+- ``fxamp channels_last`` (``--channels-last``): policy ``channels_last=on`` on its own copy.
 
-    python benchmarks/cpu_step_time.py [--compile] [--channels-last] [--rounds 7] [--steps 3]
+``--mode train``: zero_grad + forward + FP32 cross-entropy + backward + SGD step;
+``--mode infer``: forward under ``torch.no_grad()``. Variants run interleaved: each round runs
+every variant ``--steps`` times; the table gives median ms/step over rounds, then
+fxamp/autocast against the FASTER of the two autocast settings (per-round ratios, median),
+fxamp/limit, and per variant the launches of one profiled step (torch profiler: all ATen ops,
+and the casts among them: ``_to_copy`` + ``_foreach_copy_``).
+
+Models (``--models``): resnet18, resnet50, vit_b_16 (torchvision, ``--size`` images),
+vit_small (4 layers, 128 hidden), gpt2s (GPT-2-small-sized decoder, benchmarks/_decoder.py,
+sequence ``--seq``), gpt_tiny (4 layers, d=256, vocab 8000). The defaults are short; the
+machine is shared: prefer ``--threads 1`` and read the ratios.
+
+    python benchmarks/cpu_step_time.py [--mode train|infer] [--models resnet18,gpt_tiny]
+        [--batch 1] [--rounds 5] [--steps 2] [--threads 1] [--compile] [--channels-last]
 """
 from __future__ import annotations
 
@@ -27,38 +44,123 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import _decoder  # noqa: E402
 
 import fxamp  # noqa: E402
 
+DT = torch.bfloat16
 
-def make_step(fwd, params, target, autocast_dtype=None):
+
+def build(name: str, batch: int, size: int, seq: int):
+    """(model, inputs, target) for a model name."""
+    import torchvision
+    img = (torch.randn(batch, 3, size, size),)
+    cls = torch.randint(0, 10, (batch,))
+    if name in ("resnet18", "resnet50"):
+        return getattr(torchvision.models, name)(num_classes=10), img, cls
+    if name == "vit_b_16":
+        return torchvision.models.VisionTransformer(
+            image_size=size, patch_size=16, num_layers=12, num_heads=12, hidden_dim=768,
+            mlp_dim=3072, num_classes=10), img, cls
+    if name == "vit_small":
+        return _common.small_vit(size), img, cls
+    if name in ("gpt2s", "gpt_tiny"):
+        cfg = dict(vocab=50257, d=768, layers=12, heads=12) if name == "gpt2s" else \
+            dict(vocab=8000, d=256, layers=4, heads=4)
+        model = _decoder.Decoder(**cfg)
+        idx = torch.randint(0, cfg["vocab"], (batch, seq))
+        return model, (idx,), torch.randint(0, cfg["vocab"], (batch, seq))
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float().flatten(0, -2) if out.dim() > 2 else out.float(),
+                           target.flatten() if out.dim() > 2 else target)
+
+
+def make_step(fwd, params, target, mode, autocast=None, attach=None):
+    """One training step (or one no_grad forward) of ``fwd``."""
+    if mode == "infer":
+        def infer():
+            with torch.no_grad():
+                if autocast is not None:
+                    with torch.autocast("cpu", dtype=DT, cache_enabled=autocast):
+                        return fwd()
+                return fwd()
+        return infer
     opt = torch.optim.SGD(params, lr=1e-4)
+    if attach is not None:
+        fxamp.train.attach_optimizer(attach, opt)
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if autocast_dtype is not None:
-            with torch.autocast("cpu", dtype=autocast_dtype):
+        if autocast is not None:
+            with torch.autocast("cpu", dtype=DT, cache_enabled=autocast):
                 out = fwd()
         else:
             out = fwd()
-        loss = F.cross_entropy(out.float(), target)
+        loss = loss_of(out, target)
         loss.backward()
         opt.step()
         return loss
     return step
 
 
+def launches(step) -> str:
+    """ATen ops / casts (``_to_copy`` + ``_foreach_copy_``) of one step (torch profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    ops = casts = 0
+    for e in prof.key_averages():
+        if e.key.startswith("aten::"):
+            ops += e.count
+            if e.key in ("aten::_to_copy", "aten::_foreach_copy_"):
+                casts += e.count
+    return f"{ops}/{casts}"
+
+
+def variants(model, inputs, target, mode, a):
+    """name -> step function."""
+    rewrite = lambda m, policy=None: fxamp.amp_rewrite(  # noqa: E731
+        m, inputs, dtype=DT, target="cpu", policy=policy)
+    wrap = torch.compile if a.compile else (lambda f: f)
+    params = list(model.parameters())
+    gm, gm_cast, gm_o2 = rewrite(model), rewrite(model, "weights=cast"), rewrite(model, "weights=o2")
+    low = copy.deepcopy(model).to(DT)
+    low_in = tuple(x.to(DT) if x.is_floating_point() else x for x in inputs)
+    f = {k: wrap(m) for k, m in (("fp32", model), ("ac", model), ("acn", model), ("low", low),
+                                  ("fx", gm), ("fxc", gm_cast), ("fxo", gm_o2))}
+    out = {
+        "fp32": make_step(lambda: f["fp32"](*inputs), params, target, mode),
+        "autocast": make_step(lambda: f["ac"](*inputs), params, target, mode, autocast=True),
+        "autocast nocache": make_step(lambda: f["acn"](*inputs), params, target, mode,
+                                      autocast=False),
+        "limit": make_step(lambda: f["low"](*low_in), list(low.parameters()), target, mode),
+        "fxamp": make_step(lambda: f["fx"](*inputs), params, target, mode),
+        "fxamp cast": make_step(lambda: f["fxc"](*inputs), params, target, mode),
+        "fxamp o2": make_step(lambda: f["fxo"](*inputs), params, target, mode, attach=gm_o2),
+    }
+    if a.channels_last:
+        cl_model = copy.deepcopy(model)
+        cl = wrap(rewrite(cl_model, "channels_last=on"))
+        out["fxamp channels_last"] = make_step(lambda: cl(*inputs), list(cl_model.parameters()),
+                                               target, mode)
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=["train", "infer"], default="train")
     ap.add_argument("--compile", action="store_true", help="torch.compile (default backend) "
-                    "the model / the fxamp GraphModule")
-    ap.add_argument("--channels-last", action="store_true", help="add the variant 'fxamp "
-                    "channels_last' (policy channels_last=on, on a copy of the model)")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--models", default="resnet18,vit_small")
+                    "every variant's module")
+    ap.add_argument("--channels-last", action="store_true", help="add 'fxamp channels_last' "
+                    "(policy channels_last=on, on a copy of the model)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--batch", default="1", help="comma-separated batch sizes, e.g. 1,8,64")
+    ap.add_argument("--size", type=int, default=64, help="image size (ResNet / ViT)")
+    ap.add_argument("--seq", type=int, default=32, help="sequence length (decoders)")
+    ap.add_argument("--models", default="resnet18,gpt_tiny")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (1 makes the ratios far less sensitive to "
                     "other load on a small machine)")
@@ -66,118 +168,69 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    rows, notes = [], []
-    all_models = _common.models(a.batch, a.size)
-    picks = {"resnet18": "resnet18", "vit_small": "vit_small(4L,128d)"}
-    for short in a.models.split(","):
-        name = picks.get(short, short)
-        make, inputs = all_models[name]
-        model = make().train()
-        target = torch.randint(0, 10, (a.batch,))
-        cl_model = copy.deepcopy(model) if a.channels_last else None
-        gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target="cpu")
-        fp32_fn, ac_fn, fx_fn = model, model, gm
-        if a.compile:
-            # three separate compiled callables (autocast is traced into its graph)
-            fp32_fn = torch.compile(model)
-            ac_fn = torch.compile(model)
-            fx_fn = torch.compile(gm)
-        params = list(model.parameters())
-        variants = {
-            "fp32": make_step(lambda: fp32_fn(*inputs), params, target),
-            "autocast bf16": make_step(lambda: ac_fn(*inputs), params, target, dtype),
-            "fxamp bf16": make_step(lambda: fx_fn(*inputs), params, target),
-        }
-        if cl_model is not None:
-            cl_gm = fxamp.amp_rewrite(cl_model, inputs, dtype=dtype, target="cpu",
-                                      policy="channels_last=on")
-            cl_fn = torch.compile(cl_gm) if a.compile else cl_gm
-            variants["fxamp channels_last"] = make_step(lambda: cl_fn(*inputs),
-                                                        list(cl_model.parameters()), target)
-        times = {k: [] for k in variants}
-        cpu = {k: [] for k in variants}  # process CPU time per step (less hit by waiting)
-        warm = {}
-        broken = {}
-        for k, step in variants.items():  # warm-up (and compilation) outside the rounds
-            t0 = time.perf_counter()
-            try:
-                step()
-                step()
-            except Exception as e:  # noqa: BLE001
-                broken[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
-                notes.append(f"{name} / {k}{' (compiled)' if a.compile else ''} FAILED: "
-                             f"{broken[k]}")
-                traceback.print_exc()
-            warm[k] = time.perf_counter() - t0
-        for _ in range(a.rounds):
-            for k, step in variants.items():
-                if k in broken:
-                    continue
-                t0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(a.steps):
+    rows, notes, names = [], [], None
+    for name in a.models.split(","):
+        for batch in (int(b) for b in a.batch.split(",")):
+            torch.manual_seed(0)
+            model, inputs, target = build(name, batch, a.size, a.seq)
+            model.train(a.mode == "train")
+            steps = variants(model, inputs, target, a.mode, a)
+            names = list(steps)
+            times = {k: [] for k in steps}
+            broken, counts = {}, {}
+            for k, step in steps.items():  # warm-up (compilation) outside the rounds
+                try:
                     step()
-                times[k].append((time.perf_counter() - t0) / a.steps * 1e3)
-                cpu[k].append((time.process_time() - c0) / a.steps * 1e3)
-        med = {k: statistics.median(v) for k, v in times.items() if v}
+                    step()
+                    counts[k] = launches(step)
+                except Exception as e:  # noqa: BLE001
+                    broken[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    notes.append(f"{name} batch {batch} / {k} FAILED: {broken[k]}")
+                    traceback.print_exc()
+            for _ in range(a.rounds):
+                for k, step in steps.items():
+                    if k in broken:
+                        continue
+                    t0 = time.perf_counter()
+                    for _ in range(a.steps):
+                        step()
+                    times[k].append((time.perf_counter() - t0) / a.steps * 1e3)
+            med = {k: statistics.median(v) for k, v in times.items() if v}
 
-        def ratio(x, y):
-            if x not in med or y not in med:
-                return "n/a"
-            r = [p / q for p, q in zip(times[x], times[y])]
-            return (f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f}); "
-                    f"best/best {min(times[x]) / min(times[y]):.2f}")
-        row = [name + (" compiled" if a.compile else "")]
-        for k in variants:
-            if k in med:
-                row.append(f"{med[k]:.1f} (best {min(times[k]):.1f}, max {max(times[k]):.1f})")
-            else:
-                row.append("FAILED")
-        row += [ratio("fxamp bf16", "autocast bf16"), ratio("autocast bf16", "fp32"),
-                ratio("fxamp bf16", "fp32")]
-        if a.channels_last:
-            row += [ratio("fxamp channels_last", "autocast bf16"),
-                    ratio("fxamp channels_last", "fxamp bf16")]
-        cmed = {k: statistics.median(v) for k, v in cpu.items() if v}
-        row.append(" / ".join(f"{cmed.get(k, float('nan')):.1f}" for k in variants))
-        row.append(f"{cmed['fxamp bf16'] / cmed['autocast bf16']:.2f}"
-                   if "fxamp bf16" in cmed and "autocast bf16" in cmed else "n/a")
-        if a.channels_last:
-            row.append(f"{cmed['fxamp channels_last'] / cmed['autocast bf16']:.2f}"
-                       if "fxamp channels_last" in cmed and "autocast bf16" in cmed
-                       else "n/a")
-        row.append(" / ".join(f"{warm[k]:.1f}" for k in variants))
-        rows.append(row)
-        print(row, flush=True)
-    cl = a.channels_last
-    short = "fp32/ac/fxamp" + ("/fxamp-cl" if cl else "")
-    headers = (["model", "fp32 ms/step median (min-max)", "autocast bf16", "fxamp bf16"]
-               + (["fxamp channels_last"] if cl else [])
-               + ["fxamp/autocast (per-round median (min-max); best/best)", "autocast/fp32",
-                  "fxamp/fp32"]
-               + (["fxamp channels_last/autocast", "fxamp channels_last/fxamp"] if cl else [])
-               + [f"CPU ms/step median ({short})", "CPU-time fxamp/autocast"]
-               + (["CPU-time fxamp channels_last/autocast"] if cl else [])
-               + [f"warm-up s ({short})"])
+            def ratio(x, y):
+                if x not in med or y not in med:
+                    return "n/a"
+                r = [p / q for p, q in zip(times[x], times[y])]
+                return f"{statistics.median(r):.2f}"
+            peer = min(("autocast", "autocast nocache"), key=lambda k: med.get(k, float("inf")))
+            row = [name, a.mode, str(batch)]
+            row += [f"{med[k]:.1f}" if k in med else "FAILED" for k in names]
+            row += [peer.replace("autocast", "ac")]
+            for k in ("fxamp", "fxamp cast", "fxamp o2"):
+                row.append(f"{ratio(k, peer)} / {ratio(k, 'limit')}")
+            row.append(" ".join(counts.get(k, "-") for k in names))
+            rows.append(row)
+            print(row, flush=True)
+    headers = (["model", "mode", "batch"] + [f"{k} ms" for k in names]
+               + ["faster autocast", "fxamp: /autocast / /limit", "fxamp cast: /ac / /limit",
+                  "fxamp o2: /ac / /limit", "ATen ops/casts per step (" + ", ".join(names) + ")"])
     md = _common.table(headers, rows)
     print(md)
     for n in notes:
         print("NOTE:", n)
     if not a.no_docs:
-        body = (f"Training step (zero_grad, forward, FP32 cross-entropy, backward, SGD) on CPU, "
-                f"bf16, batch {a.batch}, {a.size}x{a.size} images (ViT: 4 layers, 128 hidden), "
-                + ("torch.compile (default backend) of the model / the fxamp GraphModule, "
-                   if a.compile else "eager, ")
-                + ("with the variant 'fxamp channels_last' (policy channels_last=on, its own "
-                   "copy of the model: conv weights and input in NHWC), " if cl else "") +
-                f"{a.rounds} interleaved rounds x {a.steps} steps after 2 warm-up steps; "
-                f"ms/step medians over rounds (best and worst round), ratios are medians of "
-                f"per-round ratios (min-max) and the ratio of the best rounds (the least "
-                f"disturbed by other load on the machine); CPU ms = process CPU time per step "
-                f"(all threads), medians. torch threads: {torch.get_num_threads()}.\n\n" + md)
-        _common.append_docs("CPU training-step time" + (" (torch.compile)" if a.compile
-                                                         else " (eager)"), body,
+        what = ("zero_grad, forward, FP32 cross-entropy, backward, SGD" if a.mode == "train"
+                else "forward under no_grad")
+        body = (f"CPU bf16, {a.mode} ({what}), "
+                + ("torch.compile of every module, " if a.compile else "eager, ")
+                + f"images {a.size}x{a.size}, sequence {a.seq}; {a.rounds} interleaved rounds "
+                f"x {a.steps} steps after 2 warm-up steps; ms/step medians; ratios are medians "
+                f"of per-round ratios, against the faster autocast setting ('ac' = "
+                f"cache_enabled=True, 'ac nocache' = cache_enabled=False) and against the limit "
+                f"(the model in bf16, no casts). Measured on a shared, busy 2-core machine. "
+                f"torch threads: {torch.get_num_threads()}.\n\n" + md)
+        _common.append_docs(f"CPU step time vs autocast and the limit ({a.mode}"
+                            + (", torch.compile" if a.compile else "") + ")", body,
                             "\n".join(f"- {n}" for n in notes))
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import fxamp
 from autocast_truth import record_autocast_dtypes, run_autocast_cpu, autocast_rewrite
 from fxamp.frontends.fx import trace as fxamp_trace
+from fxamp.weight_cache import is_cast_node
 
 CONFIGS = [("cpu", torch.bfloat16), ("cpu", torch.float16), ("cuda", torch.float16)]
 CPU_CONFIGS = [c for c in CONFIGS if c[0] == "cpu"]
@@ -506,8 +507,7 @@ def test_tied_parameters_stay_tied_and_are_cast_once():
     model, inputs = make("tied")
     gm = autocast_rewrite(model, inputs, dtype=torch.bfloat16, target="cpu")
     assert len(list(gm.parameters())) == len(list(model.parameters())) == 4
-    weight_casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"
-                    and n.args[0].op == "get_attr"]
+    weight_casts = [n for n in gm.graph.nodes if is_cast_node(n) and n.args[0].op == "get_attr"]
     sources = [n.args[0].target for n in weight_casts]
     assert len(sources) == len(set(sources)), f"a weight is cast twice: {sources}"
     # fc1/fc2 share one weight; head shares the embedding's: 2 weights + 2 biases cast
@@ -575,8 +575,8 @@ def test_integer_and_bool_values_are_never_cast(name, cfg):
     casts = [n for n in inserted if n.op in ("call_method", "call_function")]
     assert casts, "expected some inserted casts"
     for node in casts:
-        assert node.op == "call_method" and node.target == "to", node.format_node()
-        (value, to_dtype), kw = node.args, node.kwargs
+        assert is_cast_node(node), node.format_node()
+        (value, to_dtype), kw = node.args[:2], node.kwargs
         assert not kw and isinstance(value, fx.Node)
         src_dtypes = _dtypes_of(rec.values[value.name])
         assert len(src_dtypes) == 1 and src_dtypes[0].is_floating_point, (
@@ -601,7 +601,7 @@ def test_no_cast_of_a_cast_and_one_cast_per_value(name, cfg):
     gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
     seen = set()
     for node in gm.graph.nodes:
-        if node.name in src_names or node.op != "call_method" or node.target != "to":
+        if node.name in src_names or not is_cast_node(node):
             continue
         value = node.args[0]
         # the value cast is a source node or a weight fetched for a functional call
@@ -932,7 +932,7 @@ def test_rewriting_the_output_again(cfg):
     gm = autocast_rewrite(model, inputs, dtype=dtype, target=target)
 
     def n_casts(g):
-        return sum(1 for n in g.graph.nodes if n.op == "call_method" and n.target == "to")
+        return sum(1 for n in g.graph.nodes if is_cast_node(n))
 
     count, text, code = n_casts(gm), fxamp.plan_of(gm).to_text(), gm.code
     with torch.no_grad():

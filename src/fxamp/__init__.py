@@ -9,6 +9,7 @@ from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
 from .passes.audit import Finding  # noqa: E402
 from .rewriter.audit import audit  # noqa: E402
 from .config import RewriteConfig, config_of  # noqa: E402
+from .weight_cache import weight_cache_bytes  # noqa: E402
 from . import train  # noqa: E402
 
 __all__ = [
@@ -16,5 +17,5 @@ __all__ = [
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
     "PlanFormatError", "ExampleInputError", "InputShapeError", "audit", "Finding", "train",
-    "RewriteConfig", "config_of",
+    "RewriteConfig", "config_of", "weight_cache_bytes",
 ]

@@ -29,7 +29,9 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "f
 #: the names a compute (low) dtype is given by: fp32 is no compute dtype
 COMPUTE_DTYPE_NAMES = tuple(sorted(k for k, v in _DTYPE_ALIASES.items() if v != torch.float32))
 _TARGETS = ("cuda", "cpu")
-_KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement")
+_KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement", "weights")
+#: how weights reach low precision: see Policy.weights
+WEIGHT_MODES = ("cached", "cast", "o2")
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
 
 
@@ -99,6 +101,14 @@ class Policy:
     placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
         low/FP32 boundary where that casts fewer bytes per step (``passes/placement.py``).
         Independent of ``numerics``; off, casts sit where autocast puts them.
+    weights: how the FP32 weights reach low precision (``fxamp/weight_cache.py``).
+        "cached" (default): each weight's low-precision copy is kept across forwards and
+        re-cast only when the Parameter changed (its version counter), so eval loops and
+        gradient-accumulation micro-batches cast once per optimizer step;
+        ``fxamp.weight_cache_bytes(gm)`` reports the memory. "cast": cast on every forward,
+        like autocast with ``cache_enabled=False``. "o2" (apex O2 style): as "cached", and
+        ``fxamp.train.attach_optimizer(gm, optimizer)`` re-casts the copies right after each
+        optimizer step, in one foreach operation, so forward and backward cast no weight.
     """
 
     compute: torch.dtype = torch.float16
@@ -108,8 +118,11 @@ class Policy:
     numerics: bool = True
     channels_last: bool = False
     placement: bool = True
+    weights: str = "cached"
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_MODES:
+            raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         if self.compute not in (torch.float16, torch.bfloat16):
             raise PolicyError(_compute_error(dtype_name(self.compute)))
         if self.target not in _TARGETS:
@@ -147,6 +160,13 @@ class Policy:
                     if value.lower() not in _ON + _OFF:
                         raise PolicyError(f"placement takes on or off, got {value!r}")
                     policy = replace(policy, placement=value.lower() in _ON)
+                elif key == "weights":
+                    if value.lower() not in WEIGHT_MODES:
+                        raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)} (keep "
+                                          f"low-precision weight copies between forwards, "
+                                          f"cast every forward, or re-cast in the optimizer "
+                                          f"step), got {value!r}")
+                    policy = replace(policy, weights=value.lower())
                 else:
                     if value.lower() not in ("on", "off", "true", "false", "1", "0"):
                         raise PolicyError(f"numerics takes on or off, got {value!r}")
@@ -172,6 +192,8 @@ class Policy:
             parts.append("channels_last=on")
         if not self.placement:
             parts.append("placement=off")
+        if self.weights != "cached":
+            parts.append(f"weights={self.weights}")
         if self.output_dtype != (torch.float32 if self.numerics else None):
             parts.append(f"output={dtype_name(self.output_dtype) if self.output_dtype else 'keep'}")
         parts.extend(str(o) for o in self.overrides)

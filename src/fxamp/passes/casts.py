@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..policy import Policy, dtype_name
-from .. import runtime
+from .. import runtime, weight_cache
 from ..runtime import has_call_hooks, is_grad_mode_node
 from . import PassResult, layout
 from .annotate import META, VALUE
@@ -84,6 +84,9 @@ class _Builder:
         self.params: Dict[int, fx.Node] = {}
         self.n_casts = 0
         self.reserved = {n.name for n in src.graph.nodes}
+        # weights=cached / o2: weight casts go through a WeightCache (fxamp/weight_cache.py)
+        self.cache = weight_cache.WeightCache(policy.weights) if policy.weights != "cast" else None
+        self.cache_node: Optional[fx.Node] = None
 
     def name(self, candidate: str) -> str:
         """A name for an inserted node that no source node has."""
@@ -100,6 +103,9 @@ class _Builder:
             return value
         if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
             return value
+        if kind == "tensor" and value.op == "get_attr" and self.cache is not None and \
+                isinstance(self._attr(str(value.target)), nn.Parameter):
+            return self.param(str(value.target), self._attr(str(value.target)), dtype, value)
         key = (value, dtype)
         if key not in self.casts:
             name = self.name(f"{value.name}_{dtype_name(dtype)}")
@@ -114,9 +120,15 @@ class _Builder:
             self.n_casts += 1
         return self.casts[key]
 
-    def param(self, qualname: str, tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> fx.Node:
-        """A get_attr of a parameter (one per Parameter object), cast to ``dtype``."""
-        node = self.params.get(id(tensor))
+    def _attr(self, qualname: str) -> Any:
+        module, _, name = qualname.rpartition(".")
+        return getattr(self.src.get_submodule(module) if module else self.src, name, None)
+
+    def param(self, qualname: str, tensor: torch.Tensor, dtype: Optional[torch.dtype],
+              node: Optional[fx.Node] = None) -> fx.Node:
+        """A get_attr of a parameter (one per Parameter object; ``node`` when the graph has
+        it already), cast to ``dtype``."""
+        node = node or self.params.get(id(tensor))
         if node is None:
             node = self.graph.create_node("get_attr", qualname, (), {},
                                           self.name(qualname.replace(".", "_")))
@@ -125,8 +137,15 @@ class _Builder:
             return node  # (float64 too: autocast leaves it alone)
         key = (node, dtype)
         if key not in self.casts:
-            cast = self.graph.create_node("call_method", "to", (node, dtype), {},
-                                          self.name(f"{node.name}_{dtype_name(dtype)}"))
+            name = self.name(f"{node.name}_{dtype_name(dtype)}")
+            if self.cache is not None:
+                if self.cache_node is None:
+                    self.cache_node = self.graph.create_node(
+                        "get_attr", weight_cache.ATTR, (), {}, self.name(weight_cache.ATTR))
+                cast = weight_cache.cast_node(self.graph, self.cache_node, self.cache, node,
+                                              dtype, name, tensor)
+            else:
+                cast = self.graph.create_node("call_method", "to", (node, dtype), {}, name)
             cast.meta[CAST] = True
             self.casts[key] = cast
             self.n_casts += 1
@@ -247,6 +266,8 @@ def insert_casts(src: fx.GraphModule, policy: Policy) -> PassResult:
             for placeholder in pending:
                 builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
     builder.graph.set_codegen(src.graph._codegen)
+    if builder.cache_node is not None:
+        setattr(src, weight_cache.ATTR, builder.cache)  # GraphModule() copies it from src
     gm = fx.GraphModule(src, builder.graph, type(src).__name__)
     log.debug("inserted %d casts", builder.n_casts)
     return PassResult(gm, modified=builder.n_casts > 0)

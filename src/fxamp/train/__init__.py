@@ -66,9 +66,11 @@ that all-reduces found-inf itself) as ``scaler=``, and clip with FSDP's own
 ``model.clip_grad_norm_`` (pass ``clip_grad_norm=None``). FSDP is not tested here.
 """
 from .localize import Overflow, localize
+from .o2 import attach_optimizer, refresh_weights
 from ..errors import TrainingDivergedError
 from .skips import MAX_CONSECUTIVE_SKIPS, SCALE_FLOOR
 from .trainer import ScaleUnderflowError, StepResult, Trainer
 
 __all__ = ["Trainer", "StepResult", "Overflow", "ScaleUnderflowError", "TrainingDivergedError",
-           "localize", "SCALE_FLOOR", "MAX_CONSECUTIVE_SKIPS"]
+           "localize", "SCALE_FLOOR", "MAX_CONSECUTIVE_SKIPS", "attach_optimizer",
+           "refresh_weights"]

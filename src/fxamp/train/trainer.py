@@ -24,6 +24,7 @@ from ..plan import Plan, diff
 from ..policy import Policy
 from ..rewriter import amp_rewrite, plan_of
 from .localize import Overflow, localize
+from .o2 import attach_optimizer
 from .rng import rng_state, set_rng_state
 from .skips import MAX_CONSECUTIVE_SKIPS, SCALE_FLOOR, diverged_error
 
@@ -159,6 +160,8 @@ class Trainer:
                 "min_scale; max_consecutive_skips bounds runs of skipped (non-finite) steps")
         self.optimizer = optimizer
         self.scaler = scaler
+        if Policy.parse(policy).weights == "o2":  # the step re-casts the weights (train/o2.py)
+            attach_optimizer(lambda: self.gm, optimizer)
         self.scheduler = scheduler
         self.accumulation = int(accumulation)
         self.clip_grad_norm = clip_grad_norm

@@ -1,0 +1,58 @@
+"""apex "O2"-style weights: the optimizer step writes the low-precision weight copies.
+
+With the policy ``weights=o2`` the rewritten GraphModule keeps a low-precision copy of each
+FP32 weight (as with the default ``weights=cached``, ``fxamp/weight_cache.py``);
+:func:`attach_optimizer` registers an optimizer step post-hook that re-casts the copies of
+the weights the step changed, in one ``torch._foreach_copy_`` per dtype and device, right
+after the FP32 master weights are updated. Forward and backward then cast no weight; the
+gradients still flow to the FP32 masters (the backward of ``Tensor.to``), so GradScaler's
+``unscale_``, inf checks and skipped steps work on the masters exactly as without fxamp. A
+step GradScaler skips never calls ``optimizer.step()``: the masters and the copies stay as
+they were. :class:`fxamp.train.Trainer` attaches itself when the policy says ``weights=o2``.
+
+::
+
+    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu", policy="weights=o2")
+    opt = torch.optim.AdamW(model.parameters())
+    fxamp.train.attach_optimizer(gm, opt)
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Union
+
+import torch
+import torch.nn as nn
+
+from ..errors import FxampError
+from ..weight_cache import caches
+
+log = logging.getLogger(__name__)
+
+
+def refresh_weights(gm: nn.Module) -> int:
+    """Re-cast the low-precision copies of every weight of ``gm`` that changed; the number
+    of weights cast (0 when none changed or ``gm`` keeps no copies)."""
+    return sum(cache.refresh() for cache in caches(gm))
+
+
+def attach_optimizer(gm: Union[nn.Module, Callable[[], nn.Module]],
+                     optimizer: torch.optim.Optimizer) -> Any:
+    """Re-cast ``gm``'s weight copies after every ``optimizer.step()``; the hook's handle
+    (``.remove()`` detaches). ``gm`` may be a function returning the module (the Trainer
+    passes one, since healing replaces its GraphModule)."""
+    get = gm if callable(gm) and not isinstance(gm, nn.Module) else (lambda: gm)
+    found = caches(get())
+    if not found:
+        raise FxampError("attach_optimizer: this module keeps no low-precision weight copies "
+                         "(it was rewritten with weights=cast, or casts no weight); what to "
+                         "do: rewrite with policy weights=o2 (or the default weights=cached)")
+    for cache in found:
+        cache.attached = True
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        module = get()
+        for cache in caches(module):
+            cache.attached = True
+        refresh_weights(module)
+    return optimizer.register_step_post_hook(hook)

@@ -1,0 +1,50 @@
+"""The step-time benchmarks run end to end on the CPU (tiny sizes): benchmarks/gpu.py's
+``--device cpu --smoke`` mode and cpu_step_time.py's variants, without writing docs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, timeout: int = 600) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_gpu_script_smoke_on_cpu_prints_rows_as_it_goes():
+    out = _run("benchmarks/gpu.py", "--device", "cpu", "--smoke", "--dtypes", "bf16",
+               "--no-docs")
+    lines = out.splitlines()
+    rows = [line for line in lines if line.startswith("ROW ")]
+    assert len(rows) == 2, out
+    # a line per variant is printed before the model's row, channels_last and limit included
+    first_row = lines.index(rows[0])
+    measured = " ".join(lines[:first_row])
+    for variant in ("autocast:", "fxamp:", "limit:", "autocast NHWC:", "fxamp channels_last:"):
+        assert variant in measured, out
+    cnn = eval(rows[0][4:])  # noqa: S307 - the list the script printed
+    assert float(cnn[9]) > 0  # fxamp channels_last vs autocast NHWC
+    assert float(cnn[6]) > 0 and float(cnn[7]) > 0  # vs autocast, vs limit
+    assert "| fxamp channels_last vs autocast NHWC |" in out
+
+
+def test_cpu_step_time_infer_runs_every_variant():
+    out = _run("benchmarks/cpu_step_time.py", "--mode", "infer", "--models", "gpt_tiny",
+               "--batch", "1", "--rounds", "1", "--steps", "1", "--seq", "8", "--no-docs")
+    row = next(line for line in out.splitlines() if line.startswith("['gpt_tiny'"))
+    cells = eval(row)  # noqa: S307
+    assert "FAILED" not in cells and "NOTE" not in out
+    counts = dict(zip(["fp32", "autocast", "autocast nocache", "limit", "fxamp", "fxamp cast",
+                       "fxamp o2"], cells[-1].split()))
+    # launches: the limit casts nothing; fxamp with weight copies casts fewer than autocast
+    assert counts["limit"].endswith("/0")
+    casts = {k: int(v.split("/")[1]) for k, v in counts.items()}
+    # (+1: fxamp casts the logits back to FP32, output_dtype's default; autocast leaves bf16)
+    assert casts["fxamp"] < casts["fxamp cast"] <= casts["autocast nocache"] + 1
