@@ -15,7 +15,7 @@ from fxamp.passes.annotate import annotate
 from fxamp.passes.manager import PassContext
 from fxamp.passes.rule import DecisionRule, rule_pass
 from fxamp.policy import Policy
-from fxamp.rewriter.trace import trace
+from fxamp.frontends.fx import trace
 
 
 # -- the example rule (docs/architecture.md) ---------------------------------------------

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp.errors import FxampError, TraceError
-from fxamp.rewriter.export_front import export_trace, flat_inputs
+from fxamp.frontends.aten import export_trace, flat_inputs
 
 from autocast_truth import record_autocast_dtypes
 

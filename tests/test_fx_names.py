@@ -7,7 +7,7 @@ import torch.fx.graph as fx_graph
 import torch.nn as nn
 
 import fxamp
-from fxamp.rewriter.fx_names import format_target
+from fxamp.frontends.fx_names import format_target
 
 
 def test_format_target_spells_every_name_as_python_that_reads_it_back():

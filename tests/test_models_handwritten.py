@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 import fxamp
 from autocast_truth import record_autocast_dtypes, run_autocast_cpu, autocast_rewrite
-from fxamp.rewriter.trace import trace as fxamp_trace
-from fxamp.rewriter.weight_cache import is_cast_node
+from fxamp.frontends.fx import trace as fxamp_trace
+from fxamp.weight_cache import is_cast_node
 
 CONFIGS = [("cpu", torch.bfloat16), ("cpu", torch.float16), ("cuda", torch.float16)]
 CPU_CONFIGS = [c for c in CONFIGS if c[0] == "cpu"]

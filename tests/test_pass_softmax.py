@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.rewriter.trace import trace as fxamp_trace
+from fxamp.frontends.fx import trace as fxamp_trace
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from fxamp.passes.ranges import RangesRule
 from fxamp.passes.softmax import SoftmaxRule
 from fxamp.plan import RangeStats
 from fxamp.policy import Policy
-from fxamp.rewriter.trace import trace
+from fxamp.frontends.fx import trace
 
 FP16, FP32 = torch.float16, torch.float32
 

@@ -5,8 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
-from fxamp.rewriter import stacks
-from fxamp.rewriter.trace import FxampTracer, _functions_as_leaves, trace
+from fxamp.frontends import stacks
+from fxamp.frontends.fx import FxampTracer, _functions_as_leaves, trace
 
 
 class _FxCapture(FxampTracer):

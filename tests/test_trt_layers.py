@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from fxamp.export.inspect import precision_report
+from fxamp.export.engine_report import precision_report
 from fxamp.export.trt_layers import (EngineInfoError, by_onnx_node, fused_names,
                                      parse_engine_info, precision_boundaries, trt_dtype)
 

@@ -1,5 +1,5 @@
 """Weight copies kept across forwards (policy weights=cached, the default), weights=cast, and
-the apex-O2-style weights=o2 (rewriter/weight_cache.py, train/o2.py): same numbers, same
+the apex-O2-style weights=o2 (fxamp/weight_cache.py, train/o2.py): same numbers, same
 gradients on the FP32 masters, fewer casts."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp.errors import FxampError, PolicyError
-from fxamp.rewriter.weight_cache import WeightCache, caches
+from fxamp.weight_cache import WeightCache, caches
 
 BF16 = torch.bfloat16
 
@@ -208,7 +208,7 @@ def test_o2_without_an_attached_optimizer_warns_and_stays_correct(caplog):
     with torch.no_grad():
         b.fc1.weight.add_(1.0)
         a.fc1.weight.add_(1.0)
-    with caplog.at_level("WARNING", logger="fxamp.rewriter.weight_cache"):
+    with caplog.at_level("WARNING", logger="fxamp.weight_cache"):
         out = gb(x)
     assert "attach_optimizer" in caplog.text
     assert torch.equal(out, ga(x))
@@ -219,7 +219,7 @@ def test_o2_without_an_attached_optimizer_warns_and_stays_correct(caplog):
 def test_cache_steps_aside_on_meta_and_when_compiled():
     cache = WeightCache()
     cache.add_slot(BF16)
-    from fxamp.rewriter.weight_cache import cast_weight
+    from fxamp.weight_cache import cast_weight
     meta = nn.Parameter(torch.empty(3, 3, device="meta"))
     assert cast_weight(meta, BF16, cache, 0).dtype == BF16 and cache.casts == 0
 

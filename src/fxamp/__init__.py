@@ -1,14 +1,15 @@
 """fxamp: explicit, checkable mixed precision for PyTorch models via torch.fx."""
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .errors import (ExampleInputError, FxampError, InputShapeError,  # noqa: E402
                      PlanFormatError, PolicyError, TraceError, UnsupportedModelError)
 from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
 from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
-from .passes.audit import Finding, audit  # noqa: E402
-from .rewriter.weight_cache import weight_cache_bytes  # noqa: E402
+from .passes.audit import Finding  # noqa: E402
+from .rewriter.audit import audit  # noqa: E402
+from .config import RewriteConfig, config_of  # noqa: E402
+from .weight_cache import weight_cache_bytes  # noqa: E402
 from . import train  # noqa: E402
 
 __all__ = [
@@ -16,5 +17,5 @@ __all__ = [
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
     "PlanFormatError", "ExampleInputError", "InputShapeError", "audit", "Finding", "train",
-    "weight_cache_bytes",
+    "RewriteConfig", "config_of", "weight_cache_bytes",
 ]

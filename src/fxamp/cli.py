@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import __version__
+from ._version import __version__
 from .errors import FxampError
 from .fileio import atomic_write_text
 from .policy import COMPUTE_DTYPE_NAMES, dtype_name, parse_compute_dtype
@@ -137,12 +137,20 @@ def load_factory(spec: str, shapes: Sequence[Tuple[int, ...]]) -> Tuple[torch.nn
     return model, inputs
 
 
+def _config(args: argparse.Namespace) -> Any:
+    """The one RewriteConfig of the model arguments (--policy, --dtype, --target,
+    --frontend) that every command rewriting a model uses."""
+    from .config import RewriteConfig
+
+    return RewriteConfig.make(args.policy, args.dtype, args.target, args.frontend)
+
+
 def _rewrite(args: argparse.Namespace) -> Any:
     from . import amp_rewrite
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    return amp_rewrite(model, inputs, dtype=args.dtype,
-                       target=args.target, policy=args.policy, frontend=args.frontend)
+    config = _config(args)
+    return amp_rewrite(model, inputs, config=config)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -248,11 +256,12 @@ def _show_model_explorer(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from .passes.audit import audit, summary
+    from .passes.audit import summary
+    from .rewriter.audit import audit
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    findings = audit(model, inputs, dtype=args.dtype or torch.float16, target=args.target,
-                     policy=args.policy, frontend=args.frontend, onnx=args.onnx)
+    config = _config(args)
+    findings = audit(model, inputs, config=config, onnx=args.onnx)
     order = ("error", "warning", "info")
     shown = [f for f in findings if order.index(f.severity) <= order.index(args.min_severity)]
     for finding in shown:
@@ -274,8 +283,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     start = step(f"rewriting {args.factory}")
     model, inputs = load_factory(args.factory, args.input_shape or [])
-    gm = amp_rewrite(model, inputs, dtype=args.dtype,
-                     target=args.target, policy=args.policy, frontend=args.frontend)
+    gm = amp_rewrite(model, inputs, config=_config(args))
     try:
         from .export import export_onnx, precision_report
     except ImportError as err:

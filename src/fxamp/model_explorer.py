@@ -167,7 +167,8 @@ def write_program_node_data(model: Any, inputs: Any, output: str, frontend: str 
     ``rewrite``: the other ``amp_rewrite`` arguments (dtype, target, policy)."""
     import torch
 
-    from . import amp_rewrite, plan_of
+    from .plan import plan_of
+    from .rewriter import amp_rewrite
 
     if frontend == "fx":
         raise FxampError("--format model-explorer draws the model's torch.export program, so "

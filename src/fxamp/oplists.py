@@ -29,7 +29,6 @@ BANNED = "banned"  # autocast raises
 FOLLOW = "follow"  # on no list: runs in whatever its inputs are
 
 TARGETS = ("cuda", "cpu")
-CATEGORIES = (LOWER, FP32, FP32_OPT, PROMOTE, BANNED)
 
 _UPSAMPLE = (
     "upsample_nearest1d upsample_nearest2d upsample_nearest3d upsample_linear1d "

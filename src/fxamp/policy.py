@@ -101,7 +101,7 @@ class Policy:
     placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
         low/FP32 boundary where that casts fewer bytes per step (``passes/placement.py``).
         Independent of ``numerics``; off, casts sit where autocast puts them.
-    weights: how the FP32 weights reach low precision (``rewriter/weight_cache.py``).
+    weights: how the FP32 weights reach low precision (``fxamp/weight_cache.py``).
         "cached" (default): each weight's low-precision copy is kept across forwards and
         re-cast only when the Parameter changed (its version counter), so eval loops and
         gradient-accumulation micro-batches cast once per optimizer step;

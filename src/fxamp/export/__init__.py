@@ -6,7 +6,7 @@ onnxruntime either (they are imported when a function runs). Install them with
 """
 from __future__ import annotations
 
-from .inspect import check_numerics, precision_report, tensorrt_available
+from .engine_report import check_numerics, precision_report, tensorrt_available
 from .onnx_export import export_onnx
 from .predict import SOURCES, Prediction, predict, predict_fp16
 from .report import (SCHEMA, BackendUnavailableError, ExportError, LayerPrecision,

@@ -21,8 +21,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .. import __version__
+from .._version import __version__
 from ..fileio import atomic_directory
+from ..frontends.common import training_flags
 from ..progress import shows
 from ..rewriter import plan_of
 from ..rewriter.pipeline import _as_tuple
@@ -40,13 +41,8 @@ MODULE = "fxamp.module"
 @contextlib.contextmanager
 def _eval_mode(gm: torch.nn.Module) -> Iterator[None]:
     """Export for inference: every module in eval mode, flags restored afterwards."""
-    flags = [(m, m.training) for m in gm.modules()]
-    gm.eval()
-    try:
+    with training_flags(gm, False):
         yield
-    finally:
-        for module, training in flags:
-            module.training = training
 
 
 def _fx_names(ep: Any, gm: fx.GraphModule) -> Dict[str, str]:

@@ -25,7 +25,7 @@ from ..ir import Decision, Rule
 from ..errors import UnsupportedModelError, node_error
 from ..plan import NodePrecision
 from ..policy import Policy, dtype_name
-from ..rewriter.runtime import device_autocast, eligible
+from ..runtime import device_autocast, eligible
 from . import PassResult, observe
 from .autocast_rules import decide, make_rules, module_path
 from .manager import PassContext

@@ -1,9 +1,10 @@
 """Audit: a check pass that changes nothing. It lists what in a model works against mixed
 precision, each finding with the node, its source line, the numbers and what to do.
 
-``audit(model, example_inputs)`` rewrites the model with :func:`fxamp.amp_rewrite` (so the
-decisions are exactly the rewrite's) and reads the plan and the rewritten graph, whose nodes
-keep the source names, shapes and stack traces; ``audit_graph`` does the reading. The front
+``fxamp.audit(model, example_inputs)`` (in ``rewriter/audit.py``, the layer above) rewrites
+the model with :func:`fxamp.amp_rewrite` (so the decisions are exactly the rewrite's) and
+hands the plan and the rewritten graph, whose nodes keep the source names, shapes and stack
+traces, to ``audit_graph`` here, which does the reading. The front
 end is the caller's choice (``frontend=``, as for amp_rewrite): on torch.export's ATen graphs
 the checks read the ATen spellings (``aten.layer_norm`` / ``native_layer_norm`` / ... eps from
 the op's schema, ``aten.exp``, ``aten.to.dtype`` / ``_to_copy`` casts). Nested graphs and the
@@ -46,7 +47,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -56,10 +57,10 @@ import torch.nn.functional as F
 from .. import oplists
 from ..oplists import call_name
 from . import fetch_attr
-from ..errors import FxampError, source_line
+from ..errors import source_line
 from ..plan import NodePrecision, Plan
-from ..policy import Policy, dtype_name, make_policy
-from ..rewriter import runtime
+from ..policy import Policy, dtype_name
+from .. import runtime
 from .. import ir, ops
 
 log = logging.getLogger(__name__)
@@ -559,74 +560,4 @@ def audit_graph(gm: fx.GraphModule, plan: Plan, policy: Policy) -> List[Finding]
         )
         findings.extend(f for f in checks if f is not None)
     log.debug("audit: %d findings", len(findings))
-    return findings
-
-
-def _banned_nodes(model: nn.Module, args: tuple, kwargs: dict, target: str,
-                 frontend: str) -> List[str]:
-    """Names of the model's graph nodes (as the front end ``frontend`` traces it) on
-    autocast's banned list for ``target``."""
-    from ..rewriter.pipeline import trace_model
-
-    try:
-        src = trace_model(model, args, kwargs, frontend)[0]
-    except FxampError:
-        return []
-    names = []
-    for node in src.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        _, ops = oplists.node_ops(node, src)
-        if ops and oplists.category_of(ops, target)[0] == oplists.BANNED:
-            names.append(node.name)
-    return names
-
-
-def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = None, *,
-          example_kwargs: Optional[Dict[str, Any]] = None,
-          dtype: torch.dtype = torch.float16, target: str = "cuda",
-          policy: Union[None, str, Policy] = None, frontend: str = "auto",
-          optimizer: Optional[torch.optim.Optimizer] = None, scaler: Any = None,
-          batch: Any = None, steps_per_epoch: Optional[int] = None,
-          onnx: Optional[str] = None) -> List[Finding]:
-    """Audit ``model`` for mixed precision: a list of :class:`Finding`, changing nothing.
-
-    The model is rewritten with :func:`fxamp.amp_rewrite` as asked (same ``frontend`` and
-    ``example_kwargs``; the rewrite shares the model's Parameters and leaves the model as it
-    was) and every rewritten graph is read: the top graph, graphs nested in it, and for the
-    eager front end each rewritten child; the parts that run under torch.autocast at run time
-    are listed (``runs-under-autocast``) and their norm modules checked. A model the rewrite
-    refuses for a banned op is rewritten again with an ``fp32:<node>`` override per banned
-    node, so those are reported rather than raised.
-
-    Optional training and deployment context (see :mod:`fxamp.passes.audit_context`):
-    ``optimizer`` (its param dtypes and eps), ``scaler`` (a ``torch.amp.GradScaler``: enabled,
-    its device, ``growth_interval`` against ``steps_per_epoch``), ``batch`` (one data batch:
-    input dtypes and ranges) and ``onnx`` (an exported ONNX file: opset, dynamic axes).
-    """
-    from ..rewriter import amp_rewrite
-    from .audit_context import audit_context
-    from .audit_results import audit_result
-
-    pol = make_policy(policy, dtype, target)
-    args = () if example_inputs is None else (
-        tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else
-        (example_inputs,))
-    kwargs = dict(example_kwargs or {})
-    try:
-        gm = amp_rewrite(model, args, example_kwargs=kwargs or None, policy=pol,
-                         frontend=frontend)
-    except FxampError as err:
-        banned = (_banned_nodes(model, args, kwargs, pol.target, frontend)
-                  if isinstance(model, nn.Module) else [])
-        if not banned:
-            raise
-        log.info("audit: the rewrite refused %s (%s); auditing with FP32 overrides for them",
-                 ", ".join(banned), str(err).splitlines()[0])
-        patched = Policy.parse(",".join(f"fp32:{name}" for name in banned), base=pol)
-        gm = amp_rewrite(model, args, example_kwargs=kwargs or None, policy=patched,
-                         frontend=frontend)
-    findings = audit_result(gm, pol)
-    findings += audit_context(model, pol, optimizer=optimizer, scaler=scaler, batch=batch,
-                              steps_per_epoch=steps_per_epoch, onnx=onnx)
     return findings

@@ -26,7 +26,7 @@ from .. import ir, oplists
 from ..ir import Decision, Rule
 from ..plan import Plan
 from ..policy import Policy, dtype_name
-from ..rewriter import overrides
+from .. import overrides
 from . import observe
 from .manager import PassContext
 from .rule import DecisionRule

@@ -17,9 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..policy import Policy, dtype_name
-from ..rewriter import runtime, weight_cache
-from ..rewriter.grad_mode import is_grad_mode_node
-from ..rewriter.hooks import has_call_hooks
+from .. import runtime, weight_cache
+from ..runtime import has_call_hooks, is_grad_mode_node
 from . import PassResult
 from .. import ir
 from ..ir import Rule
@@ -86,7 +85,7 @@ class _Builder:
         self.params: Dict[int, fx.Node] = {}
         self.n_casts = 0
         self.reserved = {n.name for n in src.graph.nodes}
-        # weights=cached / o2: weight casts go through a WeightCache (rewriter/weight_cache.py)
+        # weights=cached / o2: weight casts go through a WeightCache (fxamp/weight_cache.py)
         self.cache = weight_cache.WeightCache(policy.weights) if policy.weights != "cast" else None
         self.cache_node: Optional[fx.Node] = None
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..rewriter.runtime import device_autocast
+from ..runtime import device_autocast
 
 _TO_COPY = torch.ops.aten._to_copy.default
 log = logging.getLogger(__name__)

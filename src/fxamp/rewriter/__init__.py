@@ -1,5 +1,4 @@
-"""The rewriter: tracing front ends, the amp_rewrite pipeline, run-time helpers."""
-from . import fx_names  # noqa: F401 - fixes fx codegen of names with quotes
+"""The rewriter: the amp_rewrite pipeline (front end -> passes -> casts) and the search."""
 from .pipeline import amp_rewrite, plan_of
 
 __all__ = ["amp_rewrite", "plan_of"]

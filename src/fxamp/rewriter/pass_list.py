@@ -17,8 +17,8 @@ from ..passes.casts import insert_casts
 from ..passes.manager import PassContext, Step, fixpoint
 from ..passes.placement import place_casts
 from ..passes.ranges import keep_in_range
-from .export_front import quiet_torch_logs
-from .state import ModelState
+from ..frontends.aten import quiet_torch_logs
+from ..frontends.state import ModelState
 
 
 def pass_list(check_overrides: Callable[[fx.GraphModule, PassContext], PassResult]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -10,34 +9,30 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import __version__, oplists
-from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
-from .. import ir
+from .. import ir, oplists
+from .._version import __version__
+from ..config import CONFIG_ATTR, RewriteConfig
+from ..errors import FxampError, TraceError, UnsupportedModelError
 from ..ir import fix
+from ..overrides import Scope, check_matched, override_scope
 from ..passes import PassResult
 from ..passes.manager import PassContext, PassManager
-from ..plan import Plan, RangeStats
-from ..policy import Policy, dtype_name, make_policy, parse_compute_dtype
-from .eager_root import eager_root, submodule_calls
-from .export_front import ShapeCheck, export_trace, flat_inputs, plain_inputs_hook
-from .hooks import (check_global_hooks, copy_root_hooks, hooked_modules, mark_hooked_runtime,
-                    without_root_hooks)
+from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
+from ..policy import Policy
+from ..frontends import trace_model
+from ..frontends.aten import ShapeCheck, flat_inputs, plain_inputs_hook
+from ..frontends.common import nested_header, nested_lines
+from ..frontends.eager import eager_root, submodule_calls
+from ..frontends.hooks import check_global_hooks, copy_root_hooks, mark_hooked_runtime
+from ..frontends.state import ModelState, report_side_effects
 from .inputs import check_example_inputs
-from .overrides import Scope, check_matched, override_scope
 from .pass_list import annotate_step, pass_list
-from .state import ModelState, report_side_effects
 from .state_dict import complete_state
-from .trace import trace
 
 log = logging.getLogger(__name__)
 
 
-#: front ends amp_rewrite can trace with; "auto" tries fx, then export, then partial fx
-FRONTENDS = ("auto", "fx", "export")
-#: partial tracing gives up after this many untraceable submodules
-MAX_RUNTIME_LEAVES = 32
-
-_PLAN_ATTR = "fxamp_plan"
+_PLAN_ATTR = PLAN_ATTR
 _POLICY_ATTR = "fxamp_policy"
 
 
@@ -65,47 +60,44 @@ def _header(policy: Policy, frontend: str, leaves: Sequence[str] = (),
             nested: Optional[Dict[str, Plan]] = None) -> dict:
     header = {"fxamp": __version__, "torch": torch.__version__.split("+")[0],
               "policy": str(policy), "frontend": frontend}
-    nested = nested or {}
-    runtime = [leaf for leaf in leaves if leaf not in nested]
-    if runtime:
-        header["runtime leaves"] = " ".join(runtime)
-    if nested:
-        header["nested"] = " ".join(f"{path}={plan.header['frontend']}"
-                                    for path, plan in nested.items())
-    return header
+    return nested_header(header, leaves, nested)
+
+
+def _rewrite_submodules(model: nn.Module, paths: Sequence[str],
+                        calls: Dict[str, Tuple[tuple, dict, Any]], config: RewriteConfig,
+                        what: str) -> Dict[str, nn.Module]:
+    """Rewrite each submodule in ``paths`` on its own (any front end, the calls captured
+    on the example inputs as its inputs) where one takes it; returns them by path. The
+    others (``what`` says what becomes of them) are left out."""
+    inner = RewriteConfig(dataclasses.replace(config.policy, output_dtype=None),
+                          "auto")  # values flow on in their dtype
+    done: Dict[str, nn.Module] = {}
+    for path in paths:
+        if path not in calls:
+            continue  # never called by forward
+        sub_args, sub_kwargs, _ = calls[path]
+        try:
+            with override_scope(path):
+                done[path] = rewrite(model.get_submodule(path), tuple(sub_args),
+                                     inner.replace(example_kwargs=sub_kwargs))
+        except FxampError as err:
+            log.info("%s %s: %s", path, what, str(err).splitlines()[0])
+    return done
 
 
 def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str],
-                    args: tuple, kwargs: Dict[str, Any], pol: Policy) -> Dict[str, Plan]:
+                    args: tuple, kwargs: Dict[str, Any], config: RewriteConfig
+                    ) -> Dict[str, Plan]:
     """Rewrite each untraceable leaf on its own where a front end takes it; the others
     stay runtime calls. Returns the nested plans by leaf path."""
-    captured = submodule_calls(model, leaves, args, kwargs)
-    inner = dataclasses.replace(pol, output_dtype=None)  # values flow on in their dtype
+    calls = submodule_calls(model, leaves, args, kwargs)
     nested: Dict[str, Plan] = {}
-    for path in leaves:
-        if path not in captured:
-            continue
-        leaf_args, leaf_kwargs, _ = captured[path]
-        try:
-            with override_scope(path):
-                sub = rewrite(model.get_submodule(path), tuple(leaf_args), inner,
-                              kwargs=leaf_kwargs)
-        except FxampError as err:
-            log.info("%s stays a runtime call: %s", path, str(err).splitlines()[0])
-            continue
+    for path, sub in _rewrite_submodules(model, leaves, calls, config,
+                                         "stays a runtime call").items():
         parent, _, name = path.rpartition(".")
         setattr(src.get_submodule(parent) if parent else src, name, sub)
         nested[path] = plan_of(sub)
     return nested
-
-
-def plan_of(gm: nn.Module) -> Plan:
-    """The Plan that amp_rewrite used to make ``gm``."""
-    plan = getattr(gm, _PLAN_ATTR, None)
-    if not isinstance(plan, Plan):
-        raise FxampError(f"{type(gm).__name__} was not made by fxamp.amp_rewrite; "
-                         "what to do: call fxamp.amp_rewrite(model, example_inputs) first")
-    return plan
 
 
 def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
@@ -114,7 +106,8 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                 policy: Union[None, str, Policy] = None,
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
-                frontend: str = "auto", dynamic_shapes: Any = None) -> fx.GraphModule:
+                frontend: str = "auto", dynamic_shapes: Any = None,
+                config: Optional[RewriteConfig] = None) -> fx.GraphModule:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule`` (for the "eager"
     front end, a copy of the model whose children are such modules).
 
@@ -138,11 +131,23 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     ``dtype`` defaults to float16 (or the policy's ``compute=``; the two must agree).
     When the rewrite fails, the model is run once in FP32 on the example inputs: if that
     fails too, the model's own error is raised (``ExampleInputError``). The model is left
-    exactly as it was (see ``rewriter/state.py``).
+    exactly as it was (see ``frontends/state.py``).
+
+    ``config``: a :class:`~fxamp.config.RewriteConfig` (e.g. ``config_of(gm)`` of an
+    earlier rewrite) given instead of the keyword arguments above. The config of the
+    rewrite is stored on the result (``fxamp.config_of``).
     """
-    pol = _policy(policy, dtype, target)
-    if frontend not in FRONTENDS:
-        raise FxampError(f"unknown frontend {frontend!r}; valid: {', '.join(FRONTENDS)}")
+    if config is None:
+        config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
+                                    calibration_data, dynamic_shapes)
+    elif (policy, dtype, frontend, example_kwargs, calibration_data, target,
+          dynamic_shapes) != (None, None, "auto", None, None, "cuda", None):
+        raise FxampError("amp_rewrite takes either config= or the keyword arguments it "
+                         "holds (policy, dtype, target, frontend, example_kwargs, "
+                         "calibration_data, dynamic_shapes), not both; what to do: "
+                         "config.replace(...)")
+    pol = config.policy
+    example_kwargs = config.example_kwargs
     _check_model(model)
     if getattr(model, _PLAN_ATTR, None) is not None:
         if getattr(model, _POLICY_ATTR) == pol:
@@ -163,8 +168,9 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     try:
         with state.watch():
             try:
-                return rewrite(model, args, pol, calibration_data, kwargs=example_kwargs,
-                               frontend=frontend, dynamic_shapes=dynamic_shapes)
+                gm = rewrite(model, args, config)
+                setattr(gm, CONFIG_ATTR, _kept(config, gm))
+                return gm
             except Exception:
                 # when the FP32 model itself fails on the example inputs, that is the cause:
                 # report the model's own error, not the tracer's (checked only on failure:
@@ -181,106 +187,22 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         report_side_effects(model, state.restored)
 
 
-def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
-            target: str) -> Policy:
-    """make_policy, refusing a ``dtype`` that the policy's compute dtype contradicts."""
-    pol = make_policy(policy, torch.float16 if dtype is None else dtype, target)
-    if dtype is not None:
-        asked = parse_compute_dtype(dtype)
-        if asked != pol.compute:
-            raise PolicyError(
-                f"dtype={asked} conflicts with the policy's compute={dtype_name(pol.compute)}"
-                f" ({policy}); what to do: give the low dtype once, either dtype= or "
-                "compute= in the policy")
-    return pol
+def _kept(config: RewriteConfig, gm: nn.Module) -> RewriteConfig:
+    """The config to store on ``gm``: calibration data replaced by the ranges it gave."""
+    if config.calibration is None or isinstance(config.calibration, dict):
+        return config
+    return config.replace(calibration=dict(plan_of(gm).ranges))
 
 
-def _fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
-    """The fx graph's placeholder values: the forward's parameters bound in order."""
-    if not kwargs:
-        return args
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return tuple(bound.arguments.values())
-
-
-def _partial_trace(model: nn.Module, error: TraceError, state: ModelState
-                   ) -> Tuple[fx.GraphModule, List[str]]:
-    """fx tracing with each submodule that fails kept as a call (run under autocast)."""
-    leaves: List[str] = []
-    while True:
-        path = getattr(error, "module", "")
-        if not path or path in leaves or len(leaves) >= MAX_RUNTIME_LEAVES:
-            raise error
-        leaves.append(path)
-        try:
-            return trace(model, leaves, "auto"), leaves
-        except TraceError as err:
-            error = err
-            state.restore()
-
-
-def _refuse_hooks_in_export(model: nn.Module) -> None:
-    """torch.export runs hooks once, at export time, on fake tensors: refused."""
-    hooked = hooked_modules(model)
-    if hooked:
-        path, names = next(iter(hooked.items()))
-        raise TraceError(
-            f"torch.export would run the hooks of {type(model).__name__}.{path} ("
-            f"{', '.join(names)}) once while exporting instead of on every call"
-            + (f" (and {len(hooked) - 1} more hooked modules)" if len(hooked) > 1 else "")
-            + "\n  what to do: frontend='fx' or 'auto' keep hooked modules as calls that run "
-            "their hooks; or remove the hooks before amp_rewrite")
-
-
-def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
-                state: Optional[ModelState] = None, dynamic_shapes: Any = None
-                ) -> Tuple[fx.GraphModule, str, tuple, List[str]]:
-    """(graph module, front end that took it, its placeholder values, runtime leaves).
-    ``state`` (the model's snapshot) is restored after each front end that fails."""
-    state = state or ModelState(model)
-    if frontend == "export":
-        _refuse_hooks_in_export(model)
-        with without_root_hooks(model):
-            gm = export_trace(model, args, kwargs, dynamic_shapes=dynamic_shapes)
-        return gm, "export", flat_inputs(gm, args, kwargs), []
-    try:
-        return trace(model, (), frontend), "fx", _fx_inputs(model, args, kwargs), []
-    except TraceError as err:
-        state.restore()
-        if frontend == "fx":
-            raise
-        fx_error = err
-    try:
-        _refuse_hooks_in_export(model)
-        with without_root_hooks(model):
-            gm = export_trace(model, args, kwargs, "auto", dynamic_shapes)
-        log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
-        return gm, "export", flat_inputs(gm, args, kwargs), []
-    except TraceError as err:
-        export_error = err
-        state.restore()
-    try:
-        gm, leaves = _partial_trace(model, fx_error, state)
-    except TraceError as err:
-        raise TraceError(f"no front end takes {type(model).__name__}.\n- fx: {fx_error}\n"
-                         f"- export: {export_error}") from err
-    log.info("%s: torch.fx and torch.export fail; traced around %s",
-             type(model).__name__, ", ".join(leaves))
-    return gm, "fx+runtime", _fx_inputs(model, args, kwargs), leaves
-
-
-def rewrite(model: nn.Module, inputs: tuple, pol: Policy,
-            calibration_data: Union[None, Iterable[Any], Plan, Dict[str, RangeStats]] = None,
-            fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None,
-            kwargs: Optional[Dict[str, Any]] = None, frontend: str = "auto",
-            dynamic_shapes: Any = None) -> fx.GraphModule:
+def rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
+            fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None
+            ) -> fx.GraphModule:
     """The pipeline behind amp_rewrite. ``fixed`` maps node names to (dtype, rule, reason)
     decisions made outside the passes (the tolerance search). The top-level rewrite (not
-    one nested in another) raises PolicyError when an override of ``pol`` matches no node."""
+    one nested in another) raises PolicyError when an override of the policy matches no
+    node."""
     with override_scope() as scope:
-        return _rewrite(model, inputs, pol, calibration_data, fixed, kwargs, frontend, scope,
-                        dynamic_shapes)
+        return _rewrite(model, inputs, config, fixed, scope)
 
 
 def _plan_lines(nodes: Dict[str, Any]) -> List[Tuple[str, str, str]]:
@@ -288,38 +210,39 @@ def _plan_lines(nodes: Dict[str, Any]) -> List[Tuple[str, str, str]]:
     return [(name, p.module, p.op) for name, p in nodes.items()]
 
 
-def _nested_reason(reason: str, path: str, name: str) -> str:
-    """A nested plan line's reason under ``path/``: "its nodes are the plan lines name/*"
-    names them by their full plan names, ``path/name/*``."""
-    return reason.replace(f"plan lines {name}/*", f"plan lines {path}/{name}/*")
-
-
 def _plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
     """The plan lines of ``src``'s decided nodes, then each nested plan's under ``path/``."""
     nodes = {n.name: ir.precision(n) for n in src.graph.nodes if ir.precision(n)}
-    for path, sub_plan in nested.items():
-        nodes.update({f"{path}/{name}": dataclasses.replace(
-            p, module=f"{path}.{p.module}" if p.module else path,
-            reason=_nested_reason(p.reason, path, name))
-            for name, p in sub_plan.nodes.items()})
+    nodes.update(nested_lines(nested))
     return nodes
 
 
-def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any,
+def _eager(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
+           config: RewriteConfig) -> nn.Module:
+    """The eager front end: the model's forward stays Python under autocast, each child
+    is rewritten on its own."""
+    names = [name for name, _ in model.named_children()]
+    calls = submodule_calls(model, names, inputs, kwargs)
+    children = _rewrite_submodules(model, names, calls, config, "stays under autocast")
+    return eager_root(model, inputs, kwargs, config.policy, calls, children,
+                      _header(config.policy, "eager"))
+
+
+def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
              fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]],
-             kwargs: Optional[Dict[str, Any]], frontend: str, scope: Scope,
-             dynamic_shapes: Any = None) -> fx.GraphModule:
-    kwargs = dict(kwargs or {})
+             scope: Scope) -> fx.GraphModule:
+    pol, frontend, calibration_data = config.policy, config.frontend, config.calibration
+    kwargs = dict(config.example_kwargs or {})
     state = ModelState(model)
     try:
         src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend, state,
-                                               dynamic_shapes)
+                                               config.dynamic_shapes)
     except TraceError as err:
         state.restore()
         if frontend != "auto" or getattr(err, "module", "") or fixed or calibration_data:
             raise
         try:  # the model's own forward is what fails: rewrite its children instead
-            result = eager_root(model, inputs, kwargs, pol, rewrite, _header(pol, "eager"))
+            result = _eager(model, inputs, kwargs, config)
         except FxampError:
             raise err from None
         if scope.top:
@@ -333,7 +256,7 @@ def _rewrite(model: nn.Module, inputs: tuple, pol: Policy, calibration_data: Any
         if hooked:
             log.info("%s: modules with hooks stay calls run under torch.autocast: %s",
                      type(model).__name__, ", ".join(hooked))
-    nested = _rewrite_leaves(model, src, leaves, inputs, kwargs, pol) if leaves else {}
+    nested = _rewrite_leaves(model, src, leaves, inputs, kwargs, config) if leaves else {}
     runtime = [leaf for leaf in leaves if leaf not in nested]
     if runtime:
         log.warning("%s: torch.fx and torch.export cannot take %s; they run under "

@@ -23,13 +23,14 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..config import RewriteConfig
 from ..errors import FxampError
 from ..ir import Rule
+from ..frontends import graph_inputs, trace_model
 from ..policy import Policy, dtype_name, make_policy
 from ..progress import advance, shows, track
+from ..runtime import eligible
 from .pipeline import _as_tuple, _check_model, plan_of, rewrite
-from .runtime import eligible
-from .trace import trace
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,14 @@ class SearchResult:
 
 
 class _Evaluator:
-    def __init__(self, model: nn.Module, inputs: tuple, pol: Policy, batches: List[tuple],
-                 metric: Metric) -> None:
-        self.model, self.inputs, self.pol = model, inputs, pol
+    def __init__(self, model: nn.Module, inputs: tuple, config: RewriteConfig,
+                 batches: List[tuple], metric: Metric) -> None:
+        self.model, self.inputs, self.config = model, inputs, config
+        self.pol = config.policy
         self.batches, self.metric = batches, metric
         with torch.no_grad():
-            self.references = [model(*b) for b in batches]
+            kwargs = config.example_kwargs or {}
+            self.references = [model(*b, **kwargs) for b in batches]
         self.count = 0
         self.history: List[Tuple[int, float]] = []
 
@@ -79,9 +82,10 @@ class _Evaluator:
         reasons = reasons or {}
         fixed = {n: (torch.float32, rule, reasons.get(n, "kept in fp32 to meet the tolerance"))
                  for n in nodes}
-        gm = rewrite(self.model, self.inputs, self.pol, fixed=fixed)
+        gm = rewrite(self.model, self.inputs, self.config, fixed=fixed)
+        kwargs = self.config.example_kwargs or {}
         with torch.no_grad():
-            outputs = [gm(*b) for b in self.batches]
+            outputs = [gm(*b, **kwargs) for b in self.batches]
         self.count += 1
         error = self.metric(outputs, self.references)
         self.history.append((len(nodes), error))
@@ -127,46 +131,57 @@ class _LocalError(fx.Interpreter):
 
 
 def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[str],
-                 low: torch.dtype) -> Dict[str, float]:
-    """Each candidate node's relative error when it alone runs in ``low`` on FP32 inputs."""
-    src = trace(model)
+                 low: torch.dtype, frontend: str = "auto",
+                 kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, float]:
+    """Each candidate node's relative error when it alone runs in ``low`` on FP32 inputs,
+    on the graph of the front end ``frontend`` (the one the rewrite used: same node names).
+    ``kwargs`` are the forward's keyword arguments, the same for every batch."""
+    kwargs = dict(kwargs or {})
+    traced = trace_model(model, tuple(batches[0]), kwargs, frontend)
+    src = traced.graph_module
     scorer = _LocalError(src, candidates, low)
     buffers = {name: b.clone() for name, b in src.named_buffers()}
     with torch.no_grad(), torch.nn.utils.stateless._reparametrize_module(src, buffers,
                                                                           strict=False):
         for batch in track(batches, "scoring nodes", unit="batch"):
-            scorer.run(*batch)
+            scorer.run(*graph_inputs(model, traced, tuple(batch), kwargs))
     return scorer.scores
 
 
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
              metric: Optional[Metric], policy: Union[None, str, Policy], dtype: torch.dtype,
-             target: str) -> _Evaluator:
+             target: str, frontend: str, config: Optional[RewriteConfig]) -> _Evaluator:
     _check_model(model)
-    pol = make_policy(policy, dtype, target)
+    if config is None:
+        config = RewriteConfig(make_policy(policy, dtype, target), frontend)
     batches = [_as_tuple(b) for b in data]
     if not batches:
         raise FxampError("search needs at least one batch of data")
-    return _Evaluator(model, _as_tuple(example_inputs), pol, batches,
+    return _Evaluator(model, _as_tuple(example_inputs), config, batches,
                       metric or max_relative_error)
 
 
 @shows("search", unit="eval")
 def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: float = 1e-2,
            metric: Optional[Metric] = None, dtype: torch.dtype = torch.float16,
-           target: str = "cuda", policy: Union[None, str, Policy] = None) -> SearchResult:
+           target: str = "cuda", policy: Union[None, str, Policy] = None,
+           frontend: str = "auto", config: Optional[RewriteConfig] = None) -> SearchResult:
     """Find a small set of FP32 nodes so the rewrite's error against FP32 is at most ``rtol``.
 
     ``metric(outputs, references) -> float`` (lists over the batches) replaces the default
-    max relative output error.
+    max relative output error. ``frontend`` as in amp_rewrite; ``config`` (a RewriteConfig,
+    e.g. ``fxamp.config_of(gm)``) replaces policy, dtype, target and frontend. The scoring
+    pass traces with the same front end as the rewrites.
     """
-    evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target)
+    evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target,
+                        frontend, config)
     error, gm = evaluate([])
     if error <= rtol:
         return SearchResult(gm, [], evaluate.count, error, True, evaluate.history)
     low = evaluate.pol.compute
     candidates = _low_nodes(gm, evaluate.pol)
-    scores = local_errors(model, evaluate.batches, candidates, low)
+    scores = local_errors(model, evaluate.batches, candidates, low,
+                          evaluate.config.frontend, evaluate.config.example_kwargs)
     evaluate.count += 1  # the scoring pass
     order = sorted(candidates, key=lambda n: -scores.get(n, 0.0))
 
@@ -210,10 +225,12 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
 def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], *,
                     rtol: float = 1e-2, metric: Optional[Metric] = None,
                     dtype: torch.dtype = torch.float16, target: str = "cuda",
-                    policy: Union[None, str, Policy] = None) -> SearchResult:
+                    policy: Union[None, str, Policy] = None, frontend: str = "auto",
+                    config: Optional[RewriteConfig] = None) -> SearchResult:
     """Polygraphy-style baseline: bisect the shortest FP32 prefix, and the shortest FP32
     suffix, of the low-precision nodes in graph order; keep the smaller."""
-    evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target)
+    evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target,
+                        frontend, config)
     error, gm = evaluate([], rule=Rule.BISECT)
     if error <= rtol:
         return SearchResult(gm, [], evaluate.count, error, True, evaluate.history)

@@ -1,7 +1,7 @@
 """apex "O2"-style weights: the optimizer step writes the low-precision weight copies.
 
 With the policy ``weights=o2`` the rewritten GraphModule keeps a low-precision copy of each
-FP32 weight (as with the default ``weights=cached``, ``rewriter/weight_cache.py``);
+FP32 weight (as with the default ``weights=cached``, ``fxamp/weight_cache.py``);
 :func:`attach_optimizer` registers an optimizer step post-hook that re-casts the copies of
 the weights the step changed, in one ``torch._foreach_copy_`` per dtype and device, right
 after the FP32 master weights are updated. Forward and backward then cast no weight; the
@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import FxampError
-from ..rewriter.weight_cache import caches
+from ..weight_cache import caches
 
 log = logging.getLogger(__name__)
 

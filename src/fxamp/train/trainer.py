@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from ..config import CONFIG_ATTR, RewriteConfig
 from ..errors import FxampError, TrainingDivergedError  # noqa: F401 - re-exported
 from ..plan import Plan, diff
 from ..policy import Policy
@@ -72,6 +73,18 @@ def _is_ddp(module: Any) -> bool:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+
+def _config_of(gm: nn.Module, policy: str) -> RewriteConfig:
+    """The RewriteConfig ``gm`` was made with; for a module without one (made by the search,
+    say) the plan's policy with the front end its header names."""
+    config = getattr(gm, CONFIG_ATTR, None)
+    if isinstance(config, RewriteConfig):
+        return config
+    frontend = plan_of(gm).header.get("frontend", "auto")
+    return RewriteConfig(Policy.parse(policy), frontend if frontend in ("fx", "export")
+                         else "auto")
 
 
 class Trainer:
@@ -164,7 +177,9 @@ class Trainer:
         self.record_grad_stats = record_grad_stats
         self._tensorboard = tensorboard
         self._writer: Any = None
-        self._policy = policy  # the policy string healing adds fp32:NODE overrides to
+        # what healing rewrites with (fp32:NODE overrides added): the first rewrite's config,
+        # front end, example kwargs and calibration ranges included
+        self._config = _config_of(self.gm, policy)
         # counters and histories (all in state_dict)
         self.micro_steps = 0          # step() calls
         self.steps = 0                # optimizer steps attempted
@@ -378,9 +393,8 @@ class Trainer:
         """Rewrite the original model with ``healed`` nodes in FP32 and swap it in."""
         if not healed:
             return
-        base = self._policy
-        policy = base + "".join(f",fp32:{name}" for name in healed)
-        gm = amp_rewrite(self.original_model, self.example_inputs, policy=policy)
+        config = self._config.with_fp32(healed)
+        gm = amp_rewrite(self.original_model, self.example_inputs, config=config)
         plan = plan_of(gm)
         for name, reason in healed.items():
             if name in plan.nodes:

@@ -19,8 +19,8 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, List, Optional, Set, Tuple
 
-from ..errors import PolicyError
-from ..policy import Override, Policy, dtype_name
+from .errors import PolicyError
+from .policy import Override, Policy, dtype_name
 
 
 @dataclass

@@ -21,10 +21,7 @@ import torch.nn as nn
 from torch.nn.modules import module as module_mod
 
 from ..errors import UnsupportedModelError
-
-#: a module's hook dicts that run when it is called
-CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-              "_backward_pre_hooks")
+from ..runtime import CALL_HOOKS, has_call_hooks  # noqa: F401 - has_call_hooks re-exported
 #: every hook dict of a module that the rewritten root takes over from the model's root
 ROOT_HOOKS = CALL_HOOKS + ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                            "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
@@ -46,11 +43,6 @@ def hook_names(module: nn.Module) -> List[str]:
 def _name(hook: Any) -> str:
     inner = getattr(hook, "__func__", hook)
     return getattr(inner, "__qualname__", None) or type(inner).__qualname__
-
-
-def has_call_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs any hook of its own."""
-    return any(getattr(module, kind, None) for kind in CALL_HOOKS)
 
 
 def check_global_hooks() -> None:

@@ -1,12 +1,30 @@
-"""Small functions the rewritten graphs call: guarded casts, params swapped in, autocast leaves."""
+"""Small functions the rewritten graphs call (guarded casts, params swapped in, autocast
+leaves) and the tests that recognise run-time calls (hooked modules, grad-mode switches)."""
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Callable, Dict, Iterator
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
+
+#: a module's hook dicts that run when it is called
+CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+              "_backward_pre_hooks")
+#: the grad-mode switch a graph region boundary calls (``torch.no_grad`` kept in a graph)
+SET_GRAD = torch._C._set_grad_enabled
+
+
+def has_call_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs any hook of its own."""
+    return any(getattr(module, kind, None) for kind in CALL_HOOKS)
+
+
+def is_grad_mode_node(node: fx.Node) -> bool:
+    """A region boundary (``torch._C._set_grad_enabled``)."""
+    return node.op == "call_function" and node.target is SET_GRAD
 
 
 def eligible(value: Any) -> bool:

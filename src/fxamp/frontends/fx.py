@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import TraceError, is_library_file, short_path
 from . import grad_mode, stacks
-from .hooks import has_call_hooks
+from ..runtime import has_call_hooks
+from .common import training_flags, warn_one_mode
 
 log = logging.getLogger(__name__)
 
@@ -212,18 +213,11 @@ def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str],
     if any(reads_training(type(m)) and not type(m).__module__.startswith("torch.nn")
            for m in model.modules()):
         mode = model.training
-        flags = [(m, m.training) for m in model.modules()]
-        try:
-            model.train(not mode)
+        with training_flags(model, not mode):
             other = _trace_graph(model, leaves, frontend)
-        finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
-            for m, flag in flags:
-                m.training = flag
         diffs = _training_diffs(graph, other, mode, model)
         if diffs is None:
-            log.warning("%s traces differently in train and eval mode: the rewritten graph "
-                        "keeps the %s-mode behaviour; rewrite again after switching modes",
-                        type(model).__name__, "train" if mode else "eval")
+            warn_one_mode(model, "traces")
         elif diffs:
             _follow_training(graph, diffs)
     name = type(model).__name__

@@ -29,16 +29,12 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from ..runtime import SET_GRAD
+
 #: the functions the graph calls at region boundaries
-SET_GRAD = torch._C._set_grad_enabled
 IS_GRAD = torch._C.is_grad_enabled
 _INFERENCE_ENTER = torch.autograd.grad_mode.inference_mode.__enter__
 _GRAD_MODE_FILE = os.path.normcase(os.path.abspath(torch.autograd.grad_mode.__file__))
-
-
-def is_grad_mode_node(node: fx.Node) -> bool:
-    """A region boundary (``torch._C._set_grad_enabled``)."""
-    return node.op == "call_function" and node.target is SET_GRAD
 
 
 class RegionRefused(RuntimeError):

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import is_library_file, short_path
-from .hooks import has_call_hooks
+from ..runtime import has_call_hooks
 
 log = logging.getLogger(__name__)
 

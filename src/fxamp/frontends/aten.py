@@ -31,12 +31,11 @@ from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
 from ..progress import shows
+from .common import training_flags, warn_one_mode
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
-from .trace import trace_error
+from .fx import trace_error
 
 log = logging.getLogger(__name__)
-
-_GUARDS = "_guards_fn"
 
 
 def _bound_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -351,13 +350,8 @@ def _follow_mode(gm: fx.GraphModule, aligned: _Alignment) -> None:
 
 def _export_in_mode(model: nn.Module, train: bool, args: tuple, kwargs: Dict[str, Any],
                     frontend: str = "export", dynamic_shapes: Any = None) -> fx.GraphModule:
-    flags = [(m, m.training) for m in model.modules()]
-    try:
-        model.train(train)
+    with training_flags(model, train):
         return _export(model, args, kwargs, frontend, dynamic_shapes)
-    finally:  # restore each flag: a frozen BatchNorm inside a training model stays frozen
-        for m, flag in flags:
-            m.training = flag
 
 
 def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
@@ -399,10 +393,10 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
         other = _export_in_mode(model, False, args, kwargs, frontend, dynamic_shapes)
         aligned = _align(base.graph, other.graph)
         if aligned is None:
-            _warn_misaligned(model, mode)
+            warn_one_mode(model, "exports")
             return other
     if aligned is None:
-        _warn_misaligned(model, mode)
+        warn_one_mode(model, "exports")
         return base
     _follow_mode(base, aligned)
     return base
@@ -412,12 +406,6 @@ def _warn_one_mode(model: nn.Module, mode: bool, err: TraceError) -> None:
     log.warning("%s exports in %s mode only (%s); the rewritten graph keeps that mode's "
                 "behaviour", type(model).__name__, "train" if mode else "eval",
                 str(err).splitlines()[0])
-
-
-def _warn_misaligned(model: nn.Module, mode: bool) -> None:
-    log.warning("%s exports differently in train and eval mode: the rewritten graph "
-                "keeps the %s-mode behaviour; rewrite again after switching modes",
-                type(model).__name__, "train" if mode else "eval")
 
 
 def reads_training(model: nn.Module) -> bool:
@@ -557,9 +545,3 @@ def plain_containers(value: Any) -> Any:
 def plain_inputs_hook(_module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
     """A forward pre-hook giving an exported graph its inputs with plain dicts."""
     return plain_containers(tuple(args)), plain_containers(dict(kwargs))
-
-
-def is_exported(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` came from the export front end (its call_functions are ATen ops)."""
-    return getattr(gm, "_in_spec", None) is not None
-

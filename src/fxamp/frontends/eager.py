@@ -3,8 +3,8 @@
 Detection models loop over lists of images and branch on box counts in their top-level
 ``forward``; neither torch.fx nor torch.export takes that code, but their backbones and heads
 are ordinary graphs. Here the model's own ``forward`` stays Python and runs under
-``torch.autocast``; each child module is rewritten on its own (any front end, recursively)
-and runs with autocast switched off, as its plan says; a child nothing takes stays the
+``torch.autocast``; each child module is rewritten on its own (any front end, recursively,
+by the rewriter, which hands the results to :func:`eager_root`) and runs with autocast switched off, as its plan says; a child nothing takes stays the
 original module and runs under the autocast around it (``rule="runtime"``).
 
 The result is a shallow copy of the model (same class, same Parameters and buffers) whose
@@ -14,10 +14,9 @@ helper methods such as ``transform.postprocess``) are read from the original chi
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -30,8 +29,8 @@ from ..oplists import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
-from .overrides import override_scope
-from .runtime import device_autocast, device_type
+from ..runtime import device_autocast, device_type
+from .common import nested_header, nested_lines
 
 log = logging.getLogger(__name__)
 
@@ -92,29 +91,18 @@ def _reading_from(module: nn.Module, original: nn.Module) -> None:
 
 
 def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
-               rewrite: Callable[..., nn.Module], header: Dict[str, str]) -> nn.Module:
+               calls: Dict[str, Tuple[tuple, dict, Any]], children: Dict[str, nn.Module],
+               header: Dict[str, str]) -> nn.Module:
     """The model with its own forward eager under autocast and its children rewritten.
-    ``rewrite(child, args, policy, kwargs=)`` rewrites one child (raising FxampError when
-    nothing takes it)."""
-    names = [name for name, _ in model.named_children()]
-    calls = submodule_calls(model, names, args, kwargs)
-    inner = dataclasses.replace(pol, output_dtype=None)  # values flow on in their dtype
+    ``calls`` are the children's first calls (:func:`submodule_calls`), ``children`` the
+    rewritten ones by name (those missing stay under autocast, ``rule="runtime"``)."""
     result = copy.copy(model)
     result._modules = dict(model._modules)
     nested: Dict[str, Plan] = {}
-    runtime: List[str] = []
-    for name in names:
-        if name not in calls:
-            continue  # never called by forward
-        child_args, child_kwargs, _ = calls[name]
+    runtime: List[str] = [name for name, _ in model.named_children()
+                          if name in calls and name not in children]
+    for name, sub in children.items():
         child = model.get_submodule(name)
-        try:
-            with override_scope(name):
-                sub = rewrite(child, tuple(child_args), inner, kwargs=child_kwargs)
-        except FxampError as err:
-            log.info("%s stays under autocast: %s", name, str(err).splitlines()[0])
-            runtime.append(name)
-            continue
         _as_planned(sub)
         _reading_from(sub, child)
         result._modules[name] = sub
@@ -146,19 +134,12 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                                         "forward is not traceable), planned for FP32 inputs; "
                                         f"its nodes are the plan lines {name}/*", label, name,
                                         torch.float32)
-            for key, p in nested[name].nodes.items():
-                nodes[f"{name}/{key}"] = dataclasses.replace(
-                    p, module=f"{name}.{p.module}" if p.module else name,
-                    reason=p.reason.replace(f"plan lines {key}/*", f"plan lines {name}/{key}/*"))
+            nodes.update(nested_lines({name: nested[name]}))
         else:
             nodes[name] = NodePrecision(dtype, Rule.RUNTIME, "not traceable: runs under "
                                         f"torch.autocast ({dtype_name(low)}) at run time",
                                         label, name)
-    header = dict(header, frontend="eager")
-    if runtime:
-        header["runtime leaves"] = " ".join(runtime)
-    if nested:
-        header["nested"] = " ".join(f"{n}={p.header['frontend']}" for n, p in nested.items())
+    header = nested_header(dict(header, frontend="eager"), runtime, nested)
     result.fxamp_plan = Plan(nodes=nodes, header=header)
     result.fxamp_policy = pol
     return result

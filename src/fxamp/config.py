@@ -1,0 +1,93 @@
+"""RewriteConfig: everything a rewrite was asked for, made once and kept with the result.
+
+``amp_rewrite`` builds one :class:`RewriteConfig` from its arguments (policy, dtype and
+target folded into the :class:`~fxamp.policy.Policy`, the front end, the example keyword
+arguments, the calibration) and stores it on the rewritten module; whoever rewrites the same
+model again reads it there (:func:`config_of`) instead of re-parsing the plan header:
+the trainer's healing, the tolerance search, the audit and the CLI. After a rewrite the
+stored config's ``calibration`` is the collected value ranges (so rewriting again needs no
+data and gives the same range decisions).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Optional, Union
+
+import torch
+
+from .errors import FxampError, PolicyError
+from .plan import Plan, RangeStats
+from .policy import Policy, dtype_name, make_policy, parse_compute_dtype
+
+#: front ends a rewrite can ask for; "auto" tries fx, then export, then partial fx
+FRONTENDS = ("auto", "fx", "export")
+#: where amp_rewrite keeps the config on the module it returns
+CONFIG_ATTR = "fxamp_config"
+
+Calibration = Union[None, Iterable[Any], Plan, Dict[str, RangeStats]]
+
+
+@dataclass(frozen=True)
+class RewriteConfig:
+    """How to rewrite: the policy, the front end, the example keyword arguments, the
+    calibration (an iterable of input tuples, a Plan whose ranges to reuse, or ranges) and
+    torch.export's ``dynamic_shapes`` (None: the export front end's default)."""
+
+    policy: Policy
+    frontend: str = "auto"
+    example_kwargs: Optional[Dict[str, Any]] = field(default=None, compare=False)
+    calibration: Calibration = field(default=None, compare=False)
+    dynamic_shapes: Any = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.frontend not in FRONTENDS:
+            raise FxampError(f"unknown frontend {self.frontend!r}; valid: "
+                             f"{', '.join(FRONTENDS)}")
+
+    @classmethod
+    def make(cls, policy: Union[None, str, Policy] = None, dtype: Optional[torch.dtype] = None,
+             target: str = "cuda", frontend: str = "auto",
+             example_kwargs: Optional[Dict[str, Any]] = None,
+             calibration_data: Calibration = None,
+             dynamic_shapes: Any = None) -> "RewriteConfig":
+        """The config of ``amp_rewrite``'s arguments; PolicyError when ``dtype`` and the
+        policy's ``compute=`` disagree, FxampError for an unknown front end."""
+        return cls(_policy(policy, dtype, target), frontend,
+                   dict(example_kwargs) if example_kwargs else None, calibration_data,
+                   dynamic_shapes)
+
+    def replace(self, **changes: Any) -> "RewriteConfig":
+        """A copy with ``changes`` (dataclasses.replace)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_fp32(self, names: Iterable[str]) -> "RewriteConfig":
+        """A copy whose policy adds an ``fp32:NAME`` override per name."""
+        names = list(names)
+        if not names:
+            return self
+        return self.replace(policy=Policy.parse(",".join(f"fp32:{n}" for n in names),
+                                                base=self.policy))
+
+
+def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
+            target: str) -> Policy:
+    """make_policy, refusing a ``dtype`` that the policy's compute dtype contradicts."""
+    pol = make_policy(policy, torch.float16 if dtype is None else dtype, target)
+    if dtype is not None:
+        asked = parse_compute_dtype(dtype)
+        if asked != pol.compute:
+            raise PolicyError(
+                f"dtype={asked} conflicts with the policy's compute={dtype_name(pol.compute)}"
+                f" ({policy}); what to do: give the low dtype once, either dtype= or "
+                "compute= in the policy")
+    return pol
+
+
+def config_of(module: Any) -> RewriteConfig:
+    """The RewriteConfig ``module`` was made with by ``amp_rewrite`` (FxampError if none)."""
+    config = getattr(module, CONFIG_ATTR, None)
+    if not isinstance(config, RewriteConfig):
+        raise FxampError(f"{type(module).__name__} was not made by fxamp.amp_rewrite; "
+                         "what to do: call fxamp.amp_rewrite(model, example_inputs) first")
+    return config

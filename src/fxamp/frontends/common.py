@@ -1,0 +1,68 @@
+"""What the front ends share: the training-flag save/restore around a trace in the other mode,
+the warning when two modes cannot be aligned, and the merging of nested plans (a submodule
+rewritten on its own, by partial tracing or under an eager root) into the parent's lines."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Dict, Iterator, Optional
+
+import torch.nn as nn
+
+from ..plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def training_flags(model: nn.Module, mode: Optional[bool] = None) -> Iterator[None]:
+    """Run the block with ``model.train(mode)`` (flags unchanged when ``mode`` is None) and
+    put every module's own flag back afterwards: a frozen BatchNorm inside a training model
+    stays frozen."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        if mode is not None:
+            model.train(mode)
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def warn_one_mode(model: nn.Module, how: str = "traces") -> None:
+    """The graphs of the two modes differ beyond constants: the current mode is kept."""
+    log.warning("%s %s differently in train and eval mode: the rewritten graph keeps the "
+                "%s-mode behaviour; rewrite again after switching modes",
+                type(model).__name__, how, "train" if model.training else "eval")
+
+
+def nested_lines(nested: Dict[str, Plan]) -> Dict[str, Any]:
+    """Each nested plan's lines under ``path/``, their module paths prefixed by ``path``."""
+    nodes: Dict[str, Any] = {}
+    for path, sub_plan in nested.items():
+        nodes.update({f"{path}/{name}": dataclasses.replace(
+            p, module=f"{path}.{p.module}" if p.module else path,
+            reason=_nested_reason(p.reason, path, name))
+            for name, p in sub_plan.nodes.items()})
+    return nodes
+
+
+def _nested_reason(reason: str, path: str, name: str) -> str:
+    """A nested plan line's reason under ``path/``: "its nodes are the plan lines name/*"
+    names them by their full plan names, ``path/name/*``."""
+    return reason.replace(f"plan lines {name}/*", f"plan lines {path}/{name}/*")
+
+
+def nested_header(header: Dict[str, str], runtime: "list[str] | tuple" = (),
+                  nested: Optional[Dict[str, Plan]] = None) -> Dict[str, str]:
+    """``header`` with the runtime leaves and the nested plans' front ends recorded."""
+    header = dict(header)
+    nested = nested or {}
+    runtime = [leaf for leaf in runtime if leaf not in nested]
+    if runtime:
+        header["runtime leaves"] = " ".join(runtime)
+    if nested:
+        header["nested"] = " ".join(f"{path}={plan.header['frontend']}"
+                                    for path, plan in nested.items())
+    return header

@@ -1,0 +1,91 @@
+"""``fxamp.audit``: rewrite the model as asked, then read the result with the check passes
+(:func:`fxamp.passes.audit.audit_graph` and friends, which know nothing of the rewriter).
+
+The rewrite runs with one :class:`~fxamp.config.RewriteConfig` (front end and example
+kwargs included), so the audited decisions are exactly the rewrite's. When the rewrite
+refuses the model for a banned op it is rewritten again with an ``fp32:<node>`` override per
+banned node, so those are reported rather than raised.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from .. import oplists
+from ..config import RewriteConfig
+from ..errors import FxampError
+from ..frontends import trace_model
+from ..passes.audit import Finding
+from ..passes.audit_context import audit_context
+from ..passes.audit_results import audit_result
+from ..policy import Policy, make_policy
+from .pipeline import amp_rewrite
+
+log = logging.getLogger(__name__)
+
+
+def _banned_nodes(model: nn.Module, args: tuple, config: RewriteConfig) -> List[str]:
+    """Names of the model's graph nodes (as the config's front end traces it) on autocast's
+    banned list for the policy's target."""
+    try:
+        src = trace_model(model, args, dict(config.example_kwargs or {}),
+                          config.frontend).graph_module
+    except FxampError:
+        return []
+    names = []
+    for node in src.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        _, ops = oplists.node_ops(node, src)
+        if ops and oplists.category_of(ops, config.policy.target)[0] == oplists.BANNED:
+            names.append(node.name)
+    return names
+
+
+def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = None, *,
+          example_kwargs: Optional[Dict[str, Any]] = None,
+          dtype: torch.dtype = torch.float16, target: str = "cuda",
+          policy: Union[None, str, Policy] = None, frontend: str = "auto",
+          optimizer: Optional[torch.optim.Optimizer] = None, scaler: Any = None,
+          batch: Any = None, steps_per_epoch: Optional[int] = None,
+          onnx: Optional[str] = None, config: Optional[RewriteConfig] = None
+          ) -> List[Finding]:
+    """Audit ``model`` for mixed precision: a list of :class:`Finding`, changing nothing.
+
+    The model is rewritten with :func:`fxamp.amp_rewrite` as asked (same ``frontend`` and
+    ``example_kwargs``; the rewrite shares the model's Parameters and leaves the model as it
+    was) and every rewritten graph is read: the top graph, graphs nested in it, and for the
+    eager front end each rewritten child; the parts that run under torch.autocast at run time
+    are listed (``runs-under-autocast``) and their norm modules checked. A model the rewrite
+    refuses for a banned op is rewritten again with an ``fp32:<node>`` override per banned
+    node, so those are reported rather than raised. ``config`` (a RewriteConfig, e.g.
+    ``fxamp.config_of(gm)``) replaces dtype, target, policy, frontend and example_kwargs.
+
+    Optional training and deployment context (see :mod:`fxamp.passes.audit_context`):
+    ``optimizer`` (its param dtypes and eps), ``scaler`` (a ``torch.amp.GradScaler``: enabled,
+    its device, ``growth_interval`` against ``steps_per_epoch``), ``batch`` (one data batch:
+    input dtypes and ranges) and ``onnx`` (an exported ONNX file: opset, dynamic axes).
+    """
+    if config is None:
+        config = RewriteConfig(make_policy(policy, dtype, target), frontend,
+                               dict(example_kwargs) if example_kwargs else None)
+    pol = config.policy
+    args = () if example_inputs is None else (
+        tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else
+        (example_inputs,))
+    try:
+        gm = amp_rewrite(model, args, config=config)
+    except FxampError as err:
+        banned = _banned_nodes(model, args, config) if isinstance(model, nn.Module) else []
+        if not banned:
+            raise
+        log.info("audit: the rewrite refused %s (%s); auditing with FP32 overrides for them",
+                 ", ".join(banned), str(err).splitlines()[0])
+        gm = amp_rewrite(model, args, config=config.with_fp32(banned))
+    findings = audit_result(gm, pol)
+    findings += audit_context(model, pol, optimizer=optimizer, scaler=scaler, batch=batch,
+                              steps_per_epoch=steps_per_epoch, onnx=onnx)
+    return findings
