@@ -32,6 +32,7 @@ machine is shared: prefer ``--threads 1`` and read the ratios.
 from __future__ import annotations
 
 import argparse
+import os
 import copy
 import statistics
 import sys
@@ -227,7 +228,8 @@ def main() -> None:
                 f"x {a.steps} steps after 2 warm-up steps; ms/step medians; ratios are medians "
                 f"of per-round ratios, against the faster autocast setting ('ac' = "
                 f"cache_enabled=True, 'ac nocache' = cache_enabled=False) and against the limit "
-                f"(the model in bf16, no casts). Measured on a shared, busy 2-core machine. "
+                f"(the model in bf16, no casts). Load average at the end (1 min): "
+                f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} logical cores. "
                 f"torch threads: {torch.get_num_threads()}.\n\n" + md)
         _common.append_docs(f"CPU step time vs autocast and the limit ({a.mode}"
                             + (", torch.compile" if a.compile else "") + ")", body,
