@@ -25,7 +25,8 @@ import torch.nn as nn
 from ..config import FRONTENDS
 from ..errors import TraceError
 from . import fx_names  # noqa: F401 - fixes fx codegen of names with quotes
-from .aten import export_trace, flat_inputs
+from .aten import export_trace
+from .aten_inputs import flat_inputs
 from .fx import trace
 from .hooks import hooked_modules, without_root_hooks
 from .state import ModelState

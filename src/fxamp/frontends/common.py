@@ -37,6 +37,13 @@ def warn_one_mode(model: nn.Module, how: str = "traces") -> None:
                 type(model).__name__, how, "train" if model.training else "eval")
 
 
+def warn_mode_only(model: nn.Module, mode: bool, err: Exception, how: str = "traces") -> None:
+    """Only one mode (``mode``) could be captured: its graph is kept."""
+    log.warning("%s %s in %s mode only (%s); the rewritten graph keeps that mode's "
+                "behaviour", type(model).__name__, how,
+                "train" if mode else "eval", str(err).splitlines()[0])
+
+
 def nested_lines(nested: Dict[str, Plan]) -> Dict[str, Any]:
     """Each nested plan's lines under ``path/``, their module paths prefixed by ``path``."""
     nodes: Dict[str, Any] = {}

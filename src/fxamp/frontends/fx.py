@@ -2,25 +2,21 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import operator
 import logging
 import sys
 import traceback
-import warnings
 import weakref
-from typing import Any, Callable, FrozenSet, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, FrozenSet, Iterable, Iterator, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import TraceError, is_library_file, short_path
 from . import grad_mode, stacks
 from ..runtime import has_call_hooks
-from .common import training_flags, warn_one_mode
+from .common import training_flags, warn_mode_only, warn_one_mode
+from .modes import align, follow_mode, module_flag, reads_training
 
 log = logging.getLogger(__name__)
 
@@ -120,78 +116,21 @@ def _user_frame(exc: BaseException) -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=None)
-def reads_training(cls: type) -> bool:
-    """Whether ``cls.forward`` reads ``self.training`` (a Python bool fx would bake in)."""
-    try:
-        return "self.training" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-
-
 _CONSTANT = "_tensor_constant"
 
 
-def _same_node(a: fx.Node, b: fx.Node, root: nn.Module, renamed: dict) -> bool:
-    if a.op == b.op == "get_attr" and str(a.target).startswith(_CONSTANT) and \
-            str(b.target).startswith(_CONSTANT):
-        # tensor constants are numbered by a counter shared by both traces
-        ta, tb = getattr(root, str(a.target)), getattr(root, str(b.target))
-        if ta.shape == tb.shape and ta.dtype == tb.dtype and torch.equal(ta, tb):
-            renamed[b.name] = a.name
-            return True
-        return False
-    return (a.name, a.op, a.target) == (b.name, b.op, b.target)
-
-
-def _training_diffs(a: fx.Graph, b: fx.Graph, mode: bool,
-                    root: nn.Module) -> Optional[List[Tuple]]:
-    """Where graphs traced in the two modes differ only by bool constants: (node, index,
-    equals_training) per constant; None when they differ in any other way."""
-    nodes_a, nodes_b = list(a.nodes), list(b.nodes)
-    renamed: dict = {}
-    if len(nodes_a) != len(nodes_b) or not all(
-            _same_node(na, nb, root, renamed) for na, nb in zip(nodes_a, nodes_b)):
-        return None
-    diffs = []
-    for na, nb in zip(nodes_a, nodes_b):
-        flat_a, spec_a = tree_flatten((na.args, na.kwargs))
-        flat_b, spec_b = tree_flatten((nb.args, nb.kwargs))
-        if spec_a != spec_b:
-            return None
-        for i, (va, vb) in enumerate(zip(flat_a, flat_b)):
-            if isinstance(va, fx.Node) and isinstance(vb, fx.Node):
-                if va.name != renamed.get(vb.name, vb.name):
-                    return None
-            elif type(va) is bool and type(vb) is bool and va != vb:
-                diffs.append((na, i, va == mode))
-            elif type(va) is not type(vb) or va != vb:
-                return None
-    return diffs
-
-
-def _follow_training(graph: fx.Graph, diffs: List[Tuple]) -> None:
-    """Replace baked ``self.training`` constants by reads of the module's training flag."""
-    for node, index, same in diffs:
-        stack = node.meta.get("nn_module_stack") or {}
-        path = next(reversed(stack.values()))[0] if stack else ""
-        with graph.inserting_before(node), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # fx: "no underlying reference"
-            flag: Any = graph.get_attr(f"{path}.training" if path else "training")
-            if not same:
-                flag = graph.call_function(operator.not_, (flag,))
-        flat, spec = tree_flatten((node.args, node.kwargs))
-        flat[index] = flag
-        node.args, node.kwargs = tree_unflatten(flat, spec)
+def _traced_by_fx(module: nn.Module) -> bool:
+    """fx traces through the module's code (torch.nn modules stay calls)."""
+    return not type(module).__module__.startswith("torch.nn")
 
 
 def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx"
           ) -> fx.GraphModule:
     """Trace ``model`` with torch.fx; raise TraceError naming the line and the way out.
 
-    Custom modules whose forward reads ``self.training`` are traced in both modes; the
-    constants that differ become reads of the module's flag, so ``train()`` / ``eval()``
-    keep working on the result. Submodules named in ``leaves`` are kept as calls.
+    A model whose traced code may read ``training`` (:func:`.modes.reads_training`) is
+    traced in both modes; the constants that differ become reads of the flag of the module
+    that made them (:mod:`.modes`), so ``train()`` / ``eval()`` keep working on the result. Submodules named in ``leaves`` are kept as calls.
     ``frontend`` is the front end the user asked for (it shapes the advice in errors).
     """
     from .state import ModelState
@@ -210,16 +149,18 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx"
 def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str],
                       frontend: str) -> fx.GraphModule:
     graph = _trace_graph(model, leaves, frontend)
-    if any(reads_training(type(m)) and not type(m).__module__.startswith("torch.nn")
-           for m in model.modules()):
+    if reads_training(model, _traced_by_fx):
         mode = model.training
-        with training_flags(model, not mode):
-            other = _trace_graph(model, leaves, frontend)
-        diffs = _training_diffs(graph, other, mode, model)
-        if diffs is None:
-            warn_one_mode(model, "traces")
-        elif diffs:
-            _follow_training(graph, diffs)
+        try:
+            with training_flags(model, not mode):
+                other = _trace_graph(model, leaves, frontend)
+        except TraceError as err:
+            warn_mode_only(model, mode, err, "traces")
+        else:
+            train, eval_ = (graph, other) if mode else (other, graph)
+            aligned = align(train, eval_, (model, model))
+            if aligned is None or not follow_mode(graph, aligned, mode, module_flag):
+                warn_one_mode(model, "traces")
     name = type(model).__name__
     return fx.GraphModule(model, graph, name)
 

@@ -20,7 +20,7 @@ from ..passes.manager import PassContext, PassManager
 from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
 from ..policy import Policy
 from ..frontends import trace_model
-from ..frontends.aten import ShapeCheck, flat_inputs, plain_inputs_hook
+from ..frontends.aten_inputs import ShapeCheck, flat_inputs, plain_inputs_hook
 from ..frontends.common import nested_header, nested_lines
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks, mark_hooked_runtime

@@ -1,0 +1,125 @@
+"""The inputs of a graph from torch.export: its placeholder values for a call
+(:func:`flat_inputs`), the sizes the export fixed (:func:`input_sizes`) and the pre-hook that
+checks a call against them with fxamp's message (:class:`ShapeCheck`), and the plain
+containers an exported graph's input spec expects (:func:`plain_containers`)."""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+
+def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """The exported graph's placeholder values for a call ``gm(*args, **kwargs)``."""
+    spec = getattr(gm, "_in_spec", None)
+    if spec is None:
+        return tuple(args)
+    import torch.fx._pytree as fx_pytree
+
+    value = plain_containers((tuple(args), dict(kwargs)))
+    return tuple(fx_pytree.tree_flatten_spec(value, spec))
+
+
+def input_sizes(gm: fx.GraphModule) -> List[Tuple[str, Optional[Tuple[Optional[int], ...]]]]:
+    """(placeholder name, sizes) of each graph input: an int for a dimension the export
+    fixed, None for a symbolic one; sizes None for a non-tensor input."""
+    out: List[Tuple[str, Optional[Tuple[Optional[int], ...]]]] = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        sizes = None
+        if isinstance(val, torch.Tensor):
+            sizes = tuple(s if type(s) is int else None for s in val.shape)
+        out.append((node.name, sizes))
+    return out
+
+
+class ShapeCheck:
+    """A forward pre-hook raising InputShapeError when a call's input has another size on a
+    dimension the export specialised (fxamp's message instead of the exported graph's
+    guard), naming the input and dimension and the ``dynamic_shapes=`` that allows it."""
+
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, args: tuple,
+                 kwargs: Dict[str, Any]) -> None:
+        self.sizes = input_sizes(gm)
+        self.model_name = type(model).__name__
+        names = _input_names(model, args, kwargs)
+        if len(names) == len(self.sizes):  # the forward's own names, not the graph's
+            self.sizes = [(name, sizes) for name, (_, sizes) in zip(names, self.sizes)]
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        try:
+            flat = flat_inputs(module, args, kwargs)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - another structure: the graph's own check says so
+            return None
+        for (name, sizes), value in zip(self.sizes, flat):
+            if sizes is None or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() != len(sizes):
+                self._raise(name, sizes, None, value)
+            for dim, size in enumerate(sizes):
+                if size is not None and value.shape[dim] != size:
+                    self._raise(name, sizes, dim, value)
+        return None
+
+    def _raise(self, name: str, sizes: Tuple[Optional[int], ...], dim: Optional[int],
+               value: torch.Tensor) -> None:
+        from ..errors import InputShapeError
+
+        shown = "x".join("*" if s is None else str(s) for s in sizes)
+        if dim is None:
+            raise InputShapeError(
+                f"the rewritten {self.model_name} takes input {name!r} with {len(sizes)} "
+                f"dimensions ({shown}, * = any size); this call gives {value.dim()} "
+                f"({tuple(value.shape)})\n  what to do: call it as it was exported, or "
+                "rewrite it with example inputs of that rank")
+        dims = {i for i, s in enumerate(sizes) if s is None} | {dim}
+        spec = "{" + ", ".join(f"{i}: Dim.AUTO" for i in sorted(dims)) + "}"
+        raise InputShapeError(
+            f"the rewritten {self.model_name} was exported with dimension {dim} of input "
+            f"{name!r} fixed at {sizes[dim]} (sizes {shown}, * = any size); this call gives "
+            f"{value.shape[dim]}. By default only the batch dimension (dim 0) and the "
+            "sequence dimension of integer token inputs are dynamic, and torch.export fixes "
+            "a dynamic one where the model's code needs a fixed size or the example size "
+            "is 0 or 1\n  what to do: rewrite with amp_rewrite(..., dynamic_shapes="
+            f"{{{name!r}: {spec}}}) (torch.export's spelling, Dim from torch.export; for an "
+            "input nested in a list or dict the spec follows its structure), or call it "
+            f"with size {sizes[dim]}")
+
+
+def _input_names(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[str]:
+    """The forward parameter (and the path inside it) of each leaf of ``(args, kwargs)``
+    in torch.export's order; [] where they cannot be told."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    try:
+        params = list(inspect.signature(model.forward).parameters)
+        leaves, _ = tree_flatten_with_path(plain_containers((tuple(args), dict(kwargs))))
+    except (TypeError, ValueError):
+        return []
+    names = []
+    for path, _ in leaves:
+        where, key = path[0], path[1]
+        index = getattr(key, "idx", None)
+        top = (params[index] if where.idx == 0 and index is not None and index < len(params)
+               else str(getattr(key, "key", key)))
+        names.append(top + keystr(path[2:]))
+    return names
+
+
+def plain_containers(value: Any) -> Any:
+    """``value`` with every OrderedDict made a dict: an exported graph's input spec tells
+    the two apart, while models hand either (an fx graph returns a dict where the traced
+    code built an OrderedDict)."""
+    if isinstance(value, dict):
+        return {k: plain_containers(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(plain_containers(v) for v in value)
+    return value
+
+
+def plain_inputs_hook(_module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    """A forward pre-hook giving an exported graph its inputs with plain dicts."""
+    return plain_containers(tuple(args)), plain_containers(dict(kwargs))
