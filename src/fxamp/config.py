@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Optional, Union
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -20,8 +20,16 @@ from .errors import FxampError, PolicyError
 from .plan import Plan, RangeStats
 from .policy import Policy, dtype_name, make_policy, parse_compute_dtype
 
-#: front ends a rewrite can ask for; "auto" tries fx, then export, then partial fx
-FRONTENDS = ("auto", "fx", "export")
+#: the front ends (``frontends.REGISTRY`` names) each ``frontend=`` value tries, in order:
+#: "auto" tries fx, then export, then fx with runtime leaves (partial tracing), then eager
+#: (the model's forward stays Python, its children are rewritten)
+FRONTEND_ORDER: Dict[str, Tuple[str, ...]] = {
+    "auto": ("fx", "export", "fx+runtime", "eager"),
+    "fx": ("fx",),
+    "export": ("export",),
+}
+#: front ends a rewrite can ask for
+FRONTENDS = tuple(FRONTEND_ORDER)
 #: where amp_rewrite keeps the config on the module it returns
 CONFIG_ATTR = "fxamp_config"
 

@@ -1,167 +1,115 @@
-"""Front ends: how a model becomes a graph the passes can read.
+"""Front ends: how a model becomes something the passes can read, behind one protocol.
 
-Each graph front end is an object with a ``name`` and ``capture(model, args, kwargs, asked)``
-returning a :class:`Traced` (graph module, front end that took it, placeholder values,
-runtime leaves); :func:`trace_model` runs them in the order ``frontend`` asks for:
+Every front end is an object with a ``name`` and ``capture(model, request)`` (see
+:mod:`.base`); :data:`REGISTRY` holds them by name and :func:`capture_model` tries them in
+the order ``config.FRONTEND_ORDER`` gives for the ``frontend=`` asked:
 
 - ``fx`` (:mod:`.fx`): ``torch.fx`` symbolic tracing, torch-function level;
 - ``export`` (:mod:`.aten`): ``torch.export`` (non-strict), ATen level, needs example inputs;
-- ``fx+runtime``: fx with the submodules neither takes kept as calls (``auto`` only);
-- ``eager`` (:mod:`.eager`): the model's own forward stays Python, its children are rewritten
-  on their own by the layer above (the rewriter) and assembled by :func:`.eager.eager_root`.
+- ``fx+runtime`` (:mod:`.fx`, a fallback, ``auto`` only): fx with the submodules neither
+  takes kept as calls;
+- ``eager`` (:mod:`.eager`, a fallback, ``auto`` only): the model's own forward stays
+  Python; its capture is :class:`.base.Children` (``kind == "children"``), which tells the
+  layer above (the rewriter) to rewrite the children on their own and assemble them with
+  :func:`.eager.eager_root`.
 
-What they share (train/eval flags, the one-mode warning, nested plans) is in :mod:`.common`.
-This package imports only the layers below it (core modules and ``passes``).
+The graph front ends (``kind == "graph"``) also say how their graph is called
+(:class:`.base.GraphFrontend`): :func:`graph_frontend` gives the one that took a graph.
+What they share: train/eval alignment (:mod:`.modes`), training flags, the one-mode
+warnings and nested plans (:mod:`.common`). This package imports only the layers below it
+(core modules and ``passes``).
 """
 from __future__ import annotations
 
-import inspect
-import logging
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Dict, List, Optional
 
-import torch.fx as fx
 import torch.nn as nn
 
-from ..config import FRONTENDS
+from ..config import FRONTEND_ORDER, FRONTENDS
 from ..errors import TraceError
 from . import fx_names  # noqa: F401 - fixes fx codegen of names with quotes
-from .aten import export_trace
-from .aten_inputs import flat_inputs
-from .fx import trace
-from .hooks import hooked_modules, without_root_hooks
+from .aten import AtenFrontend
+from .base import Capture, Children, Frontend, GraphFrontend, Request, Traced
+from .eager import EagerFrontend
+from .fx import MAX_RUNTIME_LEAVES, FxFrontend, PartialFrontend
 from .state import ModelState
 
-log = logging.getLogger(__name__)
+FX = FxFrontend()
+ATEN = AtenFrontend()
+PARTIAL = PartialFrontend()
+EAGER = EagerFrontend()
 
-#: partial tracing gives up after this many untraceable submodules
-MAX_RUNTIME_LEAVES = 32
-
-
-class Traced(NamedTuple):
-    """A captured graph: the module, the front end that took it, its placeholder values
-    and the submodules kept as runtime calls."""
-
-    graph_module: fx.GraphModule
-    frontend: str
-    inputs: tuple
-    leaves: List[str]
+#: every front end, by the name the plan header records
+REGISTRY: Dict[str, Frontend] = {fe.name: fe for fe in (FX, ATEN, PARTIAL, EAGER)}
+assert all(name in REGISTRY for names in FRONTEND_ORDER.values() for name in names)
 
 
-class Frontend(Protocol):
-    """A graph front end: ``capture`` raises TraceError naming the line and the way out."""
+def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
+                  state: Optional[ModelState] = None, dynamic_shapes: Any = None,
+                  whole_graph: bool = False) -> Capture:
+    """What the first front end (in the order ``frontend`` asks for) that takes ``model``
+    gives: a :class:`Traced` graph, or :class:`Children` to rewrite one by one.
+    ``whole_graph``: only front ends giving one graph of the whole model (calibration,
+    decisions fixed by node name). ``state`` (the model's snapshot) is restored after each
+    front end that fails; ``dynamic_shapes`` goes to torch.export. When none takes it:
+    the one front end's TraceError, or one naming each front end's failure."""
+    request = Request(tuple(args), dict(kwargs), frontend, state or ModelState(model),
+                      dynamic_shapes)
+    order: List[Frontend] = [REGISTRY[name] for name in FRONTEND_ORDER[frontend]]
+    if whole_graph:
+        order = [fe for fe in order if fe.graph]
+    for fe in order:
+        try:
+            captured = fe.capture(model, request)
+        except TraceError as err:
+            request.state.restore()
+            request.errors[fe.name] = err
+            continue
+        if captured.kind == "children":
+            captured = captured._replace(refused=_refusal(model, order, request.errors))
+        return captured
+    refused = _refusal(model, order, request.errors)
+    assert refused is not None
+    raise refused
 
-    name: str
 
-    def capture(self, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-                asked: str) -> Traced:
-        """The graph of ``model`` called on ``(args, kwargs)``; ``asked`` is the front end
-        the user asked for (it shapes the advice in errors)."""
-        ...
+def _refusal(model: nn.Module, tried: List[Frontend],
+             errors: Dict[str, TraceError]) -> Optional[TraceError]:
+    """The error when no front end takes ``model``: a single front end's own; else one
+    naming why each front end that is not a fallback failed (caused by the last error)."""
+    if len(errors) <= 1:
+        return next(iter(errors.values()), None)
+    err = TraceError(f"no front end takes {type(model).__name__}." + "".join(
+        f"\n- {fe.name}: {errors[fe.name]}" for fe in tried
+        if not fe.fallback and fe.name in errors))
+    err.__cause__ = list(errors.values())[-1]
+    return err
 
 
-def _fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
-    """The fx graph's placeholder values: the forward's parameters bound in order."""
-    if not kwargs:
-        return args
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return tuple(bound.arguments.values())
+def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
+                state: Optional[ModelState] = None, dynamic_shapes: Any = None) -> Traced:
+    """One graph of the whole ``model`` (:func:`capture_model` with the graph front ends
+    only): for the tolerance search and the audit."""
+    traced = capture_model(model, args, kwargs, frontend, state, dynamic_shapes,
+                           whole_graph=True)
+    assert isinstance(traced, Traced)
+    return traced
+
+
+def graph_frontend(traced: Traced) -> GraphFrontend:
+    """The graph front end that took ``traced``."""
+    fe = REGISTRY[traced.frontend]
+    assert fe.graph, traced.frontend
+    return fe  # type: ignore[return-value]
 
 
 def graph_inputs(model: nn.Module, traced: Traced, args: tuple,
                  kwargs: Dict[str, Any]) -> tuple:
     """The placeholder values of ``traced``'s graph for the call ``model(*args, **kwargs)``."""
-    if traced.frontend == "export":
-        return flat_inputs(traced.graph_module, args, kwargs)
-    return _fx_inputs(model, args, kwargs)
+    return graph_frontend(traced).inputs(model, traced, args, kwargs)
 
 
-def _refuse_hooks_in_export(model: nn.Module) -> None:
-    """torch.export runs hooks once, at export time, on fake tensors: refused."""
-    hooked = hooked_modules(model)
-    if hooked:
-        path, names = next(iter(hooked.items()))
-        raise TraceError(
-            f"torch.export would run the hooks of {type(model).__name__}.{path} ("
-            f"{', '.join(names)}) once while exporting instead of on every call"
-            + (f" (and {len(hooked) - 1} more hooked modules)" if len(hooked) > 1 else "")
-            + "\n  what to do: frontend='fx' or 'auto' keep hooked modules as calls that run "
-            "their hooks; or remove the hooks before amp_rewrite")
-
-
-class FxFrontend:
-    """torch.fx symbolic tracing (see :mod:`.fx`)."""
-
-    name = "fx"
-
-    def capture(self, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-                asked: str = "fx") -> Traced:
-        return Traced(trace(model, (), asked), "fx", _fx_inputs(model, args, kwargs), [])
-
-
-class AtenFrontend:
-    """torch.export, ATen level (see :mod:`.aten`); refuses hooked modules."""
-
-    name = "export"
-
-    def capture(self, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-                asked: str = "export", dynamic_shapes: Any = None) -> Traced:
-        _refuse_hooks_in_export(model)
-        with without_root_hooks(model):
-            gm = export_trace(model, args, kwargs, asked, dynamic_shapes)
-        return Traced(gm, "export", flat_inputs(gm, args, kwargs), [])
-
-
-FX = FxFrontend()
-ATEN = AtenFrontend()
-
-
-def _partial_trace(model: nn.Module, error: TraceError, state: ModelState
-                   ) -> Tuple[fx.GraphModule, List[str]]:
-    """fx tracing with each submodule that fails kept as a call (run under autocast)."""
-    leaves: List[str] = []
-    while True:
-        path = getattr(error, "module", "")
-        if not path or path in leaves or len(leaves) >= MAX_RUNTIME_LEAVES:
-            raise error
-        leaves.append(path)
-        try:
-            return trace(model, leaves, "auto"), leaves
-        except TraceError as err:
-            error = err
-            state.restore()
-
-
-def trace_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
-                state: Optional[ModelState] = None, dynamic_shapes: Any = None) -> Traced:
-    """The graph of ``model`` from the front end ``frontend`` names ("auto": fx, then
-    export, then fx with runtime leaves). ``state`` (the model's snapshot) is restored
-    after each front end that fails; ``dynamic_shapes`` goes to torch.export."""
-    state = state or ModelState(model)
-    if frontend == "export":
-        return ATEN.capture(model, args, kwargs, "export", dynamic_shapes)
-    try:
-        return FX.capture(model, args, kwargs, frontend)
-    except TraceError as err:
-        state.restore()
-        if frontend == "fx":
-            raise
-        fx_error = err
-    try:
-        traced = ATEN.capture(model, args, kwargs, "auto", dynamic_shapes)
-        log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
-        return traced
-    except TraceError as err:
-        export_error = err
-        state.restore()
-    try:
-        gm, leaves = _partial_trace(model, fx_error, state)
-    except TraceError as err:
-        raise TraceError(f"no front end takes {type(model).__name__}.\n- fx: {fx_error}\n"
-                         f"- export: {export_error}") from err
-    log.info("%s: torch.fx and torch.export fail; traced around %s",
-             type(model).__name__, ", ".join(leaves))
-    return Traced(gm, "fx+runtime", _fx_inputs(model, args, kwargs), leaves)
-
-
-__all__ = ["FRONTENDS", "Frontend", "Traced", "FX", "ATEN", "trace_model", "graph_inputs"]
+__all__ = ["FRONTENDS", "FRONTEND_ORDER", "Frontend", "GraphFrontend", "Request", "Traced",
+           "Children", "Capture", "REGISTRY", "FX", "ATEN", "PARTIAL", "EAGER",
+           "MAX_RUNTIME_LEAVES", "capture_model", "trace_model", "graph_frontend",
+           "graph_inputs"]

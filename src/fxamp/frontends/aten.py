@@ -19,7 +19,7 @@ import contextlib
 import inspect
 import io
 import logging
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterable, Iterator, List
 
 import torch
 import torch.fx as fx
@@ -31,10 +31,13 @@ from ..progress import shows
 from .common import training_flags, warn_mode_only, warn_one_mode
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
-from .aten_inputs import flat_inputs, plain_containers
+from .aten_inputs import ShapeCheck, flat_inputs, plain_containers, plain_inputs_hook
+from .base import Request, Traced
+from .hooks import hooked_modules, without_root_hooks
 from .modes import align, follow_mode, reads_training, root_flag
 
-__all__ = ["export_trace", "default_dynamic_shapes", "flat_inputs", "quiet_torch_logs"]
+__all__ = ["AtenFrontend", "export_trace", "default_dynamic_shapes", "flat_inputs",
+           "quiet_torch_logs"]
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +247,60 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
     base.graph.lint()
     base.recompile()
     return base
+
+
+def _refuse_hooks_in_export(model: nn.Module) -> None:
+    """torch.export runs hooks once, at export time, on fake tensors: refused."""
+    hooked = hooked_modules(model)
+    if hooked:
+        path, names = next(iter(hooked.items()))
+        raise TraceError(
+            f"torch.export would run the hooks of {type(model).__name__}.{path} ("
+            f"{', '.join(names)}) once while exporting instead of on every call"
+            + (f" (and {len(hooked) - 1} more hooked modules)" if len(hooked) > 1 else "")
+            + "\n  what to do: frontend='fx' or 'auto' keep hooked modules as calls that run "
+            "their hooks; or remove the hooks before amp_rewrite")
+
+
+def _as_tuple(batch: Any) -> tuple:
+    if isinstance(batch, tuple):
+        return batch
+    if isinstance(batch, list):
+        return tuple(batch)
+    return (batch,)
+
+
+class AtenFrontend:
+    """torch.export, ATen level (see :func:`export_trace`); refuses hooked modules. The
+    rewritten module checks each call's input sizes against the export's
+    (:class:`.aten_inputs.ShapeCheck`) and takes OrderedDicts as dicts."""
+
+    name = "export"
+    fallback = False
+    graph = True
+
+    def capture(self, model: nn.Module, request: Request) -> Traced:
+        _refuse_hooks_in_export(model)
+        with without_root_hooks(model):
+            gm = export_trace(model, request.args, request.kwargs, request.asked,
+                              request.dynamic_shapes)
+        if request.errors:
+            log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
+        return Traced(gm, self.name, flat_inputs(gm, request.args, request.kwargs), [])
+
+    def inputs(self, model: nn.Module, traced: Traced, args: tuple,
+               kwargs: Dict[str, Any]) -> tuple:
+        return flat_inputs(traced.graph_module, args, kwargs)
+
+    def calibration(self, traced: Traced, batches: Iterable[Any]) -> Iterable[Any]:
+        return [flat_inputs(traced.graph_module, _as_tuple(batch), {}) for batch in batches]
+
+    def runtime_calls(self, traced: Traced) -> List[str]:
+        return []  # (hooked models are refused)
+
+    def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
+               kwargs: Dict[str, Any]) -> None:
+        gm.register_forward_pre_hook(ShapeCheck(traced.graph_module, model, args, kwargs),
+                                     with_kwargs=True)
+        gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
+

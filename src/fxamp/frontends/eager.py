@@ -30,6 +30,7 @@ from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
+from .base import Children, Request
 from .common import nested_header, nested_lines
 
 log = logging.getLogger(__name__)
@@ -143,3 +144,19 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     result.fxamp_plan = Plan(nodes=nodes, header=header)
     result.fxamp_policy = pol
     return result
+
+
+class EagerFrontend:
+    """eager (a fallback after the graph front ends): no graph of the model; its children's
+    first calls on the example inputs, for the rewriter to rewrite each child on its own
+    and assemble them with :func:`eager_root`."""
+
+    name = "eager"
+    fallback = True
+    graph = False
+
+    def capture(self, model: nn.Module, request: Request) -> Children:
+        names = [name for name, _ in model.named_children()]
+        calls = submodule_calls(model, names, request.args, request.kwargs)
+        return Children(self.name, names, calls, None)
+

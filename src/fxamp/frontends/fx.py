@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 import traceback
 import weakref
-from typing import Any, Callable, FrozenSet, Iterable, Iterator, Optional
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -15,6 +16,8 @@ import torch.nn as nn
 from ..errors import TraceError, is_library_file, short_path
 from . import grad_mode, stacks
 from ..runtime import has_call_hooks
+from .base import Request, Traced
+from .hooks import mark_hooked_runtime
 from .common import training_flags, warn_mode_only, warn_one_mode
 from .modes import align, follow_mode, module_flag, reads_training
 
@@ -220,3 +223,79 @@ def failing_module(exc: BaseException, model: nn.Module) -> str:
             found = paths[id(owner)]
         tb = tb.tb_next
     return found
+
+
+def fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """An fx graph's placeholder values: the forward's parameters bound in order."""
+    if not kwargs:
+        return args
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
+
+
+class FxFrontend:
+    """torch.fx symbolic tracing of the whole model (see :func:`trace`); hooked submodules
+    stay calls run under autocast."""
+
+    name = "fx"
+    fallback = False
+    graph = True
+
+    def capture(self, model: nn.Module, request: Request) -> Traced:
+        return Traced(trace(model, (), request.asked), self.name,
+                      fx_inputs(model, request.args, request.kwargs), [])
+
+    def inputs(self, model: nn.Module, traced: Traced, args: tuple,
+               kwargs: Dict[str, Any]) -> tuple:
+        return fx_inputs(model, args, kwargs)
+
+    def calibration(self, traced: Traced, batches: Iterable[Any]) -> Iterable[Any]:
+        return batches  # (the forward's positional inputs are the placeholders)
+
+    def runtime_calls(self, traced: Traced) -> List[str]:
+        return mark_hooked_runtime(traced.graph_module)
+
+    def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
+               kwargs: Dict[str, Any]) -> None:
+        return None
+
+
+#: partial tracing gives up after this many untraceable submodules
+MAX_RUNTIME_LEAVES = 32
+
+
+def _partial_trace(model: nn.Module, error: TraceError, state: Any
+                   ) -> Tuple[fx.GraphModule, List[str]]:
+    """fx tracing with each submodule that fails kept as a call (run under autocast)."""
+    leaves: List[str] = []
+    while True:
+        path = getattr(error, "module", "")
+        if not path or path in leaves or len(leaves) >= MAX_RUNTIME_LEAVES:
+            raise error
+        leaves.append(path)
+        try:
+            return trace(model, leaves, "auto"), leaves
+        except TraceError as err:
+            error = err
+            state.restore()
+
+
+class PartialFrontend(FxFrontend):
+    """fx+runtime (a fallback after fx and export): fx tracing with each submodule that
+    fails kept as a call (``leaves``: the rewriter tries each on its own, the others run
+    under autocast, ``rule="runtime"``), starting from the fx front end's error."""
+
+    name = "fx+runtime"
+    fallback = True
+
+    def capture(self, model: nn.Module, request: Request) -> Traced:
+        error = request.errors.get("fx")
+        if error is None:
+            raise TraceError("partial tracing starts from the fx front end's error; what "
+                             "to do: ask for frontend='auto'")
+        gm, leaves = _partial_trace(model, error, request.state)
+        log.info("%s: torch.fx and torch.export fail; traced around %s",
+                 type(model).__name__, ", ".join(leaves))
+        return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), leaves)
+

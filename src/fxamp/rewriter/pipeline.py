@@ -19,11 +19,10 @@ from ..passes import PassResult
 from ..passes.manager import PassContext, PassManager
 from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
 from ..policy import Policy
-from ..frontends import trace_model
-from ..frontends.aten_inputs import ShapeCheck, flat_inputs, plain_inputs_hook
+from ..frontends import Children, capture_model, graph_frontend
 from ..frontends.common import nested_header, nested_lines
 from ..frontends.eager import eager_root, submodule_calls
-from ..frontends.hooks import check_global_hooks, copy_root_hooks, mark_hooked_runtime
+from ..frontends.hooks import check_global_hooks, copy_root_hooks
 from ..frontends.state import ModelState, report_side_effects
 from .inputs import check_example_inputs
 from .pass_list import annotate_step, pass_list
@@ -217,15 +216,25 @@ def _plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
     return nodes
 
 
-def _eager(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
-           config: RewriteConfig) -> nn.Module:
-    """The eager front end: the model's forward stays Python under autocast, each child
-    is rewritten on its own."""
-    names = [name for name, _ in model.named_children()]
-    calls = submodule_calls(model, names, inputs, kwargs)
-    children = _rewrite_submodules(model, names, calls, config, "stays under autocast")
-    return eager_root(model, inputs, kwargs, config.policy, calls, children,
-                      _header(config.policy, "eager"))
+def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
+              config: RewriteConfig, captured: Children, scope: Scope) -> nn.Module:
+    """A front end that keeps the model's forward (eager): each child is rewritten on its
+    own and the model is assembled from them; when none can be, the front ends' error."""
+    children = _rewrite_submodules(model, captured.paths, captured.calls, config,
+                                   "stays under autocast")
+    try:
+        result = eager_root(model, inputs, kwargs, config.policy, captured.calls, children,
+                            _header(config.policy, captured.frontend))
+    except FxampError:
+        if captured.refused is None:
+            raise
+        raise captured.refused from None
+    if scope.top:
+        check_matched(config.policy, scope, _plan_lines(plan_of(result).nodes))
+    log.warning("%s: no tracer takes its forward; it runs eagerly under torch.autocast "
+                "with its children rewritten (%s)", type(model).__name__,
+                plan_of(result).header.get("nested", ""))
+    return result
 
 
 def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
@@ -234,28 +243,22 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     pol, frontend, calibration_data = config.policy, config.frontend, config.calibration
     kwargs = dict(config.example_kwargs or {})
     state = ModelState(model)
-    try:
-        src, taken, flat, leaves = trace_model(model, inputs, kwargs, frontend, state,
-                                               config.dynamic_shapes)
-    except TraceError as err:
+    try:  # decisions fixed by node name and calibration need one graph of the whole model
+        captured = capture_model(model, inputs, kwargs, frontend, state,
+                                 config.dynamic_shapes,
+                                 whole_graph=bool(fixed) or bool(calibration_data))
+    except TraceError:
         state.restore()
-        if frontend != "auto" or getattr(err, "module", "") or fixed or calibration_data:
-            raise
-        try:  # the model's own forward is what fails: rewrite its children instead
-            result = _eager(model, inputs, kwargs, config)
-        except FxampError:
-            raise err from None
-        if scope.top:
-            check_matched(pol, scope, _plan_lines(plan_of(result).nodes))
-        log.warning("%s: no tracer takes its forward; it runs eagerly under torch.autocast "
-                    "with its children rewritten (%s)", type(model).__name__,
-                    plan_of(result).header.get("nested", ""))
-        return result  # type: ignore[return-value]
-    if taken != "export":
-        hooked = mark_hooked_runtime(src)
-        if hooked:
-            log.info("%s: modules with hooks stay calls run under torch.autocast: %s",
-                     type(model).__name__, ", ".join(hooked))
+        raise
+    if isinstance(captured, Children):
+        return _assemble(model, inputs, kwargs, config, captured,
+                         scope)  # type: ignore[return-value]
+    src, taken, flat, leaves = captured
+    front = graph_frontend(captured)
+    hooked = front.runtime_calls(captured)
+    if hooked:
+        log.info("%s: modules with hooks stay calls run under torch.autocast: %s",
+                 type(model).__name__, ", ".join(hooked))
     nested = _rewrite_leaves(model, src, leaves, inputs, kwargs, config) if leaves else {}
     runtime = [leaf for leaf in leaves if leaf not in nested]
     if runtime:
@@ -263,10 +266,8 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
                     "torch.autocast at run time (rule 'runtime')", type(model).__name__,
                     ", ".join(runtime))
     example, inputs = (inputs, kwargs), flat
-    if taken == "export" and calibration_data is not None and not isinstance(
-            calibration_data, (Plan, dict)):
-        calibration_data = [flat_inputs(src, _as_tuple(batch), {})
-                            for batch in calibration_data]
+    if calibration_data is not None and not isinstance(calibration_data, (Plan, dict)):
+        calibration_data = front.calibration(captured, calibration_data)
     for name, (dtype, rule, reason) in (fixed or {}).items():
         node = next((n for n in src.graph.nodes if n.name == name), None)
         if node is None:
@@ -286,9 +287,7 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     _copy_training_flags(model, gm)
     complete_state(model, gm)
     copy_root_hooks(model, gm)
-    if taken == "export":
-        gm.register_forward_pre_hook(ShapeCheck(src, model, *example), with_kwargs=True)
-        gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
+    front.finish(gm, captured, model, *example)
     return gm
 
 
