@@ -3,9 +3,12 @@
 Detection models loop over lists of images and branch on box counts in their top-level
 ``forward``; neither torch.fx nor torch.export takes that code, but their backbones and heads
 are ordinary graphs. Here the model's own ``forward`` stays Python and runs under
-``torch.autocast``; each child module is rewritten on its own (any front end, recursively,
-by the rewriter, which hands the results to :func:`eager_root`) and runs with autocast switched off, as its plan says; a child nothing takes stays the
-original module and runs under the autocast around it (``rule="runtime"``).
+``torch.autocast``. The front end (:class:`EagerFrontend`) captures no graph: it records the
+children's first calls and returns them as :class:`.base.Children`; the rewriter rewrites
+each child on its own (any front end, recursively) and hands the results to
+:func:`eager_root`. A rewritten child runs with autocast switched off, as its plan says; a
+child nothing takes stays the original module and runs under the autocast around it
+(``rule="runtime"``).
 
 The result is a shallow copy of the model (same class, same Parameters and buffers) whose
 children are the rewritten modules; attributes a rewritten child lacks (``out_channels``,

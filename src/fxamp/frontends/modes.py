@@ -129,7 +129,8 @@ class Alignment:
                 continue
             if type(va) is bool and type(vb) is bool:
                 changes.append(Change(a, b, index, va))
-            elif isinstance(va, float) and vb in (0.0, None):
+            elif isinstance(va, float) and (vb is None or (type(vb) in (int, float)
+                                                        and vb == 0)):
                 changes.append(Change(a, b, index, va))  # dropout p: p in train, 0 in eval
             else:
                 return False
