@@ -122,3 +122,27 @@ def test_export_pair_with_a_branch_on_training_does_not_align() -> None:
     model = Net(Branch())
     train, other = _export_pair(model, torch.randn(4, 8))
     assert align(train.graph, other.graph, (train, other)) is None
+
+
+class Scale(nn.Module):
+    """A tensor constant made in forward (fx stores it on the root under a new name in
+    each trace): the same value in both modes, or not."""
+
+    def __init__(self, follows_mode: bool) -> None:
+        super().__init__()
+        self.follows_mode = follows_mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value = 2.0 if (self.training or not self.follows_mode) else 3.0
+        return x * torch.tensor(value)
+
+
+def test_fx_tensor_constants_match_by_value_not_by_name() -> None:
+    for follows_mode in (False, True):
+        model = Net(Scale(follows_mode))
+        train, eval_ = _fx_pair(model)
+        constants = [str(n.target) for g in (train, eval_) for n in g.nodes
+                     if n.op == "get_attr" and "constant" in str(n.target)]
+        assert len(set(constants)) == 2  # numbered apart by the two traces
+        aligned = align(train, eval_, (model, model))
+        assert (aligned is None) == follows_mode

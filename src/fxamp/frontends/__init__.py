@@ -69,7 +69,10 @@ def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
             captured = captured._replace(refused=_refusal(model, order, request.errors))
         return captured
     refused = _refusal(model, order, request.errors)
-    assert refused is not None
+    if refused is None:  # (an order of eager front ends only, when a graph is needed)
+        raise TraceError(f"frontend={frontend!r} gives no graph of the whole model, which "
+                         "calibration, fixed decisions, the search and the audit need; "
+                         "what to do: ask for frontend='auto', 'fx' or 'export'")
     raise refused
 
 

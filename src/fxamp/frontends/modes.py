@@ -12,9 +12,9 @@ do not align and the front end keeps the current mode's graph, with a warning
 One comparison serves both kinds of graph:
 
 - nodes match on ``op`` and ``target``, and on their arguments (nodes through the match,
-  everything else by value); ``get_attr`` tensors match when they are the same tensor or
-  equal ones (fx numbers tensor constants with a counter both traces share, so the same
-  constant has another name in each);
+  everything else by value); ``get_attr`` parameters, buffers and submodules match by
+  name, tensor constants by value (fx numbers the constants of two traces with one
+  counter, so the same constant has another name in each);
 - an ATen call's arguments are read by its schema (defaults filled in), any other node's as
   the flattened ``(args, kwargs)``;
 - what may differ: a bool (it becomes the flag or ``not`` the flag), a float that is 0.0 in
@@ -139,10 +139,17 @@ class Alignment:
         return True
 
 
+#: the prefix of the tensor constants a tracer stores on the root (numbered by a counter)
+_CONSTANT = "_tensor_constant"
+
+
 def _same_attr(root_a: nn.Module, target_a: str, root_b: nn.Module, target_b: str) -> bool:
-    """Two ``get_attr`` targets name the same value: the same tensor or equal tensors (fx
-    numbers the tensor constants of two traces apart), or, for anything else (a submodule
-    of a higher-order op), the same name."""
+    """Two ``get_attr`` targets name the same value: parameters, buffers and submodules by
+    name (the model's own); tensor constants by value (fx numbers the constants of two
+    traces apart, so the same constant has another name in each), or by name where they
+    hold no values to compare (fake or meta tensors)."""
+    if not (target_a.startswith(_CONSTANT) and target_b.startswith(_CONSTANT)):
+        return target_a == target_b
     try:
         ta, tb = _attr(root_a, target_a), _attr(root_b, target_b)
     except AttributeError:
@@ -153,9 +160,10 @@ def _same_attr(root_a: nn.Module, target_a: str, root_b: nn.Module, target_b: st
         return True
     if ta.shape != tb.shape or ta.dtype != tb.dtype or ta.device != tb.device:
         return False
-    if ta.device.type == "meta":  # no values to compare
+    try:
+        return bool(torch.equal(ta, tb))
+    except Exception:  # noqa: BLE001 - fake / meta tensors: no values
         return target_a == target_b
-    return bool(torch.equal(ta, tb))
 
 
 def _attr(root: nn.Module, target: str) -> Any:
