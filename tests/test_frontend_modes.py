@@ -146,3 +146,13 @@ def test_fx_tensor_constants_match_by_value_not_by_name() -> None:
         assert len(set(constants)) == 2  # numbered apart by the two traces
         aligned = align(train, eval_, (model, model))
         assert (aligned is None) == follows_mode
+
+
+def test_reads_training_looks_at_code_not_comments_or_docstrings() -> None:
+    from fxamp.frontends.modes import _names_training
+
+    assert _names_training("def f(self):\n    return self.training\n")
+    assert _names_training("F.dropout(x, 0.1, training=flag)\n")
+    assert _names_training("getattr(self, 'training')\n")
+    assert not _names_training('"""Weights from a new training recipe."""\n# training\n')
+    assert not _names_training("is_training = True\n")

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import io
 import operator
+import tokenize
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -50,7 +52,9 @@ def reads_training(model: nn.Module,
     fx trace keeps torch.nn modules as calls, which read their flag at run time) may read
     ``training``. The source of each torch.nn class (BatchNorm, Dropout...) and the whole
     source file of every other class (its helper functions included) is searched for the
-    word; a class without source counts as reading it. Over-approximate on purpose: a
+    name ``training`` in code (``self.training``, a ``training=`` argument, the string
+    ``"training"``; not comments or docstrings, where "training recipe" says nothing); a
+    class whose source cannot be read counts as reading it. Over-approximate on purpose: a
     false "yes" costs one more capture, a false "no" a graph that silently keeps one mode."""
     return any(traced(m) and _class_reads_training(type(m)) for m in model.modules())
 
@@ -68,8 +72,24 @@ def _class_reads_training(cls: type) -> bool:
                 source = inspect.getsource(module) if module is not None else None
         except (OSError, TypeError):
             return True
-        if source is None or "training" in source:
+        if source is None or _names_training(source):
             return True
+    return False
+
+
+def _names_training(source: str) -> bool:
+    """``source`` has the name ``training`` (or the string "training") in its code."""
+    if "training" not in source:
+        return False
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.NAME and tok.string == "training":
+                return True
+            if tok.type == tokenize.STRING and tok.string.lstrip("rbuRBU").strip("'\"") \
+                    == "training":
+                return True
+    except (tokenize.TokenError, SyntaxError):
+        return True
     return False
 
 
