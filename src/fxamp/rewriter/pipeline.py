@@ -246,7 +246,7 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     try:  # decisions fixed by node name and calibration need one graph of the whole model
         captured = capture_model(model, inputs, kwargs, frontend, state,
                                  config.dynamic_shapes,
-                                 whole_graph=bool(fixed) or bool(calibration_data))
+                                 whole_graph=_needs_graph(fixed, calibration_data))
     except TraceError:
         state.restore()
         raise
@@ -297,6 +297,19 @@ def _check_overrides(gm: fx.GraphModule, pol: Policy, scope: Scope,
     if scope.top:
         check_matched(pol, scope, _plan_lines(_plan_nodes(gm, nested)))
     return PassResult(gm, modified=False)
+
+
+def _needs_graph(fixed: Any, calibration_data: Any) -> bool:
+    """Decisions fixed by node name and calibration data need one graph of the whole model
+    (the eager front end gives none)."""
+    if fixed:
+        return True
+    if calibration_data is None:
+        return False
+    try:
+        return bool(calibration_data)
+    except Exception:  # noqa: BLE001 - no truth value (a tensor, an iterable loader)
+        return True
 
 
 def _given_ranges(data: Any) -> Optional[Dict[str, RangeStats]]:
