@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .. import ir, oplists, ops
+from .. import ir, ops
 from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
 from . import observe
@@ -57,15 +57,12 @@ _MAX_NAMES = 3
 
 def _kind(node: fx.Node) -> Optional[str]:
     """"list", "where" or "index_put" for a join, else None."""
-    if node.op == "call_function":
-        if any(node.target is fn for fn in _LIST_JOINS):
-            return "list"
-        if node.target is torch.where:
-            return "where"
-        if node.target is torch.index_put:
-            return "index_put"
-    elif node.op == "call_method" and node.target in ("where", "index_put"):
-        return str(node.target)
+    if ops.is_call(node, _LIST_JOINS):
+        return "list"
+    if ops.is_call(node, (torch.where,), ("where",)):
+        return "where"
+    if ops.is_call(node, (torch.index_put,), ("index_put",)):
+        return "index_put"
     return None
 
 
@@ -139,9 +136,7 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
     # what the join sees under the current plan: its input cast skips fp64, like autocast
     seen = {plan.inputs if plan.inputs is not None and d != torch.float64 else d
             for d in dtypes}
-    _, ops = oplists.node_ops(node, gm)
-    promote = ops is not oplists.RUNTIME and \
-        oplists.category_of(ops, policy.target)[0] == oplists.PROMOTE
+    promote = ops.category(node, gm, policy.target) == ops.PROMOTE
     described = _describe(inputs)
     if len(seen) > 1:
         note = ""
