@@ -29,6 +29,10 @@ comparison, ``x.dtype``, an op that takes its inputs as they come) pin it.
 
 The pass runs whenever ``policy.placement`` is on, with or without the numerics passes;
 ``placement=off`` reproduces autocast's placement exactly.
+
+This module solves the cut and holds the rule; the allowlist is
+:mod:`fxamp.passes.placement_free` and the cut's values, consumers and costs are
+:mod:`fxamp.passes.placement_model`.
 """
 from __future__ import annotations
 
