@@ -10,7 +10,8 @@ Every pass asks this module, whether the graph came from ``torch.fx.symbolic_tra
   overloads included) or tensor methods;
 * :func:`arg` — one argument by name, wherever it came (positional or keyword), normalised
   through the op's schema (``inspect.signature`` for Python functions, the ATen schema for
-  overloads) when the caller does not know its position;
+  overloads) when the caller does not know its position; :func:`schema_arg` — an ATen
+  op's argument by name, with the schema's default;
 * :func:`bind` — the arguments after the first, bound by name, refusing anything unknown;
 * :func:`autocast_ops` / :func:`category` / :func:`autocast_entry` — the names autocast's
   op tables use for the node, and the table (:data:`LOWER` / :data:`FP32` / :data:`PROMOTE`

@@ -5,7 +5,8 @@ A join is ``torch.cat`` / ``torch.concat`` / ``torch.concatenate`` / ``torch.sta
 ``torch.hstack`` / ``torch.vstack`` / ``torch.dstack`` (the tensors of the list),
 ``torch.where`` / ``Tensor.where`` (the two values; the bool condition is no floating input)
 and ``torch.index_put`` / ``Tensor.index_put`` (the destination and the values; the indices
-are no floating input). In-place forms (``index_put_``, ``x[i] = v``) and calls with ``out=``
+are no floating input), and the ATen overloads a torch.export graph calls for them
+(``aten.cat`` / ``aten.stack`` / ..., ``aten.where.self``, ``aten.index_put``). In-place forms (``index_put_``, ``x[i] = v``) and calls with ``out=``
 are left alone. The dtypes of the floating inputs are read from each input node's plan
 (``ir.precision(node).dtype``) after annotate; the widest is ``torch.promote_types`` over them, so
 fp16 + bf16 gives fp32.
@@ -50,8 +51,14 @@ log = logging.getLogger(__name__)
 
 RULE = Rule.JOINS
 
+_aten = torch.ops.aten
+# fx spellings and the ATen overloads torch.export graphs call (same argument order)
 _LIST_JOINS = (torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack,
-               torch.vstack, torch.dstack)
+               torch.vstack, torch.dstack, _aten.cat.default, _aten.concat.default,
+               _aten.concatenate.default, _aten.stack.default, _aten.hstack.default,
+               _aten.vstack.default, _aten.dstack.default)
+_WHERES = (torch.where, _aten.where.self, _aten.where.ScalarSelf, _aten.where.ScalarOther)
+_INDEX_PUTS = (torch.index_put, _aten.index_put.default)
 _MAX_NAMES = 3
 
 
@@ -59,9 +66,9 @@ def _kind(node: fx.Node) -> Optional[str]:
     """"list", "where" or "index_put" for a join, else None."""
     if ops.is_call(node, _LIST_JOINS):
         return "list"
-    if ops.is_call(node, (torch.where,), ("where",)):
+    if ops.is_call(node, _WHERES, ("where",)):
         return "where"
-    if ops.is_call(node, (torch.index_put,), ("index_put",)):
+    if ops.is_call(node, _INDEX_PUTS, ("index_put",)):
         return "index_put"
     return None
 
