@@ -126,6 +126,45 @@ def test_the_check_sees_upward_imports(tmp_path):
     assert fake.exists()
 
 
+#: the modules that may import the op tables (``fxamp.oplists``); every other module asks the
+#: op vocabulary, ``fxamp.ops``, which op a node is
+OPLISTS_READERS = {"fxamp.ops"}
+
+
+def oplists_readers(files: Dict[str, pathlib.Path]) -> List[str]:
+    """The modules among ``files`` (module name -> path) that import ``fxamp.oplists``."""
+    known = modules()
+    return sorted(name for name, path in files.items()
+                  if name != "fxamp.oplists" and "fxamp.oplists" in imports_of(name, path, known))
+
+
+def test_only_the_vocabulary_reads_the_op_tables():
+    """Passes, front ends, the rewriter and the stages ask ``fxamp.ops`` which op a node is;
+    only ``ops`` reads the tables in ``oplists``."""
+    extra = set(oplists_readers(modules())) - OPLISTS_READERS
+    assert not extra, f"import fxamp.oplists outside {sorted(OPLISTS_READERS)}: {sorted(extra)}" \
+        " (ask fxamp.ops instead, adding what you need there)"
+
+
+def test_the_vocabulary_check_sees_a_planted_import(tmp_path):
+    """The check itself: every way of spelling an import of the op tables is caught, in a
+    pass and in a front end, and importing ``ops`` is not."""
+    spellings = ["from ..oplists import call_name\n", "from .. import oplists\n",
+                 "from .. import ir, oplists, ops\n", "import fxamp.oplists\n",
+                 "from fxamp.oplists import node_ops as n\n",
+                 "def f():\n    from ..oplists import MODULE_OPS\n"]
+    for i, text in enumerate(spellings):
+        for package in ("passes", "frontends"):
+            probe = tmp_path / f"{package}_{i}.py"
+            probe.write_text(text)
+            name = f"fxamp.{package}.probe{i}"
+            assert oplists_readers({name: probe}) == [name], text
+    clean = tmp_path / "clean.py"
+    clean.write_text("from .. import ir, ops\nfrom ..ops import module_label\n")
+    assert oplists_readers({"fxamp.passes.clean": clean}) == []
+    assert "fxamp.ops" in oplists_readers(modules())  # the vocabulary itself reads them
+
+
 def test_no_module_shadows_the_standard_library():
     import sys
 

@@ -290,6 +290,24 @@ def _function_table() -> Dict[Callable, Tuple[str, ...]]:
 #: torch / F / operator functions -> ATen ops.
 FUNCTION_OPS: Dict[Callable, Tuple[str, ...]] = _function_table()
 
+#: the torch losses (the loss pass gives them fp32 inputs): nn modules, F functions, and the
+#: ATen ops a torch.export graph names them by (those the modules and functions run, e.g.
+#: ``binary_cross_entropy`` for ``F.binary_cross_entropy`` / ``nn.BCELoss``, plus the ATen
+#: losses with no such table entry)
+_LOSS_SUFFIXES = ("_loss", "cross_entropy", "kl_div")
+LOSS_MODULES: Tuple[type, ...] = tuple(cls for cls in MODULE_OPS
+                                       if cls.__name__.endswith("Loss"))
+LOSS_FUNCTIONS = frozenset(fn for fn in FUNCTION_OPS
+                           if getattr(fn, "__name__", "").endswith(_LOSS_SUFFIXES))
+ATEN_LOSSES = frozenset({
+    "cross_entropy_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+    "nll_loss", "nll_loss2d", "binary_cross_entropy_with_logits", "poisson_nll_loss",
+    "soft_margin_loss", "margin_ranking_loss", "hinge_embedding_loss",
+    "multilabel_margin_loss", "multi_margin_loss"} | {
+    name.split(".")[0] for table in ([FUNCTION_OPS[fn] for fn in LOSS_FUNCTIONS]
+                                     + [MODULE_OPS[cls] for cls in LOSS_MODULES])
+    for name in table if name.split(".")[0].endswith(_LOSS_SUFFIXES)})
+
 _INTERPOLATE = {F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear}
 
 
