@@ -19,7 +19,8 @@ SRC = pathlib.Path(fxamp.__file__).resolve().parent
 #: A module is in the first layer with a prefix that names it or a package above it.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("core", ("fxamp._version", "fxamp.errors", "fxamp.policy", "fxamp.plan_text",
-              "fxamp.plan", "fxamp.fileio", "fxamp.oplists", "fxamp.perf", "fxamp.runtime",
+              "fxamp.plan", "fxamp.fileio", "fxamp.autocast_tables", "fxamp.oplists",
+              "fxamp.perf", "fxamp.runtime",
               "fxamp.overrides", "fxamp.config", "fxamp.progress", "fxamp.weight_cache",
               "fxamp.ir", "fxamp.ops")),
     ("passes", ("fxamp.passes",)),
@@ -126,16 +127,18 @@ def test_the_check_sees_upward_imports(tmp_path):
     assert fake.exists()
 
 
-#: the modules that may import the op tables (``fxamp.oplists``); every other module asks the
-#: op vocabulary, ``fxamp.ops``, which op a node is
+#: the modules that may import the op tables (``fxamp.oplists`` and the ATen tables it builds
+#: on, ``fxamp.autocast_tables``); every other module asks the op vocabulary, ``fxamp.ops``,
+#: which op a node is
 OPLISTS_READERS = {"fxamp.ops"}
+TABLES = ("fxamp.oplists", "fxamp.autocast_tables")
 
 
 def oplists_readers(files: Dict[str, pathlib.Path]) -> List[str]:
     """The modules among ``files`` (module name -> path) that import ``fxamp.oplists``."""
     known = modules()
     return sorted(name for name, path in files.items()
-                  if name != "fxamp.oplists" and "fxamp.oplists" in imports_of(name, path, known))
+                  if name not in TABLES and set(TABLES) & set(imports_of(name, path, known)))
 
 
 def test_only_the_vocabulary_reads_the_op_tables():
@@ -152,7 +155,8 @@ def test_the_vocabulary_check_sees_a_planted_import(tmp_path):
     spellings = ["from ..oplists import call_name\n", "from .. import oplists\n",
                  "from .. import ir, oplists, ops\n", "import fxamp.oplists\n",
                  "from fxamp.oplists import node_ops as n\n",
-                 "def f():\n    from ..oplists import MODULE_OPS\n"]
+                 "def f():\n    from ..oplists import MODULE_OPS\n",
+                 "from ..autocast_tables import ATEN_TABLES\n"]
     for i, text in enumerate(spellings):
         for package in ("passes", "frontends"):
             probe = tmp_path / f"{package}_{i}.py"
