@@ -19,7 +19,8 @@ SRC = pathlib.Path(fxamp.__file__).resolve().parent
 #: A module is in the first layer with a prefix that names it or a package above it.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("core", ("fxamp._version", "fxamp.errors", "fxamp.policy", "fxamp.plan_text",
-              "fxamp.plan", "fxamp.fileio", "fxamp.oplists", "fxamp.perf", "fxamp.runtime",
+              "fxamp.plan", "fxamp.fileio", "fxamp.autocast_tables", "fxamp.oplists",
+              "fxamp.perf", "fxamp.runtime",
               "fxamp.overrides", "fxamp.config", "fxamp.progress", "fxamp.weight_cache",
               "fxamp.ir", "fxamp.ops")),
     ("passes", ("fxamp.passes",)),
@@ -28,6 +29,18 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("stages", ("fxamp.export", "fxamp.train", "fxamp.show", "fxamp.model_explorer")),
     ("top", ("fxamp.demo", "fxamp.cli", "fxamp.__main__", "fxamp")),
 ]
+
+#: modules split out of a larger one (issue 16), with the layer each must stay in: the
+#: ONNX op tables and the trainer's mixins are stages, the command's package is the top.
+SPLIT_MODULES = {
+    "fxamp.export.predict": "stages", "fxamp.export.tensorrt_ops": "stages",
+    "fxamp.export.ort_cuda_ops": "stages",
+    "fxamp.train.trainer": "stages", "fxamp.train.nonfinite": "stages",
+    "fxamp.train.healing": "stages", "fxamp.train.checkpoint": "stages",
+    "fxamp.cli": "top", "fxamp.cli.__main__": "top", "fxamp.cli.factory": "top",
+    "fxamp.cli.plans": "top", "fxamp.cli.show": "top", "fxamp.cli.audit": "top",
+    "fxamp.cli.export": "top", "fxamp.cli.demo": "top",
+}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -88,6 +101,13 @@ def test_every_module_is_in_a_layer():
         layer_of(name)
 
 
+def test_split_modules_are_in_their_layer():
+    known = modules()
+    for name, layer in SPLIT_MODULES.items():
+        assert name in known, f"{name} is gone: update SPLIT_MODULES"
+        assert LAYERS[layer_of(name)][0] == layer, (name, LAYERS[layer_of(name)][0], layer)
+
+
 def test_no_module_imports_a_layer_above_it():
     bad = upward_edges()
     assert not bad, "upward imports:\n" + "\n".join(bad)
@@ -105,6 +125,48 @@ def test_the_check_sees_upward_imports(tmp_path):
     assert got == ["fxamp.rewriter", "fxamp.passes.observe", "fxamp.oplists"]
     assert layer_of("fxamp.rewriter") > layer_of("fxamp.passes.annotate")
     assert fake.exists()
+
+
+#: the modules that may import the op tables (``fxamp.oplists`` and the ATen tables it builds
+#: on, ``fxamp.autocast_tables``); every other module asks the op vocabulary, ``fxamp.ops``,
+#: which op a node is
+OPLISTS_READERS = {"fxamp.ops"}
+TABLES = ("fxamp.oplists", "fxamp.autocast_tables")
+
+
+def oplists_readers(files: Dict[str, pathlib.Path]) -> List[str]:
+    """The modules among ``files`` (module name -> path) that import ``fxamp.oplists``."""
+    known = modules()
+    return sorted(name for name, path in files.items()
+                  if name not in TABLES and set(TABLES) & set(imports_of(name, path, known)))
+
+
+def test_only_the_vocabulary_reads_the_op_tables():
+    """Passes, front ends, the rewriter and the stages ask ``fxamp.ops`` which op a node is;
+    only ``ops`` reads the tables in ``oplists``."""
+    extra = set(oplists_readers(modules())) - OPLISTS_READERS
+    assert not extra, f"import fxamp.oplists outside {sorted(OPLISTS_READERS)}: {sorted(extra)}" \
+        " (ask fxamp.ops instead, adding what you need there)"
+
+
+def test_the_vocabulary_check_sees_a_planted_import(tmp_path):
+    """The check itself: every way of spelling an import of the op tables is caught, in a
+    pass and in a front end, and importing ``ops`` is not."""
+    spellings = ["from ..oplists import call_name\n", "from .. import oplists\n",
+                 "from .. import ir, oplists, ops\n", "import fxamp.oplists\n",
+                 "from fxamp.oplists import node_ops as n\n",
+                 "def f():\n    from ..oplists import MODULE_OPS\n",
+                 "from ..autocast_tables import ATEN_TABLES\n"]
+    for i, text in enumerate(spellings):
+        for package in ("passes", "frontends"):
+            probe = tmp_path / f"{package}_{i}.py"
+            probe.write_text(text)
+            name = f"fxamp.{package}.probe{i}"
+            assert oplists_readers({name: probe}) == [name], text
+    clean = tmp_path / "clean.py"
+    clean.write_text("from .. import ir, ops\nfrom ..ops import module_label\n")
+    assert oplists_readers({"fxamp.passes.clean": clean}) == []
+    assert "fxamp.ops" in oplists_readers(modules())  # the vocabulary itself reads them
 
 
 def test_no_module_shadows_the_standard_library():

@@ -154,6 +154,28 @@ def test_cpu_index_put_mixed(method: bool) -> None:
     assert err < 1e-2, f"max abs error vs FP32 {err:.3g} (plain CPU autocast raises)"
 
 
+@pytest.mark.parametrize("case", ["cuda cat", "cpu index_put"])
+def test_export_front_end_joins_like_fx(case: str) -> None:
+    """torch.export spells the joins ``aten.cat.default`` / ``aten.index_put.default``: they
+    get the same decision as the fx spellings (before, the cat was left to torch's promotion
+    with rule "autocast" and the index_put rewrite failed to run)."""
+    if case == "cuda cat":
+        model, inputs, target, name = ConvAndUpsample(), _inputs(), "cuda", "cat"
+    else:
+        model, target, name = Scatter(), "cpu", "index_put"
+        inputs = (torch.randn(4, 8), torch.tensor([0, 2, 3, 5]))
+    decided = {}
+    for frontend in ("fx", "export"):
+        gm = fxamp.amp_rewrite(model, inputs, dtype=FP16, target=target, frontend=frontend,
+                               policy="output=keep")
+        node = fxamp.plan_of(gm).nodes[name]
+        decided[frontend] = (node.rule, node.inputs, node.dtype)
+        assert node.op.startswith("aten." if frontend == "export" else ("torch.", "Tensor."))
+        err = (gm(*inputs) - model(*inputs)).abs().max().item()
+        assert err < 1e-2, f"{frontend}: max abs error vs FP32 {err:.3g}"
+    assert decided["export"] == decided["fx"] == ("joins", FP32, FP32), decided
+
+
 def test_cuda_index_put_is_an_autocast_promote_op() -> None:
     model, x, idx = Scatter(), torch.randn(4, 8), torch.tensor([0, 2, 3, 5])
     plan = fxamp.plan_of(fxamp.amp_rewrite(model, (x, idx), dtype=FP16, target="cuda"))

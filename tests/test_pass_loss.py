@@ -65,6 +65,20 @@ def test_bce_runs_in_fp32_instead_of_being_refused():
     assert with_off and "BCEWithLogits" in with_off
 
 
+def test_bce_is_a_loss_in_the_export_front_end_too():
+    """torch.export spells F.binary_cross_entropy ``aten.binary_cross_entropy.default``: the
+    loss pass fences it there as well (the export front end used to refuse the model)."""
+    x, y = torch.randn(4, 8), torch.rand(4, 1)
+    plans = {fe: fxamp.plan_of(fxamp.amp_rewrite(WithBCE(), (x, y), target="cuda",
+                                                 frontend=fe)) for fe in ("fx", "export")}
+    fx_p = plans["fx"].nodes["binary_cross_entropy"]
+    ex_p = plans["export"].nodes["binary_cross_entropy"]
+    assert (fx_p.op, ex_p.op) == ("F.binary_cross_entropy", "aten.binary_cross_entropy")
+    for p in (fx_p, ex_p):
+        assert (p.rule, p.dtype, p.inputs) == ("loss", torch.float32, torch.float32)
+        assert p.reason == f"{p.op} is a loss: its inputs are cast to fp32"
+
+
 class GaussNLL(nn.Module):
     def __init__(self):
         super().__init__()

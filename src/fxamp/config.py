@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .errors import FxampError, PolicyError
+from .errors import FxampError, PolicyError, rewritten_attr
 from .plan import Plan, RangeStats
 from .policy import Policy, dtype_name, make_policy, parse_compute_dtype
 
@@ -94,8 +94,4 @@ def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
 
 def config_of(module: Any) -> RewriteConfig:
     """The RewriteConfig ``module`` was made with by ``amp_rewrite`` (FxampError if none)."""
-    config = getattr(module, CONFIG_ATTR, None)
-    if not isinstance(config, RewriteConfig):
-        raise FxampError(f"{type(module).__name__} was not made by fxamp.amp_rewrite; "
-                         "what to do: call fxamp.amp_rewrite(model, example_inputs) first")
-    return config
+    return rewritten_attr(module, CONFIG_ATTR, RewriteConfig)  # type: ignore[return-value]

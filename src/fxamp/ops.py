@@ -10,17 +10,28 @@ Every pass asks this module, whether the graph came from ``torch.fx.symbolic_tra
   overloads included) or tensor methods;
 * :func:`arg` — one argument by name, wherever it came (positional or keyword), normalised
   through the op's schema (``inspect.signature`` for Python functions, the ATen schema for
-  overloads) when the caller does not know its position;
+  overloads) when the caller does not know its position; :func:`schema_arg` — an ATen
+  op's argument by name, with the schema's default;
 * :func:`bind` — the arguments after the first, bound by name, refusing anything unknown;
-* :func:`autocast_ops` / :func:`category` — the names autocast's op tables use for the node,
-  and the table (lower / fp32 / promote / ...) they are on for a target (``oplists``).
+* :func:`autocast_ops` / :func:`category` / :func:`autocast_entry` — the names autocast's
+  op tables use for the node, and the table (:data:`LOWER` / :data:`FP32` / :data:`PROMOTE`
+  / ...) they are on for a target; :func:`is_runtime` for an opaque call;
+* :func:`module_of` / :func:`is_module` / :func:`module_ops` — the module a ``call_module``
+  node calls and what it runs; :func:`is_loss` — a torch loss in any spelling;
+* :func:`label` / :func:`module_label` / :func:`callable_label` / :func:`aten_name` — the
+  labels plans and findings show.
+
+The tables themselves (autocast's op lists, torch function / method / module -> ATen names,
+the losses) are data in :mod:`fxamp.oplists`; only this module reads them
+(``tests/test_layers.py::test_only_the_vocabulary_reads_the_op_tables``).
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import operator
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from collections.abc import Set as AbstractSet
+from typing import Any, Callable, Collection, Dict, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -34,6 +45,15 @@ _MISSING = object()
 _CALLS = ("call_function", "call_method")
 
 
+#: autocast's tables (the category of :func:`category`): low dtype, fp32, fp32 unless a dtype
+#: is given, widest input, refused, on no list (follows its inputs)
+LOWER, FP32, FP32_OPT, PROMOTE, BANNED, FOLLOW = (oplists.LOWER, oplists.FP32,
+                                                  oplists.FP32_OPT, oplists.PROMOTE,
+                                                  oplists.BANNED, oplists.FOLLOW)
+#: the op names of an opaque call (:func:`autocast_ops`): autocast decides inside at run time
+RUNTIME = oplists.RUNTIME
+
+
 def name(node: fx.Node) -> str:
     """A call's bare op name (``exp``, ``add``, ``truediv``); "" for modules and non-calls.
     Dunder methods lose their underscores (``__mul__`` -> ``mul``); ATen overloads give their
@@ -44,12 +64,18 @@ def name(node: fx.Node) -> str:
     return bare
 
 
-def is_call(node: Any, functions: Sequence[Callable] = (), methods: Sequence[str] = ()) -> bool:
+def is_call(node: Any, functions: Collection[Callable] = (),
+            methods: Collection[str] = ()) -> bool:
     """Whether ``node`` calls one of ``functions`` (by identity: Python functions and ATen
-    overloads alike) or one of the tensor ``methods``."""
+    overloads alike; a set is looked up by hash) or one of the tensor ``methods``."""
     if not isinstance(node, fx.Node):
         return False
     if node.op == "call_function":
+        if isinstance(functions, AbstractSet):
+            try:
+                return node.target in functions
+            except TypeError:  # an unhashable target
+                return False
         return any(node.target is fn for fn in functions)
     if node.op == "call_method":
         return node.target in methods
@@ -59,6 +85,55 @@ def is_call(node: Any, functions: Sequence[Callable] = (), methods: Sequence[str
 def is_aten(node: fx.Node) -> bool:
     """Whether the node calls an ATen overload (a torch.export graph)."""
     return node.op == "call_function" and oplists.is_aten(node.target)
+
+
+def aten_name(node: fx.Node) -> str:
+    """``pow.Tensor_Scalar`` / ``linear`` for a node calling an ATen overload (``default``
+    dropped); "" for any other node."""
+    return oplists.aten_name(node.target) if is_aten(node) else ""  # type: ignore[arg-type]
+
+
+def module_of(node: fx.Node, root: nn.Module) -> Optional[nn.Module]:
+    """The module a ``call_module`` node calls; None for other nodes."""
+    if node.op != "call_module":
+        return None
+    return root.get_submodule(str(node.target))
+
+
+def is_module(node: Any, root: nn.Module, classes: Union[type, Tuple[type, ...]]) -> bool:
+    """Whether ``node`` calls a module that is an instance of ``classes``."""
+    if not isinstance(node, fx.Node):
+        return False
+    module = module_of(node, root)
+    return module is not None and isinstance(module, classes)
+
+
+def module_ops(module: nn.Module) -> Tuple[str, ...]:
+    """The ATen names autocast's tables use for a torch.nn module's class (() when unknown)."""
+    return tuple(oplists.MODULE_OPS.get(type(module), ()))
+
+
+def module_label(module: nn.Module) -> str:
+    """``nn.Linear`` for torch.nn modules, else the class's module and qualified name."""
+    return oplists.module_label(module)
+
+
+def callable_label(fn: object) -> str:
+    """A short stable label for a call target: ``F.softmax``, ``torch.cat``, ``aten.mm``,
+    ``Tensor.exp`` for a method name."""
+    return oplists.callable_label(fn)
+
+
+def is_loss(node: fx.Node, root: nn.Module) -> bool:
+    """Whether ``node`` is a torch loss: an ``nn.*Loss`` module, an ``F.*`` loss function or
+    the ATen loss op of a torch.export graph (any overload)."""
+    if node.op == "call_module":
+        return is_module(node, root, oplists.LOSS_MODULES)
+    if node.op != "call_function":
+        return False
+    if is_aten(node):
+        return name(node) in oplists.ATEN_LOSSES
+    return is_call(node, oplists.LOSS_FUNCTIONS)
 
 
 def label(node: fx.Node, root: nn.Module) -> str:
@@ -72,13 +147,34 @@ def autocast_ops(node: fx.Node, root: nn.Module) -> Tuple[str, Optional[Tuple[st
     return oplists.node_ops(node, root)
 
 
+def is_runtime(node: fx.Node, root: nn.Module) -> bool:
+    """Whether the node is an opaque call (a module or function fxamp cannot see into) whose
+    precision torch.autocast decides inside it at run time."""
+    return oplists.node_ops(node, root)[1] is oplists.RUNTIME
+
+
 def category(node: fx.Node, root: nn.Module, target: str) -> Optional[str]:
-    """The autocast table (``oplists.LOWER``, ``FP32``, ...) the node is on for ``target``;
-    None on no table or for an opaque call."""
+    """The autocast table (:data:`LOWER`, :data:`FP32`, ... :data:`FOLLOW` on no table) the
+    node is on for ``target``; None for an opaque call."""
     _, ops = oplists.node_ops(node, root)
     if ops is oplists.RUNTIME:
         return None
     return oplists.category_of(ops, target)[0]
+
+
+def autocast_entry(node: fx.Node, root: nn.Module, target: str
+                   ) -> Tuple[str, Optional[str], str]:
+    """(category, the op name that decides it, the node's label) for ``target``; an opaque
+    call is (:data:`FOLLOW`, None, label) — ask :func:`is_runtime` first."""
+    label_, ops = oplists.node_ops(node, root)
+    category_, op = oplists.category_of(ops or (), target)
+    return category_, op, label_
+
+
+def aten_category(op: str, target: str) -> Optional[str]:
+    """The autocast table an ATen op name (``"binary_cross_entropy"``) is on for ``target``;
+    None on none."""
+    return oplists.aten_category(op, target)
 
 
 def _signature(target: Any) -> Optional[inspect.Signature]:
@@ -121,6 +217,18 @@ def arg(node: fx.Node, key: str, index: Optional[int] = None, default: Any = Non
     if bound is not None:
         return bound.get(key, default)
     return default
+
+
+def schema_arg(node: fx.Node, keys: Tuple[str, ...]) -> Tuple[Optional[str], Any]:
+    """(name, value) of the first argument in the ATen op's schema named one of ``keys``
+    (``("eps", "epsilon")``): passed by position or keyword, else the schema's default;
+    (None, None) when the node calls no ATen overload or its schema has none of them."""
+    if not is_aten(node):
+        return None, None
+    for index, argument in enumerate(node.target._schema.arguments):  # type: ignore[union-attr]
+        if argument.name in keys:
+            return argument.name, arg(node, argument.name, index, argument.default_value)
+    return None, None
 
 
 def bind(node: fx.Node, names: Tuple[str, ...], allowed: Tuple[str, ...]

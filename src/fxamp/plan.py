@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .errors import FxampError, PlanFormatError
+from .errors import PlanFormatError, rewritten_attr
 from .plan_text import (COLUMNS, FORMAT, FORMAT_V1, _REGENERATE, _escape,  # noqa: F401
                         _quote_rest, parse, quote_token)
 from .policy import dtype_name
@@ -262,8 +262,4 @@ PLAN_ATTR = "fxamp_plan"
 
 def plan_of(gm: object) -> Plan:
     """The Plan that amp_rewrite used to make ``gm``."""
-    plan = getattr(gm, PLAN_ATTR, None)
-    if not isinstance(plan, Plan):
-        raise FxampError(f"{type(gm).__name__} was not made by fxamp.amp_rewrite; "
-                         "what to do: call fxamp.amp_rewrite(model, example_inputs) first")
-    return plan
+    return rewritten_attr(gm, PLAN_ATTR, Plan)  # type: ignore[return-value]

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import FxampError
 from ..ir import Rule
-from ..oplists import module_label
+from ..ops import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
 from ..policy import Policy, dtype_name

@@ -95,7 +95,7 @@ def copy_root_hooks(model: nn.Module, gm: nn.Module) -> None:
 def mark_hooked_runtime(gm: fx.GraphModule) -> List[str]:
     """Make every call of a hooked submodule a runtime call (run under autocast at run
     time, hooks and all); return their paths."""
-    from ..oplists import module_label
+    from ..ops import module_label
     from .. import ir
 
     marked = []

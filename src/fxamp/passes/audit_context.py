@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import FxampError
 from ..policy import Policy, dtype_name
-from .audit import Finding
+from .audit_findings import Finding
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from ..oplists import module_label
+from ..ops import module_label
 from ..plan import Plan
 from ..policy import Policy, dtype_name
-from .audit import Finding, audit_graph, eps_finding, module_eps
+from .audit import audit_graph
+from .audit_findings import Finding
+from .audit_numerics import eps_finding, module_eps
 from .. import ir
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .. import ir, oplists
+from .. import ir, ops
 from ..ir import Decision, Rule
 from ..plan import Plan
 from ..policy import Policy, dtype_name
@@ -54,7 +54,7 @@ class AnnotateRule(DecisionRule):
         raise NotImplementedError
 
     def label(self, node: fx.Node) -> str:
-        return oplists.node_ops(node, self.gm)[0]
+        return ops.label(node, self.gm)
 
 
 class GraphInputRule(AnnotateRule):
@@ -144,7 +144,7 @@ class RuntimeRule(AnnotateRule):
     name = Rule.RUNTIME
 
     def applies(self, node: fx.Node) -> bool:
-        return oplists.node_ops(node, self.gm)[1] is oplists.RUNTIME
+        return ops.is_runtime(node, self.gm)
 
     def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
         return Decision(None, self.name, "opaque call: torch.autocast decides inside it at "
@@ -162,15 +162,14 @@ class AutocastRule(AnnotateRule):
 
     def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
         target, low = self.policy.target, self.policy.compute
-        label, ops = oplists.node_ops(node, self.gm)
-        category, op = oplists.category_of(ops, target)
-        if category == oplists.LOWER:
+        category, op, label = ops.autocast_entry(node, self.gm, target)
+        if category == ops.LOWER:
             return Decision(low, self.name,
                             f"{op} is on autocast's lower-precision list for {target}", label)
-        if category == oplists.FP32:
+        if category == ops.FP32:
             return Decision(torch.float32, self.name,
                             f"{op} is on autocast's fp32 list for {target}", label)
-        if category == oplists.FP32_OPT:
+        if category == ops.FP32_OPT:
             explicit = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype)
                                                               for a in args[1:])
             if explicit:
@@ -178,7 +177,7 @@ class AutocastRule(AnnotateRule):
             return Decision(torch.float32, self.name,
                             f"{op} runs in fp32 under autocast for {target} (no dtype given)",
                             label)
-        if category == oplists.PROMOTE:
+        if category == ops.PROMOTE:
             leaves, _ = tree_flatten((args, kwargs))
             dtypes = [v.dtype for v in leaves
                       if isinstance(v, torch.Tensor) and v.is_floating_point()]
@@ -188,7 +187,7 @@ class AutocastRule(AnnotateRule):
             widest = observe.widest(dtypes)
             return Decision(widest, self.name, f"{op} runs in the widest dtype of its inputs "
                             f"({dtype_name(widest)}) under autocast for {target}", label)
-        if category == oplists.BANNED:
+        if category == ops.BANNED:
             return Decision(None, Rule.BANNED, f"{op} is unsafe in {dtype_name(low)} and "
                             "torch.autocast refuses it", label)
         return Decision(None, self.name, "on no autocast list: follows its inputs", label)

@@ -16,7 +16,7 @@ from typing import Dict
 import torch
 import torch.fx as fx
 
-from .. import oplists, ops
+from .. import ops
 from ..ir import Decision, Rule
 from .rule import DecisionRule, rule_pass
 
@@ -59,8 +59,8 @@ class CustomOpsRule(DecisionRule):
     name = Rule.CUSTOM_OPS
 
     def applies(self, node: fx.Node) -> bool:
-        return (node.op == "call_function" and ops.autocast_ops(node, self.gm)[1]
-                is oplists.RUNTIME and is_custom(node))
+        return (node.op == "call_function" and ops.is_runtime(node, self.gm)
+                and is_custom(node))
 
     def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
         return {node: self.verdict(

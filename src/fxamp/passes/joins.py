@@ -5,7 +5,8 @@ A join is ``torch.cat`` / ``torch.concat`` / ``torch.concatenate`` / ``torch.sta
 ``torch.hstack`` / ``torch.vstack`` / ``torch.dstack`` (the tensors of the list),
 ``torch.where`` / ``Tensor.where`` (the two values; the bool condition is no floating input)
 and ``torch.index_put`` / ``Tensor.index_put`` (the destination and the values; the indices
-are no floating input). In-place forms (``index_put_``, ``x[i] = v``) and calls with ``out=``
+are no floating input), and the ATen overloads a torch.export graph calls for them
+(``aten.cat`` / ``aten.stack`` / ..., ``aten.where.self``, ``aten.index_put``). In-place forms (``index_put_``, ``x[i] = v``) and calls with ``out=``
 are left alone. The dtypes of the floating inputs are read from each input node's plan
 (``ir.precision(node).dtype``) after annotate; the widest is ``torch.promote_types`` over them, so
 fp16 + bf16 gives fp32.
@@ -39,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from .. import ir, oplists, ops
+from .. import ir, ops
 from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
 from . import observe
@@ -50,22 +51,25 @@ log = logging.getLogger(__name__)
 
 RULE = Rule.JOINS
 
+_aten = torch.ops.aten
+# fx spellings and the ATen overloads torch.export graphs call (same argument order)
 _LIST_JOINS = (torch.cat, torch.concat, torch.concatenate, torch.stack, torch.hstack,
-               torch.vstack, torch.dstack)
+               torch.vstack, torch.dstack, _aten.cat.default, _aten.concat.default,
+               _aten.concatenate.default, _aten.stack.default, _aten.hstack.default,
+               _aten.vstack.default, _aten.dstack.default)
+_WHERES = (torch.where, _aten.where.self, _aten.where.ScalarSelf, _aten.where.ScalarOther)
+_INDEX_PUTS = (torch.index_put, _aten.index_put.default)
 _MAX_NAMES = 3
 
 
 def _kind(node: fx.Node) -> Optional[str]:
     """"list", "where" or "index_put" for a join, else None."""
-    if node.op == "call_function":
-        if any(node.target is fn for fn in _LIST_JOINS):
-            return "list"
-        if node.target is torch.where:
-            return "where"
-        if node.target is torch.index_put:
-            return "index_put"
-    elif node.op == "call_method" and node.target in ("where", "index_put"):
-        return str(node.target)
+    if ops.is_call(node, _LIST_JOINS):
+        return "list"
+    if ops.is_call(node, _WHERES, ("where",)):
+        return "where"
+    if ops.is_call(node, _INDEX_PUTS, ("index_put",)):
+        return "index_put"
     return None
 
 
@@ -139,9 +143,7 @@ def _decide(node: fx.Node, kind: str, gm: fx.GraphModule, policy: Policy,
     # what the join sees under the current plan: its input cast skips fp64, like autocast
     seen = {plan.inputs if plan.inputs is not None and d != torch.float64 else d
             for d in dtypes}
-    _, ops = oplists.node_ops(node, gm)
-    promote = ops is not oplists.RUNTIME and \
-        oplists.category_of(ops, policy.target)[0] == oplists.PROMOTE
+    promote = ops.category(node, gm, policy.target) == ops.PROMOTE
     described = _describe(inputs)
     if len(seen) > 1:
         note = ""

@@ -36,11 +36,9 @@ def _conv_weights(gm: fx.GraphModule) -> List[torch.Tensor]:
     found: List[torch.Tensor] = []
     for node in gm.graph.nodes:
         weight = None
-        if node.op == "call_module":
-            module = gm.get_submodule(str(node.target))
-            if isinstance(module, _CONV2D_MODULES):
-                weight = module.weight
-        elif node.op == "call_function" and node.target in _CONV2D_FUNCTIONS:
+        if ops.is_module(node, gm, _CONV2D_MODULES):
+            weight = ops.module_of(node, gm).weight  # type: ignore[union-attr]
+        elif ops.is_call(node, _CONV2D_FUNCTIONS):
             arg = ops.arg(node, "weight", 1)
             if isinstance(arg, fx.Node) and arg.op == "get_attr":
                 weight = fetch_attr(gm, str(arg.target))

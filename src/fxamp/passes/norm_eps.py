@@ -24,7 +24,6 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import ir, ops
 from ..ir import Decision, Rule
-from ..oplists import callable_label
 from ..policy import Policy, dtype_name
 from . import fetch_attr
 from .rule import DecisionRule, rule_pass
@@ -41,7 +40,7 @@ NORM_FUNCTIONS = (F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm,
                   torch.ops.aten.instance_norm.default, torch.ops.aten.batch_norm.default,
                   torch.ops.aten.rms_norm.default)
 _REDUCTIONS = {"mean", "var", "sum", "std", "square"}
-_STATS_INPUTS = {"pow", "square", "mul", "sub", "abs", "__sub__", "__mul__", "__pow__"}
+_STATS_INPUTS = {"pow", "square", "mul", "sub", "abs"}  # ops.name: dunders stripped
 _ROOTS = {"rsqrt", "sqrt", "reciprocal", "pow"}
 
 
@@ -87,7 +86,7 @@ def _normalise_chain(add: fx.Node) -> List[fx.Node]:
             chain.append(user)
             current = user
             continue
-        if name in ("mul", "truediv", "div", "__mul__", "__truediv__"):
+        if name in ("mul", "truediv", "div"):
             chain.append(user)
         break
     return chain
@@ -161,7 +160,7 @@ def _kernel(gm: fx.GraphModule, policy: Policy, node: fx.Node) -> Dict[fx.Node, 
         eps = ops.arg(node, "eps")
         if not isinstance(eps, float) or not 0 < eps < tiny:
             return {}
-        label = callable_label(node.target)
+        label = ops.callable_label(node.target)
         args = [None if isinstance(a, fx.Node) else a for a in node.args[1:]]
         kwargs = {k: None if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
         fn = node.target

@@ -29,320 +29,36 @@ comparison, ``x.dtype``, an op that takes its inputs as they come) pin it.
 
 The pass runs whenever ``policy.placement`` is on, with or without the numerics passes;
 ``placement=off`` reproduces autocast's placement exactly.
+
+This module solves the cut and holds the rule; the allowlist is
+:mod:`fxamp.passes.placement_free` and the cut's values, consumers and costs are
+:mod:`fxamp.passes.placement_model`.
 """
 from __future__ import annotations
 
 import logging
-import math
-import operator
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Set, Tuple
 
 import networkx as nx
 import torch
 import torch.fx as fx
-import torch.nn as nn
-import torch.nn.functional as F
 
-from .. import ir, oplists, ops
 from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
-from . import fetch_attr
-from .casts import _mutated
 from .manager import PassContext
+from .placement_model import FP32 as _FP32, CutModel, fmt as _fmt, fp32_locked
 from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
 RULE = Rule.PLACEMENT
-_FP32 = torch.float32
-
-# -- which follow ops are free ----------------------------------------------------------
-#: commute with rounding: the same result whichever side of them the cast is
-_EXACT_METHODS = {"view", "reshape", "flatten", "permute", "transpose", "t", "contiguous",
-                  "expand", "repeat", "squeeze", "unsqueeze", "narrow", "select", "flip",
-                  "roll", "clone", "relu", "movedim", "__getitem__", "__neg__", "neg", "abs"}
-_EXACT_FUNCTIONS = {torch.flatten, torch.reshape, torch.permute, torch.transpose,
-                    torch.squeeze, torch.unsqueeze, torch.narrow, torch.select, torch.flip,
-                    torch.roll, torch.clone, torch.movedim, torch.relu, F.relu, F.relu6,
-                    operator.getitem, operator.neg, torch.neg, torch.abs, F.max_pool1d,
-                    F.max_pool2d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
-                    F.pixel_shuffle, F.pixel_unshuffle, F.interpolate, F.pad}
-_EXACT_MODULES = (nn.ReLU, nn.ReLU6, nn.MaxPool1d, nn.MaxPool2d, nn.AdaptiveMaxPool1d,
-                  nn.AdaptiveMaxPool2d, nn.Flatten, nn.Unflatten, nn.Identity, nn.Upsample,
-                  nn.ZeroPad1d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d,
-                  nn.PixelShuffle, nn.PixelUnshuffle)
-#: arithmetic: rounding before them differs from rounding after, so they only move to FP32
-_ARITH_METHODS = {"add", "sub", "mul", "__add__", "__sub__", "__mul__", "__radd__",
-                  "__rmul__", "mean", "sigmoid", "tanh"}
-_ARITH_FUNCTIONS = {operator.add, operator.sub, operator.mul, torch.add, torch.sub, torch.mul,
-                    torch.mean, torch.sigmoid, torch.tanh, F.gelu, F.silu, F.hardswish,
-                    F.hardsigmoid, F.leaky_relu, F.avg_pool1d, F.avg_pool2d,
-                    F.adaptive_avg_pool1d, F.adaptive_avg_pool2d}
-_ARITH_MODULES = (nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Hardsigmoid,
-                  nn.LeakyReLU, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
-                  nn.AdaptiveAvgPool2d)
-#: consumers that read only a value's shape (its dtype may change under them)
-_SHAPE_ATTRS = {"shape", "ndim", "device"}
-_SHAPE_METHODS = {"size", "dim", "numel", "ndimension"}
-
-EXACT, ARITH = "exact", "arith"
 
 
-def _kind_of(node: fx.Node, root: nn.Module) -> Optional[str]:
-    """EXACT or ARITH for an allowlisted call whose arguments keep it dtype-agnostic."""
-    args, kwargs = node.args, node.kwargs
-    if node.op == "call_module":
-        module = root.get_submodule(str(node.target))
-        cls = type(module)
-        if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
-            return None
-        if getattr(module, "inplace", False) or getattr(module, "return_indices", False):
-            return None
-        if cls is nn.Upsample and module.mode not in ("nearest", "nearest-exact"):
-            return None
-        if cls in (nn.ConstantPad1d, nn.ConstantPad2d) and module.value != 0:
-            return None
-        if cls in _EXACT_MODULES:
-            return EXACT
-        return ARITH if cls in _ARITH_MODULES else None
-    if node.op == "call_method":
-        name = str(node.target)
-        kind = EXACT if name in _EXACT_METHODS else ARITH if name in _ARITH_METHODS else None
-    elif node.op == "call_function":
-        try:
-            kind = (EXACT if node.target in _EXACT_FUNCTIONS else
-                    ARITH if node.target in _ARITH_FUNCTIONS else None)
-        except TypeError:  # unhashable target
-            return None
-        if node.target is F.interpolate:
-            mode = ops.arg(node, "mode", 3, "nearest")
-            if mode not in ("nearest", "nearest-exact"):
-                return None
-        if node.target is F.pad:
-            mode = ops.arg(node, "mode", 2, "constant")
-            value = ops.arg(node, "value", 3)
-            if mode != "constant" or value not in (None, 0, 0.0):
-                return None
-    else:
-        return None
-    if kind is None or kwargs.get("inplace") or kwargs.get("return_indices") \
-            or kwargs.get("out") is not None:
-        return None
-    if any(a is True for a in args[1:]):  # positional inplace / return_indices / ...
-        return None
-    if "dtype" in kwargs or any(isinstance(a, torch.dtype) for a in _flat(args)):
-        return None
-    return kind
-
-
-def _flat(value: object) -> List[object]:
-    out: List[object] = []
-    fx.node.map_aggregate(value, out.append)
-    return out
-
-
-def _shape_only(user: fx.Node) -> bool:
-    """A consumer that reads only the shape/device of its input."""
-    if user.op == "call_function" and user.target is getattr:
-        return len(user.args) > 1 and user.args[1] in _SHAPE_ATTRS
-    return user.op == "call_method" and str(user.target) in _SHAPE_METHODS
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _fmt(nbytes: float) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if nbytes >= size:
-            value = nbytes / size
-            return f"{value:.0f} {unit}" if value >= 10 or value == int(value) \
-                else f"{value:.1f} {unit}"
-    return f"{int(nbytes)} B"
-
-
-class _Model:
-    """The cut model of one graph: values, free nodes, consumers and cast costs."""
-
-    def __init__(self, gm: fx.GraphModule, policy: Policy) -> None:
-        self.gm, self.policy, self.low = gm, policy, policy.compute
-        nodes = list(gm.graph.nodes)
-        #: value nodes in the cut: a floating tensor output in the low dtype or FP32
-        self.values: Dict[fx.Node, torch.dtype] = {}
-        for n in nodes:
-            p, kind = ir.precision(n), ir.get(n).value
-            shape = ir.get(n).shape
-            if p is not None and kind == "tensor" and p.dtype in (self.low, _FP32) \
-                    and shape is not None and all(type(d) is int for d in shape):
-                self.values[n] = p.dtype
-        self.grad = self._requires_grad(nodes)
-        self.free: Dict[fx.Node, str] = {}
-        for n in nodes:
-            kind = self._free_kind(n)
-            if kind is not None:
-                self.free[n] = kind
-        for n in self._aliased(nodes):
-            self.free.pop(n, None)
-        #: the values whose casts can change: free ones and the inputs of free ones (the
-        #: casts of all others are the same whatever the free nodes do)
-        self.relevant = [v for v in self.values
-                         if v in self.free or any(u in self.free for u in v.users)]
-        self._demand: Dict[fx.Node, object] = {}
-
-    # -- which nodes --------------------------------------------------------------------
-    def _requires_grad(self, nodes: Iterable[fx.Node]) -> Set[fx.Node]:
-        """Values that (probably) need a gradient: those that depend on a trainable
-        parameter. Model inputs are taken not to."""
-        grad: Set[fx.Node] = set()
-        for n in nodes:
-            if n not in self.values:
-                continue
-            if n.op == "get_attr":
-                t = fetch_attr(self.gm, str(n.target))
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    grad.add(n)
-            elif n.op == "call_module" and any(
-                    p.requires_grad for p in self.gm.get_submodule(str(n.target)).parameters()):
-                grad.add(n)
-            elif any(a in grad for a in n.all_input_nodes):
-                grad.add(n)
-        return grad
-
-    def _free_kind(self, n: fx.Node) -> Optional[str]:
-        if n not in self.values or n.op not in ("call_function", "call_method", "call_module"):
-            return None
-        p = ir.precision(n)
-        if p.rule != Rule.AUTOCAST or p.inputs is not None or ir.fixed(n) is not None:
-            return None
-        _, ops = oplists.node_ops(n, self.gm)
-        if ops is oplists.RUNTIME or oplists.category_of(ops, self.policy.target)[0] \
-                != oplists.FOLLOW:
-            return None
-        kind = _kind_of(n, self.gm)
-        if kind is None:
-            return None
-        floating = [a for a in n.all_input_nodes if ir.precision(a) is not None]
-        if not floating or floating[0] not in self.values:
-            return None
-        if n.op == "call_function" and n.target is operator.getitem or \
-                n.op == "call_method" and n.target == "__getitem__":
-            if floating != [n.args[0]]:  # only the indexed tensor may be floating
-                return None
-        # every floating input a tensor in the node's own dtype (no type promotion to undo)
-        if any(a not in self.values or self.values[a] != self.values[n] for a in floating):
-            return None
-        if kind == ARITH and self.values[n] != self.low:
-            return None  # arithmetic only moves from the low dtype to FP32
-        return kind
-
-    def _aliased(self, nodes: List[fx.Node]) -> Set[fx.Node]:
-        """Free candidates connected (through other candidates) to an in-place op or a value
-        it changes: moving them would break the aliasing the mutation relies on."""
-        mutated = set()
-        for n in nodes:
-            changed = _mutated(n, self.gm) if n.op != "output" else None
-            if changed is not None:
-                mutated.update((n, changed))
-        stack = list(mutated)
-        seen = set(stack)
-        while stack:
-            n = stack.pop()
-            for m in list(n.all_input_nodes) + list(n.users):
-                if m in self.free and m not in seen:
-                    seen.add(m)
-                    stack.append(m)
-        return seen
-
-    # -- costs --------------------------------------------------------------------------
-    def numel(self, n: fx.Node) -> int:
-        return int(math.prod(ir.get(n).shape))
-
-    def cast_bytes(self, n: fx.Node, to: torch.dtype) -> int:
-        """Bytes per step of casting value ``n`` (in the other dtype) to ``to``: the forward
-        cast writes it in ``to``; if it needs a gradient, the backward casts the gradient
-        back to the other dtype."""
-        out = self.numel(n) * _itemsize(to)
-        if n in self.grad:
-            out += self.numel(n) * _itemsize(_FP32 if to == self.low else self.low)
-        return out
-
-    def demands(self, v: fx.Node, assign: Dict[fx.Node, torch.dtype]) -> Set[torch.dtype]:
-        """The dtypes ``v``'s consumers cast it to under ``assign`` (free node -> dtype)."""
-        out: Set[torch.dtype] = set()
-        for u in v.users:
-            d = self.demand_of(u)
-            if d == "free":
-                out.add(assign[u])
-            elif isinstance(d, torch.dtype):
-                out.add(d)
-        return out
-
-    def demand_of(self, u: fx.Node) -> object:
-        """What consumer ``u`` does with its floating inputs: "free" (its own variable),
-        a dtype (it casts them), "shape" (reads the shape only) or "pin" (takes them as
-        they come: their dtype must not change)."""
-        if u not in self._demand:
-            self._demand[u] = self._demand_of(u)
-        return self._demand[u]
-
-    def _demand_of(self, u: fx.Node) -> object:
-        if u.op == "output":
-            out = self.policy.output_dtype
-            return out if out in (self.low, _FP32) else "pin"
-        if u in self.free:
-            return "free"
-        p = ir.precision(u)
-        if p is not None and p.rule != Rule.RUNTIME and p.inputs in (self.low, _FP32) \
-                and not self._promotes(u):
-            return p.inputs
-        if _shape_only(u):
-            return "shape"
-        return "pin"
-
-    def _promotes(self, u: fx.Node) -> bool:
-        """An op on autocast's promote list: its dtype is the widest of its inputs', so it
-        pins them (moving one would change it)."""
-        if ir.precision(u).rule != Rule.AUTOCAST or u.op not in ("call_function", "call_method",
-                                                           "call_module"):
-            return False
-        _, ops = oplists.node_ops(u, self.gm)
-        return ops is not oplists.RUNTIME and \
-            oplists.category_of(ops, self.policy.target)[0] == oplists.PROMOTE
-
-    def cost(self, assign: Dict[fx.Node, torch.dtype]
-             ) -> Tuple[int, Set[Tuple[fx.Node, torch.dtype]]]:
-        """Bytes cast per step and the (value, dtype) casts made, with free nodes in
-        ``assign``'s dtypes (fixed ones as planned), counting the relevant values only."""
-        total, casts = 0, set()
-        for v in self.relevant:
-            own = assign.get(v, self.values[v])
-            for d in self.demands(v, assign):
-                if d != own:
-                    casts.add((v, d))
-                    total += self.cast_bytes(v, d)
-        return total, casts
-
-
-def _fp32_locked(model: _Model) -> Set[fx.Node]:
-    """Free FP32 nodes an FP32 op (or the FP32 output) reads, directly or through other free
-    nodes: they stay FP32 so that the read keeps its precision."""
-    locked: Set[fx.Node] = set()
-    stack = [v for v in model.free if model.values[v] == _FP32 and any(
-        model.demand_of(u) == _FP32 for u in v.users)]
-    while stack:
-        v = stack.pop()
-        if v in locked:
-            continue
-        locked.add(v)
-        stack.extend(a for a in v.all_input_nodes if a in model.free)
-    return locked
-
-
-def _solve(model: _Model) -> Dict[fx.Node, torch.dtype]:
+def _solve(model: CutModel) -> Dict[fx.Node, torch.dtype]:
     """The min-cut assignment of the free nodes (ties broken towards fewest moves)."""
     low = model.low
     scale = len(model.free) + 1  # one unit per moved node breaks ties, never outweighs a byte
-    locked = _fp32_locked(model)
+    locked = fp32_locked(model)
     free_names = {v.name for v in model.free}
     g = nx.DiGraph()
     src, sink = ("source",), ("sink",)
@@ -399,7 +115,7 @@ def _solve(model: _Model) -> Dict[fx.Node, torch.dtype]:
     return {v: low if ("v", v.name) in source_side else _FP32 for v in model.free}
 
 
-def _describe(casts: Iterable[Tuple[fx.Node, torch.dtype]], model: _Model) -> str:
+def _describe(casts: Iterable[Tuple[fx.Node, torch.dtype]], model: CutModel) -> str:
     casts = sorted(casts, key=lambda c: c[0].name)
     if not casts:
         return "nothing"
@@ -421,7 +137,7 @@ def _groups(moved: List[fx.Node]) -> List[List[fx.Node]]:
 def _verdicts(gm: fx.GraphModule, policy: Policy) -> Dict[fx.Node, Tuple[torch.dtype, str]]:
     """The minimum cut's (dtype, reason) for each free node it moves or whose input it
     moved; empty when autocast's placement is already cheapest."""
-    model = _Model(gm, policy)
+    model = CutModel(gm, policy)
     if not model.free:
         return {}
     before = {v: model.values[v] for v in model.free}

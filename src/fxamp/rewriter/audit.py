@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from .. import oplists
+from .. import ops
 from ..config import RewriteConfig
 from ..errors import FxampError
 from ..frontends import trace_model
-from ..passes.audit import Finding
+from ..passes.audit_findings import Finding
 from ..passes.audit_context import audit_context
 from ..passes.audit_results import audit_result
 from ..policy import Policy, make_policy
@@ -39,8 +39,7 @@ def _banned_nodes(model: nn.Module, args: tuple, config: RewriteConfig) -> List[
     for node in src.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        _, ops = oplists.node_ops(node, src)
-        if ops and oplists.category_of(ops, config.policy.target)[0] == oplists.BANNED:
+        if ops.category(node, src, config.policy.target) == ops.BANNED:
             names.append(node.name)
     return names
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ir, oplists
+from .. import ir, ops
 from .._version import __version__
 from ..config import CONFIG_ATTR, RewriteConfig
 from ..errors import FxampError, TraceError, UnsupportedModelError
@@ -282,7 +282,7 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     plan = Plan(nodes=_plan_nodes(src, nested), header=_header(pol, taken, leaves, nested),
                 ranges=stats)
     setattr(gm, _PLAN_ATTR, plan)
-    gm.fxamp_source = oplists.module_label(model)
+    gm.fxamp_source = ops.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
     _copy_training_flags(model, gm)
     complete_state(model, gm)

@@ -2,30 +2,33 @@
 
 See the package docstring (:mod:`fxamp.train`) for the step order, how a skipped step is
 detected, hysteresis, healing and distributed training.
+
+:class:`Trainer` keeps the step itself here; its other methods live in mixins, one topic per
+module: non-finite gradients, the scale update and the skipped window (``nonfinite.py``),
+healing (``healing.py``) and checkpoints (``checkpoint.py``).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import logging
-import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from ..config import CONFIG_ATTR, RewriteConfig
 from ..errors import FxampError, TrainingDivergedError  # noqa: F401 - re-exported
-from ..plan import Plan, diff
+from ..plan import Plan
 from ..policy import Policy
-from ..rewriter import amp_rewrite, plan_of
+from ..rewriter import plan_of
+from .checkpoint import CheckpointMixin
+from .healing import HealingMixin, _config_of
 from .localize import Overflow, localize
+from .nonfinite import NonFiniteMixin
 from .o2 import attach_optimizer
-from .rng import rng_state, set_rng_state
 from .skips import MAX_CONSECUTIVE_SKIPS, SCALE_FLOOR, diverged_error
 
 log = logging.getLogger(__name__)
@@ -71,23 +74,7 @@ def _is_ddp(module: Any) -> bool:
     return isinstance(module, nn.parallel.DistributedDataParallel)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-
-def _config_of(gm: nn.Module, policy: str) -> RewriteConfig:
-    """The RewriteConfig ``gm`` was made with; for a module without one (made by the search,
-    say) the plan's policy with the front end its header names."""
-    config = getattr(gm, CONFIG_ATTR, None)
-    if isinstance(config, RewriteConfig):
-        return config
-    frontend = plan_of(gm).header.get("frontend", "auto")
-    return RewriteConfig(Policy.parse(policy), frontend if frontend in ("fx", "export")
-                         else "auto")
-
-
-class Trainer:
+class Trainer(NonFiniteMixin, HealingMixin, CheckpointMixin):
     """Scale -> backward -> (every ``accumulation`` micro-batches) unscale_ -> clip ->
     ``scaler.step`` -> ``scaler.update`` -> ``zero_grad(set_to_none=True)`` -> scheduler.
 
@@ -239,54 +226,6 @@ class Trainer:
             return 0.0
         return float(norm)
 
-    def _sync_found_inf(self) -> None:
-        """Make every rank see an overflow found on any rank (max all-reduce of the
-        scaler's found_inf flags, what ShardedGradScaler does for FSDP). With DDP the
-        all-reduced gradients already agree; this also covers gradients DDP does not
-        reduce (unused parameters, params outside DDP)."""
-        if not _distributed():
-            return
-        for found in self.scaler._found_inf_per_device(self.optimizer).values():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-
-    def _found_inf(self) -> bool:
-        """Whether ``scaler.step`` skipped ``optimizer.step()``: the same sum over the
-        optimizer's found_inf flags that ``GradScaler.step`` tests (read before update())."""
-        return sum(float(v.item()) for v in
-                   self.scaler._found_inf_per_device(self.optimizer).values()) > 0
-
-    def _update_scale(self, found: bool, scale_before: float) -> None:
-        if not found:
-            self.consecutive_overflows = 0
-            self.scaler.update()
-        else:
-            self.consecutive_overflows += 1
-            self.scaler.update()  # GradScaler's own overflow bookkeeping: back off, reset growth
-            if self.consecutive_overflows < self.hysteresis:
-                # hysteresis: tolerate this overflow, keep the scale it had
-                self.scaler.update(float(scale_before))
-        if self.scale < SCALE_FLOOR:
-            self.scaler.update(SCALE_FLOOR)
-
-    def _non_finite(self, grad_norm: float) -> bool:
-        """Whether any rank's unscaled gradients (their total norm) are not finite."""
-        if not _distributed():
-            return not math.isfinite(grad_norm)
-        # on the parameters' device: NCCL reduces only CUDA tensors
-        device = self.params[0].device if self.params else torch.device("cpu")
-        flag = torch.tensor([0.0 if math.isfinite(grad_norm) else 1.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def _force_skip(self, grad_norm: float, scale: float) -> None:
-        """Make ``scaler.step`` skip: GradScaler checks the scaled gradients, which can be
-        finite while the unscaled ones are not (an inverse scale that overflows)."""
-        log.warning("fxamp.train: step %d: the unscaled gradients are not finite (norm %s) "
-                    "although GradScaler found no inf/NaN in the scaled ones (scale %g); "
-                    "skipping the step", self.steps, grad_norm, scale)
-        for found in self.scaler._found_inf_per_device(self.optimizer).values():
-            found.fill_(1.0)
-
     # ------------------------------------------------------------------ step
     def step(self, loss_fn: LossFn, *batch: Any) -> StepResult:
         """One micro-batch: ``loss = loss_fn(model, *batch)``, scaled backward; after every
@@ -363,46 +302,6 @@ class Trainer:
                           stepped=True, skipped=found, scale=scale, grad_norm=grad_norm,
                           overflow=overflow, healed=healed, grad_stats=stats)
 
-    def _localize_window(self, scale: float) -> Overflow:
-        result = Overflow(phase="none", scale=scale, step=self.steps)
-        for loss_fn, batch in self._window:
-            result = localize(self.gm, loss_fn, *batch, scale=scale, step=self.steps)
-            if result.found:
-                break
-        self.overflows.append(result)
-        log.warning("fxamp.train: skipped step %d: %s", self.steps, result)
-        return result
-
-    # ------------------------------------------------------------------ healing
-    def _maybe_heal(self, overflow: Overflow) -> str:
-        counted = overflow.phase == "forward" or (self.heal_backward
-                                                  and overflow.phase == "backward")
-        low = overflow.dtype in (torch.float16, torch.bfloat16)
-        if not (counted and low and overflow.node) or overflow.node in self.healed:
-            return ""
-        self.node_overflows[overflow.node] += 1
-        if self.node_overflows[overflow.node] < self.heal_after:
-            return ""
-        reason = (f"healed at step {overflow.step}: {overflow.phase} overflow in "
-                  f"{self.node_overflows[overflow.node]} skipped steps")
-        self._rewrite_with({**self.healed, overflow.node: reason})
-        log.warning("fxamp.train: moved node %r to fp32 (%s)", overflow.node, reason)
-        return overflow.node
-
-    def _rewrite_with(self, healed: Dict[str, str]) -> None:
-        """Rewrite the original model with ``healed`` nodes in FP32 and swap it in."""
-        if not healed:
-            return
-        config = self._config.with_fp32(healed)
-        gm = amp_rewrite(self.original_model, self.example_inputs, config=config)
-        plan = plan_of(gm)
-        for name, reason in healed.items():
-            if name in plan.nodes:
-                plan.nodes[name] = replace(plan.nodes[name], rule="heal", reason=reason)
-        gm.train(self.gm.training)
-        self.gm = self.module = gm
-        self.healed = dict(healed)
-
     # ------------------------------------------------------------------ telemetry
     def _log_scalars(self, step: int, loss: float, scale: float, grad_norm: float,
                      skipped: bool) -> None:
@@ -429,74 +328,3 @@ class Trainer:
         healed = f", healed: {', '.join(self.healed)}" if self.healed else ""
         return (f"{self.steps} optimizer steps ({self.skipped_steps} skipped), scale "
                 f"{self.scale:g}, grad norm {norm:.4g}{healed}")
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self, include_model: bool = True) -> Dict[str, Any]:
-        """Everything a resumed run needs to continue identically: the model's Parameters
-        and buffers (unless ``include_model=False``), optimizer, scheduler, scaler,
-        counters, histories, healed nodes, the plan text and the RNG states (torch CPU and
-        CUDA, Python ``random``, NumPy: see :mod:`fxamp.train.rng`), so dropout draws the
-        same masks after a resume. Take it where the resumed run will start."""
-        if self._window:
-            raise FxampError(f"state_dict() in the middle of an accumulation window "
-                             f"({len(self._window)}/{self.accumulation} micro-batches); what "
-                             "to do: save after a step whose StepResult.stepped is True")
-        state: Dict[str, Any] = {
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "counters": {"micro_steps": self.micro_steps, "steps": self.steps,
-                         "skipped_steps": self.skipped_steps,
-                         "consecutive_overflows": self.consecutive_overflows,
-                         "consecutive_skips": self.consecutive_skips},
-            "history": {"scale": list(self.scale_history),
-                        "grad_norm": list(self.grad_norm_history),
-                        "loss": list(self.loss_history),
-                        "overflows": [o.__dict__.copy() for o in self.overflows]},
-            "node_overflows": dict(self.node_overflows),
-            "healed": dict(self.healed),
-            "plan": self.plan.to_text(),
-            "rng": rng_state(),
-        }
-        if include_model:
-            state["model"] = self.gm.state_dict()
-        return state
-
-    def load_state_dict(self, state: Dict[str, Any], restore_rng: bool = True) -> None:
-        """Restore :meth:`state_dict`; re-heals the saved healed nodes and warns if the
-        plan then differs from the saved plan text. ``restore_rng=False`` leaves this
-        process's random generators as they are."""
-        if state.get("healed") and state["healed"] != self.healed:
-            if self.original_model is None or self.example_inputs is None:
-                raise FxampError("the checkpoint has healed nodes "
-                                 f"{sorted(state['healed'])}; what to do: pass original_model= "
-                                 "and example_inputs= to the Trainer to restore them")
-            self._rewrite_with(dict(state["healed"]))
-        if "model" in state:
-            self.gm.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        counters = state["counters"]
-        self.micro_steps = counters["micro_steps"]
-        self.steps = counters["steps"]
-        self.skipped_steps = counters["skipped_steps"]
-        self.consecutive_overflows = counters["consecutive_overflows"]
-        self.consecutive_skips = counters.get("consecutive_skips", 0)
-        history = state["history"]
-        self.scale_history = list(history["scale"])
-        self.grad_norm_history = list(history["grad_norm"])
-        self.loss_history = list(history["loss"])
-        self.overflows = [Overflow(**o) for o in history["overflows"]]
-        self.node_overflows = collections.Counter(state.get("node_overflows", {}))
-        self._window = []
-        if restore_rng and state.get("rng") is not None:
-            set_rng_state(state["rng"])
-        saved = state.get("plan")
-        if saved:
-            changes = diff(Plan.from_text(saved), self.plan)
-            if changes:
-                warnings.warn("fxamp.train: the checkpoint was made with a different plan; "
-                              f"the run will not continue identically:\n{changes}")
-

@@ -1,0 +1,149 @@
+"""The ``fxamp`` command: a thin layer over the Python API.
+
+fxamp plan MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P] [-o FILE]
+           (or FILE.py:FACTORY, a path from the current directory)
+fxamp diff OLD NEW [--format text|markdown]
+fxamp check MODULE:FACTORY --plan FILE [--update]
+fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
+fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P]
+            [--frontend auto|fx|export] [--onnx FILE]
+fxamp export MODULE:FACTORY -o model.onnx [--report report.md] [--backend auto]
+fxamp demo
+fxamp --version
+
+The command is a package, one module per command group: ``factory`` (loading
+MODULE:FACTORY, the RewriteConfig of the model arguments), ``plans`` (plan, diff, check),
+``show``, ``audit``, ``export``, ``demo``; this module holds the argument parser and
+:func:`main`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .._version import __version__
+from ..errors import FxampError
+from ..policy import COMPUTE_DTYPE_NAMES, parse_compute_dtype
+from .audit import _cmd_audit
+from .demo import _cmd_demo
+from .export import _cmd_export
+from .factory import load_factory
+from .plans import _cmd_check, _cmd_diff, _cmd_plan
+from .show import _cmd_show
+
+__all__ = ["main", "build_parser", "load_factory"]
+
+
+def _shape(text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-shape takes comma-separated ints like "
+                                         f"1,3,224,224, got {text!r}") from None
+
+
+def _compute_dtype(text: str) -> torch.dtype:
+    """argparse type of --dtype: a low-precision compute dtype name."""
+    try:
+        return parse_compute_dtype(text)
+    except FxampError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxamp", description="Explicit mixed precision "
+                                     "for PyTorch models: plans, diffs, rewrites.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+    parser.add_argument("--version", action="version",
+                        version=f"fxamp {__version__} (torch {torch.__version__})")
+    dtype_help = (f"compute dtype: fp16 or bf16 (names: {', '.join(COMPUTE_DTYPE_NAMES)}); "
+                  "FP32 nodes are policy overrides such as fp32:head.*")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("factory", help="MODULE:FACTORY or FILE.py:FACTORY returning a model "
+                       "or (model, inputs)")
+        p.add_argument("--dtype", default=None, type=_compute_dtype,
+                       help=dtype_help + " (default fp16, or the policy's compute=)")
+        p.add_argument("--target", default="cuda", choices=["cuda", "cpu"],
+                       help="whose autocast lists to mirror (default cuda)")
+        p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
+        p.add_argument("--frontend", default="auto", choices=["auto", "fx", "export"],
+                       help="torch.fx, torch.export, or auto: fx, then export, then fx "
+                       "around untraceable submodules (default auto)")
+        p.add_argument("--input-shape", type=_shape, action="append",
+                       help="shape of a random FP32 input; repeat for several inputs")
+
+    p = sub.add_parser("plan", help="print or write the precision plan of a model")
+    model_args(p)
+    p.add_argument("-o", "--output", help="write the plan to this file")
+    p.set_defaults(func=_cmd_plan)
+
+    d = sub.add_parser("diff", help="diff two plan files (exit 1 when they differ)")
+    d.add_argument("old")
+    d.add_argument("new")
+    d.add_argument("--format", default="text", choices=["text", "markdown"])
+    d.set_defaults(func=_cmd_diff)
+
+    c = sub.add_parser("check", help="fail (exit 1) when a model's plan differs from a file")
+    model_args(c)
+    c.add_argument("--plan", required=True, help="the committed plan file")
+    c.add_argument("--update", action="store_true", help="rewrite the plan file instead")
+    c.add_argument("--format", default="text", choices=["text", "markdown"])
+    c.set_defaults(func=_cmd_check)
+
+    s = sub.add_parser("show", help="draw the graph coloured by precision")
+    model_args(s)
+    s.add_argument("-o", "--output", required=True, help="graph.html, graph.dot, graph.svg, "
+                   "graph.mmd")
+    s.add_argument("--format", choices=["html", "dot", "svg", "mermaid", "model-explorer"],
+                   help="default: from the file extension, else html; model-explorer: node "
+                   "data JSON for Google's Model Explorer (OUTPUT and OUTPUT's .rule.json)")
+    s.set_defaults(func=_cmd_show)
+
+    a = sub.add_parser("audit", help="list what works against mixed precision in a model "
+                       "(exit 1 when there is an error finding)")
+    model_args(a)
+    a.add_argument("--min-severity", default="info", choices=["error", "warning", "info"],
+                   help="show findings of this severity and above (default: all)")
+    a.add_argument("--onnx", metavar="FILE", help="also check this exported ONNX file (opset, "
+                   "dynamic batch axis)")
+    a.set_defaults(func=_cmd_audit)
+
+    e = sub.add_parser("export", help="rewrite, export to ONNX and report what a backend "
+                       "really runs in which precision")
+    model_args(e)
+    e.add_argument("-o", "--output", required=True, help="the ONNX file to write")
+    e.add_argument("--report", help="write a precision report (.md, .json or .html)")
+    e.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
+                   help="backend the report inspects (default auto: TensorRT when it and a "
+                   "GPU are there, else onnxruntime)")
+    e.add_argument("--model-explorer", metavar="FILE.json",
+                   help="also write Model Explorer node data for the ONNX file: planned "
+                   "precision to FILE.json, actual to FILE.actual.json (rule and reason go "
+                   "into the ONNX nodes' metadata)")
+    e.set_defaults(func=_cmd_export)
+
+    m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
+    m.add_argument("--steps", type=int, default=30)
+    m.add_argument("--dtype", default=torch.float16, type=_compute_dtype,
+                   help=dtype_help + " (default fp16)")
+    m.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
+    m.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``fxamp`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except FxampError as err:
+        print(f"fxamp {args.command}: error: {err}", file=sys.stderr)
+        return 2
