@@ -18,8 +18,10 @@ Variants, all on one model's FP32 Parameters except the limit:
 ``--mode infer``: forward under ``torch.no_grad()``. Variants run interleaved: each round runs
 every variant ``--steps`` times; the table gives median ms/step over rounds, then
 fxamp/autocast against the FASTER of the two autocast settings (per-round ratios, median),
-fxamp/limit, and per variant the launches of one profiled step (torch profiler: all ATen ops,
-and the casts among them: ``_to_copy`` + ``_foreach_copy_``).
+fxamp/limit, per variant the minor page faults per step (fresh CPU tensors), and the
+launches of one profiled step (torch profiler: all ATen ops,
+and the tensors cast among them: one per ``_to_copy``, one per tensor of a
+``_foreach_copy_``).
 
 Models (``--models``): resnet18, resnet50, vit_b_16 (torchvision, ``--size`` images),
 vit_small (4 layers, 128 hidden), gpt2s (GPT-2-small-sized decoder, benchmarks/_decoder.py,
@@ -107,16 +109,32 @@ def make_step(fwd, params, target, mode, autocast=None, attach=None):
     return step
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where ``resource`` is missing): every
+    fresh large CPU tensor faults its pages in, a cost the load of a shared machine does not
+    change."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def launches(step) -> str:
-    """ATen ops / casts (``_to_copy`` + ``_foreach_copy_``) of one step (torch profiler)."""
+    """ATen ops / tensors cast in one step (torch profiler): each ``_to_copy`` casts one
+    tensor, a ``_foreach_copy_`` casts a list in one operation (on CPU one ``copy_`` per
+    tensor inside it, counted here: one launch on a GPU, but as many tensors)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
     ops = casts = 0
-    for e in prof.key_averages():
-        if e.key.startswith("aten::"):
-            ops += e.count
-            if e.key in ("aten::_to_copy", "aten::_foreach_copy_"):
-                casts += e.count
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        ops += 1
+        if e.name == "aten::_to_copy" or (
+                e.name == "aten::copy_" and e.cpu_parent is not None
+                and e.cpu_parent.name == "aten::_foreach_copy_"):
+            casts += 1
     return f"{ops}/{casts}"
 
 
@@ -178,6 +196,7 @@ def main() -> None:
             steps = variants(model, inputs, target, a.mode, a)
             names = list(steps)
             times = {k: [] for k in steps}
+            faults = {k: [] for k in steps}
             broken, counts = {}, {}
             for k, step in steps.items():  # warm-up (compilation) outside the rounds
                 try:
@@ -192,10 +211,12 @@ def main() -> None:
                 for k, step in steps.items():
                     if k in broken:
                         continue
+                    f0 = _minor_faults()
                     t0 = time.perf_counter()
                     for _ in range(a.steps):
                         step()
                     times[k].append((time.perf_counter() - t0) / a.steps * 1e3)
+                    faults[k].append((_minor_faults() - f0) / a.steps)
             med = {k: statistics.median(v) for k, v in times.items() if v}
 
             def ratio(x, y):
@@ -210,11 +231,14 @@ def main() -> None:
             for k in ("fxamp", "fxamp cast", "fxamp o2"):
                 row.append(f"{ratio(k, peer)} / {ratio(k, 'limit')}")
             row.append(" ".join(counts.get(k, "-") for k in names))
+            row.append(" ".join(f"{statistics.median(faults[k]) / 1e3:.0f}" if faults[k]
+                                else "-" for k in names))
             rows.append(row)
             print(row, flush=True)
     headers = (["model", "mode", "batch"] + [f"{k} ms" for k in names]
                + ["faster autocast", "fxamp: /autocast / /limit", "fxamp cast: /ac / /limit",
-                  "fxamp o2: /ac / /limit", "ATen ops/casts per step (" + ", ".join(names) + ")"])
+                  "fxamp o2: /ac / /limit", "ATen ops/tensors cast per step (" + ", ".join(names) + ")",
+                  "page faults per step, thousands (same order)"])
     md = _common.table(headers, rows)
     print(md)
     for n in notes:
