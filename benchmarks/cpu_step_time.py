@@ -20,8 +20,8 @@ every variant ``--steps`` times; the table gives median ms/step over rounds, the
 fxamp/autocast against the FASTER of the two autocast settings (per-round ratios, median),
 fxamp/limit, per variant the minor page faults per step (fresh CPU tensors), and the
 launches of one profiled step (torch profiler: all ATen ops,
-and the tensors cast among them: one per ``_to_copy``, one per tensor of a
-``_foreach_copy_``).
+and the tensors cast among them: ``copy_`` between two dtypes, in ``_to_copy``, in a
+``_foreach_copy_`` or into an existing tensor).
 
 Models (``--models``): resnet18, resnet50, vit_b_16 (torchvision, ``--size`` images),
 vit_small (4 layers, 128 hidden), gpt2s (GPT-2-small-sized decoder, benchmarks/_decoder.py,
@@ -121,19 +121,19 @@ def _minor_faults() -> int:
 
 
 def launches(step) -> str:
-    """ATen ops / tensors cast in one step (torch profiler): each ``_to_copy`` casts one
-    tensor, a ``_foreach_copy_`` casts a list in one operation (on CPU one ``copy_`` per
-    tensor inside it, counted here: one launch on a GPU, but as many tensors)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    """ATen ops / tensors cast in one step (torch profiler): a cast is a ``copy_`` between
+    two dtypes, whether ``_to_copy`` runs it, a ``_foreach_copy_`` (one launch for a list on
+    a GPU, one ``copy_`` per tensor on CPU) or a copy into an existing tensor."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
         step()
     ops = casts = 0
     for e in prof.events():
         if not e.name.startswith("aten::"):
             continue
         ops += 1
-        if e.name == "aten::_to_copy" or (
-                e.name == "aten::copy_" and e.cpu_parent is not None
-                and e.cpu_parent.name == "aten::_foreach_copy_"):
+        dtypes = getattr(e, "input_dtypes", None) or []
+        if e.name == "aten::copy_" and len(dtypes) >= 2 and dtypes[0] != dtypes[1]:
             casts += 1
     return f"{ops}/{casts}"
 
@@ -183,10 +183,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (1 makes the ratios far less sensitive to "
                     "other load on a small machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time steps by wall clock or by this process's CPU time (user + "
+                    "system: page faults included); cpu is far steadier on a busy machine")
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     rows, notes, names = [], [], None
     for name in a.models.split(","):
         for batch in (int(b) for b in a.batch.split(",")):
@@ -212,10 +216,10 @@ def main() -> None:
                     if k in broken:
                         continue
                     f0 = _minor_faults()
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     for _ in range(a.steps):
                         step()
-                    times[k].append((time.perf_counter() - t0) / a.steps * 1e3)
+                    times[k].append((clock() - t0) / a.steps * 1e3)
                     faults[k].append((_minor_faults() - f0) / a.steps)
             med = {k: statistics.median(v) for k, v in times.items() if v}
 
@@ -249,7 +253,9 @@ def main() -> None:
         body = (f"CPU bf16, {a.mode} ({what}), "
                 + ("torch.compile of every module, " if a.compile else "eager, ")
                 + f"images {a.size}x{a.size}, sequence {a.seq}; {a.rounds} interleaved rounds "
-                f"x {a.steps} steps after 2 warm-up steps; ms/step medians; ratios are medians "
+                f"x {a.steps} steps after 2 warm-up steps; ms/step medians ("
+                + ("process CPU time, user + system" if a.clock == "cpu" else "wall clock")
+                + f"); ratios are medians "
                 f"of per-round ratios, against the faster autocast setting ('ac' = "
                 f"cache_enabled=True, 'ac nocache' = cache_enabled=False) and against the limit "
                 f"(the model in bf16, no casts). Load average at the end (1 min): "
