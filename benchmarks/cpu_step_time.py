@@ -1,6 +1,6 @@
 """CPU step time, bf16: fxamp (each weights option) vs both autocast settings vs the limit.
 
-Variants, all on one model's FP32 Parameters except the limit:
+Variants, all on one model's FP32 Parameters except the limit and o2 (its own copy):
 
 - ``fp32``: the model as is;
 - ``autocast``: ``torch.autocast("cpu", bf16)`` (weight-cast cache on, the default);
@@ -144,7 +144,12 @@ def variants(model, inputs, target, mode, a):
         m, inputs, dtype=DT, target="cpu", policy=policy)
     wrap = torch.compile if a.compile else (lambda f: f)
     params = list(model.parameters())
-    gm, gm_cast, gm_o2 = rewrite(model), rewrite(model, "weights=cast"), rewrite(model, "weights=o2")
+    # o2 trains its own copy of the model: its copies are re-cast by its own optimizer step
+    # only, so another variant's step on shared Parameters would leave them stale and make
+    # its next forward cast every weight as well (twice the casts in that step)
+    o2_model = copy.deepcopy(model)
+    gm, gm_cast = rewrite(model), rewrite(model, "weights=cast")
+    gm_o2 = rewrite(o2_model, "weights=o2")
     low = copy.deepcopy(model).to(DT)
     low_in = tuple(x.to(DT) if x.is_floating_point() else x for x in inputs)
     f = {k: wrap(m) for k, m in (("fp32", model), ("ac", model), ("acn", model), ("low", low),
@@ -157,7 +162,8 @@ def variants(model, inputs, target, mode, a):
         "limit": make_step(lambda: f["low"](*low_in), list(low.parameters()), target, mode),
         "fxamp": make_step(lambda: f["fx"](*inputs), params, target, mode),
         "fxamp cast": make_step(lambda: f["fxc"](*inputs), params, target, mode),
-        "fxamp o2": make_step(lambda: f["fxo"](*inputs), params, target, mode, attach=gm_o2),
+        "fxamp o2": make_step(lambda: f["fxo"](*inputs), list(o2_model.parameters()), target,
+                              mode, attach=gm_o2),
     }
     if a.channels_last:
         cl_model = copy.deepcopy(model)

@@ -4,9 +4,10 @@ Profiles one model's steps (torch profiler, CPU) for the limit (the model in bf1
 autocast settings and fxamp (``weights=cached`` / ``cast`` / ``o2``) and prints, per variant:
 wall time of forward / loss / backward / optimizer step, the self CPU time of the ATen ops in
 each phase (the rest of a phase's time is Python and dispatch outside ATen: the GraphModule's
-code, fxamp's weight-cache checks, autograd Functions written in Python), the casts
-(``_to_copy`` / ``copy_`` / ``_foreach_copy_``) and the minor page faults (fresh CPU
-memory) per phase, and the ops that take the most self CPU time. Printed only (nothing is written to docs/).
+code, fxamp's weight-cache checks, autograd Functions written in Python), the tensors cast
+(``copy_`` between two dtypes: in ``_to_copy``, ``_foreach_copy_`` or in place) and the minor
+page faults (fresh CPU memory) per phase, and the ops that take the most self CPU time.
+Printed only (nothing is written to docs/).
 
     python benchmarks/step_profile.py [--models gpt2s] [--batch 1] [--seq 32] [--steps 3]
         [--variants limit,autocast,fxamp,fxamp o2] [--top 12] [--mode train|infer]
@@ -27,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_step_time as cst  # noqa: E402
 
 PHASES = ("forward", "loss", "backward", "optimizer")
-CASTS = ("aten::_to_copy", "aten::copy_", "aten::_foreach_copy_")
 
 
 FAULTS: dict = defaultdict(int)  # phase -> minor page faults (all steps run so far)
@@ -105,12 +105,14 @@ def variants(model, inputs, target, mode, names):
         elif name in ("autocast", "autocast nocache"):
             out[name] = phased_step(lambda: model(*inputs), params, target, mode,
                                     autocast=name == "autocast")
-        elif name.startswith("fxamp"):
-            policy = {"fxamp": None, "fxamp cast": "weights=cast",
-                      "fxamp o2": "weights=o2"}[name]
-            gm = rw(policy)
-            out[name] = phased_step(lambda gm=gm: gm(*inputs), params, target, mode,
-                                    attach=gm if name == "fxamp o2" else None)
+        elif name == "fxamp o2":  # its own copy (see cpu_step_time.variants)
+            own = copy.deepcopy(model)
+            gm = fxamp.amp_rewrite(own, inputs, dtype=cst.DT, target="cpu", policy="weights=o2")
+            out[name] = phased_step(lambda gm=gm: gm(*inputs), list(own.parameters()), target,
+                                    mode, attach=gm)
+        elif name in ("fxamp", "fxamp cast"):
+            gm = rw(None if name == "fxamp" else "weights=cast")
+            out[name] = phased_step(lambda gm=gm: gm(*inputs), params, target, mode)
         else:
             raise SystemExit(f"unknown variant {name!r}")
     return out
@@ -129,7 +131,8 @@ def profile(step, steps: int):
     """(per-phase wall ms, per-phase ATen self ms, per-phase casts, op -> self ms, op -> count),
     per step."""
     FAULTS.clear()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
         for _ in range(steps):
             step()
     wall, aten, casts = defaultdict(float), defaultdict(float), defaultdict(int)
@@ -144,8 +147,9 @@ def profile(step, steps: int):
         aten[ph] += e.self_cpu_time_total / 1e3 / steps
         ops[(ph, e.name)] += e.self_cpu_time_total / 1e3 / steps
         counts[(ph, e.name)] += 1
-        if e.name in CASTS:
-            casts[ph] += 1
+        dtypes = getattr(e, "input_dtypes", None) or []
+        if e.name == "aten::copy_" and len(dtypes) >= 2 and dtypes[0] != dtypes[1]:
+            casts[ph] += 1  # a tensor cast (in _to_copy, _foreach_copy_ or in place)
     return wall, aten, {k: v / steps for k, v in casts.items()}, ops, \
         {k: v / steps for k, v in counts.items()}
 
