@@ -9,20 +9,22 @@ optimizer steps, ``load_state_dict``, ``copy_``), same storage, dtype, device, s
 strides. So eval loops, repeated forwards and the micro-batches of a gradient-accumulation
 window cast each weight once per optimizer step.
 
-Gradients: every copy reaches the graph through :class:`_CastBack` (made once per copy and
-reused by the forwards until the weight changes; it saves no tensor), whose backward is
-``Tensor.to``'s: the low-precision gradient cast to the master's dtype. Gradients reach the
-FP32 master exactly as without the cache (bit-identical, tested).
+Gradients: a copy cast with grad mode on keeps a backward that is ``Tensor.to``'s (the
+low-precision gradient cast to the master's dtype; ``ToCopyBackward`` / ``CopyBackwards``, or
+:class:`_CastBack` for copies written without grad and for CPU weights of ``BIG`` bytes or
+more); it saves no tensor and is reused by the forwards until the weight changes (the
+micro-batches of an accumulation window). Gradients reach the FP32 master exactly as without
+the cache (bit-identical, tested).
 
-When a weight is found stale, every stale weight of the cache is re-cast in one
-``torch._foreach_copy_`` per dtype and device (one operation instead of one per weight),
-with grad mode on or off. A copy is overwritten in place only when nothing else holds it
-(tensor and storage use counts: no autograd graph saved it, no view or caller kept it), so
-an autograd graph still alive keeps the copies it saved; else the cast goes to a new
-tensor. On CPU the FP32 gradient of each cast weight is likewise written into the previous
-step's gradient memory when no ``.grad`` holds it any more. Reusing memory matters on CPU,
-where every fresh large tensor page-faults (measured: casting GPT-2-small's 124M weights
-into new tensors ~5x the time of casting into existing ones).
+Without grad (eval forwards, ``weights=o2``'s optimizer step) every stale weight of the cache
+is re-cast in one ``torch._foreach_copy_`` per dtype and device; with grad, one cast per
+weight. A copy is overwritten in place only when nothing else holds it (tensor and storage
+use counts: no autograd graph saved it, no view or caller kept it), so an autograd graph
+still alive keeps the copies it saved; else the cast goes to a new tensor. On CPU the FP32
+gradient of a weight linked by :class:`_CastBack` is likewise written into the previous
+step's gradient memory once no ``.grad`` holds it. Reusing memory matters on CPU, where a
+fresh large tensor page-faults (measured: casting GPT-2-small's 124M weights into new tensors
+~5x the time of casting into existing ones; training steps 147k page faults -> 100k).
 
 The cache steps aside (a plain ``param.to(dtype)``) whenever it cannot be sure of a tensor:
 while tracing, exporting or compiling, under a dispatch / torch-function mode (fake tensors,
@@ -42,8 +44,8 @@ log = logging.getLogger(__name__)
 
 #: CPU weights at least this large (bytes) are linked by :class:`_CastBack`, which keeps their
 #: FP32 gradient memory between steps: a fresh tensor of that size often page-faults (glibc
-#: mmaps it or trims the heap under it; GPT-2 small: 104k faults per step without, 38k with),
-#: worth one Python call per weight in backward; smaller ones keep torch's C++ backward
+#: mmaps it or trims the heap under it), worth one Python call per weight in backward;
+#: smaller ones keep torch's C++ backward
 BIG = 1 << 20
 ATTR = "fxamp_weight_cache"  # the submodule name in the rewritten GraphModule
 _PLAIN = (torch.Tensor, nn.Parameter)
