@@ -1,6 +1,6 @@
 """CPU step time, bf16: fxamp (each weights option) vs both autocast settings vs the limit.
 
-Variants, all on one model's FP32 Parameters except the limit:
+Variants, all on one model's FP32 Parameters except the limit and o2 (its own copy):
 
 - ``fp32``: the model as is;
 - ``autocast``: ``torch.autocast("cpu", bf16)`` (weight-cast cache on, the default);
@@ -18,8 +18,10 @@ Variants, all on one model's FP32 Parameters except the limit:
 ``--mode infer``: forward under ``torch.no_grad()``. Variants run interleaved: each round runs
 every variant ``--steps`` times; the table gives median ms/step over rounds, then
 fxamp/autocast against the FASTER of the two autocast settings (per-round ratios, median),
-fxamp/limit, and per variant the launches of one profiled step (torch profiler: all ATen ops,
-and the casts among them: ``_to_copy`` + ``_foreach_copy_``).
+fxamp/limit, per variant the minor page faults per step (fresh CPU tensors), and the
+launches of one profiled step (torch profiler: all ATen ops,
+and the tensors cast among them: ``copy_`` between two dtypes, in ``_to_copy``, in a
+``_foreach_copy_`` or into an existing tensor).
 
 Models (``--models``): resnet18, resnet50, vit_b_16 (torchvision, ``--size`` images),
 vit_small (4 layers, 128 hidden), gpt2s (GPT-2-small-sized decoder, benchmarks/_decoder.py,
@@ -107,16 +109,32 @@ def make_step(fwd, params, target, mode, autocast=None, attach=None):
     return step
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where ``resource`` is missing): every
+    fresh large CPU tensor faults its pages in, a cost the load of a shared machine does not
+    change."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def launches(step) -> str:
-    """ATen ops / casts (``_to_copy`` + ``_foreach_copy_``) of one step (torch profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    """ATen ops / tensors cast in one step (torch profiler): a cast is a ``copy_`` between
+    two dtypes, whether ``_to_copy`` runs it, a ``_foreach_copy_`` (one launch for a list on
+    a GPU, one ``copy_`` per tensor on CPU) or a copy into an existing tensor."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
         step()
     ops = casts = 0
-    for e in prof.key_averages():
-        if e.key.startswith("aten::"):
-            ops += e.count
-            if e.key in ("aten::_to_copy", "aten::_foreach_copy_"):
-                casts += e.count
+    for e in prof.events():
+        if not e.name.startswith("aten::"):
+            continue
+        ops += 1
+        dtypes = getattr(e, "input_dtypes", None) or []
+        if e.name == "aten::copy_" and len(dtypes) >= 2 and dtypes[0] != dtypes[1]:
+            casts += 1
     return f"{ops}/{casts}"
 
 
@@ -126,7 +144,12 @@ def variants(model, inputs, target, mode, a):
         m, inputs, dtype=DT, target="cpu", policy=policy)
     wrap = torch.compile if a.compile else (lambda f: f)
     params = list(model.parameters())
-    gm, gm_cast, gm_o2 = rewrite(model), rewrite(model, "weights=cast"), rewrite(model, "weights=o2")
+    # o2 trains its own copy of the model: its copies are re-cast by its own optimizer step
+    # only, so another variant's step on shared Parameters would leave them stale and make
+    # its next forward cast every weight as well (twice the casts in that step)
+    o2_model = copy.deepcopy(model)
+    gm, gm_cast = rewrite(model), rewrite(model, "weights=cast")
+    gm_o2 = rewrite(o2_model, "weights=o2")
     low = copy.deepcopy(model).to(DT)
     low_in = tuple(x.to(DT) if x.is_floating_point() else x for x in inputs)
     f = {k: wrap(m) for k, m in (("fp32", model), ("ac", model), ("acn", model), ("low", low),
@@ -139,7 +162,8 @@ def variants(model, inputs, target, mode, a):
         "limit": make_step(lambda: f["low"](*low_in), list(low.parameters()), target, mode),
         "fxamp": make_step(lambda: f["fx"](*inputs), params, target, mode),
         "fxamp cast": make_step(lambda: f["fxc"](*inputs), params, target, mode),
-        "fxamp o2": make_step(lambda: f["fxo"](*inputs), params, target, mode, attach=gm_o2),
+        "fxamp o2": make_step(lambda: f["fxo"](*inputs), list(o2_model.parameters()), target,
+                              mode, attach=gm_o2),
     }
     if a.channels_last:
         cl_model = copy.deepcopy(model)
@@ -165,10 +189,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads (1 makes the ratios far less sensitive to "
                     "other load on a small machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="time steps by wall clock or by this process's CPU time (user + "
+                    "system: page faults included); cpu is far steadier on a busy machine")
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    clock = time.process_time if a.clock == "cpu" else time.perf_counter
     rows, notes, names = [], [], None
     for name in a.models.split(","):
         for batch in (int(b) for b in a.batch.split(",")):
@@ -178,6 +206,7 @@ def main() -> None:
             steps = variants(model, inputs, target, a.mode, a)
             names = list(steps)
             times = {k: [] for k in steps}
+            faults = {k: [] for k in steps}
             broken, counts = {}, {}
             for k, step in steps.items():  # warm-up (compilation) outside the rounds
                 try:
@@ -192,10 +221,12 @@ def main() -> None:
                 for k, step in steps.items():
                     if k in broken:
                         continue
-                    t0 = time.perf_counter()
+                    f0 = _minor_faults()
+                    t0 = clock()
                     for _ in range(a.steps):
                         step()
-                    times[k].append((time.perf_counter() - t0) / a.steps * 1e3)
+                    times[k].append((clock() - t0) / a.steps * 1e3)
+                    faults[k].append((_minor_faults() - f0) / a.steps)
             med = {k: statistics.median(v) for k, v in times.items() if v}
 
             def ratio(x, y):
@@ -210,11 +241,14 @@ def main() -> None:
             for k in ("fxamp", "fxamp cast", "fxamp o2"):
                 row.append(f"{ratio(k, peer)} / {ratio(k, 'limit')}")
             row.append(" ".join(counts.get(k, "-") for k in names))
+            row.append(" ".join(f"{statistics.median(faults[k]) / 1e3:.0f}" if faults[k]
+                                else "-" for k in names))
             rows.append(row)
             print(row, flush=True)
     headers = (["model", "mode", "batch"] + [f"{k} ms" for k in names]
                + ["faster autocast", "fxamp: /autocast / /limit", "fxamp cast: /ac / /limit",
-                  "fxamp o2: /ac / /limit", "ATen ops/casts per step (" + ", ".join(names) + ")"])
+                  "fxamp o2: /ac / /limit", "ATen ops/tensors cast per step (" + ", ".join(names) + ")",
+                  "page faults per step, thousands (same order)"])
     md = _common.table(headers, rows)
     print(md)
     for n in notes:
@@ -225,7 +259,9 @@ def main() -> None:
         body = (f"CPU bf16, {a.mode} ({what}), "
                 + ("torch.compile of every module, " if a.compile else "eager, ")
                 + f"images {a.size}x{a.size}, sequence {a.seq}; {a.rounds} interleaved rounds "
-                f"x {a.steps} steps after 2 warm-up steps; ms/step medians; ratios are medians "
+                f"x {a.steps} steps after 2 warm-up steps; ms/step medians ("
+                + ("process CPU time, user + system" if a.clock == "cpu" else "wall clock")
+                + f"); ratios are medians "
                 f"of per-round ratios, against the faster autocast setting ('ac' = "
                 f"cache_enabled=True, 'ac nocache' = cache_enabled=False) and against the limit "
                 f"(the model in bf16, no casts). Load average at the end (1 min): "

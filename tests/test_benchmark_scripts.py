@@ -42,9 +42,19 @@ def test_cpu_step_time_infer_runs_every_variant():
     cells = eval(row)  # noqa: S307
     assert "FAILED" not in cells and "NOTE" not in out
     counts = dict(zip(["fp32", "autocast", "autocast nocache", "limit", "fxamp", "fxamp cast",
-                       "fxamp o2"], cells[-1].split()))
+                       "fxamp o2"], cells[-2].split()))
+    assert len(cells[-1].split()) == 7  # page faults per variant
     # launches: the limit casts nothing; fxamp with weight copies casts fewer than autocast
     assert counts["limit"].endswith("/0")
     casts = {k: int(v.split("/")[1]) for k, v in counts.items()}
     # (+1: fxamp casts the logits back to FP32, output_dtype's default; autocast leaves bf16)
     assert casts["fxamp"] < casts["fxamp cast"] <= casts["autocast nocache"] + 1
+
+
+def test_step_profile_splits_a_training_step_by_phase():
+    out = _run("benchmarks/step_profile.py", "--models", "gpt_tiny", "--seq", "8", "--steps",
+               "1", "--timed", "1", "--variants", "limit,fxamp", "--top", "3")
+    assert "## limit:" in out and "## fxamp:" in out, out
+    for phase in ("| forward |", "| backward |", "| optimizer |"):
+        assert out.count(phase) == 2, out
+    assert "aten::" in out  # the top ops
