@@ -5,7 +5,9 @@ For each model and (dtype, target): the front end's own plain trace (static
 checkout ("before", imported from ``--before-src`` under another package name) and one by
 this one ("after"), interleaved ``--repeat`` times; process CPU seconds, medians. The
 autocast-oracle cache of both is emptied before every rewrite (each rewrite is a first one,
-as in a fresh process). The two plans' text must be identical (``str(plan_of(gm))``): a
+as in a fresh process) and a full garbage collection runs (untimed) before every rewrite and
+trace, so that none pays for another's garbage. The two plans' text (``str(plan_of(gm))``, first round: a plain fx
+trace of a model may leave it numbering tensor constants differently) must be identical: a
 row says "PLAN DIFFERS" otherwise. "bare fake run" is one FakeTensorProp run of the front
 end's plain graph, the floor of a rewrite that runs the graph on fake tensors. With
 ``--phases`` each version's last rewrite is also split by phase (process CPU time of the
@@ -22,8 +24,10 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import importlib
 import importlib.util
+import logging
 import os
 import statistics
 import sys
@@ -172,6 +176,8 @@ def main() -> None:
     a = ap.parse_args()
     import fxamp as after
     before = load_as(a.before_src, "fxamp_before")
+    for name in ("fxamp", "fxamp_before"):  # (side-effect reports: one per rewrite)
+        logging.getLogger(name).setLevel(logging.ERROR)
     phases = ({"before": Phases("fxamp_before"), "after": Phases("fxamp")} if a.phases
               else {})
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -187,20 +193,23 @@ def main() -> None:
             times: Dict[str, List[float]] = {"plain": [], "before": [], "after": []}
             plans = {}
             frontend = ""
-            for _ in range(a.repeat):
+            for rep in range(a.repeat):
                 for label, pkg in (("before", before), ("after", after)):
                     clear_caches(pkg)
+                    gc.collect()  # every rewrite starts from a clean heap (untimed)
                     if label in phases:
                         phases[label].reset()
                     start = time.process_time()
                     gm = pkg.amp_rewrite(model, args, example_kwargs=kwargs, dtype=dtype,
                                          target=target)
                     times[label].append(time.process_time() - start)
-                    plans[label] = str(pkg.plan_of(gm))
+                    if rep == 0:  # (fx's own trace below may rename tensor constants)
+                        plans[label] = str(pkg.plan_of(gm))
                     frontend = pkg.plan_of(gm).header.get("frontend", "?")
                 if not warmed:  # the first trace of a model pays one-off costs
                     plain_s(frontend, model, args, kwargs)
                     warmed = True
+                gc.collect()
                 times["plain"].append(plain_s(frontend, model, args, kwargs))
             try:
                 fake = f"{fake_run_s(frontend, model, args, kwargs):.2f}"

@@ -257,8 +257,8 @@ class _Alignment:
             if not self.same_value((a.args, a.kwargs), (b.args, b.kwargs)):
                 return False
         else:
-            for index, ((_, _, va), (_, _, vb)) in enumerate(zip(args_a, args_b)):
-                if self.same_value(va, vb):
+            for index, ((name, _, va), (_, _, vb)) in enumerate(zip(args_a, args_b)):
+                if self.same_value(va, vb) or _same_slice_start(a, name, va, vb):
                     continue
                 if type(va) is bool and type(vb) is bool:
                     self.changes.append((a, index, va))
@@ -299,6 +299,13 @@ def _is_full_slice(node: fx.Node) -> bool:
         end is None or (type(end) is int and end >= 2 ** 62))
 
 
+def _same_slice_start(node: fx.Node, name: str, a: Any, b: Any) -> bool:
+    """``x[None:n]`` and ``x[0:n]``: a static export spells the start 0."""
+    return (node.target is torch.ops.aten.slice.Tensor and name == "start"
+            and a in (None, 0) and b in (None, 0) and type(a) is not bool
+            and type(b) is not bool)
+
+
 def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
     """Match the train-mode graph with the other mode's; None when they differ in more
     than constants that follow the mode, identity ops and batch norm's batch count. Size
@@ -316,9 +323,32 @@ def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
         elif node.op == "call_function" and node.target in _TRAIN_ONLY_IDENTITIES \
                 or _is_full_slice(node):
             aligned.alias[node] = node.args[0]
+        elif _skip_static_aliases(aligned, others, j) > j:
+            j = _skip_static_aliases(aligned, others, j)
+            if not aligned.compare(node, others[j]):
+                return None
+            j += 1
         else:
             return None
     return aligned if j == len(others) else None
+
+
+def _skip_static_aliases(aligned: _Alignment, others: List[fx.Node], j: int) -> int:
+    """The index past the ``alias`` nodes at ``others[j:]`` (where a symbolic export slices
+    in full, ``x[:, 0:]``, a static one has ``alias(x)``), each matched with what its input
+    matched; ``j`` when there are none or only aliases are left."""
+    k = j
+    while k < len(others) and others[k].op == "call_function" \
+            and others[k].target is torch.ops.aten.alias.default \
+            and isinstance(others[k].args[0], fx.Node):
+        k += 1
+    if k == j or k == len(others):
+        return j
+    for alias in others[j:k]:
+        source = aligned.match.get(alias.args[0])
+        if source is not None:
+            aligned.match[alias] = source
+    return k
 
 
 def _follow_mode(gm: fx.GraphModule, aligned: _Alignment) -> None:
