@@ -323,13 +323,11 @@ def _align(train: fx.Graph, other: fx.Graph) -> Optional[_Alignment]:
         elif node.op == "call_function" and node.target in _TRAIN_ONLY_IDENTITIES \
                 or _is_full_slice(node):
             aligned.alias[node] = node.args[0]
-        elif _skip_static_aliases(aligned, others, j) > j:
-            j = _skip_static_aliases(aligned, others, j)
-            if not aligned.compare(node, others[j]):
-                return None
-            j += 1
         else:
-            return None
+            past = _skip_static_aliases(aligned, others, j)
+            if past == j or not aligned.compare(node, others[past]):
+                return None
+            j = past + 1
     return aligned if j == len(others) else None
 
 
