@@ -60,3 +60,19 @@ def test_eval_model_is_exported_twice_and_follows_train_and_eval(monkeypatch):
     other = torch.randint(0, 50, (3, 5))
     with torch.no_grad():
         assert torch.allclose(gm(other).float(), model(other), rtol=0.05, atol=0.05)
+
+
+def test_train_mode_model_follows_eval_without_the_one_mode_warning(caplog):
+    torch.manual_seed(0)
+    model = TokenModel().train()
+    ids = torch.randint(0, 50, (2, 8))
+    with caplog.at_level("WARNING", logger="fxamp"):
+        gm = fxamp.amp_rewrite(model, (ids,), dtype=torch.bfloat16, target="cpu",
+                               frontend="export")
+    assert "differently in train and eval mode" not in caplog.text
+    gm.eval()
+    model.eval()
+    with torch.no_grad():
+        out = gm(ids)
+        assert torch.equal(gm(ids), out)  # the eval graph's behaviour: no dropout
+        assert torch.allclose(out.float(), model(ids), rtol=0.05, atol=0.05)
