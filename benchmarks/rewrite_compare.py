@@ -3,15 +3,17 @@
 For each model and (dtype, target): the front end's own plain trace (static
 ``torch.fx.symbolic_trace`` / ``torch.export.export(strict=False)``), a rewrite by the other
 checkout ("before", imported from ``--before-src`` under another package name) and one by
-this one ("after"), interleaved ``--repeat`` times; process CPU seconds, medians. The
-autocast-oracle cache of both is emptied before every rewrite (each rewrite is a first one,
-as in a fresh process) and a full garbage collection runs (untimed) before every rewrite and
-trace, so that none pays for another's garbage. The two plans' text (``str(plan_of(gm))``, first round: a plain fx
-trace of a model may leave it numbering tensor constants differently) must be identical: a
-row says "PLAN DIFFERS" otherwise. "bare fake run" is one FakeTensorProp run of the front
-end's plain graph, the floor of a rewrite that runs the graph on fake tensors. With
-``--phases`` each version's last rewrite is also split by phase (process CPU time of the
-outermost calls, inclusive).
+this one ("after"), interleaved ``--repeat`` times; process CPU seconds, medians. The caches
+fxamp keeps across rewrites (autocast oracle, norm-eps probes) are emptied before every
+rewrite (each is a first one, as in a fresh process) and a full garbage collection runs
+(untimed) before every rewrite and trace, so that none pays for another's garbage.
+
+The two plans' text (``str(plan_of(gm))``, first round) must be identical: a row says "PLAN
+DIFFERS" otherwise, or "same but constant names" where only fx's numbering of tensor
+constants differs (a plain fx trace of some models shifts it for later traces). "bare fake
+run" is one FakeTensorProp run of the front end's plain graph: the floor of a rewrite that
+learns dtypes by running the graph on fake tensors. With ``--phases`` each version's last
+rewrite is also split by phase (process CPU time of the outermost calls, inclusive).
 
     python benchmarks/rewrite_compare.py --before-src OLD/src [--repeat 3]
         [--models tv/resnet50,timm/mobilevit_xxs:64,hf/bert] [--configs bf16/cpu,fp16/cuda]
@@ -239,8 +241,8 @@ def main() -> None:
                     print(f"    {label:28s} {secs:6.2f} s {100 * secs / total:5.1f}% "
                           f"({watched.calls[label]} calls)", flush=True)
     text = _common.table(["model", "dtype/target", "front end", "plain trace CPU s",
-                          "bare fake run CPU s", "before CPU s", "after CPU s", "before/plain", "after/plain",
-                          "after/before", "plans"], rows)
+                          "bare fake run CPU s", "before CPU s", "after CPU s",
+                          "before/plain", "after/plain", "after/before", "plans"], rows)
     print(text)
     load = os.getloadavg()
     note = (f"Load average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
