@@ -145,7 +145,7 @@ class Alignment:
             return False  # (an ATen call's schema, or the (args, kwargs) tree structure)
         changes = []
         for index, (va, vb) in enumerate(zip(values_a[0], values_b[0])):
-            if self.same_value(va, vb):
+            if self.same_value(va, vb) or _same_slice_start(a, index, va, vb):
                 continue
             if type(va) is bool and type(vb) is bool:
                 changes.append(Change(a, b, index, va))
@@ -296,8 +296,37 @@ def align(train: fx.Graph, eval_: fx.Graph, roots: Tuple[nn.Module, nn.Module]
                 or _is_full_slice(node):
             aligned.alias[node] = node.args[0]
         else:
-            return None
+            past = _skip_static_aliases(aligned, others, j)
+            if past == j or not aligned.compare(node, others[past], roots):
+                return None
+            j = past + 1
     return aligned if j == len(others) else None
+
+
+def _same_slice_start(node: fx.Node, index: int, a: Any, b: Any) -> bool:
+    """``x[None:n]`` and ``x[0:n]``: a static export spells the start 0 (``start`` is
+    argument 2 of ``aten.slice.Tensor``)."""
+    return (node.op == "call_function" and node.target is torch.ops.aten.slice.Tensor
+            and index == 2 and a in (None, 0) and b in (None, 0)
+            and type(a) is not bool and type(b) is not bool)
+
+
+def _skip_static_aliases(aligned: Alignment, others: List[fx.Node], j: int) -> int:
+    """The index past the ``alias`` nodes at ``others[j:]`` (where a symbolic export slices
+    in full, ``x[:, 0:]``, a static one has ``alias(x)``), each matched with what its input
+    matched; ``j`` when there are none or only aliases are left."""
+    k = j
+    while k < len(others) and others[k].op == "call_function" \
+            and others[k].target is torch.ops.aten.alias.default \
+            and isinstance(others[k].args[0], fx.Node):
+        k += 1
+    if k == j or k == len(others):
+        return j
+    for alias in others[j:k]:
+        source = aligned.match.get(alias.args[0])
+        if source is not None:
+            aligned.match[alias] = source
+    return k
 
 
 def root_flag(node: fx.Node) -> str:

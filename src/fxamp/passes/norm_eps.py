@@ -114,17 +114,61 @@ def _hand_written(gm: fx.GraphModule, policy: Policy, node: fx.Node
     return {}
 
 
-def _probe_finite(fn, shape: tuple, dtype: torch.dtype) -> Optional[bool]:
+#: probe results by ``_probe_key`` (a model's repeated norms of one configuration and
+#: shape are probed once; fp16 norm kernels on the CPU are slow); bounded
+_PROBED: Dict[tuple, Optional[bool]] = {}
+_PROBED_MAX = 4096
+
+
+def _probe_finite(fn, shape: tuple, dtype: torch.dtype,
+                  key: Optional[tuple] = None) -> Optional[bool]:
     """Run ``fn`` on real CPU zeros in ``dtype`` (also when the model is on cuda or meta, or
-    the caller is inside a FakeTensorMode): is the result finite?"""
+    the caller is inside a FakeTensorMode): is the result finite? ``key`` (everything the
+    result depends on but ``shape`` and ``dtype``; None: not cacheable) memoizes it."""
     shape = (min(shape[0], 2),) + tuple(shape[1:]) if shape else shape
+    if key is not None:
+        key = key + (tuple(shape), dtype)
+        if key in _PROBED:
+            return _PROBED[key]
     try:
         with unset_fake_temporarily(), torch.no_grad():
             out = fn(torch.zeros(shape, dtype=dtype, device="cpu"))
-            return bool(torch.isfinite(out).all())
+            result: Optional[bool] = bool(torch.isfinite(out).all())
     except Exception:  # noqa: BLE001 - a probe that cannot run decides nothing
         log.debug("norm probe failed", exc_info=True)
+        result = None
+    if key is not None:
+        if len(_PROBED) >= _PROBED_MAX:
+            _PROBED.clear()
+        _PROBED[key] = result
+    return result
+
+
+def _module_key(module: nn.Module) -> Optional[tuple]:
+    """What a module probe's result depends on besides the input: the class, its printed
+    configuration (children included), its plain attributes and every training flag (the
+    probe's state is made from shapes and dtypes alone). None when it cannot be hashed."""
+    attrs = tuple(sorted((k, v) for k, v in vars(module).items() if not k.startswith("_")
+                         and isinstance(v, (bool, int, float, str, type(None)))))
+    state = tuple((name, tuple(t.shape), t.dtype) for name, t in
+                  list(module.named_parameters()) + list(module.named_buffers()))
+    key = (type(module), repr(module), attrs, state,
+           tuple(m.training for m in module.modules()))
+    try:
+        hash(key)
+    except TypeError:
         return None
+    return key
+
+
+def _function_key(fn: object, args: list, kwargs: dict) -> Optional[tuple]:
+    """What a function probe's result depends on besides the input (None: unhashable)."""
+    try:
+        key = (fn, repr(args), repr(sorted(kwargs.items())))
+        hash(key)
+    except Exception:  # noqa: BLE001 - an argument without a usable repr or hash
+        return None
+    return key
 
 
 def _module_probe(module: nn.Module):  # type: ignore[no-untyped-def]
@@ -155,7 +199,7 @@ def _kernel(gm: fx.GraphModule, policy: Policy, node: fx.Node) -> Dict[fx.Node, 
         if not isinstance(module, NORM_MODULES) or not 0 < module.eps < tiny:
             return {}
         eps, label = module.eps, type(module).__name__
-        probe = _module_probe(module)
+        probe, key = _module_probe(module), _module_key(module)
     elif ops.is_call(node, NORM_FUNCTIONS):
         eps = ops.arg(node, "eps")
         if not isinstance(eps, float) or not 0 < eps < tiny:
@@ -164,12 +208,13 @@ def _kernel(gm: fx.GraphModule, policy: Policy, node: fx.Node) -> Dict[fx.Node, 
         args = [None if isinstance(a, fx.Node) else a for a in node.args[1:]]
         kwargs = {k: None if isinstance(v, fx.Node) else v for k, v in node.kwargs.items()}
         fn = node.target
+        key = _function_key(fn, args, kwargs)
 
         def probe(x, fn=fn, args=args, kwargs=kwargs):  # type: ignore[no-untyped-def]
             return fn(x, *args, **kwargs)
     else:
         return {}
-    if _probe_finite(probe, shape, policy.compute) is False:
+    if _probe_finite(probe, shape, policy.compute, key) is False:
         return {node: Decision(torch.float32, Rule.NORM_EPS,
                                f"{label} with eps={eps:g} gives inf/NaN on a constant input "
                                f"in {dtype_name(policy.compute)} (probed): statistics in fp32")}

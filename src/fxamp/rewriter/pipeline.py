@@ -24,6 +24,7 @@ from ..frontends.common import nested_header, nested_lines
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
 from ..frontends.state import ModelState, report_side_effects
+from .gc_scope import young_objects_only
 from .inputs import check_example_inputs
 from .pass_list import annotate_step, pass_list
 from .state_dict import complete_state
@@ -165,7 +166,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     state = ModelState(model)
     grad = torch.is_grad_enabled()
     try:
-        with state.watch():
+        with state.watch(), young_objects_only():
             try:
                 gm = rewrite(model, args, config)
                 setattr(gm, CONFIG_ATTR, _kept(config, gm))
