@@ -34,6 +34,7 @@ machine is shared: prefer ``--threads 1`` and read the ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import copy
 import statistics
@@ -81,30 +82,37 @@ def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                            target.flatten() if out.dim() > 2 else target)
 
 
-def make_step(fwd, params, target, mode, autocast=None, attach=None):
-    """One training step (or one no_grad forward) of ``fwd``."""
+def make_step(fwd, params, target, mode, autocast=None, attach=None, phase=None):
+    """One training step (or one no_grad forward) of ``fwd``; ``phase(name)``, if given, is a
+    context manager put around each phase (forward, loss, backward, optimizer)."""
+    span = phase or (lambda name: contextlib.nullcontext())
+
+    def forward():
+        with span("forward"):
+            if autocast is not None:
+                with torch.autocast("cpu", dtype=DT, cache_enabled=autocast):
+                    return fwd()
+            return fwd()
+
     if mode == "infer":
         def infer():
             with torch.no_grad():
-                if autocast is not None:
-                    with torch.autocast("cpu", dtype=DT, cache_enabled=autocast):
-                        return fwd()
-                return fwd()
+                return forward()
         return infer
     opt = torch.optim.SGD(params, lr=1e-4)
     if attach is not None:
         fxamp.train.attach_optimizer(attach, opt)
 
     def step():
-        opt.zero_grad(set_to_none=True)
-        if autocast is not None:
-            with torch.autocast("cpu", dtype=DT, cache_enabled=autocast):
-                out = fwd()
-        else:
-            out = fwd()
-        loss = loss_of(out, target)
-        loss.backward()
-        opt.step()
+        with span("optimizer"):
+            opt.zero_grad(set_to_none=True)
+        out = forward()
+        with span("loss"):
+            loss = loss_of(out, target)
+        with span("backward"):
+            loss.backward()
+        with span("optimizer"):
+            opt.step()
         return loss
     return step
 

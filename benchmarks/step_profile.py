@@ -58,35 +58,8 @@ def _faults() -> int:
 
 def phased_step(fwd, params, target, mode, autocast=None, attach=None):
     """``cpu_step_time.make_step`` with a profiler range around each phase."""
-    import fxamp
-    if mode == "infer":
-        def infer():
-            with torch.no_grad(), phase("forward"):
-                if autocast is not None:
-                    with torch.autocast("cpu", dtype=cst.DT, cache_enabled=autocast):
-                        return fwd()
-                return fwd()
-        return infer
-    opt = torch.optim.SGD(params, lr=1e-4)
-    if attach is not None:
-        fxamp.train.attach_optimizer(attach, opt)
-
-    def step():
-        with phase("optimizer"):
-            opt.zero_grad(set_to_none=True)
-        with phase("forward"):
-            if autocast is not None:
-                with torch.autocast("cpu", dtype=cst.DT, cache_enabled=autocast):
-                    out = fwd()
-            else:
-                out = fwd()
-        with phase("loss"):
-            loss = cst.loss_of(out, target)
-        with phase("backward"):
-            loss.backward()
-        with phase("optimizer"):
-            opt.step()
-    return step
+    return cst.make_step(fwd, params, target, mode, autocast=autocast, attach=attach,
+                         phase=phase)
 
 
 def variants(model, inputs, target, mode, names):
