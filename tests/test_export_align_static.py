@@ -27,25 +27,13 @@ class TokenModel(nn.Module):
         return self.head(h[:, slice(-0, None), :])
 
 
-def _count_exports(monkeypatch):
-    calls = []
-    real = torch.export.export
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(torch.export, "export", counting)
-    return calls
-
-
-def test_eval_model_is_exported_twice_and_follows_train_and_eval(monkeypatch):
+def test_eval_model_is_exported_twice_and_follows_train_and_eval(export_calls):
     torch.manual_seed(0)
     model = TokenModel().eval()
     ids = torch.randint(0, 50, (2, 8))
-    calls = _count_exports(monkeypatch)
     gm = fxamp.amp_rewrite(model, (ids,), dtype=torch.bfloat16, target="cpu",
                            frontend="export")
-    assert len(calls) == 2  # train (symbolic batch and sequence) + static eval
+    assert len(export_calls) == 2  # train (symbolic batch and sequence) + static eval
     assert fxamp.plan_of(gm).header["frontend"] == "export"
     with torch.no_grad():
         ref = model(ids)

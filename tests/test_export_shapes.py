@@ -4,7 +4,6 @@ many times torch.export.export runs per rewrite (counted by a passthrough to the
 from __future__ import annotations
 
 import os
-from typing import List
 
 import pytest
 import torch
@@ -15,20 +14,6 @@ import fxamp
 from fxamp.errors import InputShapeError
 
 BF16 = dict(dtype=torch.bfloat16, target="cpu", frontend="export")
-
-
-@pytest.fixture
-def export_calls(monkeypatch) -> List[int]:
-    """torch.export.export still runs (the real one); each call is counted."""
-    calls: List[int] = []
-    real = torch.export.export
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(torch.export, "export", counting)
-    return calls
 
 
 class Pool(nn.Module):

@@ -26,7 +26,7 @@ from ..fileio import atomic_directory
 from ..frontends.common import training_flags
 from ..progress import shows
 from ..rewriter import plan_of
-from ..rewriter.pipeline import _as_tuple
+from ..frontends.common import as_tuple
 from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
                       restore_tiny_adds, set_meta)
 from .report import ExportError
@@ -197,7 +197,7 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                           "pip install 'fxamp[onnx]' (or pip install onnx onnxscript "
                           "onnxruntime)") from None
     plan = plan_of(gm)
-    inputs = _as_tuple(example_inputs)
+    inputs = as_tuple(example_inputs)
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ExportError(f"exporter must be auto, dynamo or torchscript, got {exporter!r}")
     used, error = "", ""

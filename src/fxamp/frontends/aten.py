@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
 from ..progress import shows
-from .common import training_flags, warn_mode_only, warn_one_mode
+from .common import as_tuple, training_flags, warn_mode_only, warn_one_mode
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
 from .aten_inputs import ShapeCheck, flat_inputs, plain_containers, plain_inputs_hook
@@ -262,14 +262,6 @@ def _refuse_hooks_in_export(model: nn.Module) -> None:
             "their hooks; or remove the hooks before amp_rewrite")
 
 
-def _as_tuple(batch: Any) -> tuple:
-    if isinstance(batch, tuple):
-        return batch
-    if isinstance(batch, list):
-        return tuple(batch)
-    return (batch,)
-
-
 class AtenFrontend:
     """torch.export, ATen level (see :func:`export_trace`); refuses hooked modules. The
     rewritten module checks each call's input sizes against the export's
@@ -293,7 +285,7 @@ class AtenFrontend:
         return flat_inputs(traced.graph_module, args, kwargs)
 
     def calibration(self, traced: Traced, batches: Iterable[Any]) -> Iterable[Any]:
-        return [flat_inputs(traced.graph_module, _as_tuple(batch), {}) for batch in batches]
+        return [flat_inputs(traced.graph_module, as_tuple(batch), {}) for batch in batches]
 
     def runtime_calls(self, traced: Traced) -> List[str]:
         return []  # (hooked models are refused)

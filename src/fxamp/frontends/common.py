@@ -12,6 +12,16 @@ import torch.nn as nn
 
 from ..plan import Plan
 
+
+def as_tuple(inputs: Any) -> tuple:
+    """Positional inputs as a tuple: a tuple as is, a list as a tuple, anything else as the
+    one input."""
+    if isinstance(inputs, tuple):
+        return inputs
+    if isinstance(inputs, list):
+        return tuple(inputs)
+    return (inputs,)
+
 log = logging.getLogger(__name__)
 
 

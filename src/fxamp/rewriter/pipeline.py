@@ -20,7 +20,7 @@ from ..passes.manager import PassContext, PassManager
 from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
 from ..policy import Policy
 from ..frontends import Children, capture_model, graph_frontend
-from ..frontends.common import nested_header, nested_lines
+from ..frontends.common import as_tuple, nested_header, nested_lines
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
 from ..frontends.state import ModelState, report_side_effects
@@ -34,14 +34,6 @@ log = logging.getLogger(__name__)
 
 _PLAN_ATTR = PLAN_ATTR
 _POLICY_ATTR = "fxamp_policy"
-
-
-def _as_tuple(example_inputs: Any) -> tuple:
-    if isinstance(example_inputs, tuple):
-        return example_inputs
-    if isinstance(example_inputs, list):
-        return tuple(example_inputs)
-    return (example_inputs,)
 
 
 def _check_model(model: Any) -> None:
@@ -161,7 +153,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
                          "arguments) to know which values are floating tensors; what to do: "
                          "pass e.g. (torch.randn(1, 3, 224, 224),)")
-    args = () if example_inputs is None else _as_tuple(example_inputs)
+    args = () if example_inputs is None else as_tuple(example_inputs)
     check_global_hooks()
     state = ModelState(model)
     grad = torch.is_grad_enabled()

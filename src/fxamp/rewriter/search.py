@@ -30,7 +30,8 @@ from ..frontends import graph_inputs, trace_model
 from ..policy import Policy, dtype_name, make_policy
 from ..progress import advance, shows, track
 from ..runtime import eligible
-from .pipeline import _as_tuple, _check_model, plan_of, rewrite
+from ..frontends.common import as_tuple
+from .pipeline import _check_model, plan_of, rewrite
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +155,10 @@ def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
     _check_model(model)
     if config is None:
         config = RewriteConfig(make_policy(policy, dtype, target), frontend)
-    batches = [_as_tuple(b) for b in data]
+    batches = [as_tuple(b) for b in data]
     if not batches:
         raise FxampError("search needs at least one batch of data")
-    return _Evaluator(model, _as_tuple(example_inputs), config, batches,
+    return _Evaluator(model, as_tuple(example_inputs), config, batches,
                       metric or max_relative_error)
 
 
