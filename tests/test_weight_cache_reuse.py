@@ -81,8 +81,8 @@ def test_training_bit_identical_to_casting_every_forward_and_memory_reused(polic
         for pa, pb in zip(a.parameters(), b.parameters()):
             assert torch.equal(pa, pb), step
     # the copies are re-cast into the same memory every step; the large weight's FP32
-    # gradient is cast into the same memory too (its .grad is the sum of the embedding's
-    # and the head's gradients: another tensor)
+    # gradient is cast into the same memory too (between micro-batches .grad holds it and
+    # the next micro-batch's cast is a temporary added into it)
     assert len(set(p[0] for p in ptrs[1:])) == 1 and len(set(p[1] for p in ptrs[1:])) == 1
     assert len(set(p[2] for p in ptrs[1:])) == 1
     assert fxamp.weight_cache_bytes(gb) > b.wte.weight.numel() * 2  # grad memory counted
@@ -90,7 +90,40 @@ def test_training_bit_identical_to_casting_every_forward_and_memory_reused(polic
         assert torch.equal(gb(idx), ga(idx))
 
 
-def test_a_copy_or_gradient_someone_holds_is_never_overwritten():
+def test_tied_weight_gradient_is_summed_in_place_into_the_kept_memory():
+    """The head's cast gradient is handed to autograd as a tensor nobody else holds, so the
+    embedding's gradient is added into it in place (as for autocast's fresh cast) and it
+    becomes .grad: no out-of-place sum of the tied weight, no fresh memory per step."""
+    from torch.profiler import profile
+
+    a, ga, b, gb = _pair("weights=cached")
+    head = next(s for s in caches(gb)[0].slots if s.param is b.wte.weight)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b)]
+    torch.manual_seed(3)
+    ptrs = []
+    for step in range(3):
+        idx, y = _batch()
+        losses = [F.cross_entropy(g(idx).reshape(-1, VOCAB), y) for g in (ga, gb)]
+        losses[0].backward()
+        with profile(record_shapes=True) as prof:
+            losses[1].backward()
+        sums = [e for e in prof.events() if e.name == "aten::add"
+                and list(VOCAB_D) in [list(s) for s in e.input_shapes]]
+        assert sums == [], step  # before: one out-of-place aten::add of the tied weight
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa.grad, pb.grad), step
+        ptrs.append((b.wte.weight.grad.data_ptr(), head.grad_buf.data_ptr()))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(g == k for g, k in ptrs) and len(set(ptrs[1:])) == 1, ptrs
+
+
+VOCAB_D = (VOCAB, D)
+
+
+@pytest.mark.parametrize("hold", ["grad", "grad.detach()", "grad.data"])
+def test_a_copy_or_gradient_someone_holds_is_never_overwritten(hold):
     a, ga, b, gb = _pair("weights=cached")
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b)]
     torch.manual_seed(2)
@@ -110,7 +143,10 @@ def test_a_copy_or_gradient_someone_holds_is_never_overwritten():
     idx2, y2 = _batch()
     for g in (ga, gb):  # the weights changed: this forward re-casts them
         F.cross_entropy(g(idx2).reshape(-1, VOCAB), y2).backward()
-    held = [m.wte.weight.grad for m in (a, b)]  # 2. a caller keeps a gradient
+    # 2. a caller keeps a gradient: the tensor, or an alias of its memory that no use
+    # count of that tensor shows
+    held = [{"grad": lambda g: g, "grad.detach()": lambda g: g.detach(),
+             "grad.data": lambda g: g.data}[hold](m.wte.weight.grad) for m in (a, b)]
     held_values = [h.clone() for h in held]
     for opt in opts:
         opt.zero_grad(set_to_none=True)

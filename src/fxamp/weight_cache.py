@@ -121,7 +121,8 @@ class _Slot:
     def upcast(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``grad.to(dtype)``; on CPU (where a fresh large tensor page-faults) written into
         the previous step's gradient memory when nothing holds it any more (the optimizer's
-        ``zero_grad(set_to_none=True)`` dropped it), and returned as a new alias of it."""
+        ``zero_grad(set_to_none=True)`` dropped it), and returned as a new alias of it
+        (:func:`_alias`)."""
         if (grad.device.type != "cpu" or grad.dtype == dtype or torch.is_grad_enabled()
                 or type(grad) is not torch.Tensor):
             return grad.to(dtype)  # (grad enabled: create_graph, keep the plain formula)
@@ -129,10 +130,33 @@ class _Slot:
         self.grad_buf = None
         if _reusable(buf, grad, dtype) and not grad.is_inference():
             buf.copy_(grad)
-        else:
-            buf = grad.to(dtype)
-        self.grad_buf = buf
-        return buf.detach()  # another TensorImpl: AccumulateGrad may keep it as .grad
+            self.grad_buf = buf
+            return _alias(buf)
+        fresh = grad.to(dtype)
+        if buf is not None and self._is_grad_memory(buf):
+            # a micro-batch of gradient accumulation: .grad still holds the kept memory and
+            # this gradient is added into it; the cast is a temporary
+            self.grad_buf = buf
+            return fresh
+        self.grad_buf = fresh
+        return _alias(fresh)
+
+    def _is_grad_memory(self, buf: torch.Tensor) -> bool:
+        grad = None if self.param is None else self.param.grad
+        return grad is not None and grad.data_ptr() == buf.data_ptr()
+
+
+def _alias(buf: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``buf``'s memory with its own TensorImpl and storage, which keeps ``buf``
+    referenced while it lives. Autograd adds a tied weight's other gradients in place only
+    into a tensor whose storage nobody else holds (else into a fresh one: on CPU a page-
+    faulting allocation, 74 ms of GPT-2-small's 500 ms step), and AccumulateGrad keeps it as
+    ``.grad``; ``buf`` becomes exclusive again once that ``.grad`` (and any alias of it) is
+    gone. ``buf.detach()`` where DLPack cannot take it."""
+    try:
+        return torch.from_dlpack(buf)
+    except Exception:  # noqa: BLE001 - a dtype or layout DLPack lacks: share the storage
+        return buf.detach()
 
 
 class WeightCache(nn.Module):
