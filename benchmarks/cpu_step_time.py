@@ -14,6 +14,14 @@ Variants, all on one model's FP32 Parameters except the limit and o2 (its own co
   writes the bf16 copies);
 - ``fxamp channels_last`` (``--channels-last``): policy ``channels_last=on`` on its own copy.
 
+With ``--mode train`` the table also gives **the FP32-master bound**: the limit's step plus
+what keeping FP32 master weights adds to any mixed-precision step whose masters and gradients
+are autocast's: each weight cast to bf16 and each bf16 gradient cast to FP32 (one ``copy_``
+per tensor into existing memory: no page faults) and SGD on FP32 instead of bf16 tensors,
+timed in the same rounds. It leaves out the FP32 islands and the FP32 embedding gradient, so
+it is a lower bound: fxamp/autocast cannot go below bound/autocast without changing the
+numbers.
+
 ``--mode train``: zero_grad + forward + FP32 cross-entropy + backward + SGD step;
 ``--mode infer``: forward under ``torch.no_grad()``. Variants run interleaved: each round runs
 every variant ``--steps`` times; the table gives median ms/step over rounds, then
@@ -146,6 +154,36 @@ def launches(step) -> str:
     return f"{ops}/{casts}"
 
 
+def bound_parts(model, low, lr: float = 1e-4):
+    """The pieces of the FP32-master bound, each a step function timed with the variants:
+    ``casts`` (every weight FP32 -> bf16 and every gradient bf16 -> FP32, into existing
+    tensors), ``sgd fp32`` and ``sgd bf16`` (torch.optim.SGD's per-tensor update on CPU)."""
+    masters = [p.detach().clone() for p in model.parameters()]
+    copies = [torch.empty_like(p, dtype=DT) for p in masters]
+    grads_low = [torch.full_like(p, 1e-3, dtype=DT) for p in masters]
+    grads = [torch.empty_like(p) for p in masters]
+    lows = [p.detach().clone() for p in low.parameters()]
+
+    def casts():
+        for c, m in zip(copies, masters):
+            c.copy_(m)
+        for g, gl in zip(grads, grads_low):
+            g.copy_(gl)
+
+    def sgd(params, gs):
+        def step():
+            for p, g in zip(params, gs):
+                p.add_(g, alpha=-lr)
+        return step
+    return {"casts": casts, "sgd fp32": sgd(masters, grads), "sgd bf16": sgd(lows, grads_low)}
+
+
+def bound_ms(times: dict, parts: dict) -> list:
+    """Per round: limit + casts + (SGD fp32 - SGD bf16), ms per step."""
+    return [lim + c + s32 - s16 for lim, c, s32, s16 in
+            zip(times["limit"], parts["casts"], parts["sgd fp32"], parts["sgd bf16"])]
+
+
 def variants(model, inputs, target, mode, a):
     """name -> step function."""
     rewrite = lambda m, policy=None: fxamp.amp_rewrite(  # noqa: E731
@@ -213,6 +251,9 @@ def main() -> None:
             model.train(a.mode == "train")
             steps = variants(model, inputs, target, a.mode, a)
             names = list(steps)
+            parts = (bound_parts(model, copy.deepcopy(model).to(DT)) if a.mode == "train"
+                     else {})
+            part_ms = {k: [] for k in parts}
             times = {k: [] for k in steps}
             faults = {k: [] for k in steps}
             broken, counts = {}, {}
@@ -235,6 +276,14 @@ def main() -> None:
                         step()
                     times[k].append((clock() - t0) / a.steps * 1e3)
                     faults[k].append((_minor_faults() - f0) / a.steps)
+                for k, part in parts.items():
+                    part()
+                    t0 = clock()
+                    for _ in range(a.steps):
+                        part()
+                    part_ms[k].append((clock() - t0) / a.steps * 1e3)
+            if parts and times["limit"]:
+                times["bound"] = bound_ms(times, part_ms)
             med = {k: statistics.median(v) for k, v in times.items() if v}
 
             def ratio(x, y):
@@ -248,6 +297,9 @@ def main() -> None:
             row += [peer.replace("autocast", "ac")]
             for k in ("fxamp", "fxamp cast", "fxamp o2"):
                 row.append(f"{ratio(k, peer)} / {ratio(k, 'limit')}")
+            if parts:
+                row.append(f"{med['bound']:.1f}" if "bound" in med else "n/a")
+                row.append(f"{ratio('bound', peer)} / {ratio('fxamp', 'bound')}")
             row.append(" ".join(counts.get(k, "-") for k in names))
             row.append(" ".join(f"{statistics.median(faults[k]) / 1e3:.0f}" if faults[k]
                                 else "-" for k in names))
@@ -255,7 +307,10 @@ def main() -> None:
             print(row, flush=True)
     headers = (["model", "mode", "batch"] + [f"{k} ms" for k in names]
                + ["faster autocast", "fxamp: /autocast / /limit", "fxamp cast: /ac / /limit",
-                  "fxamp o2: /ac / /limit", "ATen ops/tensors cast per step (" + ", ".join(names) + ")",
+                  "fxamp o2: /ac / /limit"]
+               + (["FP32-master bound ms", "bound/ac / fxamp/bound"] if a.mode == "train"
+                  else [])
+               + ["ATen ops/tensors cast per step (" + ", ".join(names) + ")",
                   "page faults per step, thousands (same order)"])
     md = _common.table(headers, rows)
     print(md)
@@ -272,7 +327,12 @@ def main() -> None:
                 + f"); ratios are medians "
                 f"of per-round ratios, against the faster autocast setting ('ac' = "
                 f"cache_enabled=True, 'ac nocache' = cache_enabled=False) and against the limit "
-                f"(the model in bf16, no casts). Load average at the end (1 min): "
+                f"(the model in bf16, no casts)"
+                + ("; the FP32-master bound is the limit plus every weight and gradient "
+                   "cast into existing memory and the FP32-vs-bf16 SGD difference (no FP32 "
+                   "islands: a lower bound for a step bit-identical to autocast's)"
+                   if a.mode == "train" else "")
+                + f". Load average at the end (1 min): "
                 f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} logical cores. "
                 f"torch threads: {torch.get_num_threads()}.\n\n" + md)
         _common.append_docs(f"CPU step time vs autocast and the limit ({a.mode}"

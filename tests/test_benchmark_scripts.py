@@ -58,3 +58,15 @@ def test_step_profile_splits_a_training_step_by_phase():
     for phase in ("| forward |", "| backward |", "| optimizer |"):
         assert out.count(phase) == 2, out
     assert "aten::" in out  # the top ops
+
+
+def test_cpu_step_time_train_gives_the_fp32_master_bound():
+    out = _run("benchmarks/cpu_step_time.py", "--mode", "train", "--models", "gpt_tiny",
+               "--batch", "1", "--rounds", "1", "--steps", "1", "--seq", "8", "--no-docs")
+    assert "| FP32-master bound ms | bound/ac / fxamp/bound |" in out, out
+    row = eval(next(line for line in out.splitlines() if line.startswith("['gpt_tiny'")))
+    limit_ms, bound_ms = float(row[3 + 3]), float(row[-4])
+    # the bound adds casts and a wider optimizer step to the limit's own step
+    assert bound_ms > limit_ms, row
+    bound_ratio, fxamp_ratio = (float(v) for v in row[-3].split(" / "))
+    assert bound_ratio > 0 and fxamp_ratio > 0, row
