@@ -224,6 +224,33 @@ def test_cache_steps_aside_on_meta_and_when_compiled():
     assert cast_weight(meta, BF16, cache, 0).dtype == BF16 and cache.casts == 0
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_o2_step_recasts_only_copies_a_forward_uses(compiled):
+    """Under torch.compile the cache steps aside (the compiled graph casts the weights
+    itself), so the o2 optimizer hook has nothing to re-cast; eager, it re-casts every
+    changed weight after each step. Masters equal the weights=cast model's either way."""
+    a, ga, b, gb = _pair("weights=o2")
+    run = torch.compile(gb, backend="eager") if compiled else gb
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    fxamp.train.attach_optimizer(gb, opts[1])
+    cache = caches(gb)[0]
+    torch.manual_seed(4)
+    for step in range(3):
+        idx = torch.randint(0, 50, (2, 7))
+        y = torch.randint(0, 50, (2 * 7,))
+        for g, opt in zip((ga, run), opts):
+            F.cross_entropy(g(idx).reshape(-1, 50), y).backward()
+            casts_before = cache.casts
+            opt.step()
+            opt.zero_grad()
+            recast = cache.casts - casts_before
+            if g is run:
+                assert recast == (0 if compiled else len(cache.slots)), (step, recast)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa, pb), step
+    assert (fxamp.weight_cache_bytes(gb) == 0) == compiled
+
+
 def test_trainer_attaches_the_optimizer_for_o2():
     a, ga, b, gb = _pair("weights=o2")
     opt = torch.optim.SGD(b.parameters(), lr=0.1)

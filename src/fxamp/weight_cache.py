@@ -172,6 +172,7 @@ class WeightCache(nn.Module):
         self.enabled = True
         self.hits = 0
         self.casts = 0  # weights cast (misses), counted for tests and benchmarks
+        self.served = False  # a copy was served since the o2 step last re-cast (train/o2.py)
 
     def add_slot(self, dtype: torch.dtype, param: Optional[torch.Tensor] = None) -> int:
         """A new slot for one weight (``param``, if known: the first forward then casts
@@ -239,6 +240,7 @@ class WeightCache(nn.Module):
         grad: with every other changed weight, in one operation); ``grad``: a copy whose
         backward returns the gradient to ``param``."""
         slot = self.slots[index]
+        self.served = True
         if slot.param is not param:
             slot.param, slot.key, slot.grad_copy = param, None, None
         key = _key(param)

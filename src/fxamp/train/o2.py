@@ -51,8 +51,11 @@ def attach_optimizer(gm: Union[nn.Module, Callable[[], nn.Module]],
         cache.attached = True
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        module = get()
-        for cache in caches(module):
+        for cache in caches(get()):
             cache.attached = True
-        refresh_weights(module)
+            # only copies a forward used since the last step: a compiled forward (the cache
+            # steps aside while torch.compile traces) casts the weights in its own graph
+            if cache.served:
+                cache.served = False
+                cache.refresh()
     return optimizer.register_step_post_hook(hook)
