@@ -20,7 +20,7 @@ are autocast's: each weight cast to bf16 and each bf16 gradient cast to FP32 (on
 per tensor into existing memory: no page faults) and SGD on FP32 instead of bf16 tensors,
 timed in the same rounds. It leaves out the FP32 islands and the FP32 embedding gradient, so
 it is a lower bound: fxamp/autocast cannot go below bound/autocast without changing the
-numbers.
+numbers. Not with ``--compile`` (the parts run eagerly).
 
 ``--mode train``: zero_grad + forward + FP32 cross-entropy + backward + SGD step;
 ``--mode infer``: forward under ``torch.no_grad()``. Variants run interleaved: each round runs
@@ -251,8 +251,8 @@ def main() -> None:
             model.train(a.mode == "train")
             steps = variants(model, inputs, target, a.mode, a)
             names = list(steps)
-            parts = (bound_parts(model, copy.deepcopy(model).to(DT)) if a.mode == "train"
-                     else {})
+            bounded = a.mode == "train" and not a.compile  # (the parts run eagerly)
+            parts = bound_parts(model, copy.deepcopy(model).to(DT)) if bounded else {}
             part_ms = {k: [] for k in parts}
             times = {k: [] for k in steps}
             faults = {k: [] for k in steps}
@@ -308,8 +308,8 @@ def main() -> None:
     headers = (["model", "mode", "batch"] + [f"{k} ms" for k in names]
                + ["faster autocast", "fxamp: /autocast / /limit", "fxamp cast: /ac / /limit",
                   "fxamp o2: /ac / /limit"]
-               + (["FP32-master bound ms", "bound/ac / fxamp/bound"] if a.mode == "train"
-                  else [])
+               + (["FP32-master bound ms", "bound/ac / fxamp/bound"]
+                  if a.mode == "train" and not a.compile else [])
                + ["ATen ops/tensors cast per step (" + ", ".join(names) + ")",
                   "page faults per step, thousands (same order)"])
     md = _common.table(headers, rows)
@@ -331,7 +331,7 @@ def main() -> None:
                 + ("; the FP32-master bound is the limit plus every weight and gradient "
                    "cast into existing memory and the FP32-vs-bf16 SGD difference (no FP32 "
                    "islands: a lower bound for a step bit-identical to autocast's)"
-                   if a.mode == "train" else "")
+                   if a.mode == "train" and not a.compile else "")
                 + f". Load average at the end (1 min): "
                 f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} logical cores. "
                 f"torch threads: {torch.get_num_threads()}.\n\n" + md)
