@@ -142,7 +142,8 @@ class _Slot:
         return _alias(fresh)
 
     def _is_grad_memory(self, buf: torch.Tensor) -> bool:
-        grad = None if self.param is None else self.param.grad
+        param = self.param
+        grad = param.grad if param is not None and param.is_leaf else None
         return grad is not None and grad.data_ptr() == buf.data_ptr()
 
 
