@@ -3,18 +3,30 @@
 The rewritten graph casts each FP32 Parameter it computes with in low precision through
 :func:`cast_weight` (one node per weight and dtype, marked as a cast in the IR:
 ``ir.is_cast``). With the policy ``weights=cached`` (the default) the cast is kept in a
-:class:`WeightCache` (a submodule ``fxamp_weight_cache`` of the GraphModule, without parameters or buffers) and reused while the
-Parameter is unchanged: same object, same version counter (bumped by every in-place change:
-optimizer steps, ``load_state_dict``, ``copy_``), same storage, dtype, device, shape and
-strides. So eval loops, repeated forwards and the micro-batches of a gradient-accumulation
-window cast each weight once per optimizer step.
+:class:`WeightCache` (a submodule ``fxamp_weight_cache`` of the GraphModule, without
+parameters or buffers).
+
+When a copy is fresh. Nothing can tell cheaply that a weight changed: a fused optimizer, a
+write through ``.data`` or a sharded all-gather change the values without bumping the
+Parameter's version counter. So:
+
+- a forward with grad (training) casts every weight it uses, as ``torch.autocast`` does
+  (into the previous copy's memory when nothing else holds it), whatever changed it;
+- a forward without grad (eval, ``generate``) reuses the copies of earlier forwards without
+  grad while the Parameter is the same object with the same version counter, storage,
+  dtype, device, shape and strides and no ``torch.optim`` optimizer has stepped on it since
+  (a global step hook counts steps: :func:`steps`); a copy cast with grad is never reused
+  without it. What it cannot see is an in-place write through ``.data`` between two
+  forwards without grad and without an optimizer step: ``fxamp.train.refresh_weights(gm)``
+  (or the policy ``weights=cast``) is the answer there;
+- ``weights=o2``: the attached optimizer's step re-casts the copies of the weights it owns
+  (``train/o2.py``); forwards with grad reuse them until the next step of any optimizer.
 
 Gradients: a copy cast with grad mode on keeps a backward that is ``Tensor.to``'s (the
 low-precision gradient cast to the master's dtype; ``ToCopyBackward`` / ``CopyBackwards``, or
 :class:`_CastBack` for copies written without grad and for CPU weights of ``BIG`` bytes or
-more); it saves no tensor and is reused by the forwards until the weight changes (the
-micro-batches of an accumulation window). Gradients reach the FP32 master exactly as without
-the cache (bit-identical, tested).
+more); it saves no tensor. Gradients reach the FP32 master exactly as without the cache
+(bit-identical, tested).
 
 Without grad (eval forwards, ``weights=o2``'s optimizer step) every stale weight of the cache
 is re-cast in one ``torch._foreach_copy_`` per dtype and device; with grad, one cast per
@@ -39,6 +51,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +62,30 @@ log = logging.getLogger(__name__)
 BIG = 1 << 20
 ATTR = "fxamp_weight_cache"  # the submodule name in the rewritten GraphModule
 _PLAIN = (torch.Tensor, nn.Parameter)
+#: how many ``torch.optim`` steps have begun on each Parameter (the global pre-hook counts)
+_STEPPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_HOOKED: List[Any] = []  # the global hook's handle, registered with the first cache
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            _STEPPED[p] = _STEPPED.get(p, 0) + 1
+
+
+def steps(param: torch.Tensor) -> int:
+    """How many ``torch.optim`` optimizer steps (of any optimizer, fused ones included) have
+    begun on ``param`` since the first :class:`WeightCache` was made: a copy cast at
+    another count may be stale."""
+    return _STEPPED.get(param, 0)
+
+
+def _hook_steps() -> None:
+    """Count every optimizer step from now on (once per process; a pre-hook, so that
+    ``weights=o2``'s own post-hook, which re-casts after the step, sees the new count)."""
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _HOOKED.append(register_optimizer_step_pre_hook(_count_step))
 
 
 class _CastBack(torch.autograd.Function):
@@ -106,7 +143,7 @@ def _cacheable(p: Any) -> bool:
 
 class _Slot:
     __slots__ = ("param", "dtype", "key", "copy", "grad_copy", "version", "new", "grad_buf",
-                 "__weakref__")
+                 "steps", "with_grad", "__weakref__")
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.param: Optional[torch.Tensor] = None
@@ -117,6 +154,17 @@ class _Slot:
         self.version = 0  # the copy's own version counter when it was made
         self.new = False  # cast by a refresh and not served yet (not counted as a hit)
         self.grad_buf: Optional[torch.Tensor] = None  # CPU: last FP32 gradient's memory
+        self.steps = -1  # the optimizer step count when the copy was cast
+        self.with_grad = False  # cast by a forward with grad
+
+    def fresh(self, reuse_grad_copy: bool) -> bool:
+        """Whether the copy may serve again: the same Parameter, unchanged as far as its
+        version counter, storage and the optimizer step count tell; a copy cast with
+        grad only when ``reuse_grad_copy`` (``weights=o2``)."""
+        p, copy = self.param, self.copy
+        return (p is not None and copy is not None and self.key == _key(p)
+                and copy._version == self.version and self.steps == steps(p)
+                and (reuse_grad_copy or not self.with_grad))
 
     def upcast(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``grad.to(dtype)``; on CPU (where a fresh large tensor page-faults) written into
@@ -174,6 +222,7 @@ class WeightCache(nn.Module):
         self.hits = 0
         self.casts = 0  # weights cast (misses), counted for tests and benchmarks
         self.served = False  # a copy was served since the o2 step last re-cast (train/o2.py)
+        _hook_steps()
 
     def add_slot(self, dtype: torch.dtype, param: Optional[torch.Tensor] = None) -> int:
         """A new slot for one weight (``param``, if known: the first forward then casts
@@ -211,8 +260,7 @@ class WeightCache(nn.Module):
             p = slot.param
             if p is None or not _cacheable(p):
                 continue
-            if only_stale and slot.key == _key(p) and slot.copy is not None \
-                    and slot.copy._version == slot.version:
+            if only_stale and slot.fresh(self.mode == "o2"):
                 continue
             groups.setdefault((slot.dtype, p.device), []).append(slot)
         n = 0
@@ -232,6 +280,7 @@ class WeightCache(nn.Module):
                 torch._foreach_copy_(dsts, [s.param for s in group])
                 for s, dst in zip(group, dsts):
                     s.copy, s.key, s.version, s.new = dst, _key(s.param), dst._version, True
+                    s.steps, s.with_grad = steps(s.param), False
                 n += len(group)
         self.casts += n
         return n
@@ -245,7 +294,8 @@ class WeightCache(nn.Module):
         if slot.param is not param:
             slot.param, slot.key, slot.grad_copy = param, None, None
         key = _key(param)
-        if slot.key != key or slot.copy is None or slot.copy._version != slot.version:
+        o2 = self.mode == "o2" and self.attached
+        if not slot.fresh(o2) or (grad and not o2):
             if (self.mode == "o2" and not self.attached and not self._warned and grad
                     and slot.copy is not None):
                 self._warned = True
@@ -289,6 +339,7 @@ class WeightCache(nn.Module):
             slot.grad_copy = param.to(dtype)
             slot.copy = slot.grad_copy.detach()
         slot.key, slot.version, slot.new = key, slot.copy._version, True
+        slot.steps, slot.with_grad = steps(param), True
         self.casts += 1
 
     def __deepcopy__(self, memo: dict) -> "WeightCache":

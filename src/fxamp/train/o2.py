@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 
 
 def refresh_weights(gm: nn.Module) -> int:
-    """Re-cast the low-precision copies of every weight of ``gm`` that changed; the number
-    of weights cast (0 when none changed or ``gm`` keeps no copies)."""
-    return sum(cache.refresh() for cache in caches(gm))
+    """Re-cast every low-precision weight copy ``gm`` keeps, after a write fxamp cannot see
+    (an in-place change through ``.data`` between forwards without grad and without an
+    optimizer step); the number of weights cast (0 when ``gm`` keeps no copies)."""
+    return sum(cache.refresh(only_stale=False) for cache in caches(gm))
 
 
 def attach_optimizer(gm: Union[nn.Module, Callable[[], nn.Module]],
