@@ -3,7 +3,9 @@ leaves) and the tests that recognise run-time calls (hooked modules, grad-mode s
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator
+import logging
+import threading
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 import torch
 import torch.fx as fx
@@ -15,6 +17,44 @@ CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
               "_backward_pre_hooks")
 #: the grad-mode switch a graph region boundary calls (``torch.no_grad`` kept in a graph)
 SET_GRAD = torch._C._set_grad_enabled
+
+log = logging.getLogger(__name__)
+_OWN = threading.local()  # .depth: fxamp's own autocast regions entered on this thread
+_WARNED: list = []
+_DEVICES: Tuple[str, ...] = tuple(d for d in ("cpu", "cuda", "xpu", "mps")
+                                  if torch.amp.is_autocast_available(d))
+
+
+def autocast_off(*inputs: Any) -> Tuple[str, ...]:
+    """The first call of a rewritten graph: turn off every ``torch.autocast`` around it (its
+    casts are explicit, the plan says each node's dtype); the device types turned off, for
+    :func:`autocast_restore`. An autocast the user (Lightning's ``bf16-mixed``, accelerate's
+    ``mixed_precision``, a ``with torch.autocast``) put around it is reported once; fxamp's
+    own (an eager root's) is not. ``inputs``: the graph's inputs (so the call comes first)."""
+    was = tuple(d for d in _DEVICES if torch.is_autocast_enabled(d))
+    if not was:
+        return was
+    if not _WARNED and not getattr(_OWN, "depth", 0) and not torch.compiler.is_compiling():
+        _WARNED.append(True)
+        log.warning("a rewritten model was called under torch.autocast(%s): autocast is "
+                    "turned off inside it, so every node computes in the dtype its plan "
+                    "says (the casts are explicit); the autocast is neither needed nor "
+                    "used around it", ", ".join(was))
+    for d in was:
+        torch.set_autocast_enabled(d, False)
+    return was
+
+
+def autocast_restore(was: Tuple[str, ...], *outputs: Any) -> None:
+    """The last call of a rewritten graph: turn back on what :func:`autocast_off` turned
+    off. ``outputs``: the graph's results (so the call comes after them)."""
+    for d in was:
+        torch.set_autocast_enabled(d, True)
+
+
+def is_autocast_guard(node: fx.Node) -> bool:
+    """A call of :func:`autocast_off` or :func:`autocast_restore` in a rewritten graph."""
+    return node.op == "call_function" and node.target in (autocast_off, autocast_restore)
 
 
 def has_call_hooks(module: nn.Module) -> bool:
@@ -58,6 +98,16 @@ def device_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
     """``torch.autocast(device_type, dtype)``; for "cuda" without a GPU (fake CUDA tensors)
     the thread-local flags are set by hand — the AutocastCUDA kernels run on fake tensors
     all the same; for devices autocast does not know (``meta``) nothing is changed."""
+    _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    try:
+        with _device_autocast(device_type, dtype):
+            yield
+    finally:
+        _OWN.depth -= 1
+
+
+@contextlib.contextmanager
+def _device_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
     if device_type == "cuda" and not torch.cuda.is_available():
         saved = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         torch.set_autocast_dtype("cuda", dtype)

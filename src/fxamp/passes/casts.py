@@ -251,6 +251,22 @@ class _Builder:
         return self.graph.create_node("output", "output", args, {}, node.name, node.type)
 
 
+def _guard_autocast(graph: fx.Graph) -> None:
+    """The plan is authoritative at run time: the graph turns off any ``torch.autocast``
+    around it first and turns it back on last (``runtime.autocast_off`` / ``_restore``)."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    where = graph.inserting_after(inputs[-1]) if inputs else graph.inserting_before(
+        next(iter(graph.nodes)))
+    with where:
+        off = graph.create_node("call_function", runtime.autocast_off, tuple(inputs), {},
+                                "fxamp_autocast_off")
+    with graph.inserting_before(output):
+        graph.create_node("call_function", runtime.autocast_restore,
+                          (off,) + tuple(output.all_input_nodes), {},
+                          "fxamp_autocast_restore")
+
+
 def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Build the rewritten GraphModule (sharing ``src``'s submodules and Parameters)."""
     policy = ctx.policy
@@ -267,6 +283,7 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
         if node is last_input:  # convert after all the placeholders
             for placeholder in pending:
                 builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
+    _guard_autocast(builder.graph)
     builder.graph.set_codegen(src.graph._codegen)
     if builder.cache_node is not None:
         setattr(src, weight_cache.ATTR, builder.cache)  # GraphModule() copies it from src
