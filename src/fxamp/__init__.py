@@ -5,6 +5,7 @@ from .errors import (ExampleInputError, FxampError, InputShapeError,  # noqa: E4
 from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
+from .rewriter.inplace import rewritten  # noqa: E402
 from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
 from .passes.audit import Finding  # noqa: E402
 from .rewriter.audit import audit  # noqa: E402
@@ -17,5 +18,5 @@ __all__ = [
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
     "PlanFormatError", "ExampleInputError", "InputShapeError", "audit", "Finding", "train",
-    "RewriteConfig", "config_of", "weight_cache_bytes",
+    "RewriteConfig", "config_of", "weight_cache_bytes", "rewritten",
 ]

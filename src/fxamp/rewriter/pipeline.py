@@ -25,6 +25,7 @@ from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
+from .inplace import install, is_inplace, reinstall, uninstalled
 from .inputs import check_example_inputs
 from .pass_list import annotate_step, pass_list
 from .state_dict import complete_state
@@ -99,7 +100,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
                 frontend: str = "auto", dynamic_shapes: Any = None,
-                config: Optional[RewriteConfig] = None) -> fx.GraphModule:
+                config: Optional[RewriteConfig] = None, inplace: bool = False) -> nn.Module:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule`` (for the "eager"
     front end, a copy of the model whose children are such modules).
 
@@ -128,6 +129,10 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     ``config``: a :class:`~fxamp.config.RewriteConfig` (e.g. ``config_of(gm)`` of an
     earlier rewrite) given instead of the keyword arguments above. The config of the
     rewrite is stored on the result (``fxamp.config_of``).
+
+    ``inplace=True`` returns ``model`` itself, its forward computing with the rewritten
+    module (same object and class: its other methods, wrappers, hooks and ``state_dict``
+    keys stay; ``train()``/``eval()`` reach the graph; see ``rewriter/inplace.py``).
     """
     if config is None:
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
@@ -141,6 +146,13 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     pol = config.policy
     example_kwargs = config.example_kwargs
     _check_model(model)
+    if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
+        if inplace and getattr(model, _POLICY_ATTR) == pol:
+            log.info("model was already rewritten in place with the same policy")
+            return model
+        with uninstalled(model):
+            gm = amp_rewrite(model, example_inputs, config=config)
+        return reinstall(model, gm) if inplace else gm
     if getattr(model, _PLAN_ATTR, None) is not None:
         if getattr(model, _POLICY_ATTR) == pol:
             log.info("model was already rewritten with the same policy; returning it")
@@ -154,6 +166,14 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "arguments) to know which values are floating tensors; what to do: "
                          "pass e.g. (torch.randn(1, 3, 224, 224),)")
     args = () if example_inputs is None else as_tuple(example_inputs)
+    gm = _rewrite_top(model, args, config)
+    return install(model, gm) if inplace else gm
+
+
+def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
+    """The top-level rewrite: the model is left exactly as it was, and the FP32 model's own
+    error is raised when it fails on the example inputs."""
+    pol, example_kwargs = config.policy, config.example_kwargs
     check_global_hooks()
     state = ModelState(model)
     grad = torch.is_grad_enabled()

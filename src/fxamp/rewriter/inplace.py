@@ -1,0 +1,144 @@
+"""``amp_rewrite(model, ..., inplace=True)``: the user's model itself computes with the plan.
+
+The rewritten module (``gm``) shares the model's Parameters, buffers and leaf modules. With
+``inplace=True`` it is kept in the model's ``__dict__`` (not as a submodule: the model's
+``state_dict`` keys, ``parameters()`` and ``named_modules()`` stay as they were) and the
+model's ``forward`` becomes a call of it. The model stays the same object of the same
+class, so its other methods (``generate``, ``save_pretrained``, ``config``), the wrappers
+around it (PEFT, Lightning, accelerate, DDP) and its hooks keep working; its own hooks run
+once, around the rewritten forward. ``model.train()`` / ``model.eval()`` reach the graph:
+before each call the training flags of the modules the rewrite made (fx's containers, the
+export front end's root) are copied from the model's modules at the same paths.
+``fxamp.plan_of(model)`` and ``fxamp.config_of(model)`` read the plan and config;
+``fxamp.rewritten(model)`` returns the rewritten module.
+"""
+from __future__ import annotations
+
+import inspect
+import contextlib
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
+
+import torch.nn as nn
+
+from ..config import CONFIG_ATTR
+from ..errors import FxampError
+from ..plan import PLAN_ATTR
+
+#: where the rewritten module lives in the model's ``__dict__``
+ATTR = "_fxamp_rewritten"
+PAIRS = "_fxamp_flag_pairs"  # (rewritten module's module, model's module) of training flags
+#: the result attributes the model gets too (plan_of, config_of read them)
+RESULT_ATTRS = (PLAN_ATTR, CONFIG_ATTR, "fxamp_policy", "fxamp_source")
+
+
+def _flag_pairs(model: nn.Module, gm: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
+    """(module of ``gm``, module of ``model`` at the same path) for every module the rewrite
+    made (not shared with the model), the roots first."""
+    own = {id(m) for m in model.modules()}
+    originals = dict(model.named_modules())
+    return [(module, originals[path]) for path, module in gm.named_modules()
+            if id(module) not in own and path in originals]
+
+
+class InplaceForward:
+    """The model's ``forward`` after an in-place rewrite: the training flags follow the
+    model's, then the rewritten module computes. Holds the model (deepcopy and pickling
+    carry it to the copy through their memo)."""
+
+    def __init__(self, model: nn.Module, names: Optional[FrozenSet[str]]) -> None:
+        self.model = model
+        self.names = names  # the keyword arguments the rewritten forward takes (None: any)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        if self.names is not None and not self.names.issuperset(kwargs):
+            unseen = sorted(set(kwargs) - self.names)
+            raise FxampError(
+                f"{type(model).__name__} was called with keyword arguments its rewrite did "
+                f"not see: {', '.join(unseen)} (the rewritten forward takes "
+                f"{', '.join(sorted(self.names)) or 'none'}); what to do: rewrite with "
+                "example_kwargs holding every argument the calls pass (e.g. "
+                "amp_rewrite(model, example_kwargs=dict(batch), inplace=True))")
+        for mine, theirs in model.__dict__[PAIRS]:
+            mine.training = theirs.training
+        return model.__dict__[ATTR](*args, **kwargs)
+
+
+def _keywords(gm: nn.Module) -> Optional[FrozenSet[str]]:
+    """The names the rewritten forward takes as keywords (None when it takes any)."""
+    try:
+        params = inspect.signature(gm.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def install(model: nn.Module, gm: nn.Module) -> nn.Module:
+    """Make ``model`` compute with ``gm`` (see the module docstring); returns ``model``."""
+    if "forward" in model.__dict__:
+        raise FxampError(
+            f"{type(model).__name__} has a forward of its own set on the instance "
+            f"({model.__dict__['forward']!r}); inplace=True replaces it. what to do: "
+            "rewrite with inplace=False and use the returned module")
+    for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                 "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+                 "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"):
+        theirs = getattr(model, kind, None)
+        mine = getattr(gm, kind, None)
+        if theirs and mine:  # the root's hooks run on the model itself, not twice
+            for key in list(theirs):
+                mine.pop(key, None)
+    model.__dict__[ATTR] = gm
+    model.__dict__[PAIRS] = _flag_pairs(model, gm)
+    forward = InplaceForward(model, _keywords(gm))
+    try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
+        forward.__signature__ = inspect.signature(gm.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    model.__dict__["forward"] = forward
+    for attr in RESULT_ATTRS:
+        if hasattr(gm, attr):
+            model.__dict__[attr] = getattr(gm, attr)
+    return model
+
+
+def is_inplace(model: nn.Module) -> bool:
+    """Whether ``model`` computes with an in-place rewrite."""
+    return ATTR in model.__dict__
+
+
+def _take(model: nn.Module) -> Dict[str, Any]:
+    keys = (ATTR, PAIRS, "forward") + RESULT_ATTRS
+    return {k: model.__dict__.pop(k) for k in keys if k in model.__dict__}
+
+
+@contextlib.contextmanager
+def uninstalled(model: nn.Module) -> Iterator[None]:
+    """``model`` with its own forward back for a while (another rewrite of it: healing,
+    the search, a new policy); the in-place rewrite is put back after."""
+    taken = _take(model)
+    try:
+        yield
+    finally:
+        model.__dict__.update(taken)
+
+
+def reinstall(model: nn.Module, gm: nn.Module) -> nn.Module:
+    """Replace the in-place rewrite ``model`` computes with by ``gm``."""
+    _take(model)
+    return install(model, gm)
+
+
+def rewritten(model: nn.Module) -> nn.Module:
+    """The rewritten module an in-place rewrite put inside ``model`` (``model`` itself
+    when it is a rewritten module already)."""
+    gm = model.__dict__.get(ATTR)
+    if gm is not None:
+        return gm
+    if PLAN_ATTR in model.__dict__ or hasattr(model, PLAN_ATTR):
+        return model
+    raise FxampError(f"{type(model).__name__} was not rewritten by fxamp.amp_rewrite; what "
+                     "to do: call fxamp.amp_rewrite(model, example_inputs, inplace=True)")
