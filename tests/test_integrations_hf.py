@@ -112,3 +112,66 @@ def test_hf_trainer_default_fused_adamw_trains_like_trainer_bf16(tmp_path):
     loaded = type(ref).from_pretrained(str(tmp_path / "saved"))
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def test_gpt2_generate_with_its_kv_cache_gives_autocast_s_tokens_every_block_planned(caplog):
+    ref = _gpt2()
+    model = copy.deepcopy(ref)
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(2))
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        fxamp.amp_rewrite(model, (ids,), dtype=BF16, target="cpu", inplace=True)
+    assert "changed its own state" not in caplog.text  # quiet on a stock HF model
+    plan = fxamp.plan_of(model)
+    for block in ("transformer/h.0", "transformer/h.1"):
+        assert block in plan.nodes and any(n.startswith(block + "/") for n in plan.nodes)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    assert got.shape == (1, 12) and torch.equal(got, want)
+
+
+def test_no_side_effect_warning_on_a_stock_bert(caplog):
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        _rewrite(_bert())
+    assert "changed its own state" not in caplog.text
+
+
+def test_a_plain_peft_lora_model_trains_like_autocast(caplog):
+    peft = pytest.importorskip("peft")
+    base = _gpt2().train()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(4))
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        assert fxamp.amp_rewrite(model, (ids,), dtype=BF16, target="cpu",
+                                 inplace=True) is model
+    assert "changed its own state" not in caplog.text
+    assert type(model) is type(ref) and list(model.state_dict()) == list(ref.state_dict())
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    runs = []
+    for m, autocast in ((model, False), (ref, True)):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2,
+                                fused=True)
+        losses = []
+        for step in range(3):
+            torch.manual_seed(step)  # the same dropout masks
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                logits = m(ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                     ids.flatten())
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().clone() for p in m.parameters()]))
+    assert runs[0][0] == runs[1][0] and runs[1][0][-1] < runs[1][0][0]
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][1], runs[1][1]))

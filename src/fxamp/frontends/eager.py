@@ -16,10 +16,11 @@ helper methods such as ``transform.postprocess``) are read from the original chi
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,10 +41,11 @@ log = logging.getLogger(__name__)
 
 
 def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
-                    kwargs: Dict[str, Any]) -> Dict[str, Tuple[tuple, dict, Any]]:
+                    kwargs: Dict[str, Any], autocast: Optional[torch.dtype] = None
+                    ) -> Dict[str, Tuple[tuple, dict, Any]]:
     """(args, kwargs, output) of each submodule's first call when the model runs on the
-    example inputs: one FP32 forward without grad, on copies of the buffers and a forked
-    RNG, so no state changes."""
+    example inputs: one forward without grad (FP32, or under ``torch.autocast`` of
+    ``autocast``), on copies of the buffers and a forked RNG, so no state changes."""
     seen: Dict[str, Tuple[tuple, dict, Any]] = {}
     hooks = []
     for path in paths:
@@ -53,7 +55,9 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                _reparametrize_module(model, buffers, strict=False):
+                _reparametrize_module(model, buffers, strict=False), \
+                (device_autocast(device_type((args, kwargs)), autocast) if autocast
+                 else contextlib.nullcontext()):
             model(*args, **kwargs)
     finally:
         for h in hooks:
@@ -61,20 +65,14 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
     return seen
 
 
-def _fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
-        return value.float()
-    return value
-
-
 def _as_planned(module: nn.Module) -> None:
-    """Make ``module`` (a rewritten child with explicit casts) run with autocast off, on
-    FP32 inputs: it was planned with the inputs the FP32 model gives it."""
+    """Make ``module`` (a rewritten child with explicit casts) run with autocast off: it was
+    planned with the inputs the model's forward gives it under the root's autocast (a
+    bf16 activation stays bf16, as under autocast)."""
     forward = module.forward
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = tree_map(_fp32, (args, kwargs))
         with torch.autocast(device_type((args, kwargs)), enabled=False):
             return forward(*args, **kwargs)
 
@@ -94,6 +92,35 @@ def _reading_from(module: nn.Module, original: nn.Module) -> None:
     module.__class__ = type(cls.__name__, (cls,), {"__getattr__": __getattr__})
 
 
+def call_paths(module: nn.Module, prefix: str = "") -> List[str]:
+    """The paths of the submodules a forward calls: the children, with the items of a
+    container that has no forward of its own (``ModuleList``, ``ModuleDict``: a decoder's
+    blocks) in its place."""
+    paths: List[str] = []
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if type(child).forward is nn.Module.forward:
+            paths += call_paths(child, f"{path}.")
+        else:
+            paths.append(path)
+    return paths
+
+
+def _put(result: nn.Module, model: nn.Module, path: str, sub: nn.Module) -> None:
+    """Put ``sub`` at ``path`` of ``result`` (a shallow copy of ``model``), copying the
+    containers on the way so that ``model`` keeps its own."""
+    *parents, name = path.split(".")
+    holder, original = result, model
+    for part in parents:
+        original = original._modules[part]
+        if holder._modules[part] is original:
+            copied = copy.copy(original)
+            copied._modules = dict(original._modules)
+            holder._modules[part] = copied
+        holder = holder._modules[part]
+    holder._modules[name] = sub
+
+
 def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
                calls: Dict[str, Tuple[tuple, dict, Any]], children: Dict[str, nn.Module],
                header: Dict[str, str]) -> nn.Module:
@@ -103,13 +130,12 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     result = copy.copy(model)
     result._modules = dict(model._modules)
     nested: Dict[str, Plan] = {}
-    runtime: List[str] = [name for name, _ in model.named_children()
-                          if name in calls and name not in children]
+    runtime: List[str] = [name for name in calls if name not in children]
     for name, sub in children.items():
         child = model.get_submodule(name)
         _as_planned(sub)
         _reading_from(sub, child)
-        result._modules[name] = sub
+        _put(result, model, name, sub)
         nested[name] = getattr(sub, "fxamp_plan")
     if not nested:
         raise FxampError(f"none of {type(model).__name__}'s children could be rewritten")
@@ -135,7 +161,8 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
         dtype = value.dtype if value is not None else torch.float32
         if name in nested:
             nodes[name] = NodePrecision(dtype, Rule.NESTED, "rewritten on its own (the model's "
-                                        "forward is not traceable), planned for FP32 inputs; "
+                                        "forward is not traceable), planned for the inputs "
+                                        "it gets under the root's torch.autocast; "
                                         f"its nodes are the plan lines {name}/*", label, name,
                                         torch.float32)
             nodes.update(nested_lines({name: nested[name]}))
@@ -159,7 +186,15 @@ class EagerFrontend:
     graph = False
 
     def capture(self, model: nn.Module, request: Request) -> Children:
-        names = [name for name, _ in model.named_children()]
+        names = call_paths(model)
         calls = submodule_calls(model, names, request.args, request.kwargs)
+        uncalled = [path for path in names if path not in calls]
+        while uncalled:  # a forward that reaches past a child (PEFT calls base_model.model)
+            deeper = [q for p in uncalled
+                      for q in call_paths(model.get_submodule(p), f"{p}.")]
+            found = submodule_calls(model, deeper, request.args, request.kwargs)
+            calls.update(found)
+            names += [q for q in deeper if q in found]
+            uncalled = [q for q in deeper if q not in found]
         return Children(self.name, names, calls, None)
 

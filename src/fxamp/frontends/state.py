@@ -14,6 +14,7 @@ copies of the buffers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -54,6 +55,29 @@ def _same(a: Any, b: Any) -> bool:
         elif x is not y:
             return False
     return True
+
+
+_SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def _plain(value: Any, depth: int = 4) -> bool:
+    """A value made of Python scalars, strings and containers of them (compared by ``==``)."""
+    if isinstance(value, _SCALARS):
+        return True
+    if depth and isinstance(value, (tuple, list, set, frozenset)):
+        return all(_plain(v, depth - 1) for v in value)
+    if depth and isinstance(value, dict):
+        return all(_plain(k, depth - 1) and _plain(v, depth - 1) for k, v in value.items())
+    if depth and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return all(_plain(getattr(value, f.name), depth - 1)  # a config (PEFT's LoraConfig)
+                   for f in dataclasses.fields(value))
+    return False
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """The same object, or equal plain values of one type (a tuple put back as an equal
+    tuple, a dict of strings rebuilt: nothing that matters changed)."""
+    return a is b or (type(a) is type(b) and _plain(a) and _plain(b) and a == b)
 
 
 def _put_back(container: Any, contents: Any) -> None:
@@ -148,10 +172,11 @@ class ModelState:
             path = self.paths[id(module)]
             now = module.__dict__
             for name in sorted(set(attrs) | set(now)):
-                if name not in now or name not in attrs or now[name] is not attrs[name]:
+                if name not in now or name not in attrs or not _equal(now[name], attrs[name]):
                     out.append(self._describe(module, path, name, "set"))
         for container, contents, where in self.containers.values():
-            if not _same(contents, _contents(container)):
+            now_contents = _contents(container)
+            if not _same(contents, now_contents) and not _equal(contents, now_contents):
                 out.append(f"{where} (changed in place)")
         return out
 

@@ -73,8 +73,9 @@ def _rewrite_submodules(model: nn.Module, paths: Sequence[str],
             with override_scope(path):
                 done[path] = rewrite(model.get_submodule(path), tuple(sub_args),
                                      inner.replace(example_kwargs=sub_kwargs))
-        except FxampError as err:
-            log.info("%s %s: %s", path, what, str(err).splitlines()[0])
+        except Exception as err:  # noqa: BLE001 - it stays a call under autocast (planned)
+            log.info("%s %s: %s: %s", path, what, type(err).__name__,
+                     (str(err).splitlines() or [""])[0])
     return done
 
 
@@ -233,10 +234,13 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
               config: RewriteConfig, captured: Children, scope: Scope) -> nn.Module:
     """A front end that keeps the model's forward (eager): each child is rewritten on its
     own and the model is assembled from them; when none can be, the front ends' error."""
-    children = _rewrite_submodules(model, captured.paths, captured.calls, config,
+    # each child is planned for what it gets at run time: its inputs under the root's
+    # autocast (a bf16 activation into a dropout stays bf16, as under autocast)
+    calls = submodule_calls(model, captured.paths, inputs, kwargs, config.policy.compute)
+    children = _rewrite_submodules(model, captured.paths, calls, config,
                                    "stays under autocast")
     try:
-        result = eager_root(model, inputs, kwargs, config.policy, captured.calls, children,
+        result = eager_root(model, inputs, kwargs, config.policy, calls, children,
                             _header(config.policy, captured.frontend))
     except FxampError:
         if captured.refused is None:
