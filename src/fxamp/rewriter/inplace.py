@@ -21,7 +21,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 import torch.nn as nn
 
 from ..config import CONFIG_ATTR
-from ..errors import FxampError
+from ..errors import FxampError, UnsupportedModelError
 from ..plan import PLAN_ATTR
 
 #: where the rewritten module lives in the model's ``__dict__``
@@ -48,9 +48,18 @@ class InplaceForward:
     def __init__(self, model: nn.Module, names: Optional[FrozenSet[str]]) -> None:
         self.model = model
         self.names = names  # the keyword arguments the rewritten forward takes (None: any)
+        self.cls = type(model)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
+        if type(model) is not self.cls:
+            raise UnsupportedModelError(
+                f"{self.cls.__name__} became a {type(model).__name__} after its in-place "
+                "rewrite (FSDP2's fully_shard swaps the class and the parameters): the "
+                "rewritten graph does not run the hooks that gather the sharded parameters. "
+                "what to do: keep fxamp for single-device or DDP training; with FSDP2 use its "
+                "own MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                "reduce_dtype=torch.float32)")
         if self.names is not None and not self.names.issuperset(kwargs):
             unseen = sorted(set(kwargs) - self.names)
             raise FxampError(
@@ -103,6 +112,15 @@ def install(model: nn.Module, gm: nn.Module) -> nn.Module:
         if hasattr(gm, attr):
             model.__dict__[attr] = getattr(gm, attr)
     return model
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2's ``fully_shard`` was applied to ``module`` (it swaps in a class that
+    derives from ``FSDPModule``)."""
+    for cls in type(module).__mro__:
+        if cls.__name__ == "FSDPModule" and cls.__module__.startswith("torch.distributed"):
+            return True
+    return False
 
 
 def is_inplace(model: nn.Module) -> bool:

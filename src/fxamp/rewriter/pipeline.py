@@ -25,7 +25,7 @@ from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
-from .inplace import install, is_inplace, reinstall, uninstalled
+from .inplace import install, is_fully_sharded, is_inplace, reinstall, uninstalled
 from .inputs import check_example_inputs
 from .pass_list import annotate_step, pass_list
 from .state_dict import complete_state
@@ -42,6 +42,15 @@ def _check_model(model: Any) -> None:
         raise UnsupportedModelError(
             f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
             "what to do: wrap the callable in an nn.Module")
+    sharded = next((path for path, m in model.named_modules() if is_fully_sharded(m)), None)
+    if sharded is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
+            "by FSDP2's fully_shard: its parameters are DTensors gathered by module hooks "
+            "that a rewritten graph does not call, so it would not train like FSDP2 with "
+            "autocast. what to do: keep fxamp for single-device or DDP training; with FSDP2 "
+            "use its own MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            "reduce_dtype=torch.float32)")
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16):
             raise UnsupportedModelError(

@@ -1,0 +1,111 @@
+"""torch.distributed (gloo, 2 processes): DDP around an in-place rewritten model trains
+exactly like DDP around the original under autocast; FSDP2's ``fully_shard`` before or after
+the rewrite is refused with an error that says what to do (never a silent difference)."""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+BF16 = torch.bfloat16
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 3))
+
+
+def _ddp(rank: int) -> list:
+    import fxamp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    y = torch.tensor([0, 1, 2, 0])
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
+    runs = []
+    for m, autocast in ((DDP(model), False), (DDP(ref), True)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                loss = F.cross_entropy(m(x).float(), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs.append((losses, [p.detach().clone() for p in m.parameters()]))
+    (losses, params), (ref_losses, ref_params) = runs
+    return [losses == ref_losses and ref_losses[-1] < ref_losses[0],
+            all(torch.equal(p, q) for p, q in zip(params, ref_params))]
+
+
+def _fsdp2(order: str) -> str:
+    import fxamp
+    from torch.distributed.fsdp import fully_shard
+
+    x = torch.randn(4, 8)
+    model = _mlp()
+    try:
+        if order == "after":
+            fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+        if order == "before":
+            fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
+        model(x)
+    except fxamp.UnsupportedModelError as err:
+        return str(err)
+    return "no error"
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        queue.put((rank, {"ddp": _ddp(rank), "before": _fsdp2("before"),
+                          "after": _fsdp2("after")}))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        queue.put((rank, {"error": f"{type(err).__name__}: {err}"}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert all("error" not in r for r in out.values()), out
+    return out
+
+
+def test_ddp_around_the_in_place_model_trains_like_ddp_with_autocast(results):
+    for rank in (0, 1):
+        assert results[rank]["ddp"] == [True, True], rank
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_fsdp2_fully_shard_is_refused_with_what_to_do(results, order):
+    for rank in (0, 1):
+        text = results[rank][order]
+        assert "fully_shard" in text and "MixedPrecisionPolicy" in text, text
