@@ -21,6 +21,7 @@ from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
 from ..policy import Policy
 from ..frontends import Children, capture_model, graph_frontend
 from ..frontends.common import as_tuple, nested_header, nested_lines
+from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
 from ..frontends.state import ModelState, report_side_effects
@@ -257,6 +258,7 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
         raise captured.refused from None
     if scope.top:
         check_matched(config.policy, scope, _plan_lines(plan_of(result).nodes))
+    refuse_copies(result, "eager")
     log.warning("%s: no tracer takes its forward; it runs eagerly under torch.autocast "
                 "with its children rewritten (%s)", type(model).__name__,
                 plan_of(result).header.get("nested", ""))
@@ -314,6 +316,8 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     complete_state(model, gm)
     copy_root_hooks(model, gm)
     front.finish(gm, captured, model, *example)
+    if taken == "export":  # (torch's exported graphs hold local objects: deepcopy works)
+        refuse_copies(gm, taken, deepcopy=False)
     return gm
 
 
