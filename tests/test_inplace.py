@@ -145,3 +145,14 @@ def test_a_new_policy_rewrites_the_model_s_own_forward_again():
     gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="fp32:inp")
     assert gm is not model and fxamp.plan_of(gm).nodes["inp"].dtype == torch.float32
     assert fxamp.plan_of(model) is plan  # the model keeps its own rewrite
+
+
+def test_parameters_and_buffers_set_on_the_model_after_the_rewrite_are_used():
+    ref, model = _pair()
+    for m in (model, ref):
+        m.eval()
+        m.head.weight = nn.Parameter(torch.ones(3, 16) / 16)  # a new Parameter object
+        m.bn.running_var = torch.full((16,), 4.0)  # a new buffer (what model.to() does)
+    assert torch.equal(model(X), _autocast(ref, X))
+    F.cross_entropy(model(X).float(), Y).backward()
+    assert model.head.weight.grad is not None  # gradients reach the new Parameter

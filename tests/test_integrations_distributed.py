@@ -1,6 +1,7 @@
-"""torch.distributed (gloo, 2 processes): DDP around an in-place rewritten model trains
-exactly like DDP around the original under autocast; FSDP2's ``fully_shard`` before or after
-the rewrite is refused with an error that says what to do (never a silent difference)."""
+"""torch.distributed (gloo, 2 processes): DDP around an in-place rewritten model, and FSDP2
+``fully_shard`` of its root after the rewrite, train exactly like the same wrapper around
+the original under autocast; ``fully_shard`` before the rewrite, or of submodules, is
+refused with an error that names the order that works (never a silent difference)."""
 from __future__ import annotations
 
 import copy
@@ -49,14 +50,44 @@ def _ddp(rank: int) -> list:
             all(torch.equal(p, q) for p, q in zip(params, ref_params))]
 
 
-def _fsdp2(order: str) -> str:
+def _train(model: nn.Module, x: torch.Tensor, autocast: bool) -> tuple:
+    y = torch.tensor([0, 1, 2, 0])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.full_tensor().clone() for p in model.parameters()]
+
+
+def _fsdp2_root(rank: int) -> list:
+    """Rewrite in place, then fully_shard the root: equal to FSDP2 + autocast."""
+    import fxamp
+    from torch.distributed.fsdp import fully_shard
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
+    fully_shard(model)
+    fully_shard(ref)
+    (losses, params), (ref_losses, ref_params) = _train(model, x, False), _train(ref, x, True)
+    return [losses == ref_losses and ref_losses[-1] < ref_losses[0],
+            all(torch.equal(p, q) for p, q in zip(params, ref_params))]
+
+
+def _fsdp2_refused(order: str) -> str:
     import fxamp
     from torch.distributed.fsdp import fully_shard
 
     x = torch.randn(4, 8)
     model = _mlp()
     try:
-        if order == "after":
+        if order == "submodules after":
             fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -74,8 +105,9 @@ def _worker(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        queue.put((rank, {"ddp": _ddp(rank), "before": _fsdp2("before"),
-                          "after": _fsdp2("after")}))
+        queue.put((rank, {"ddp": _ddp(rank), "fsdp2 root": _fsdp2_root(rank),
+                          "before": _fsdp2_refused("before"),
+                          "submodules after": _fsdp2_refused("submodules after")}))
     except Exception as err:  # noqa: BLE001 - reported to the test
         queue.put((rank, {"error": f"{type(err).__name__}: {err}"}))
     finally:
@@ -104,8 +136,14 @@ def test_ddp_around_the_in_place_model_trains_like_ddp_with_autocast(results):
         assert results[rank]["ddp"] == [True, True], rank
 
 
-@pytest.mark.parametrize("order", ["before", "after"])
-def test_fsdp2_fully_shard_is_refused_with_what_to_do(results, order):
+def test_fsdp2_of_the_root_after_an_in_place_rewrite_trains_like_fsdp2_with_autocast(
+        results):
+    for rank in (0, 1):
+        assert results[rank]["fsdp2 root"] == [True, True], rank
+
+
+@pytest.mark.parametrize("order", ["before", "submodules after"])
+def test_other_fsdp2_orders_are_refused_naming_the_one_that_works(results, order):
     for rank in (0, 1):
         text = results[rank][order]
-        assert "fully_shard" in text and "MixedPrecisionPolicy" in text, text
+        assert "fully_shard(model) on the root alone" in text, text

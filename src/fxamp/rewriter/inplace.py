@@ -8,7 +8,9 @@ class, so its other methods (``generate``, ``save_pretrained``, ``config``), the
 around it (PEFT, Lightning, accelerate, DDP) and its hooks keep working; its own hooks run
 once, around the rewritten forward. ``model.train()`` / ``model.eval()`` reach the graph:
 before each call the training flags of the modules the rewrite made (fx's containers, the
-export front end's root) are copied from the model's modules at the same paths.
+export front end's root) are copied from the model's modules at the same paths, and so are
+the Parameters and buffers they hold (``model.to(device)`` replaces buffers; a Parameter
+set on a module replaces the old one): the graph computes with what the model holds.
 ``fxamp.plan_of(model)`` and ``fxamp.config_of(model)`` read the plan and config;
 ``fxamp.rewritten(model)`` returns the rewritten module.
 """
@@ -27,6 +29,7 @@ from ..plan import PLAN_ATTR
 #: where the rewritten module lives in the model's ``__dict__``
 ATTR = "_fxamp_rewritten"
 PAIRS = "_fxamp_flag_pairs"  # (rewritten module's module, model's module) of training flags
+TENSORS = "_fxamp_tensor_pairs"  # (rewritten module's dict, model's dict, name) of tensors
 #: the result attributes the model gets too (plan_of, config_of read them)
 RESULT_ATTRS = (PLAN_ATTR, CONFIG_ATTR, "fxamp_policy", "fxamp_source")
 
@@ -38,6 +41,52 @@ def _flag_pairs(model: nn.Module, gm: nn.Module) -> List[Tuple[nn.Module, nn.Mod
     originals = dict(model.named_modules())
     return [(module, originals[path]) for path, module in gm.named_modules()
             if id(module) not in own and path in originals]
+
+
+def _tensor_pairs(model: nn.Module, gm: nn.Module) -> List[Tuple[dict, dict, str]]:
+    """(``_parameters`` / ``_buffers`` dict of a module the rewrite made, the same dict of
+    the model's module at that path, name) for every Parameter and buffer both hold: what
+    the model's modules hold at call time is what the graph computes with (``model.to()``
+    replaces buffers, ``fully_shard`` and a user's ``module.weight = Parameter(...)`` replace
+    parameters)."""
+    own = {id(m) for m in model.modules()}
+    originals = dict(model.named_modules())
+    pairs = []
+    for path, module in gm.named_modules():
+        theirs = originals.get(path)
+        if id(module) in own or theirs is None:
+            continue
+        for kind in ("_parameters", "_buffers"):
+            mine, their_dict = getattr(module, kind), getattr(theirs, kind)
+            pairs += [(mine, their_dict, name) for name in mine if name in their_dict]
+    return pairs
+
+
+def _follow_the_model(model: nn.Module) -> None:
+    """Before a call: the graph's modules take the model's training flags and tensors."""
+    for mine, theirs in model.__dict__[PAIRS]:
+        mine.training = theirs.training
+    for mine, theirs, name in model.__dict__[TENSORS]:
+        value = theirs[name]
+        if mine[name] is not value:
+            mine[name] = value
+
+
+def _check_sharding(model: nn.Module, cls: type) -> None:
+    """After ``fully_shard`` of the model's root (its class swapped): the root's hooks
+    gather every parameter before the forward, which then computes with them; sharded
+    submodules would gather theirs in hooks the rewritten graph never calls: refused."""
+    sharded = [path for path, m in model.named_modules() if path and is_fully_sharded(m)]
+    if is_fully_sharded(model) and not sharded:
+        return
+    raise UnsupportedModelError(
+        f"{cls.__name__} became a {type(model).__name__} after its in-place rewrite"
+        + (f", and fully_shard was applied to its submodules ({', '.join(sharded[:3])})"
+           if sharded else " (a wrapper swapped its class)")
+        + ": the rewritten graph does not call the submodules' hooks. what to do: rewrite "
+        "in place, then fully_shard(model) on the root alone (one FSDP2 group); or use "
+        "FSDP2's own MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+        "reduce_dtype=torch.float32) instead of fxamp")
 
 
 class InplaceForward:
@@ -53,13 +102,8 @@ class InplaceForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
         if type(model) is not self.cls:
-            raise UnsupportedModelError(
-                f"{self.cls.__name__} became a {type(model).__name__} after its in-place "
-                "rewrite (FSDP2's fully_shard swaps the class and the parameters): the "
-                "rewritten graph does not run the hooks that gather the sharded parameters. "
-                "what to do: keep fxamp for single-device or DDP training; with FSDP2 use its "
-                "own MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-                "reduce_dtype=torch.float32)")
+            _check_sharding(model, self.cls)
+            self.cls = type(model)
         if self.names is not None and not self.names.issuperset(kwargs):
             unseen = sorted(set(kwargs) - self.names)
             raise FxampError(
@@ -68,8 +112,7 @@ class InplaceForward:
                 f"{', '.join(sorted(self.names)) or 'none'}); what to do: rewrite with "
                 "example_kwargs holding every argument the calls pass (e.g. "
                 "amp_rewrite(model, example_kwargs=dict(batch), inplace=True))")
-        for mine, theirs in model.__dict__[PAIRS]:
-            mine.training = theirs.training
+        _follow_the_model(model)
         return model.__dict__[ATTR](*args, **kwargs)
 
 
@@ -102,6 +145,7 @@ def install(model: nn.Module, gm: nn.Module) -> nn.Module:
                 mine.pop(key, None)
     model.__dict__[ATTR] = gm
     model.__dict__[PAIRS] = _flag_pairs(model, gm)
+    model.__dict__[TENSORS] = _tensor_pairs(model, gm)
     forward = InplaceForward(model, _keywords(gm))
     try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
         forward.__signature__ = inspect.signature(gm.forward)  # type: ignore[attr-defined]
@@ -129,7 +173,7 @@ def is_inplace(model: nn.Module) -> bool:
 
 
 def _take(model: nn.Module) -> Dict[str, Any]:
-    keys = (ATTR, PAIRS, "forward") + RESULT_ATTRS
+    keys = (ATTR, PAIRS, TENSORS, "forward") + RESULT_ATTRS
     return {k: model.__dict__.pop(k) for k in keys if k in model.__dict__}
 
 

@@ -48,9 +48,10 @@ def _check_model(model: Any) -> None:
         raise UnsupportedModelError(
             f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
             "by FSDP2's fully_shard: its parameters are DTensors gathered by module hooks "
-            "that a rewritten graph does not call, so it would not train like FSDP2 with "
-            "autocast. what to do: keep fxamp for single-device or DDP training; with FSDP2 "
-            "use its own MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            "that a rewritten graph does not call. what to do: rewrite first, in place, "
+            "then fully_shard(model) on the root alone: amp_rewrite(model, inputs, "
+            "inplace=True); fully_shard(model) (or use FSDP2's own "
+            "MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
             "reduce_dtype=torch.float32)")
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16):
