@@ -29,30 +29,18 @@ def _ddp(rank: int) -> list:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-    y = torch.tensor([0, 1, 2, 0])
     ref = _mlp()
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
-    runs = []
-    for m, autocast in ((DDP(model), False), (DDP(ref), True)):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
-                loss = F.cross_entropy(m(x).float(), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        runs.append((losses, [p.detach().clone() for p in m.parameters()]))
-    (losses, params), (ref_losses, ref_params) = runs
+    (losses, params), (ref_losses, ref_params) = (_train(DDP(model), x, False),
+                                                  _train(DDP(ref), x, True))
     return [losses == ref_losses and ref_losses[-1] < ref_losses[0],
             all(torch.equal(p, q) for p, q in zip(params, ref_params))]
 
 
 def _train(model: nn.Module, x: torch.Tensor, autocast: bool) -> tuple:
     y = torch.tensor([0, 1, 2, 0])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     losses = []
     for _ in range(3):
         opt.zero_grad()
@@ -61,7 +49,8 @@ def _train(model: nn.Module, x: torch.Tensor, autocast: bool) -> tuple:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, [p.full_tensor().clone() for p in model.parameters()]
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return losses, [p.detach().clone() for p in full]
 
 
 def _fsdp2_root(rank: int) -> list:
