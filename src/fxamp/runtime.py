@@ -52,6 +52,33 @@ def autocast_restore(was: Tuple[str, ...], *outputs: Any) -> None:
         torch.set_autocast_enabled(d, True)
 
 
+class _FanOut(torch.autograd.Function):
+    """Forward: the shared cast of ``source`` (an alias, no copy). Backward: this consumer's
+    gradient cast to ``source``'s dtype, so the consumers' gradients are summed at
+    ``source`` in its dtype, as under autocast, which casts per op."""
+
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = source.dtype
+        return shared.view_as(shared)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None
+
+
+def fan_out(source: Any, dtype: torch.dtype, shared: Any) -> Any:
+    """One consumer's use of ``shared`` (``source`` cast to ``dtype`` once for several
+    consumers): the same values; with grad, a backward of its own (:class:`_FanOut`), so
+    training sums the gradients like autocast's per-op casts, bit for bit. A leaf that
+    requires grad (an input, a reentrant checkpoint's recomputed input) is shared as is:
+    autocast caches the cast of such a tensor too."""
+    if (torch.is_grad_enabled() and isinstance(source, torch.Tensor) and source.requires_grad
+            and not source.is_leaf and isinstance(shared, torch.Tensor)):
+        return _FanOut.apply(source, shared)
+    return shared
+
+
 def is_autocast_guard(node: fx.Node) -> bool:
     """A call of :func:`autocast_off` or :func:`autocast_restore` in a rewritten graph."""
     return node.op == "call_function" and node.target in (autocast_off, autocast_restore)

@@ -53,6 +53,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .runtime import fan_out
+
 log = logging.getLogger(__name__)
 
 #: CPU weights at least this large (bytes) are linked by :class:`_CastBack`, which keeps their
@@ -384,7 +386,8 @@ def cast_node(graph: fx.Graph, cache_node: fx.Node, cache: WeightCache, param_no
 
 
 def is_cast_node(node: fx.Node) -> bool:
-    """A cast node of a rewritten graph: ``x.to(dtype)`` or a weight's ``cast_weight``
-    (both take the value first and the dtype second)."""
+    """A cast node of a rewritten graph: ``x.to(dtype)``, a weight's ``cast_weight`` or a
+    consumer's share of a cast (``runtime.fan_out``); each takes the value first and the
+    dtype second."""
     return ((node.op == "call_method" and node.target == "to")
-            or (node.op == "call_function" and node.target is cast_weight))
+            or (node.op == "call_function" and node.target in (cast_weight, fan_out)))

@@ -65,14 +65,23 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
     return seen
 
 
-def _as_planned(module: nn.Module) -> None:
-    """Make ``module`` (a rewritten child with explicit casts) run with autocast off: it was
-    planned with the inputs the model's forward gives it under the root's autocast (a
-    bf16 activation stays bf16, as under autocast)."""
+def _fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
+
+
+def _as_planned(module: nn.Module, fp32_inputs: bool) -> None:
+    """Make ``module`` (a rewritten child with explicit casts) run with autocast off. It was
+    planned with the inputs the model's forward gives it under the root's autocast (a bf16
+    activation stays bf16, as under autocast), or, where that plan failed, with the FP32
+    model's inputs (``fp32_inputs``: its low-precision inputs are cast to FP32)."""
     forward = module.forward
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if fp32_inputs:
+            args, kwargs = tree_map(_fp32, (args, kwargs))
         with torch.autocast(device_type((args, kwargs)), enabled=False):
             return forward(*args, **kwargs)
 
@@ -123,17 +132,18 @@ def _put(result: nn.Module, model: nn.Module, path: str, sub: nn.Module) -> None
 
 def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
                calls: Dict[str, Tuple[tuple, dict, Any]], children: Dict[str, nn.Module],
-               header: Dict[str, str]) -> nn.Module:
+               header: Dict[str, str], fp32_inputs: Sequence[str] = ()) -> nn.Module:
     """The model with its own forward eager under autocast and its children rewritten.
     ``calls`` are the children's first calls (:func:`submodule_calls`), ``children`` the
-    rewritten ones by name (those missing stay under autocast, ``rule="runtime"``)."""
+    rewritten ones by name (those missing stay under autocast, ``rule="runtime"``);
+    ``fp32_inputs``: the children planned for the FP32 model's inputs."""
     result = copy.copy(model)
     result._modules = dict(model._modules)
     nested: Dict[str, Plan] = {}
     runtime: List[str] = [name for name in calls if name not in children]
     for name, sub in children.items():
         child = model.get_submodule(name)
-        _as_planned(sub)
+        _as_planned(sub, name in fp32_inputs)
         _reading_from(sub, child)
         _put(result, model, name, sub)
         nested[name] = getattr(sub, "fxamp_plan")
@@ -160,11 +170,14 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
         label = module_label(model.get_submodule(name))
         dtype = value.dtype if value is not None else torch.float32
         if name in nested:
+            given = ("FP32 inputs" if name in fp32_inputs
+                     else "the inputs it gets under the root's torch.autocast")
+            first = first_float(calls[name][:2])
+            inputs = torch.float32 if first is None or name in fp32_inputs else first.dtype
             nodes[name] = NodePrecision(dtype, Rule.NESTED, "rewritten on its own (the model's "
-                                        "forward is not traceable), planned for the inputs "
-                                        "it gets under the root's torch.autocast; "
+                                        f"forward is not traceable), planned for {given}; "
                                         f"its nodes are the plan lines {name}/*", label, name,
-                                        torch.float32)
+                                        inputs)
             nodes.update(nested_lines({name: nested[name]}))
         else:
             nodes[name] = NodePrecision(dtype, Rule.RUNTIME, "not traceable: runs under "

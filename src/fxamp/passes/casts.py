@@ -251,6 +251,32 @@ class _Builder:
         return self.graph.create_node("output", "output", args, {}, node.name, node.type)
 
 
+def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
+    """An activation cast to several consumers feeds each through ``runtime.fan_out``: one
+    cast kernel in the forward, and a backward per consumer, as autocast (which casts per
+    op) has: the gradients are summed at the source in its dtype, not in the cast's. A
+    consumer that changes its input in place keeps the cast itself (a custom Function's
+    view cannot be modified in place). Returns the fan-out nodes made."""
+    made = 0
+    for cast in list(graph.nodes):
+        if not (cast.op == "call_method" and cast.target == "to" and ir.is_cast(cast)):
+            continue
+        users = [u for u in cast.users if not runtime.is_autocast_guard(u)
+                 and _mutated(u, root) is not cast]
+        if len(users) < 2:
+            continue
+        source, dtype = cast.args[0], cast.args[1]
+        for user in users:
+            with graph.inserting_before(user):
+                node = graph.create_node("call_function", runtime.fan_out,
+                                         (source, dtype, cast), {}, f"{cast.name}_for_{user.name}")
+            ir.mark_cast(node)
+            node.meta["stack_trace"] = cast.meta.get("stack_trace")
+            user.replace_input_with(cast, node)
+            made += 1
+    return made
+
+
 def _guard_autocast(graph: fx.Graph) -> None:
     """The plan is authoritative at run time: the graph turns off any ``torch.autocast``
     around it first and turns it back on last (``runtime.autocast_off`` / ``_restore``)."""
@@ -283,6 +309,7 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
         if node is last_input:  # convert after all the placeholders
             for placeholder in pending:
                 builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
+    _fan_out(builder.graph, src)
     _guard_autocast(builder.graph)
     builder.graph.set_codegen(src.graph._codegen)
     if builder.cache_node is not None:

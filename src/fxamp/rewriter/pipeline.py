@@ -246,13 +246,20 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
     """A front end that keeps the model's forward (eager): each child is rewritten on its
     own and the model is assembled from them; when none can be, the front ends' error."""
     # each child is planned for what it gets at run time: its inputs under the root's
-    # autocast (a bf16 activation into a dropout stays bf16, as under autocast)
-    calls = submodule_calls(model, captured.paths, inputs, kwargs, config.policy.compute)
-    children = _rewrite_submodules(model, captured.paths, calls, config,
-                                   "stays under autocast")
+    # autocast (a bf16 activation into a dropout stays bf16, as under autocast); where that
+    # fails (a kernel without bf16, a submodule run on them outside autocast), the FP32
+    # model's inputs, cast to FP32 on entry
+    under = submodule_calls(model, captured.paths, inputs, kwargs, config.policy.compute)
+    children = _rewrite_submodules(model, captured.paths, under, config,
+                                   "is planned for FP32 inputs instead")
+    fp32 = _rewrite_submodules(model, [p for p in captured.paths if p not in children],
+                               captured.calls, config, "stays under autocast")
+    children.update(fp32)
     try:
-        result = eager_root(model, inputs, kwargs, config.policy, calls, children,
-                            _header(config.policy, captured.frontend))
+        result = eager_root(model, inputs, kwargs, config.policy,
+                            {p: under.get(p, c) if p not in fp32 else c
+                             for p, c in captured.calls.items()}, children,
+                            _header(config.policy, captured.frontend), fp32_inputs=list(fp32))
     except FxampError:
         if captured.refused is None:
             raise
