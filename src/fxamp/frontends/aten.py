@@ -16,6 +16,7 @@ module's ``training`` flag, so ``train()`` / ``eval()`` work on the result; batc
 from __future__ import annotations
 
 import contextlib
+import re
 import inspect
 import io
 import logging
@@ -28,6 +29,8 @@ from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
 from ..progress import shows
+from . import checkpointing
+from .checkpoint_regions import outline
 from .common import as_tuple, training_flags, warn_mode_only, warn_one_mode
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
@@ -109,6 +112,19 @@ _ADVICE = {
 }
 
 
+def _advice(exc: BaseException, frontend: str) -> str:
+    """What to do about an export failure: an output object torch.export cannot carry (a
+    Hugging Face ``DynamicCache``) has its own advice; else the front end's."""
+    found = re.search(r"Found <class '([\w.]+)'> in output", str(exc))
+    if found:
+        name = found.group(1).rsplit(".", 1)[-1]
+        return (f"the forward returns a {name}, which torch.export cannot carry out of the "
+                "graph; for a Hugging Face model pass use_cache=False in example_kwargs "
+                "(or in its config), else register the class with "
+                "torch.utils._pytree.register_pytree_node")
+    return _ADVICE.get(frontend, _ADVICE["auto"])
+
+
 #: ``dynamic_shapes`` value asking for an all-static export (the other-mode graph, which
 #: is only compared with the first one)
 STATIC = "static"
@@ -122,7 +138,8 @@ def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
             shapes = default_dynamic_shapes(model, args, kwargs)
         else:
             shapes = None if dynamic_shapes is STATIC else dynamic_shapes
-        with quiet_torch_logs(), refusing_inference_mode():
+        with quiet_torch_logs(), refusing_inference_mode(), \
+                checkpointing.export_recording(model.training):
             program = torch.export.export(model, args, kwargs, strict=False,
                                           dynamic_shapes=shapes)
     except TraceError:
@@ -132,8 +149,7 @@ def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
                         if isinstance(e, RegionRefused)), None)
         raise trace_error(
             f"torch.export cannot export {type(model).__name__}", exc, model,
-            str(refused) if refused is not None else _ADVICE.get(frontend, _ADVICE["auto"])
-            ) from exc
+            str(refused) if refused is not None else _advice(exc, frontend)) from exc
     gm = program.module()
     _refuse_data_dependent_sizes(gm, model, frontend)
     _drop_guards(gm)
@@ -244,6 +260,7 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
         warn_one_mode(model, "exports")
         return base
     follow_mode(base.graph, aligned, keep_train=True, flag_of=root_flag)
+    checkpointing.share_modes(checkpointing.aligned_pairs(aligned, True))
     base.graph.lint()
     base.recompile()
     return base
@@ -276,6 +293,7 @@ class AtenFrontend:
         with without_root_hooks(model):
             gm = export_trace(model, request.args, request.kwargs, request.asked,
                               request.dynamic_shapes)
+        checkpointing.warn_unseen(model, gm.graph)
         if request.errors:
             log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)
         return Traced(gm, self.name, flat_inputs(gm, request.args, request.kwargs), [])
@@ -292,6 +310,7 @@ class AtenFrontend:
 
     def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
                kwargs: Dict[str, Any]) -> None:
+        outline(gm)  # checkpoint regions run under torch.utils.checkpoint again
         gm.register_forward_pre_hook(ShapeCheck(traced.graph_module, model, args, kwargs),
                                      with_kwargs=True)
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)

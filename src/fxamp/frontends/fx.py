@@ -14,7 +14,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import TraceError, is_library_file, short_path
-from . import grad_mode, stacks
+from . import checkpointing, grad_mode, stacks
+from .checkpoint_regions import outline
 from ..runtime import has_call_hooks
 from .base import Request, Traced
 from .hooks import mark_hooked_runtime
@@ -160,6 +161,8 @@ def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str],
         aligned = align(train, eval_, (model, model))
         if aligned is None or not follow_mode(graph, aligned, mode, module_flag):
             warn_one_mode(model, "traces")
+        else:
+            checkpointing.share_modes(checkpointing.aligned_pairs(aligned, mode))
     name = type(model).__name__
     return fx.GraphModule(model, graph, name)
 
@@ -179,7 +182,8 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                  frontend: str = "fx") -> fx.Graph:
     tracer = FxampTracer(leaves)
     try:
-        with _functions_as_leaves(), grad_mode.recording(tracer):
+        with _functions_as_leaves(), grad_mode.recording(tracer), \
+                checkpointing.fx_recording(tracer, model.training):
             graph = tracer.trace(model)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a TraceError
         advice = _FX_ADVICE.get(frontend, _FX_ADVICE["auto"])
@@ -239,8 +243,9 @@ class FxFrontend:
     graph = True
 
     def capture(self, model: nn.Module, request: Request) -> Traced:
-        return Traced(trace(model, (), request.asked), self.name,
-                      fx_inputs(model, request.args, request.kwargs), [])
+        gm = trace(model, (), request.asked)
+        checkpointing.warn_unseen(model, gm.graph)
+        return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), [])
 
     def inputs(self, model: nn.Module, traced: Traced, args: tuple,
                kwargs: Dict[str, Any]) -> tuple:
@@ -254,7 +259,7 @@ class FxFrontend:
 
     def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
                kwargs: Dict[str, Any]) -> None:
-        return None
+        outline(gm)  # checkpoint regions run under torch.utils.checkpoint again
 
 
 #: partial tracing gives up after this many untraceable submodules

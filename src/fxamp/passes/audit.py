@@ -58,6 +58,7 @@ from ..policy import Policy
 from .audit_checks import check_bce, check_cast, check_dims
 from .audit_findings import SEVERITIES, Finding, op_names, summary
 from .audit_numerics import check_eps, check_exp, eps_finding, module_eps
+from .graph_parts import graph_parts
 
 __all__ = ["Finding", "SEVERITIES", "audit_graph", "eps_finding", "module_eps", "summary"]
 
@@ -71,18 +72,19 @@ def audit_graph(gm: fx.GraphModule, plan: Plan, policy: Policy) -> List[Finding]
     (casts) are skipped. Shapes come from the annotate meta, or from the tensors themselves.
     """
     findings: List[Finding] = []
-    for node in gm.graph.nodes:
-        if ir.is_cast(node) or node.op in ("placeholder", "output", "get_attr"):
-            continue
-        p = plan.nodes.get(node.name)
-        names = op_names(node, gm)
-        checks: Iterable[Optional[Finding]] = (
-            check_dims(node, p, names, gm) if p is not None else None,
-            check_cast(node),
-            check_bce(node, names, policy, p.op if p is not None else ""),
-            check_exp(node, gm, policy),
-            check_eps(node, gm, policy),
-        )
-        findings.extend(f for f in checks if f is not None)
+    for part in graph_parts(gm):  # (checkpoint regions hold part of the nodes)
+        for node in part.graph.nodes:
+            if ir.is_cast(node) or node.op in ("placeholder", "output", "get_attr"):
+                continue
+            p = plan.nodes.get(node.name)
+            names = op_names(node, part)
+            checks: Iterable[Optional[Finding]] = (
+                check_dims(node, p, names, part) if p is not None else None,
+                check_cast(node),
+                check_bce(node, names, policy, p.op if p is not None else ""),
+                check_exp(node, part, policy),
+                check_eps(node, part, policy),
+            )
+            findings.extend(f for f in checks if f is not None)
     log.debug("audit: %d findings", len(findings))
     return findings
