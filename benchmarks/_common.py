@@ -10,7 +10,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -118,6 +118,34 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
+def _cpu_flags() -> Optional[set]:
+    """The CPU flags of /proc/cpuinfo (Linux), or None where the system has none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def cpu_bf16() -> str:
+    """The CPU's bf16 support, printed with every table: the kernel capability torch uses
+    (``ATEN_CPU_CAPABILITY`` can lower it), whether oneDNN runs bf16 natively
+    (``ONEDNN_MAX_CPU_ISA`` can turn that off) and the avx512_bf16 / amx_bf16 CPU flags."""
+    flags = _cpu_flags()
+
+    def flag(name: str) -> str:
+        return "?" if flags is None else ("yes" if name in flags else "no")
+
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    onednn = "?" if probe is None else ("yes" if probe() else "no")
+    return (f"CPU bf16: torch capability {capability}, oneDNN bf16 {onednn}, "
+            f"avx512_bf16 {flag('avx512_bf16')}, amx_bf16 {flag('amx_bf16')}")
+
+
 def command() -> str:
     return "python " + " ".join(shlex.quote(a) for a in sys.argv)
 
@@ -139,8 +167,9 @@ def append_docs(title: str, body: str, notes: str = "") -> None:
 
 
 def table(headers, rows) -> str:
-    """A markdown table."""
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    """A markdown table, below a line naming the CPU's bf16 support (:func:`cpu_bf16`)."""
+    out = [cpu_bf16(), "", "| " + " | ".join(headers) + " |",
+           "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
 

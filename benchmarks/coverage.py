@@ -528,9 +528,14 @@ def _cell(s: Any) -> str:
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
+    """The results as a markdown table, below a line naming the CPU's bf16 support."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import cpu_bf16  # imports torch: only here, in the parent process
+
     head = ["family", "model", "input", "frontend", "fx nodes", "rewrite s", "plain trace CPU s",
             "rewrite CPU s", "rewrite/plain", "rel. output error", "failure"]
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out = [cpu_bf16(), "", "| " + " | ".join(head) + " |",
+           "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         fail = r.get("failure", "")
         if fail and r.get("stage"):

@@ -25,6 +25,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 import cpu_step_time as cst  # noqa: E402
 
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -157,7 +158,7 @@ def main() -> None:
                 s()
                 times[k].append((time.perf_counter() - t0) * 1e3)
         print(f"\n# {model_name} {a.mode} batch {a.batch} (seq {a.seq}), threads "
-              f"{torch.get_num_threads()}, torch {torch.__version__}")
+              f"{torch.get_num_threads()}, torch {torch.__version__}; {_common.cpu_bf16()}")
         print("unprofiled ms/step (median of %d): " % a.timed + ", ".join(
             f"{k} {statistics.median(v):.1f}" for k, v in times.items()))
         for k, s in steps.items():

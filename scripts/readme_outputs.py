@@ -14,6 +14,11 @@ A block is marked by an HTML comment (invisible on GitHub) on the line just befo
   by its output.
 * A marker whose next line is not a fence covers the Markdown up to ``<!-- end output -->``
   (a table to render): the block is COMMAND's stdout, as Markdown.
+* ``<!-- output (decimals within 3%): COMMAND -->``: numbers with a decimal point (a loss, a
+  grad norm, an accuracy) may differ from the block's by that relative tolerance, for output
+  whose last digits depend on the CPU's kernels; the rest (text, integers) must match exactly
+  and the block must hold as many decimals. ``--write`` leaves such a block as written while
+  it is within the tolerance.
 
 Each block runs in a fresh scratch directory holding the repository's ``examples/`` (so
 ``python examples/x.py``, ``examples.audit_demo:build`` and source lines read
@@ -23,8 +28,8 @@ PYTHONHASHSEED=0; the examples seed torch themselves. Exit status 0 and 1 (fxamp
 something" / "differs") are accepted; any other, or a traceback on stderr, is an error.
 
 The only text compared loosely is VOLATILE: the ``# fxamp: X`` and ``# torch: X`` version
-lines of a plan header. Everything else must match exactly (trailing spaces and trailing
-blank lines aside).
+lines of a plan header, and the decimals of a block whose marker states a tolerance.
+Everything else must match exactly (trailing spaces and trailing blank lines aside).
 
     python scripts/readme_outputs.py --check    # exit 1 and a diff when a block drifted
     python scripts/readme_outputs.py --write    # regenerate the blocks in place
@@ -43,7 +48,9 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"^<!-- output: (.+?) -->\s*$")
+MARKER = re.compile(r"^<!-- output(?: \(decimals within (?P<tol>\d+(?:\.\d+)?)%\))?: "
+                    r"(?P<command>.+?) -->\s*$")
+DECIMAL = re.compile(r"(?<![\w.])[-+]?\d+\.\d+(?:[eE][-+]?\d+)?(?![\w.])")
 END = "<!-- end output -->"
 FENCE = re.compile(r"^```")
 VOLATILE = [(re.compile(r"^# (fxamp|torch): \S+$", re.M), r"# \1: <version>")]
@@ -53,7 +60,8 @@ TIMEOUT_S = 300
 @dataclass
 class Block:
     """One marked block: ``command`` at README line ``line`` (1-based); ``start``/``end``
-    index the lines of its content (``lines[start:end]``)."""
+    index the lines of its content (``lines[start:end]``); ``rel_tol`` is the relative
+    tolerance of its decimals (0: exact)."""
 
     line: int
     command: str
@@ -61,6 +69,7 @@ class Block:
     start: int
     end: int
     content: str
+    rel_tol: float = 0.0
 
 
 class ReadmeOutputError(Exception):
@@ -77,7 +86,8 @@ def find_blocks(text: str) -> List[Block]:
         if not m:
             i += 1
             continue
-        command = m.group(1).strip()
+        command = m.group("command").strip()
+        rel_tol = float(m.group("tol")) / 100 if m.group("tol") else 0.0
         if i + 1 < len(lines) and FENCE.match(lines[i + 1]):
             start = i + 2
             end = next((j for j in range(start, len(lines)) if lines[j].rstrip() == "```"), None)
@@ -94,7 +104,8 @@ def find_blocks(text: str) -> List[Block]:
             fenced = False
         if command == "session" and not fenced:
             raise ReadmeOutputError(f"line {i + 1}: a session must be a fenced block")
-        blocks.append(Block(i + 1, command, fenced, start, end, "\n".join(lines[start:end])))
+        blocks.append(Block(i + 1, command, fenced, start, end, "\n".join(lines[start:end]),
+                            rel_tol))
         i = end + 1
     return blocks
 
@@ -148,14 +159,36 @@ def normalise(text: str) -> str:
     return text
 
 
-def check_block(block: Block) -> Tuple[bool, str]:
-    """(matches, a unified diff README -> now)."""
-    now = produce(block)
+def decimals_within(written: str, now: str, rel_tol: float) -> Tuple[bool, str]:
+    """Whether ``now`` is ``written`` with its decimals moved by at most ``rel_tol`` (relative
+    to the larger magnitude) and nothing else changed; and, if not, why."""
+    a, b = normalise(written), normalise(now)
+    if DECIMAL.sub("<decimal>", a) != DECIMAL.sub("<decimal>", b):
+        return False, "the text around the decimals differs"
+    for x, y in zip(DECIMAL.findall(a), DECIMAL.findall(b)):
+        if abs(float(x) - float(y)) > rel_tol * max(abs(float(x)), abs(float(y))):
+            return False, f"{x} -> {y} is more than {rel_tol:.0%} apart"
+    return True, ""
+
+
+def matches(block: Block, now: str) -> Tuple[bool, str]:
+    """Whether the block, as written, is what its command printed (``now``); if not, why."""
     if normalise(block.content) == normalise(now):
+        return True, ""
+    if block.rel_tol:
+        return decimals_within(block.content, now, block.rel_tol)
+    return False, "the output differs"
+
+
+def check_block(block: Block) -> Tuple[bool, str]:
+    """(matches, a unified diff README -> now, with the reason on its last line)."""
+    now = produce(block)
+    ok, why = matches(block, now)
+    if ok:
         return True, ""
     diff = difflib.unified_diff(_tidy(block.content).split("\n"), now.split("\n"),
                                 f"README.md:{block.line} (as written)", "now", lineterm="")
-    return False, "\n".join(diff)
+    return False, "\n".join(diff) + f"\n({why})"
 
 
 def write(path: Path, only: Optional[str] = None) -> int:
@@ -167,6 +200,8 @@ def write(path: Path, only: Optional[str] = None) -> int:
         if only and only not in block.command:
             continue
         now = produce(block)
+        if block.rel_tol and matches(block, now)[0]:
+            continue  # within its stated tolerance: as written
         if block.fenced and _tidy(block.content) != now:
             lines[block.start:block.end] = now.split("\n")
         elif not block.fenced and block.content != f"\n{now}\n":  # Markdown: blank lines

@@ -287,6 +287,7 @@ def test_untraceable_model_raises():
         audit(Branchy(), (torch.randn(2),))
 
 
+@pytest.mark.slow
 def test_torchvision_resnet18():
     import torchvision
     model = torchvision.models.resnet18(num_classes=10)
@@ -306,6 +307,7 @@ def fxamp_cli(*args, cwd=ROOT):
                           text=True, cwd=cwd, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_audit_small_cnn():
     r = fxamp_cli("audit", "fxamp.demo:small_cnn")
     assert r.returncode == 0, r.stderr
@@ -315,6 +317,7 @@ def test_cli_audit_small_cnn():
     assert lines[-1].startswith(f"{len(lines) - 1} findings: ")
 
 
+@pytest.mark.slow
 def test_cli_audit_error_exits_1_and_bad_input_exits_2(tmp_path):
     (tmp_path / "bce_model.py").write_text(textwrap.dedent("""
         import torch, torch.nn as nn

@@ -109,6 +109,7 @@ def test_onnx_opset_and_batch_axis(tmp_path):
         audit_context(None, FP16, onnx=str(tmp_path / "missing.onnx"))
 
 
+@pytest.mark.slow
 def test_cli_audit_onnx(tmp_path):
     old = _export(tmp_path / "old.onnx", opset_version=11)
     src = str(Path(__file__).resolve().parents[1] / "src")

@@ -7,6 +7,7 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ def both_inputs():
     return torch.randn(6, 12), torch.randn(2, 4, 3, 3), torch.rand(6, 16)
 
 
+@pytest.mark.slow
 def test_fx_and_export_find_the_same_issues():
     torch.manual_seed(0)
     model = Both().eval()
@@ -73,6 +75,7 @@ def test_banned_op_through_export_is_reported_not_raised():
     assert len(bce) == 1 and bce[0].severity == "error"
 
 
+@pytest.mark.slow
 def test_bert_through_export_gets_the_layer_norm_eps_warning():
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -90,6 +93,7 @@ def test_bert_through_export_gets_the_layer_norm_eps_warning():
     assert any("modeling_bert.py" in f.source for f in eps)
 
 
+@pytest.mark.slow
 def test_cli_audit_passes_the_front_end_on(tmp_path):
     (tmp_path / "ln_model.py").write_text(textwrap.dedent("""
         import torch, torch.nn as nn

@@ -29,6 +29,17 @@ BANNED = "unsafe to autocast"
 ALL = [case for target, dtype in CASES for case in all_cases(target, dtype)]
 
 
+def _each_entry_once_fast(cases: list) -> list:
+    """The cases as parameters; an entry's spellings after its first are marked slow, so the
+    fast tier (``-m "not slow"``) checks every entry once and the full suite every spelling."""
+    seen, params = set(), []
+    for case in cases:
+        marks = pytest.mark.slow if id(case.entry) in seen else ()
+        seen.add(id(case.entry))
+        params.append(pytest.param(case, id=case.id, marks=marks))
+    return params
+
+
 def check_case(case: Case, device: str = "cpu") -> None:
     """Rewrite ``case``'s module and compare the plan (and on CPU or a real GPU, the
     output) with real autocast. ``device``: where the module and inputs live ("cuda" on a
@@ -92,7 +103,7 @@ def _short(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-@pytest.mark.parametrize("case", ALL, ids=[c.id for c in ALL])
+@pytest.mark.parametrize("case", _each_entry_once_fast(ALL))
 def test_plan_is_what_autocast_does(case: Case) -> None:
     check_case(case)
 

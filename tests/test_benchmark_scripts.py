@@ -7,7 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # runs the benchmark scripts in subprocesses
+
+
+def _cpu_line() -> str:
+    """The start of the line every benchmark table is printed with (this CPU's bf16 support)."""
+    import torch
+    return f"CPU bf16: torch capability {torch.backends.cpu.get_cpu_capability()}, oneDNN bf16 "
 
 
 def _run(*args: str, timeout: int = 600) -> str:
@@ -33,6 +42,7 @@ def test_gpu_script_smoke_on_cpu_prints_rows_as_it_goes():
     assert float(cnn[9]) > 0  # fxamp channels_last vs autocast NHWC
     assert float(cnn[6]) > 0 and float(cnn[7]) > 0  # vs autocast, vs limit
     assert "| fxamp channels_last vs autocast NHWC |" in out
+    assert _cpu_line() in out.split("| model |")[0], out  # above the table
 
 
 def test_cpu_step_time_infer_runs_every_variant():
@@ -41,6 +51,9 @@ def test_cpu_step_time_infer_runs_every_variant():
     row = next(line for line in out.splitlines() if line.startswith("['gpt_tiny'"))
     cells = eval(row)  # noqa: S307
     assert "FAILED" not in cells and "NOTE" not in out
+    cpu = next(line for line in out.splitlines() if line.startswith("CPU bf16: "))
+    assert cpu.startswith(_cpu_line()) and "avx512_bf16 " in cpu and "amx_bf16 " in cpu, cpu
+    assert out.index(cpu) < out.index("| model")  # the table's header line follows it
     counts = dict(zip(["fp32", "autocast", "autocast nocache", "limit", "fxamp", "fxamp cast",
                        "fxamp o2"], cells[-2].split()))
     assert len(cells[-1].split()) == 7  # page faults per variant
@@ -55,6 +68,7 @@ def test_step_profile_splits_a_training_step_by_phase():
     out = _run("benchmarks/step_profile.py", "--models", "gpt_tiny", "--seq", "8", "--steps",
                "1", "--timed", "1", "--variants", "limit,fxamp", "--top", "3")
     assert "## limit:" in out and "## fxamp:" in out, out
+    assert _cpu_line() in out.split("## limit:")[0], out  # in the header line, above the tables
     for phase in ("| forward |", "| backward |", "| optimizer |"):
         assert out.count(phase) == 2, out
     assert "aten::" in out  # the top ops

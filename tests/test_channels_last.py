@@ -1,6 +1,7 @@
 """Policy ``channels_last=on``: conv weights and 4-D inputs in NHWC, same results, trains."""
 import copy
 import logging
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -93,30 +94,73 @@ def test_channels_last_runs_convs_in_nhwc_with_the_same_outputs_and_parameters()
     assert model.conv1.weight.grad.is_contiguous(memory_format=CL)  # no layout copy
 
 
-def test_resnet18_trains_with_channels_last_like_without():
-    torch.manual_seed(0)
-    base = torchvision.models.resnet18(num_classes=10).train()
-    x = torch.randn(4, 3, 64, 64)
-    y = torch.randint(0, 10, (4,))
-    losses = {}
-    for flag in ("off", "on"):
-        model = copy.deepcopy(base)
-        gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu",
-                               policy=f"channels_last={flag}")
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        losses[flag] = []
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(gm(x), y)
+def _train_steps(model: nn.Module, forward, x: torch.Tensor, y: torch.Tensor, steps: int = 3
+                 ) -> Tuple[List[float], List[Dict[str, torch.Tensor]], List[tuple]]:
+    """``steps`` SGD steps of ``model`` through ``forward``; the losses, each step's gradients
+    and what the convolutions saw (:class:`_ConvInputs`)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, grads, seen = [], [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with _ConvInputs() as mode:
+            loss = F.cross_entropy(forward(x).float(), y)  # the loss in FP32, outside autocast
             loss.backward()
-            assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-            opt.step()
-            losses[flag].append(loss.item())
-        if flag == "on":
-            assert model.conv1.weight.is_contiguous(memory_format=CL)
-            assert gm.conv1.weight is model.conv1.weight
-    assert losses["on"][-1] < losses["on"][0]  # it learns
-    assert losses["on"] == pytest.approx(losses["off"], rel=5e-2)
+        seen += mode.seen
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return losses, grads, seen
+
+
+_TRAINED = {
+    "tiny_convnet": (TinyConvNet, (4, 3, 16, 16)),
+    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), (4, 3, 64, 64)),
+}
+
+
+@pytest.mark.parametrize("name", ["tiny_convnet", pytest.param("resnet18", marks=pytest.mark.slow)])
+def test_channels_last_training_equals_autocast_training_in_channels_last(name):
+    """fxamp ``channels_last=on`` training equals ``torch.autocast`` training of the same model
+    in NHWC (``model.to(memory_format=torch.channels_last)``, NHWC inputs): the same losses,
+    gradients and parameters, bit for bit. Both sides use the same kernels, so no tolerance:
+    NCHW is not compared with NHWC (their bf16 kernels round differently on some CPUs)."""
+    torch.manual_seed(0)
+    make, shape = _TRAINED[name]
+    base = make().train()
+    x = torch.randn(*shape)
+    y = torch.randint(0, 10, (shape[0],))
+
+    model = copy.deepcopy(base)
+    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", policy="channels_last=on")
+    assert gm.conv1.weight is model.conv1.weight
+    losses, grads, seen = _train_steps(model, gm, x, y)  # NCHW input: gm converts it
+
+    reference = copy.deepcopy(base).to(memory_format=CL)
+
+    def autocast_forward(inp: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16):
+            return reference(inp.contiguous(memory_format=CL))
+
+    ref_losses, ref_grads, ref_seen = _train_steps(reference, autocast_forward, x, y)
+
+    # every convolution of both runs gets an NHWC input and weight in bf16
+    assert len(seen) == len(ref_seen) > 0
+    assert all(inp and weight and dtype == BF16 for inp, weight, dtype in seen), seen
+    assert all(inp and weight and dtype == BF16 for inp, weight, dtype in ref_seen), ref_seen
+    assert losses[-1] < losses[0]  # it learns
+    assert losses == ref_losses
+    for step, (got, want) in enumerate(zip(grads, ref_grads)):
+        assert list(got) == list(want)
+        for name in want:
+            assert got[name].dtype == torch.float32, (step, name)
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0,
+                                       msg=lambda m: f"step {step}, {name}.grad: {m}")
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        if p.dim() == 4:
+            assert p.is_contiguous(memory_format=CL) and p.grad.is_contiguous(memory_format=CL)
+    for name, buf in reference.named_buffers():  # BatchNorm running statistics
+        torch.testing.assert_close(model.get_buffer(name), buf, rtol=0, atol=0)
 
 
 def test_model_without_conv_gets_a_note_and_no_change(caplog):
@@ -131,6 +175,7 @@ def test_model_without_conv_gets_a_note_and_no_change(caplog):
     torch.testing.assert_close(gm(x), off(x))
 
 
+@pytest.mark.slow
 def test_torch_compile_of_the_channels_last_rewrite():
     torch.manual_seed(0)
     model = TinyConvNet().train()

@@ -321,6 +321,7 @@ def bert_step(model: nn.Module, ids: torch.Tensor, autocast: bool) -> Tuple[torc
     return loss.detach(), nbytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_hf_gradient_checkpointing(reentrant):
     """Every parameter gets its gradient (before: 37 of 41 got none with the reentrant
@@ -352,6 +353,7 @@ def test_hf_gradient_checkpointing(reentrant):
         assert_same_grads(gm, plain)
 
 
+@pytest.mark.slow
 def test_hf_inplace_rewrite_follows_the_models_mode():
     """inplace=True: the model itself computes with the rewrite; its train()/eval() decide
     whether the regions checkpoint (HF layers: train mode only)."""
@@ -371,6 +373,7 @@ def test_hf_inplace_rewrite_follows_the_models_mode():
     assert calls[0] == 3  # no recompute
 
 
+@pytest.mark.slow
 def test_hf_model_rewritten_in_eval_mode_checkpoints_in_train_mode_only(caplog):
     """HF layers checkpoint only in train mode: the regions come from the train-mode
     trace and are skipped in eval mode; a rewrite under no_grad sees none and says so."""

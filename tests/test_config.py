@@ -94,6 +94,7 @@ class SensitiveBranch(nn.Module):
         return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frontend", ["auto", "export"])
 def test_search_scores_on_the_front_end_the_rewrite_used(frontend: str) -> None:
     torch.manual_seed(0)

@@ -71,9 +71,17 @@ def _first_tensor(value):
     return next(t for t in (_first_tensor(v) for v in items) if t is not None)
 
 
+def _cases() -> list:
+    """(name, device) parameters; the torchvision models and the fake-cuda copies are slow
+    (the fast tier keeps each hand-written model on meta)."""
+    return [pytest.param(name, device, id=f"{name}-{device}",
+                         marks=pytest.mark.slow if name in TORCHVISION_HERE
+                         or device != "meta" else ())
+            for name in MODELS for device in DEVICES]
+
+
 @pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name, device", _cases())
 def test_rewrite_on_the_models_device(name: str, device: str, target: str) -> None:
     """Planned as on cpu, node by node; nothing leaves the model's device."""
     model, inputs = MODELS[name]()

@@ -90,6 +90,7 @@ def test_show_draws_the_rewritten_children_and_marks_runtime_parts(models):
     assert 'data-node="gate"' in html and "runtime: not traceable" in html
 
 
+@pytest.mark.slow
 def test_audit_reads_the_children_and_the_runtime_parts(models):
     _, branchy = models
     model, inputs = branchy.build()
@@ -104,6 +105,7 @@ def test_audit_reads_the_children_and_the_runtime_parts(models):
     assert fxamp.plan_of(gm).nodes["ln/layer_norm"].dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_export_refuses_a_trace_that_takes_the_wrong_branch(models, tmp_path):
     _, branchy = models
     model, inputs = branchy.build()
@@ -117,6 +119,7 @@ def test_export_refuses_a_trace_that_takes_the_wrong_branch(models, tmp_path):
     assert not path.exists()
 
 
+@pytest.mark.slow
 def test_export_of_an_eager_result_is_checked_on_two_inputs(models, tmp_path):
     import onnxruntime as ort
 
@@ -142,6 +145,7 @@ def fxamp_cli(*args, cwd):
                           text=True, cwd=cwd, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_cli_show_audit_export_on_an_eager_result(models):
     folder, _ = models
     show = fxamp_cli("show", "branchy.py:build", "--target", "cpu", "-o", "g.html", cwd=folder)

@@ -78,6 +78,7 @@ def test_conflicting_dtype_and_compute_raise_policy_error():
     assert gm(*x).dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_cli_takes_compute_from_the_policy_and_refuses_a_conflict():
     import subprocess
     import sys

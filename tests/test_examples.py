@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -12,6 +14,7 @@ def run(*args):
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_quickstart_trains_and_prints_the_plan():
     """On CPU, fp16: the GradScaler really scales (a bare GradScaler() would warn and
     disable itself there), the loss falls, no warning is printed."""
@@ -63,6 +66,7 @@ def test_quickstart_rewrites_on_meta():
         torch.float16, torch.float32, torch.float16]  # linear fp16, layer_norm fp32 (cuda)
 
 
+@pytest.mark.slow
 def test_demo_trains_with_gradscaler():
     r = run("-m", "fxamp", "demo", "--steps", "20")
     assert r.returncode == 0, r.stderr
@@ -78,6 +82,7 @@ def test_readme_test_command_is_what_ci_runs():
     assert install and install.group(1) in ci
 
 
+@pytest.mark.slow
 def test_numerics_example_fixes_what_autocast_breaks():
     r = run("examples/numerics.py")
     assert r.returncode == 0, r.stderr
@@ -89,6 +94,7 @@ def test_numerics_example_fixes_what_autocast_breaks():
     assert "norm_eps" in r.stdout
 
 
+@pytest.mark.slow
 def test_audit_demo_finds_the_planted_mistakes():
     r = run("-m", "fxamp", "audit", "examples.audit_demo:build")
     assert r.returncode == 1, r.stderr  # an error finding (binary_cross_entropy)
@@ -98,6 +104,7 @@ def test_audit_demo_finds_the_planted_mistakes():
     assert 'File "examples/audit_demo.py", line 13' in r.stdout
 
 
+@pytest.mark.slow
 def test_calibration_example():
     r = run("examples/calibration.py")
     assert r.returncode == 0, r.stderr
@@ -107,6 +114,7 @@ def test_calibration_example():
     assert err < 1e-2 and "ranges    its output reaches" in r.stdout
 
 
+@pytest.mark.slow
 def test_frontends_example():
     r = run("examples/frontends.py")
     assert r.returncode == 0, r.stderr

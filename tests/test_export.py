@@ -64,6 +64,7 @@ class Up(nn.Module):
 MODELS = {"cnn": (CNN, (2, 3, 8, 8)), "block": (Block, (2, 5, 16)), "up": (Up, (1, 3, 8, 8))}
 
 
+# exports the MODELS to ONNX once (seconds): the tests taking it are marked slow
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """name -> (fp32 model, inputs, rewritten gm, onnx path, report)."""
@@ -90,6 +91,7 @@ def _compute_inputs(path):
     return model, types
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_heavy_ops_take_the_planned_dtype(exported, name):
     _, _, gm, path, _ = exported[name]
@@ -122,6 +124,7 @@ def test_heavy_ops_take_the_planned_dtype(exported, name):
             assert all(inits[i] == fp16 for i in node.input[1:] if i in inits), node.name
 
 
+@pytest.mark.slow
 def test_batchnorm_folding_is_repaired_so_onnxruntime_loads_it(exported):
     model = onnx.load(exported["cnn"][3])
     meta = {p.key: p.value for p in model.metadata_props}
@@ -129,6 +132,7 @@ def test_batchnorm_folding_is_repaired_so_onnxruntime_loads_it(exported):
     onnx.checker.check_model(model, full_check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_no_zero_eps(exported, name):
     model = onnx.load(exported[name][3])
@@ -149,6 +153,7 @@ def test_no_zero_eps(exported, name):
         assert eps == pytest.approx(1e-12, rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_onnxruntime_matches_fp32_pytorch(exported, name):
     # FP16 rounds to 11 significant bits (relative 4.9e-4) at every cast; onnxruntime's CPU
@@ -162,6 +167,7 @@ def test_onnxruntime_matches_fp32_pytorch(exported, name):
     assert report.numerics and all(r["ok"] for r in report.numerics)
 
 
+@pytest.mark.slow
 def test_numerics_over_tolerance_raises(exported):
     model, inputs, _, path, _ = exported["block"]
     with pytest.raises(NumericsError, match="differs from the FP32 model") as info:
@@ -169,6 +175,7 @@ def test_numerics_over_tolerance_raises(exported):
     assert isinstance(info.value, fxamp.FxampError)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_report_maps_layers_back_to_fx_nodes(exported, name):
     _, _, gm, _, report = exported[name]
@@ -185,6 +192,7 @@ def test_report_maps_layers_back_to_fx_nodes(exported, name):
     assert modules & {"conv", "fc", "qkv", "proj", "out", "bn"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_cpu_provider_fallbacks_are_listed(exported, name):
     """onnxruntime's CPU provider has no FP16 Conv/MatMul/Gemm kernels here: it inserts
@@ -208,6 +216,7 @@ def test_cpu_provider_fallbacks_are_listed(exported, name):
     assert all(layer.planned and layer.actual != layer.planned for layer in report.fallbacks)
 
 
+@pytest.mark.slow
 def test_report_formats(exported):
     report = exported["block"][4]
     data = json.loads(report.to_json())
@@ -250,6 +259,7 @@ class _TagChecker(HTMLParser):
             self.errors.append(tag)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(tensorrt_available(), reason="TensorRT and a CUDA GPU are available")
 def test_tensorrt_backend_says_what_to_install(exported):
     path = exported["cnn"][3]
@@ -261,6 +271,7 @@ def test_tensorrt_backend_says_what_to_install(exported):
 
 @pytest.mark.skipif(not tensorrt_available(),
                     reason="TensorRT and a CUDA GPU are not available")
+@pytest.mark.slow
 def test_tensorrt_backend(exported):  # pragma: no cover - needs TensorRT and a GPU
     _, _, gm, path, _ = exported["cnn"]
     report = precision_report(path, fxamp.plan_of(gm), backend="tensorrt")
@@ -268,6 +279,7 @@ def test_tensorrt_backend(exported):  # pragma: no cover - needs TensorRT and a 
     assert convs and all(layer.actual == "fp16" for layer in convs)
 
 
+@pytest.mark.slow
 def test_plan_is_read_from_the_file(exported):
     _, inputs, _, path, report = exported["up"]
     again = precision_report(path, backend="onnxruntime", inputs=inputs)
@@ -285,6 +297,7 @@ def test_torchscript_exporter_fallback(tmp_path):
     check_numerics(path, model, inputs)
 
 
+@pytest.mark.slow
 def test_import_fxamp_does_not_import_onnx():
     code = ("import fxamp, sys; assert 'onnx' not in sys.modules and 'onnxruntime' not in "
             "sys.modules; import fxamp.export; assert 'onnx' not in sys.modules and "
@@ -292,6 +305,7 @@ def test_import_fxamp_does_not_import_onnx():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow
 def test_cli_export(tmp_path, monkeypatch, capsys):
     from fxamp.cli import main
 
@@ -324,6 +338,7 @@ class RMSHead(nn.Module):
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-12)
 
 
+@pytest.mark.slow
 def test_eps_the_exporter_deletes_is_put_back(tmp_path):
     torch.manual_seed(0)
     model = RMSHead().eval()
@@ -341,6 +356,7 @@ def test_eps_the_exporter_deletes_is_put_back(tmp_path):
     assert all(r["ok"] for r in rows)
 
 
+@pytest.mark.slow
 def test_large_weights_become_fp16_initializers(tmp_path):
     # onnxscript folds constants only up to 8192 elements: a 512x512 weight would stay an
     # FP32 initializer behind a runtime Cast; fxamp folds it into an FP16 initializer
@@ -381,6 +397,7 @@ class Opaque(nn.Module):
         return self.mha(h, h, h, need_weights=False)[0]
 
 
+@pytest.mark.slow
 def test_opaque_calls_export_and_map_by_module_scope(tmp_path):
     torch.manual_seed(0)
     model, inputs = Opaque().eval(), (torch.randn(2, 3, 8),)
@@ -413,6 +430,7 @@ class _Deep(nn.Module):
         return self.head(self.enc.blocks[0](x))
 
 
+@pytest.mark.slow
 def test_module_paths_from_nested_onnx_scopes_are_not_doubled(tmp_path):
     """The dynamo exporter records scopes by full path ('enc', 'enc.blocks', ...): the
     report's module column is that path (was 'enc.enc.blocks...', as 'bert.bert.embeddings'

@@ -97,6 +97,7 @@ class Warp(nn.Module):
         return F.grid_sample(self.feat(x), grid, align_corners=False)
 
 
+@pytest.mark.slow
 def test_report_marks_predicted_fallbacks(tmp_path):
     import fxamp
     from fxamp.export import export_onnx, precision_report

@@ -82,6 +82,7 @@ def test_user_dynamic_shapes_are_honoured() -> None:
         static(torch.randn(4, 3, 16, 16))
 
 
+@pytest.mark.slow
 def test_token_inputs_keep_batch_and_sequence_dynamic() -> None:
     """Hugging Face BERT (only the export front end takes it): token ids and the attention
     mask are integer inputs, so their batch and sequence dimensions stay symbolic."""

@@ -4,7 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # exports torchvision's ResNet-18 through the CLI
 
 
 def test_export_resnet18_with_a_json_report(tmp_path):

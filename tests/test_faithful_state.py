@@ -82,6 +82,7 @@ def levit():
     return timm.create_model("levit_128", pretrained=False).eval()
 
 
+@pytest.mark.slow
 def test_levit_rewritten_twice_and_its_deepcopy(levit):
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     caches = [m.attention_bias_cache for m in levit.modules()

@@ -87,6 +87,7 @@ def test_an_exception_half_way_leaves_the_old_file(tmp_path, monkeypatch):
     assert path.read_text() == OLD and _leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_write_leaves_the_old_file(tmp_path):
     path = tmp_path / "model.plan"
     path.write_text(OLD)

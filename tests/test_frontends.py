@@ -224,6 +224,7 @@ def _agreement_models() -> list:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_export_plans_agree_with_autocast_on_aten_graphs(target: str) -> None:
     """With the numerics passes off, every node of an exported graph gets the dtype that
@@ -355,6 +356,7 @@ def test_export_refuses_value_dependent_sizes() -> None:
         fxamp.amp_rewrite(Nonzero(), (torch.randn(4, 8),), frontend="export", **BF16)
 
 
+@pytest.mark.slow
 def test_onnx_export_of_an_export_front_end_graph(tmp_path) -> None:
     """An ATen-level graph (Hugging Face BERT, which only the export front end takes) goes
     to ONNX, and the precision report maps its layers back to the plan."""

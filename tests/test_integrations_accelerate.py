@@ -13,6 +13,7 @@ import fxamp
 accelerate = pytest.importorskip("accelerate")
 
 BF16 = torch.bfloat16
+pytestmark = pytest.mark.slow
 X = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
 Y = torch.tensor([0, 2, 1, 0, 1, 1, 2, 0])
 

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BF16 = torch.bfloat16
+pytestmark = pytest.mark.slow  # two spawned processes
 
 
 def _mlp() -> nn.Module:

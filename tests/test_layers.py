@@ -11,6 +11,8 @@ import ast
 import pathlib
 from typing import Dict, List, Tuple
 
+import pytest
+
 import fxamp
 
 SRC = pathlib.Path(fxamp.__file__).resolve().parent
@@ -108,6 +110,7 @@ def test_split_modules_are_in_their_layer():
         assert LAYERS[layer_of(name)][0] == layer, (name, LAYERS[layer_of(name)][0], layer)
 
 
+@pytest.mark.slow
 def test_no_module_imports_a_layer_above_it():
     bad = upward_edges()
     assert not bad, "upward imports:\n" + "\n".join(bad)
@@ -141,6 +144,7 @@ def oplists_readers(files: Dict[str, pathlib.Path]) -> List[str]:
                   if name not in TABLES and set(TABLES) & set(imports_of(name, path, known)))
 
 
+@pytest.mark.slow
 def test_only_the_vocabulary_reads_the_op_tables():
     """Passes, front ends, the rewriter and the stages ask ``fxamp.ops`` which op a node is;
     only ``ops`` reads the tables in ``oplists``."""
@@ -149,6 +153,7 @@ def test_only_the_vocabulary_reads_the_op_tables():
         " (ask fxamp.ops instead, adding what you need there)"
 
 
+@pytest.mark.slow
 def test_the_vocabulary_check_sees_a_planted_import(tmp_path):
     """The check itself: every way of spelling an import of the op tables is caught, in a
     pass and in a front end, and importing ``ops`` is not."""

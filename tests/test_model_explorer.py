@@ -24,6 +24,7 @@ def _load(path):
         for graph, data in raw.items()})
 
 
+@pytest.mark.slow
 def test_show_model_explorer_covers_every_node_of_the_exported_program(tmp_path, capsys):
     from model_explorer.pytorch_exported_program_adapter_impl import (
         PytorchExportedProgramAdapterImpl)
@@ -52,6 +53,7 @@ def test_show_model_explorer_covers_every_node_of_the_exported_program(tmp_path,
     assert floating and all(results[name].value in (16, 32) for name in floating)
 
 
+@pytest.mark.slow
 def test_export_model_explorer_planned_and_actual_for_every_onnx_node(tmp_path, capsys):
     pytest.importorskip("onnxruntime")
     from model_explorer_onnx.main import ONNXAdapter

@@ -37,6 +37,7 @@ from fxamp.passes.annotate import float_leaves  # noqa: E402
 
 REL_TOL = 5e-2
 SEQ = 8
+pytestmark = pytest.mark.slow  # transformers / timm / torchvision model zoos
 
 
 def rel_error(ref: Any, got: Any) -> float:

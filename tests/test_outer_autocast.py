@@ -87,6 +87,7 @@ def test_an_eager_root_s_own_autocast_is_not_reported(caplog):
     assert "turned off inside it" not in caplog.text
 
 
+@pytest.mark.slow
 def test_lightning_bf16_mixed_trains_the_rewritten_model_like_precision_32(tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
 

@@ -77,6 +77,7 @@ def test_each_unmatched_override_is_named_and_matched_ones_are_not() -> None:
     fxamp.amp_rewrite(model, (x,), policy="fp32:head,fp16:nn.Linear")
 
 
+@pytest.mark.slow
 def test_overrides_reach_nested_rewrites_by_their_plan_names() -> None:
     torch.manual_seed(0)
     x = torch.randn(4, 8)
@@ -113,6 +114,7 @@ def test_the_search_and_the_audit_refuse_unmatched_overrides_too() -> None:
         fxamp.audit(model, (x,), policy="fp32:nothing_here")
 
 
+@pytest.mark.slow
 def test_readme_override_example_matches_a_real_bert() -> None:
     import transformers  # a test dependency: no skip
     readme = (ROOT / "README.md").read_text()

@@ -352,6 +352,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_real_models_fixed_nodes_never_change_and_outputs_agree(name):
     torch.manual_seed(0)
@@ -371,7 +372,8 @@ def test_real_models_fixed_nodes_never_change_and_outputs_agree(name):
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("name", ["transformer", "vit", "upsample+resnet18"])
+@pytest.mark.parametrize("name", ["transformer", pytest.param("vit", marks=pytest.mark.slow),
+                                  pytest.param("upsample+resnet18", marks=pytest.mark.slow)])
 def test_casts_per_step_not_above_autocast(name):
     torch.manual_seed(0)
     make, shape = MODELS[name]

@@ -232,6 +232,7 @@ def test_log_sum_exp_is_stable(head: Callable) -> None:
     _check_rewritten(model, x, "torch.logsumexp")
 
 
+@pytest.mark.slow
 def test_cuda_plan_lines() -> None:
     torch.manual_seed(3)
     x = torch.randn(8, 16)

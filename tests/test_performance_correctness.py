@@ -72,6 +72,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,model,inputs", CASES, ids=IDS)
 def test_compiled_gm_matches_eager_gm(name, model, inputs):
     torch._dynamo.reset()

@@ -75,6 +75,7 @@ def _run(tmp_path, stderr_tty: bool) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_bars_on_a_terminal_and_none_in_a_pipe(tmp_path):
     on_tty = _run(tmp_path, True)
     for bar in BARS:

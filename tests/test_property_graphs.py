@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from typing import List, Tuple
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -41,6 +42,7 @@ from autocast_truth import record_autocast_dtypes, run_autocast_cpu, autocast_re
 B, D = 3, 8
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CONFIGS = [("cpu", torch.bfloat16), ("cpu", torch.float16), ("cuda", torch.float16)]
+pytestmark = pytest.mark.slow  # hypothesis: hundreds of random graphs
 OPS = ["linear", "matmul_param", "matmul_pool", "softmax", "softmax_dtype", "exp",
        "layer_norm", "F_layer_norm", "sum_keepdim", "relu", "add", "mul_const",
        "cat_linear", "addcmul", "argmax_embedding", "masked_fill", "einsum"]

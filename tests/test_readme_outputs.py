@@ -2,7 +2,8 @@
 
 Each marked block (``<!-- output: COMMAND -->``, see scripts/readme_outputs.py) is one test,
 so ``pytest -v tests/test_readme_outputs.py`` lists the blocks it checked. Only the plan
-header's ``# fxamp:`` / ``# torch:`` version lines are compared loosely.
+header's ``# fxamp:`` / ``# torch:`` version lines are compared loosely, and the decimals of a
+block whose marker states a tolerance (``<!-- output (decimals within 3%): COMMAND -->``).
 """
 import importlib.util
 import re
@@ -23,6 +24,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 BLOCKS = ro.find_blocks(README)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"L{b.line}:{b.command[:70]}" for b in BLOCKS])
 def test_block_is_what_its_command_prints(block):
     ok, diff = ro.check_block(block)
@@ -60,6 +62,7 @@ def _cli(*args):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_check_finds_drift_and_write_fixes_it(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(
@@ -79,6 +82,29 @@ def test_check_finds_drift_and_write_fixes_it(tmp_path):
     assert r.returncode == 0 and "3 block(s) checked, 0 drifted" in r.stdout, r.stdout
     readme.write_text(text.replace("# torch: 9.9", "# torch: 2.99"))  # a version: loose
     assert _cli("--check", str(readme)).returncode == 0
+
+
+def test_a_stated_tolerance_loosens_only_the_decimals(tmp_path, capsys):
+    """``(decimals within 3%)``: a decimal may move by 3 %, not more; the text, the integers
+    and the number of decimals must match; ``--write`` keeps a block within it as written."""
+    readme = tmp_path / "README.md"
+    now = "steps 270, grad norm 1.08, acc 0.9583"
+    block = f"<!-- output (decimals within 3%): echo '{now}' -->\n```\n{{}}\n```\n"
+    for written, ok in (("steps 270, grad norm 1.051, acc 0.9556", True),  # 2.7 %, 0.3 %
+                        (now, True),
+                        ("steps 270, grad norm 1.04, acc 0.9583", False),  # 3.7 %
+                        ("steps 271, grad norm 1.08, acc 0.9583", False),  # an integer
+                        ("steps 270, grad norm 1.08, accuracy 0.9583", False),  # the text
+                        ("steps 270, grad norm 1.08, acc 0.9583 0.1", False)):  # a decimal more
+        readme.write_text(block.format(written))
+        assert ro.main(["--check", str(readme)]) == (0 if ok else 1), written
+        assert ro.main(["--write", str(readme)]) == 0
+        assert f"{0 if ok else 1} block(s) updated" in capsys.readouterr().out, written
+        assert f"```\n{written if ok else now}\n```" in readme.read_text(), written
+    readme.write_text(block.replace(" (decimals within 3%)", "").format(
+        "steps 270, grad norm 1.081, acc 0.9583"))  # no tolerance stated: exact
+    assert ro.main(["--check", str(readme)]) == 1
+    assert "DRIFT README.md:1" in capsys.readouterr().out
 
 
 def test_a_failing_command_is_an_error_not_a_block(tmp_path):

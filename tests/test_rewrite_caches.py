@@ -67,6 +67,7 @@ def test_identical_norm_modules_are_probed_once(monkeypatch):
     assert ran.count("InstanceNorm2d") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_plan_is_the_same_with_and_without_the_probe_memo(monkeypatch, frontend):
     torch.manual_seed(0)
@@ -116,6 +117,7 @@ def test_gc_scope_collects_new_garbage_and_unfreezes():
     assert gc.get_freeze_count() == 0  # amp_rewrite froze and unfroze
 
 
+@pytest.mark.slow
 def test_gc_scope_leaves_a_programs_own_freeze_alone():
     gc.freeze()
     try:

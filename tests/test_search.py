@@ -1,4 +1,5 @@
 """Tolerance search against the bisection baseline, on a model with a few sensitive nodes."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -28,6 +29,7 @@ def _setup():
     return model, (torch.randn(4, 16),), data
 
 
+@pytest.mark.slow
 def test_search_meets_the_tolerance_with_fewer_nodes_and_evaluations_than_bisection():
     model, inputs, data = _setup()
     plain = fxamp.amp_rewrite(model, inputs, target="cpu")

@@ -1,6 +1,7 @@
 """Pictures of the plan: HTML (parsed and checked), DOT, Mermaid."""
 from html.parser import HTMLParser
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -59,6 +60,7 @@ def test_html_is_well_formed_and_names_every_node_with_its_reason():
     assert "<svg" in page  # small graph: drawn
 
 
+@pytest.mark.slow
 def test_large_graphs_collapse_by_module_instead_of_drawing():
     blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.LayerNorm(8))
                              for _ in range(DRAW_LIMIT // 3 + 10)])

@@ -40,6 +40,7 @@ NUM_CLASSES = 10
 TARGETS = ["cpu", "cuda"]
 DTYPES = [torch.float16, torch.bfloat16]
 _DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+pytestmark = pytest.mark.slow  # 16 torchvision models x targets x dtypes
 
 
 # --------------------------------------------------------------------------------------

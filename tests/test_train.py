@@ -93,6 +93,7 @@ def accuracy(model, x, y):
 
 
 # --------------------------------------------------------------------------- accuracy
+@pytest.mark.slow
 def test_fp32_autocast_and_fxamp_reach_the_same_accuracy(digits):
     (xtr, ytr), (xte, yte) = digits
     data = batches(xtr, ytr, 32, 180)  # 4 epochs of 45 batches
@@ -228,6 +229,7 @@ def test_min_scale_raises_instead_of_training_at_scale_zero(digits):
     assert isinstance(err.value, fxamp.FxampError)
 
 
+@pytest.mark.slow
 def test_hysteresis_tolerates_consecutive_overflows(digits):
     (xtr, ytr), _ = digits
     model, _, gm = make()
@@ -351,6 +353,7 @@ def _trainer(seed, **kwargs):
     return model, trainer
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_continues_bitwise_identically(digits):
     (xtr, ytr), _ = digits
     data = batches(xtr, ytr, 16, 18)
@@ -418,6 +421,7 @@ def _ddp_worker(rank, world, port, data, bad_step, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_single_process(digits, tmp_path):
     (xtr, ytr), _ = digits
     data = batches(xtr, ytr, 16, 3)
@@ -449,6 +453,7 @@ def test_ddp_two_processes_match_single_process(digits, tmp_path):
 
 
 # --------------------------------------------------------------------------- example
+@pytest.mark.slow
 def test_train_digits_example_runs():
     r = subprocess.run([sys.executable, "examples/train_digits.py", "--epochs", "2",
                         "--inject-overflow"], capture_output=True, text=True, cwd=ROOT,

@@ -54,6 +54,7 @@ def all_finite(model):
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_a_long_nan_run_then_good_batches_keep_the_weights_finite_and_recover():
     model, gm = make()
     scaler = torch.amp.GradScaler("cpu", growth_interval=1)
@@ -127,6 +128,7 @@ def _run(trainer, batches):
         np.random.rand()
 
 
+@pytest.mark.slow
 def test_resume_with_dropout_is_bit_identical(tmp_path):
     batches = data(8)
     model, gm = make()

@@ -64,6 +64,7 @@ def test_fused_names_split_into_onnx_nodes():
         == []
 
 
+@pytest.mark.slow
 def test_resnet_layers_map_onto_the_real_resnet18_onnx_nodes(tmp_path):
     _, names = _resnet18_onnx(tmp_path)
     layers = parse_engine_info(RESNET, names)
@@ -98,6 +99,7 @@ def test_fp32_fp16_reformats_are_precision_boundaries():
     assert ("fp32", "int8") in {b.boundary for b in qat[1:]}  # FP32 islands quantized again
 
 
+@pytest.mark.slow
 def test_precision_report_reads_an_engine_built_elsewhere(tmp_path):
     path, _ = _resnet18_onnx(tmp_path)
     report = precision_report(path, engine_info=RESNET)

@@ -53,6 +53,7 @@ def _batch():
     return torch.randint(0, VOCAB, (2, 8)), torch.randint(0, VOCAB, (16,))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["weights=cached", "weights=o2"])
 def test_training_bit_identical_to_casting_every_forward_and_memory_reused(policy):
     a, ga, b, gb = _pair(policy)
@@ -90,6 +91,7 @@ def test_training_bit_identical_to_casting_every_forward_and_memory_reused(polic
         assert torch.equal(gb(idx), ga(idx))
 
 
+@pytest.mark.slow
 def test_tied_weight_gradient_is_summed_in_place_into_the_kept_memory():
     """The head's cast gradient is handed to autograd as a tensor nobody else holds, so the
     embedding's gradient is added into it in place (as for autocast's fresh cast) and it
@@ -122,6 +124,7 @@ def test_tied_weight_gradient_is_summed_in_place_into_the_kept_memory():
 VOCAB_D = (VOCAB, D)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hold", ["grad", "grad.detach()", "grad.data"])
 def test_a_copy_or_gradient_someone_holds_is_never_overwritten(hold):
     a, ga, b, gb = _pair("weights=cached")
@@ -159,6 +162,7 @@ def test_a_copy_or_gradient_someone_holds_is_never_overwritten(hold):
     assert held[1].data_ptr() != b.wte.weight.grad.data_ptr()
 
 
+@pytest.mark.slow
 def test_no_reference_cycle_keeps_a_dropped_model_alive():
     import gc
     import weakref
