@@ -1,6 +1,7 @@
-"""Produce the README's real-output blocks from the commands that print them, or check them.
+"""Produce the documentation's real-output blocks from the commands that print them, or check them.
 
-A block is marked by an HTML comment (invisible on GitHub) on the line just before it:
+The pages are README.md and docs/*.md (PAGES). A block is marked by an HTML comment (invisible
+on GitHub and on the docs site) on the line just before it:
 
     <!-- output: python examples/numerics.py -->
     ```
@@ -33,6 +34,7 @@ Everything else must match exactly (trailing spaces and trailing blank lines asi
 
     python scripts/readme_outputs.py --check    # exit 1 and a diff when a block drifted
     python scripts/readme_outputs.py --write    # regenerate the blocks in place
+    python scripts/readme_outputs.py --check docs/plan.md   # only the pages named
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the pages whose blocks are checked: the README and every page of the docs site
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"^<!-- output(?: \(decimals within (?P<tol>\d+(?:\.\d+)?)%\))?: "
                     r"(?P<command>.+?) -->\s*$")
 DECIMAL = re.compile(r"(?<![\w.])[-+]?\d+\.\d+(?:[eE][-+]?\d+)?(?![\w.])")
@@ -59,9 +63,10 @@ TIMEOUT_S = 300
 
 @dataclass
 class Block:
-    """One marked block: ``command`` at README line ``line`` (1-based); ``start``/``end``
-    index the lines of its content (``lines[start:end]``); ``rel_tol`` is the relative
-    tolerance of its decimals (0: exact)."""
+    """One marked block: ``command`` at line ``line`` (1-based) of the page ``page`` (its
+    name, e.g. ``README.md`` or ``docs/plan.md``); ``start``/``end`` index the lines of its
+    content (``lines[start:end]``); ``rel_tol`` is the relative tolerance of its decimals
+    (0: exact)."""
 
     line: int
     command: str
@@ -70,14 +75,23 @@ class Block:
     end: int
     content: str
     rel_tol: float = 0.0
+    page: str = "README.md"
+
+
+def page_name(path: Path) -> str:
+    """``path`` relative to the repository (``docs/plan.md``), or its file name outside it."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return Path(path).name
 
 
 class ReadmeOutputError(Exception):
     """A marker without its block, or a command that failed."""
 
 
-def find_blocks(text: str) -> List[Block]:
-    """The marked blocks of a README, in order."""
+def find_blocks(text: str, page: str = "README.md") -> List[Block]:
+    """The marked blocks of a page's text, in order (``page``: its name, for messages)."""
     lines = text.split("\n")
     blocks: List[Block] = []
     i = 0
@@ -92,20 +106,20 @@ def find_blocks(text: str) -> List[Block]:
             start = i + 2
             end = next((j for j in range(start, len(lines)) if lines[j].rstrip() == "```"), None)
             if end is None:
-                raise ReadmeOutputError(f"line {i + 1}: the fenced block after the marker "
+                raise ReadmeOutputError(f"{page}:{i + 1}: the fenced block after the marker "
                                         "is not closed")
             fenced = True
         else:
             start = i + 1
             end = next((j for j in range(start, len(lines)) if lines[j].strip() == END), None)
             if end is None:
-                raise ReadmeOutputError(f"line {i + 1}: a marker not followed by a fenced "
+                raise ReadmeOutputError(f"{page}:{i + 1}: a marker not followed by a fenced "
                                         f"block needs {END} after its Markdown")
             fenced = False
         if command == "session" and not fenced:
-            raise ReadmeOutputError(f"line {i + 1}: a session must be a fenced block")
+            raise ReadmeOutputError(f"{page}:{i + 1}: a session must be a fenced block")
         blocks.append(Block(i + 1, command, fenced, start, end, "\n".join(lines[start:end]),
-                            rel_tol))
+                            rel_tol, page))
         i = end + 1
     return blocks
 
@@ -143,7 +157,7 @@ def produce(block: Block) -> str:
             return _tidy(_run(block.command, tmp, env))
         commands = [line[2:] for line in block.content.split("\n") if line.startswith("$ ")]
         if not commands:
-            raise ReadmeOutputError(f"line {block.line}: a session block needs `$ ` lines")
+            raise ReadmeOutputError(f"{block.page}:{block.line}: a session block needs `$ ` lines")
         return _tidy("".join(f"$ {c}\n" + _run(c, tmp, env) for c in commands))
 
 
@@ -181,22 +195,27 @@ def matches(block: Block, now: str) -> Tuple[bool, str]:
 
 
 def check_block(block: Block) -> Tuple[bool, str]:
-    """(matches, a unified diff README -> now, with the reason on its last line)."""
+    """(matches, a unified diff page -> now, with the reason on its last line)."""
     now = produce(block)
     ok, why = matches(block, now)
     if ok:
         return True, ""
     diff = difflib.unified_diff(_tidy(block.content).split("\n"), now.split("\n"),
-                                f"README.md:{block.line} (as written)", "now", lineterm="")
+                                f"{block.page}:{block.line} (as written)", "now", lineterm="")
     return False, "\n".join(diff) + f"\n({why})"
 
 
+def page_blocks(path: Path) -> List[Block]:
+    """The marked blocks of the page at ``path``."""
+    return find_blocks(Path(path).read_text(encoding="utf-8"), page_name(path))
+
+
 def write(path: Path, only: Optional[str] = None) -> int:
-    """Regenerate the blocks in place (atomically); return how many changed."""
+    """Regenerate the page's blocks in place (atomically); return how many changed."""
     text = path.read_text(encoding="utf-8")
     lines = text.split("\n")
     changed = 0
-    for block in reversed(find_blocks(text)):  # bottom up: earlier indices stay valid
+    for block in reversed(find_blocks(text, page_name(path))):  # bottom up: indices stay
         if only and only not in block.command:
             continue
         now = produce(block)
@@ -209,7 +228,7 @@ def write(path: Path, only: Optional[str] = None) -> int:
         else:
             continue
         changed += 1
-        print(f"updated README.md:{block.line}  {block.command}")
+        print(f"updated {block.page}:{block.line}  {block.command}")
     if changed:
         sys.path.insert(0, str(ROOT / "src"))
         from fxamp.fileio import atomic_write_text
@@ -221,29 +240,30 @@ def write(path: Path, only: Optional[str] = None) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="Marking a block: see the module docstring or "
-                                            "the README's 'How it is checked'.")
+                                            "docs/checking.md.")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="compare; exit 1 on drift")
     mode.add_argument("--write", action="store_true", help="regenerate the blocks in place")
     mode.add_argument("--list", action="store_true", help="list the marked blocks")
     parser.add_argument("--only", help="only blocks whose command contains this text")
-    parser.add_argument("readme", nargs="?", default=str(ROOT / "README.md"))
+    parser.add_argument("pages", nargs="*", metavar="PAGE",
+                        help="the Markdown files (default: README.md and docs/*.md)")
     args = parser.parse_args(argv)
-    path = Path(args.readme)
+    paths = [Path(p) for p in args.pages] or PAGES
     try:
         if args.write:
-            print(f"{write(path, args.only)} block(s) updated")
+            print(f"{sum(write(path, args.only) for path in paths)} block(s) updated")
             return 0
-        blocks = [b for b in find_blocks(path.read_text(encoding="utf-8"))
+        blocks = [b for path in paths for b in page_blocks(path)
                   if not args.only or args.only in b.command]
         if args.list:
             for b in blocks:
-                print(f"README.md:{b.line}  {b.command}")
+                print(f"{b.page}:{b.line}  {b.command}")
             return 0
         bad = 0
         for b in blocks:
             ok, diff = check_block(b)
-            print(f"{'ok   ' if ok else 'DRIFT'} README.md:{b.line}  {b.command}")
+            print(f"{'ok   ' if ok else 'DRIFT'} {b.page}:{b.line}  {b.command}")
             if not ok:
                 bad += 1
                 print(diff)

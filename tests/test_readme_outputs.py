@@ -1,4 +1,5 @@
-"""The README's real-output blocks are what their commands print now (no drift).
+"""The real-output blocks of the README and of the docs pages (docs/*.md) are what their
+commands print now (no drift).
 
 Each marked block (``<!-- output: COMMAND -->``, see scripts/readme_outputs.py) is one test,
 so ``pytest -v tests/test_readme_outputs.py`` lists the blocks it checked. Only the plan
@@ -20,25 +21,36 @@ ro = importlib.util.module_from_spec(_spec)
 sys.modules["readme_outputs"] = ro  # its dataclass looks its module up
 _spec.loader.exec_module(ro)
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-BLOCKS = ro.find_blocks(README)
+PAGES = ro.PAGES
+PAGE_IDS = [ro.page_name(p) for p in PAGES]
+BLOCKS = [b for page in PAGES for b in ro.page_blocks(page)]
+
+
+def test_the_pages_are_the_readme_and_the_docs():
+    assert PAGE_IDS[0] == "README.md" and "docs/plan.md" in PAGE_IDS
+    assert set(PAGE_IDS[1:]) == {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert {b.page for b in BLOCKS} >= {"README.md", "docs/plan.md"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"L{b.line}:{b.command[:70]}" for b in BLOCKS])
+@pytest.mark.parametrize("block", BLOCKS,
+                         ids=[f"{b.page}:L{b.line}:{b.command[:60]}" for b in BLOCKS])
 def test_block_is_what_its_command_prints(block):
     ok, diff = ro.check_block(block)
-    assert ok, (f"README.md:{block.line} is not what `{block.command}` prints now:\n{diff}\n"
+    assert ok, (f"{block.page}:{block.line} is not what `{block.command}` prints now:\n{diff}\n"
                 "if the new output is right: python scripts/readme_outputs.py --write")
 
 
-def test_every_real_output_claim_has_a_marked_block():
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_every_real_output_claim_has_a_marked_block(page):
     """A sentence that introduces real output ("Real output of ...:") is followed by a
     marked block, so no block can claim to be real without being checked."""
-    lines = README.split("\n")
+    text = page.read_text(encoding="utf-8")
+    name = ro.page_name(page)
+    lines = text.split("\n")
     claims = 0
-    for m in re.finditer(r"real\s+(output|excerpt|report)", README, re.IGNORECASE):
-        line = README.count("\n", 0, m.start())
+    for m in re.finditer(r"real\s+(output|excerpt|report)", text, re.IGNORECASE):
+        line = text.count("\n", 0, m.start())
         colon = next((i for i in range(line, min(line + 4, len(lines)))
                       if lines[i].rstrip().endswith(":")), None)
         if colon is None:  # prose about real output, not an introduction of a block
@@ -46,9 +58,10 @@ def test_every_real_output_claim_has_a_marked_block():
         claims += 1
         after = next(i for i in range(colon + 1, len(lines)) if lines[i].strip())
         assert ro.MARKER.match(lines[after]), (
-            f"README.md:{line + 1} introduces real output, but line {after + 1} is not an "
+            f"{name}:{line + 1} introduces real output, but line {after + 1} is not an "
             "<!-- output: COMMAND --> marker")
-    assert claims >= len(BLOCKS) - 2  # the two diff sessions share one introduction
+    # most blocks are introduced as real output (a few share an introduction or show a file)
+    assert claims >= len([b for b in BLOCKS if b.page == name]) - 2
 
 
 def test_help_does_not_run_anything():
@@ -105,6 +118,22 @@ def test_a_stated_tolerance_loosens_only_the_decimals(tmp_path, capsys):
         "steps 270, grad norm 1.081, acc 0.9583"))  # no tolerance stated: exact
     assert ro.main(["--check", str(readme)]) == 1
     assert "DRIFT README.md:1" in capsys.readouterr().out
+
+
+def test_several_pages_are_checked_and_written_by_name(tmp_path):
+    """Pages named on the command line are checked together, each block reported as
+    PAGE:LINE; ``--write`` fixes only the page that drifted."""
+    good, bad = tmp_path / "good.md", tmp_path / "bad.md"
+    good.write_text("# g\n\n<!-- output: echo same -->\n```\nsame\n```\n")
+    bad.write_text("# b\n\n<!-- output: echo new -->\n```\nold\n```\n")
+    r = _cli("--check", str(good), str(bad))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "ok    good.md:3" in r.stdout and "DRIFT bad.md:3" in r.stdout
+    assert "2 block(s) checked, 1 drifted" in r.stdout
+    r = _cli("--write", str(good), str(bad))
+    assert r.returncode == 0 and "updated bad.md:3" in r.stdout and "1 block(s) updated" in r.stdout
+    assert bad.read_text().endswith("```\nnew\n```\n") and "same" in good.read_text()
+    assert _cli("--check", str(good), str(bad)).returncode == 0
 
 
 def test_a_failing_command_is_an_error_not_a_block(tmp_path):

@@ -31,8 +31,8 @@ import torch.fx as fx
 if TYPE_CHECKING:
     from .plan import NodePrecision
 
-__all__ = ["Rule", "Decision", "NodeIR", "get", "set", "clear", "clear_annotation", "precision", "fixed", "fix",
-           "is_cast", "mark_cast", "copy_foreign_meta", "KEY"]
+__all__ = ["Rule", "Decision", "NodeIR", "get", "set", "clear", "clear_annotation", "precision",
+           "fixed", "fix", "is_cast", "mark_cast", "copy_foreign_meta", "KEY"]
 
 #: the one node.meta key fxamp writes
 KEY = "fxamp_ir"

@@ -1,8 +1,8 @@
 """The map from torch-level calls onto autocast's ATen op tables (:mod:`.autocast_tables`).
 
 The ATen tables (re-exported here) mirror ``aten/src/ATen/autocast_mode.cpp`` of the installed
-torch (2.14): ``tests/test_oplists.py`` checks that every op named here has an autocast kernel for its
-target, that every op with an autocast kernel is named here, and that the categories agree
+torch (2.14): ``tests/test_oplists.py`` checks that every op named here has an autocast kernel
+for its target, that every op with an autocast kernel is named here, and that the categories agree
 with what ``torch.autocast`` really does (CPU for real, CUDA on fake tensors).
 
 A torch-level call (an ``nn.Module`` type, a ``torch.*`` / ``F.*`` function, a tensor method or

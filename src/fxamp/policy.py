@@ -102,13 +102,14 @@ class Policy:
         low/FP32 boundary where that casts fewer bytes per step (``passes/placement.py``).
         Independent of ``numerics``; off, casts sit where autocast puts them.
     weights: how the FP32 weights reach low precision (``fxamp/weight_cache.py``).
-        "cached" (default): each weight's low-precision copy is kept across forwards and
-        re-cast only when the Parameter changed (its version counter), so eval loops and
-        gradient-accumulation micro-batches cast once per optimizer step;
-        ``fxamp.weight_cache_bytes(gm)`` reports the memory. "cast": cast on every forward,
-        like autocast with ``cache_enabled=False``. "o2" (apex O2 style): as "cached", and
-        ``fxamp.train.attach_optimizer(gm, optimizer)`` re-casts the copies right after each
-        optimizer step, in one foreach operation, so forward and backward cast no weight.
+        "cached" (default): a forward with grad casts every weight, as autocast does (into
+        the previous copy's memory); forwards without grad (eval loops, ``generate``) reuse
+        the copies until an optimizer steps on the weight or its version counter or storage
+        changes; ``fxamp.weight_cache_bytes(gm)`` reports the memory. "cast": cast on every
+        forward into new memory, like autocast with ``cache_enabled=False``. "o2" (apex O2
+        style): ``fxamp.train.attach_optimizer(gm, optimizer)`` re-casts the copies right
+        after each optimizer step, in one foreach operation, so forward and backward cast no
+        weight.
     """
 
     compute: torch.dtype = torch.float16

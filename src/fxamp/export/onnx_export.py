@@ -185,10 +185,10 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     Before the file is written, the exported graph is run with onnxruntime and compared with
     the rewritten model on the example inputs and a second, different input (see
     :mod:`fxamp.export.verify`): a graph that disagrees (a traced value-dependent branch) is
-    refused with an ExportError. The casts of the rewritten graph become ONNX Cast nodes and FP16 initializers (the weight
-    casts are constant-folded), FP32 islands stay FP32. The export is for inference: modules
-    are put in eval mode for it (their flags are restored). ``exporter``: "auto" (dynamo, then
-    TorchScript), "dynamo" or "torchscript".
+    refused with an ExportError. The casts of the rewritten graph become ONNX Cast nodes and
+    FP16 initializers (the weight casts are constant-folded), FP32 islands stay FP32. The
+    export is for inference: modules are put in eval mode for it (their flags are restored).
+    ``exporter``: "auto" (dynamo, then TorchScript), "dynamo" or "torchscript".
     """
     try:
         import onnx

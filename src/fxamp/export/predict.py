@@ -1,4 +1,4 @@
-"""Static FP16/BF16 predictions for machines without a GPU (issue 4, item 5).
+"""Static FP16/BF16 predictions for machines without a GPU.
 
 Which ONNX ops TensorRT and onnxruntime's CUDA execution provider can run in FP16 (and BF16),
 transcribed by hand from their published operator-support matrices, so a precision report can
@@ -10,8 +10,8 @@ layer fusion, tactic choice), and the tables age. Nothing here reads files or th
 Sources (see :data:`SOURCES`):
 
 * TensorRT: onnx-tensorrt ``docs/operators.md``, the revision whose header reads "TensorRT
-  10.15 supports operators in the inclusive range of opset 9 to opset 24" (read through the
-  public-code index, stored-file id 4266455660; the index did not return the commit hash).
+  10.15 supports operators in the inclusive range of opset 9 to opset 24" (its commit hash was
+  not recorded).
   Column "Supported Types" per op; ops marked ``N`` are not supported by the parser at all.
   Older revisions differ: the ``onnx/onnx-tensorrt`` commit
   6d0ab7be324d02c7feb3a306b6fdbeae84f71ddc (TensorRT 8.5) lists LayerNormalization as ``N``
@@ -47,7 +47,7 @@ SOURCES: Dict[str, Dict[str, str]] = {
     "tensorrt": {
         "repo": "onnx/onnx-tensorrt", "path": "docs/operators.md",
         "version": "TensorRT 10.15 (opset 9-24) revision",
-        "commit": "not returned by the index (stored-file id 4266455660)",
+        "commit": "not recorded (the revision whose header names TensorRT 10.15, opset 9-24)",
         "short": "onnx-tensorrt docs/operators.md @ TensorRT 10.15",
     },
     "onnxruntime-cuda": {

@@ -134,7 +134,8 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx"
 
     A model whose traced code may read ``training`` (:func:`.modes.reads_training`) is
     traced in both modes; the constants that differ become reads of the flag of the module
-    that made them (:mod:`.modes`), so ``train()`` / ``eval()`` keep working on the result. Submodules named in ``leaves`` are kept as calls.
+    that made them (:mod:`.modes`), so ``train()`` / ``eval()`` keep working on the result.
+    Submodules named in ``leaves`` are kept as calls.
     ``frontend`` is the front end the user asked for (it shapes the advice in errors).
     """
     from .state import ModelState

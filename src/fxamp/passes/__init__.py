@@ -1,4 +1,5 @@
-"""Precision passes. Annotate and the decision rules write the IR (``fxamp.ir``); rewrite passes read it.
+"""Precision passes. Annotate and the decision rules write the IR (``fxamp.ir``); rewrite
+passes read it.
 
 A pass is a callable returning :class:`PassResult` (after torch.fx's passes infra).
 """

@@ -1,6 +1,7 @@
 """Annotate pass: autocast's op lists for the target decide each node's precision.
 
-For every node with a floating output it records the plan line (``NodePrecision``) in the IR (``fxamp.ir``).
+For every node with a floating output it records the plan line (``NodePrecision``) in the IR
+(``fxamp.ir``).
 The dtypes come from running the graph on fake tensors (no real compute, no state change)
 with each node's planned input casts applied, so a node on no list gets exactly the dtype
 its inputs give it, as under autocast.

@@ -6,10 +6,10 @@ A join is ``torch.cat`` / ``torch.concat`` / ``torch.concatenate`` / ``torch.sta
 ``torch.where`` / ``Tensor.where`` (the two values; the bool condition is no floating input)
 and ``torch.index_put`` / ``Tensor.index_put`` (the destination and the values; the indices
 are no floating input), and the ATen overloads a torch.export graph calls for them
-(``aten.cat`` / ``aten.stack`` / ..., ``aten.where.self``, ``aten.index_put``). In-place forms (``index_put_``, ``x[i] = v``) and calls with ``out=``
-are left alone. The dtypes of the floating inputs are read from each input node's plan
-(``ir.precision(node).dtype``) after annotate; the widest is ``torch.promote_types`` over them, so
-fp16 + bf16 gives fp32.
+(``aten.cat`` / ``aten.stack`` / ..., ``aten.where.self``, ``aten.index_put``). In-place forms
+(``index_put_``, ``x[i] = v``) and calls with ``out=`` are left alone. The dtypes of the
+floating inputs are read from each input node's plan (``ir.precision(node).dtype``) after
+annotate; the widest is ``torch.promote_types`` over them, so fp16 + bf16 gives fp32.
 
 What gets rule "joins" (decided here, recorded in the plan):
 
