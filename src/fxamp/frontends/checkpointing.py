@@ -119,8 +119,13 @@ def recording(graph_of: Callable[[], Optional[fx.Graph]],
     (None: not tracing, the real checkpoint runs), ``node_of(value)`` the node of a traced
     value (None for a constant), ``mode`` the training mode of this trace. Yields the
     regions seen."""
-    original = torch_checkpoint._checkpoint_impl
     regions: List[Region] = []
+    original = getattr(torch_checkpoint, "_checkpoint_impl", None)
+    if original is None:  # an older torch: checkpoint calls are traced through, as before
+        log.debug("torch %s has no torch.utils.checkpoint._checkpoint_impl: checkpoint "
+                  "regions are not kept", torch.__version__)
+        yield regions
+        return
 
     def traced(function: Callable, args: tuple, kwargs: dict, **options: Any) -> Any:
         graph = graph_of()
