@@ -10,22 +10,10 @@ import torch
 import torch.nn as nn
 
 import fxamp
+from test_frontends import ShapeBranch  # torch.fx cannot branch on a shape
 
 BF16 = torch.bfloat16
 X = torch.randn(2, 8)
-
-
-class ShapeBranch(nn.Module):
-    """torch.fx cannot branch on a shape; torch.export can."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] == 8:
-            return torch.relu(self.lin(x))
-        return x
 
 
 class ValueBranch(nn.Module):
