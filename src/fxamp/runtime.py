@@ -52,6 +52,23 @@ def autocast_restore(was: Tuple[str, ...], *outputs: Any) -> None:
         torch.set_autocast_enabled(d, True)
 
 
+def write_buffer_(buffer: torch.Tensor, value: Any) -> torch.Tensor:
+    """A buffer assigned in ``forward`` (``self.steps = self.steps + 1``): ``value`` written
+    into ``buffer``, which must keep its shape and dtype (the graph cannot rebind it)."""
+    from .errors import UnsupportedModelError
+
+    if not isinstance(value, torch.Tensor):
+        value = torch.as_tensor(value, dtype=buffer.dtype, device=buffer.device)
+    if value.shape != buffer.shape or value.dtype != buffer.dtype:
+        raise UnsupportedModelError(
+            f"forward assigns a buffer of shape {tuple(buffer.shape)} and dtype "
+            f"{buffer.dtype} a tensor of shape {tuple(value.shape)} and dtype {value.dtype}; "
+            "the rewritten graph writes assigned buffers in place, so it cannot change their "
+            "shape or dtype; what to do: keep the buffer's shape and dtype "
+            "(.to(buffer.dtype)), or keep that value in a plain attribute outside forward")
+    return buffer.copy_(value)
+
+
 class _FanOut(torch.autograd.Function):
     """Forward: the shared cast of ``source`` (an alias, no copy). Backward: this consumer's
     gradient cast to ``source``'s dtype, so the consumers' gradients are summed at

@@ -36,6 +36,7 @@ from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mo
 from .fx import trace_error
 from .aten_inputs import ShapeCheck, flat_inputs, plain_containers, plain_inputs_hook
 from .base import Request, Traced
+from .buffer_writes import export_write_backs
 from .hooks import hooked_modules, without_root_hooks
 from .modes import align, follow_mode, reads_training, root_flag
 
@@ -151,6 +152,7 @@ def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
             f"torch.export cannot export {type(model).__name__}", exc, model,
             str(refused) if refused is not None else _advice(exc, frontend)) from exc
     gm = program.module()
+    export_write_backs(gm)
     _refuse_data_dependent_sizes(gm, model, frontend)
     _drop_guards(gm)
     inline_grad_regions(gm)

@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import TraceError, is_library_file, short_path
-from . import checkpointing, grad_mode, stacks
+from . import buffer_writes, checkpointing, grad_mode, stacks
 from .checkpoint_regions import outline
 from ..runtime import has_call_hooks
 from .base import Request, Traced
@@ -82,9 +82,13 @@ class FxampTracer(fx.Tracer):
     """A symbolic tracer that records stack traces and keeps torch.nn modules as leaves,
     and the submodules named in ``leaves`` (partial tracing) too."""
 
-    def __init__(self, leaves: FrozenSet[str] = frozenset()) -> None:
+    def __init__(self, leaves: FrozenSet[str] = frozenset(),
+                 proxied: FrozenSet[str] = frozenset()) -> None:
         super().__init__()
         self.record_stack_traces = True
+        self.proxy_buffer_attributes = True  # (only those in ``proxied``: see getattr)
+        self.proxied = proxied  # buffers forward updates: their reads are graph nodes
+        self._ids: Optional[FrozenSet[int]] = None
         self.leaves = leaves
         self._stacks = stacks.StackCache()
 
@@ -103,6 +107,22 @@ class FxampTracer(fx.Tracer):
             if text:
                 node.stack_trace = text
         return node
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: Dict[str, Any]) -> Any:
+        """fx's, with the buffers named in ``proxied`` read as ``get_attr`` nodes too (see
+        :mod:`.buffer_writes`)."""
+        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter) \
+                and id(attr_val) not in self._proxied_ids():
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def _proxied_ids(self) -> FrozenSet[int]:
+        if not self.proxied:
+            return frozenset()
+        if self._ids is None:
+            self._ids = frozenset(id(b) for n, b in self.root.named_buffers(
+                remove_duplicate=False) if n in self.proxied)
+        return self._ids
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         # a module with hooks stays a call, so that calling it runs them (see hooks.py)
@@ -181,19 +201,30 @@ _FX_ADVICE = {
 
 def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                  frontend: str = "fx") -> fx.Graph:
-    tracer = FxampTracer(leaves)
-    try:
-        with _functions_as_leaves(), grad_mode.recording(tracer), \
-                checkpointing.fx_recording(tracer, model.training):
-            graph = tracer.trace(model)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a TraceError
-        advice = _FX_ADVICE.get(frontend, _FX_ADVICE["auto"])
-        if isinstance(exc, grad_mode.RegionRefused):
-            advice = str(exc)
-        raise trace_error(
-            f"torch.fx.symbolic_trace cannot trace {type(model).__name__}", exc, model,
-            advice) from exc
-    return graph
+    proxied: FrozenSet[str] = frozenset()
+    buffers = buffer_writes.buffer_targets(model)
+    while True:
+        tracer = FxampTracer(leaves, proxied)
+        try:
+            with _functions_as_leaves(), grad_mode.recording(tracer), \
+                    checkpointing.fx_recording(tracer, model.training), \
+                    buffer_writes.recording(tracer, model, proxied), \
+                    buffer_writes.guarding(buffers):
+                graph = tracer.trace(model)
+        except buffer_writes.BufferUpdated as updated:
+            if updated.target in proxied:  # (cannot happen: a Proxy is no buffer)
+                raise
+            proxied |= {updated.target}  # trace again, reading that buffer as a node
+            continue
+        except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a TraceError
+            advice = _FX_ADVICE.get(frontend, _FX_ADVICE["auto"])
+            if isinstance(exc, (grad_mode.RegionRefused, buffer_writes.BufferRefused)):
+                advice = str(exc)
+            raise trace_error(
+                f"torch.fx.symbolic_trace cannot trace {type(model).__name__}", exc, model,
+                advice) from exc
+        buffer_writes.snapshot_reads(graph)
+        return graph
 
 
 def trace_error(problem: str, exc: BaseException, model: nn.Module, fix: str) -> TraceError:

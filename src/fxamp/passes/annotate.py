@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import ir
 from ..ir import Decision, Rule
-from ..errors import UnsupportedModelError, node_error
+from ..errors import FxampError, UnsupportedModelError, node_error
 from ..plan import NodePrecision
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, eligible
@@ -176,6 +176,10 @@ class _Simulator(fx.Interpreter):
                     result, error = self._run(n, d, args, kwargs), None
                 except Exception as err:  # noqa: BLE001
                     error = err
+        if isinstance(error, FxampError):  # the call's own clear error (a buffer write)
+            problem, _, fix = str(error).split("\n\nWhile executing")[0].partition(
+                "; what to do: ")
+            raise node_error(type(error), n, problem, fix or "see the problem above")
         if error is not None:
             raise node_error(
                 UnsupportedModelError, n,
