@@ -124,3 +124,62 @@ def test_underflowing_values_are_reported(caplog):
         fxamp.amp_rewrite(Tiny(), (torch.randn(2, 8),), target="cpu",
                           calibration_data=_batches((2, 8), scale=1.0))
     assert "fc: 100% of its non-zero values are below fp16's smallest normal" in caplog.text
+
+
+# --------------------------------------------------------------------------- bad calibration
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+X8 = torch.randn(2, 8)
+
+
+def _calibrate(data, frontend="fx"):
+    return fxamp.amp_rewrite(TwoLinear(), (X8,), dtype=torch.float16, target="cpu",
+                             frontend=frontend, calibration_data=data)
+
+
+@pytest.mark.parametrize("data,words", [
+    (42, ("calibration_data=42 (type int) is not a collection of batches",
+          "calibration_data=[(x1,), (x2,)]")),
+    (torch.randn(4, 8), ("one tensor of shape (4, 8)", "calibration_data=[(x,)]")),
+    ([], ("gave no batches", "at least one batch")),
+    (iter([]), ("already used up", "a fresh iterator")),
+])
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_calibration_data_that_is_no_batches_names_what_it_takes(data, words, frontend):
+    with pytest.raises(fxamp.errors.CalibrationDataError) as err:
+        _calibrate(data, frontend)
+    text = str(err.value)
+    assert "an iterable of batches" in text and "what to do" in text
+    for word in words:
+        assert word in text, text
+
+
+def test_a_wrong_shape_batch_names_the_batch_and_the_node():
+    with pytest.raises(fxamp.errors.CalibrationDataError) as err:
+        _calibrate([(X8,), (torch.randn(3, 5),)])
+    text = str(err.value)
+    assert "calibration batch 2 ((3, 5)) fails in the FP32 model at node 'a'" in text
+    assert "mat1 and mat2 shapes cannot be multiplied" in text
+    assert "the example inputs are ((2, 8))" in text and "node: %a" in text
+
+
+def test_a_wrong_shape_batch_on_the_export_front_end_names_the_shape_check():
+    with pytest.raises(fxamp.errors.CalibrationDataError,
+                       match=r"batch 2 \(\(3, 5\)\) does not fit the exported graph's inputs: "
+                             r"torch.export's shape check says Guard failed: x.size\(\)\[1\] == 8"):
+        _calibrate([(X8,), (torch.randn(3, 5),)], "export")
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_batch_with_more_inputs_than_the_model_takes_is_refused(frontend):
+    # was: the second tensor silently dropped
+    with pytest.raises(fxamp.errors.CalibrationDataError, match="batch 1 has 2 inputs"):
+        _calibrate([(X8, X8)], frontend)

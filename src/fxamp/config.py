@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .errors import FxampError, PolicyError, rewritten_attr
+from .errors import CalibrationDataError, FxampError, PolicyError, rewritten_attr
 from .plan import Plan, RangeStats
 from .policy import Policy, dtype_name, make_policy, parse_compute_dtype
 
@@ -52,6 +52,7 @@ class RewriteConfig:
         if self.frontend not in FRONTENDS:
             raise FxampError(f"unknown frontend {self.frontend!r}; valid: "
                              f"{', '.join(FRONTENDS)}")
+        check_calibration(self.calibration)
 
     @classmethod
     def make(cls, policy: Union[None, str, Policy] = None, dtype: Optional[torch.dtype] = None,
@@ -76,6 +77,33 @@ class RewriteConfig:
             return self
         return self.replace(policy=Policy.parse(",".join(f"fp32:{n}" for n in names),
                                                 base=self.policy))
+
+
+#: what ``calibration_data`` takes, for the errors
+CALIBRATION_FORMS = ("an iterable of batches, each a tuple of the model's positional inputs "
+                     "like example_inputs (a list, a generator, a DataLoader), a Plan whose "
+                     "@range lines to reuse, or None")
+
+
+def check_calibration(data: Any) -> None:
+    """Refuse a ``calibration_data`` that is no collection of batches (a number, a string,
+    one tensor) with :class:`CalibrationDataError`; the batches themselves are checked when
+    they are run."""
+    if data is None or isinstance(data, (Plan, dict)):
+        return
+    if isinstance(data, torch.Tensor):
+        raise CalibrationDataError(
+            f"calibration_data is one tensor of shape {tuple(data.shape)}, which would be read "
+            f"as one batch per row; it takes {CALIBRATION_FORMS}\n  what to do: pass a list "
+            "of batches, e.g. calibration_data=[(x,)]")
+    iterable = isinstance(data, Iterable) or hasattr(data, "__getitem__")
+    if not iterable or isinstance(data, (str, bytes)):
+        shown = repr(data)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise CalibrationDataError(
+            f"calibration_data={shown} (type {type(data).__name__}) is not a collection of "
+            f"batches; it takes {CALIBRATION_FORMS}\n  what to do: pass e.g. "
+            "calibration_data=[(x1,), (x2,)], or leave it out")
 
 
 def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],

@@ -48,6 +48,16 @@ class ExampleInputError(FxampError, ValueError):
     """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
 
 
+class CalibrationDataError(FxampError, ValueError):
+    """``calibration_data`` is not a non-empty collection of batches the model accepts; the
+    message names what was given, the failing batch and node, and what to pass instead."""
+
+
+class CheckpointError(FxampError, ValueError):
+    """A checkpoint does not fit the trainer (another model, optimizer layout or scaler, or
+    not a trainer checkpoint at all); nothing was loaded."""
+
+
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                       for m in (torch,)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 

@@ -9,8 +9,11 @@ Fields of :class:`NodeIR`:
 
 * ``precision`` — the plan line (:class:`fxamp.plan.NodePrecision`: output dtype, input
   dtype, rule, reason, op label, module path), written by annotate for every node with a
-  floating output;
-* ``value`` — what carries the floating output: ``"tensor"`` or ``"seq"`` (tuple, list, ...);
+  floating output, and for a node with a floating input whose output is complex (an FFT:
+  the dtype of its real and imaginary parts) or another tensor its inputs' dtype decides
+  (``linalg.matrix_rank``: the dtype it computes in);
+* ``value`` — what carries the floating output: ``"tensor"`` or ``"seq"`` (tuple, list, ...),
+  ``"other"`` for those complex or integer outputs (nothing floating to cast);
 * ``shape`` — the shape of the first floating tensor of the output;
 * ``fixed`` — a decision made by a rule outside the op tables (numerics rules, ranges,
   placement, the tolerance search, hooks), honoured by every later annotate run;

@@ -158,6 +158,15 @@ METHOD_OPS["__rdiv__"] = ("reciprocal",)
 #: autocast decides inside them at run time.
 RUNTIME_FUNCTIONS = {F.local_response_norm, F.lp_pool1d, F.lp_pool2d,
                      getattr(F, "lp_pool3d", F.lp_pool2d)}
+#: the polar decomposition (not ``torch.polar``) runs ``linalg_svd`` (fp32 on CPU) and then
+#: ``matmul`` (lower): autocast decides inside it
+if hasattr(torch.linalg, "polar"):
+    RUNTIME_FUNCTIONS.add(torch.linalg.polar)
+#: the same composites as ATen ops (a torch.export graph keeps them whole)
+RUNTIME_ATEN = frozenset({"linalg_polar"})
+#: prefixes of ATen composites that are another name of a listed op
+#: (``aten.special_softmax`` runs ``softmax.int``, ``aten.linalg_norm`` runs ``norm``)
+_ALIAS_PREFIXES = ("special_", "linalg_")
 RUNTIME_MODULES = tuple(m for m in (nn.LocalResponseNorm, nn.LPPool1d, nn.LPPool2d,
                                     getattr(nn, "LPPool3d", None)) if m is not None)
 
@@ -325,6 +334,10 @@ def callable_label(fn: object) -> str:
                        ("operator", operator)):
         if getattr(ns, name, None) is fn:
             return f"{prefix}.{name}"
+        stem = prefix.rpartition(".")[2] + "_"  # torch._C._fft.fft_rfft is torch.fft.rfft
+        if prefix.startswith("torch.") and name.startswith(stem) and getattr(
+                ns, name[len(stem):], None) is fn:
+            return f"{prefix}.{name[len(stem):]}"
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", name)
     return f"{module}.{qualname}" if module else qualname
@@ -371,7 +384,10 @@ def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tupl
         name = aten_name(fn)
         if name.startswith("einsum"):
             return label, einsum_ops(node.args)
-        return label, (name,)
+        if name.split(".")[0] in RUNTIME_ATEN:
+            return label, RUNTIME
+        prefix = next((p for p in _ALIAS_PREFIXES if name.startswith(p)), "")
+        return label, (name, name[len(prefix):].split(".")[0]) if prefix else (name,)
     if fn in _INTERPOLATE:
         mode = op_vocab.arg(node, "mode", 3, "nearest")
         if fn is F.upsample_bilinear:

@@ -177,6 +177,12 @@ def aten_category(op: str, target: str) -> Optional[str]:
     return oplists.aten_category(op, target)
 
 
+def fp32_list_ops(target: str) -> Tuple[str, ...]:
+    """The ATen op names on autocast's fp32 and fp32-unless-a-dtype tables for ``target``."""
+    return tuple(op for op, category in oplists.ATEN_TABLES[target].items()
+                 if category in (FP32, FP32_OPT))
+
+
 def _signature(target: Any) -> Optional[inspect.Signature]:
     """The signature of a call target: the ATen schema for an overload, else Python's."""
     if isinstance(target, torch._ops.OpOverload):

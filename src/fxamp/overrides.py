@@ -8,7 +8,8 @@ well as its own, and its matches count for the top-level rewrite only when it su
 The top-level rewrite checks, once all nodes are annotated, that every override of the
 policy matched something; if not, :class:`PolicyError` names the closest node names and
 module paths (``difflib``), so ``fp32:encoder.layer.0.*`` on a model whose paths start
-with ``bert.`` says ``did you mean bert.encoder.layer.0.*``.
+with ``bert.`` says ``did you mean bert.encoder.layer.0.*``. An override that matches only
+nodes with no plan line (``fp32:size``: nothing floating to keep in a dtype) is refused too.
 """
 from __future__ import annotations
 
@@ -102,10 +103,20 @@ def check_matched(policy: Policy, scope: Scope,
                   lines: Iterable[Tuple[str, str, str]]) -> None:
     """Raise PolicyError when an override of ``policy`` matched no node in ``scope``.
     ``lines`` are the (name, module path, op label) of every node of the top-level plan."""
+    lines = list(lines)
+    planned = {o for name, module, label in lines
+               for o in policy.overrides_matching(name, module, module + "." if module else "",
+                                                  label)}
+    idle = [o for o in policy.overrides if o in scope.matched and o not in planned]
+    if idle:
+        raise PolicyError(
+            "\n".join(f"policy override '{o}' matches only nodes with no floating-point input "
+                       "or output (sizes, shapes, integer arithmetic): no dtype changes them"
+                       for o in idle) + "\n  what to do: name a node of the plan (see `fxamp "
+            "plan`): the op that makes the floating value, or drop the override")
     unmatched = [o for o in policy.overrides if o not in scope.matched]
     if not unmatched:
         return
-    lines = list(lines)
     candidates = _candidates(lines)
     parts, example = [], ""
     for override in unmatched:

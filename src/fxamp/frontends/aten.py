@@ -34,7 +34,7 @@ from .checkpoint_regions import outline
 from .common import as_tuple, training_flags, warn_mode_only, warn_one_mode
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
-from .aten_inputs import ShapeCheck, flat_inputs, plain_containers, plain_inputs_hook
+from .aten_inputs import ShapeCheck, batch_inputs, flat_inputs, plain_containers, plain_inputs_hook
 from .base import Request, Traced
 from .buffer_writes import export_write_backs
 from .hooks import hooked_modules, without_root_hooks
@@ -305,7 +305,8 @@ class AtenFrontend:
         return flat_inputs(traced.graph_module, args, kwargs)
 
     def calibration(self, traced: Traced, batches: Iterable[Any]) -> Iterable[Any]:
-        return [flat_inputs(traced.graph_module, as_tuple(batch), {}) for batch in batches]
+        return [batch_inputs(traced.graph_module, as_tuple(batch), count)
+                for count, batch in enumerate(batches, 1)]
 
     def runtime_calls(self, traced: Traced) -> List[str]:
         return []  # (hooked models are refused)

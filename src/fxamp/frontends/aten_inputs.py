@@ -1,7 +1,8 @@
 """The inputs of a graph from torch.export: its placeholder values for a call
-(:func:`flat_inputs`), the sizes the export fixed (:func:`input_sizes`) and the pre-hook that
-checks a call against them with fxamp's message (:class:`ShapeCheck`), and the plain
-containers an exported graph's input spec expects (:func:`plain_containers`)."""
+(:func:`flat_inputs`; :func:`batch_inputs` for a calibration batch), the sizes the export
+fixed (:func:`input_sizes`) and the pre-hook that checks a call against them with fxamp's
+message (:class:`ShapeCheck`), and the plain containers an exported graph's input spec
+expects (:func:`plain_containers`)."""
 from __future__ import annotations
 
 import inspect
@@ -10,6 +11,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from ..errors import CalibrationDataError
 
 
 def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tuple:
@@ -21,6 +24,21 @@ def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tupl
 
     value = plain_containers((tuple(args), dict(kwargs)))
     return tuple(fx_pytree.tree_flatten_spec(value, spec))
+
+
+def batch_inputs(gm: fx.GraphModule, batch: tuple, count: int) -> tuple:
+    """:func:`flat_inputs` of calibration batch number ``count``; a batch with more
+    positional inputs than the export took is a CalibrationDataError (the flattening would
+    drop the extra ones)."""
+    spec = getattr(gm, "_in_spec", None)
+    args_spec = spec.children_specs[0] if spec is not None and spec.children_specs else None
+    if args_spec is not None and len(batch) > args_spec.num_children:
+        raise CalibrationDataError(
+            f"calibration batch {count} has {len(batch)} inputs, the exported model takes "
+            f"{args_spec.num_children} positional inputs\n  what to do: make every batch a "
+            "tuple of the model's positional inputs with the shapes and types of "
+            "example_inputs")
+    return flat_inputs(gm, batch, {})
 
 
 def input_sizes(gm: fx.GraphModule) -> List[Tuple[str, Optional[Tuple[Optional[int], ...]]]]:

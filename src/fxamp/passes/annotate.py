@@ -49,6 +49,18 @@ def float_leaves(value: Any) -> List[torch.Tensor]:
     return out
 
 
+def computes_in(value: Any, inputs: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype a node whose output has no floating tensor computes in: the dtype of the
+    real and imaginary parts of its first complex output (an FFT), else, when its output
+    holds tensors (``linalg.matrix_rank``'s integers), its planned input dtype; None when
+    there is nothing to say (sizes, Python numbers)."""
+    leaves = [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+    complex_ = next((leaf for leaf in leaves if leaf.is_complex()), None)
+    if complex_ is not None:
+        return complex_.dtype.to_real()
+    return inputs if leaves else None
+
+
 def first_float(value: Any) -> Optional[torch.Tensor]:
     """The first floating tensor in a (nested) value, or None."""
     leaves = float_leaves(value)
@@ -110,6 +122,8 @@ class _Simulator(fx.Interpreter):
         self.fake_mode = fake_mode
         self.home = home
         self.decisions: Dict[str, Tuple[Decision, Any]] = {}
+        #: the nodes with an input autocast would cast (floating, not float64)
+        self.float_in: set = set()
         self.rules = make_rules(gm, policy)
         # node -> (its first decision and the identities of its input values, (decision,
         # result)) from an earlier run of the same session: reused while both are unchanged
@@ -119,6 +133,8 @@ class _Simulator(fx.Interpreter):
         if n.op == "output":
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if any(eligible(v) for v in tree_flatten((args, kwargs))[0]):
+            self.float_in.add(n.name)
         d = decide(n, self.rules, args, kwargs)
         key = (d, tuple(id(self.env[a]) for a in n.all_input_nodes))
         hit = self.memo.get(n)
@@ -361,11 +377,15 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy,
             continue
         d, result = sim.decisions[node.name]
         tensor = first_float(result)
-        if tensor is None:
-            continue
+        if tensor is not None:
+            dtype, value, shape = (tensor.dtype, "tensor" if isinstance(result, torch.Tensor)
+                                   else "seq", tuple(tensor.shape))
+        else:  # complex or integer results of floating inputs: their casts are planned too
+            dtype = computes_in(result, d.inputs) if node.name in sim.float_in else None
+            if dtype is None:
+                continue
+            value, shape = "other", None
         ir.set(node, precision=NodePrecision(
-            dtype=tensor.dtype, rule=d.rule, reason=d.reason, op=d.label,
-            module=module_path(node), inputs=d.inputs),
-            value="tensor" if isinstance(result, torch.Tensor) else "seq",
-            shape=tuple(tensor.shape))
+            dtype=dtype, rule=d.rule, reason=d.reason, op=d.label,
+            module=module_path(node), inputs=d.inputs), value=value, shape=shape)
     return PassResult(gm, modified=False)

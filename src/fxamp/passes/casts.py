@@ -100,7 +100,7 @@ class _Builder:
         """``value`` (the copy of ``src``) cast to ``dtype``, made once."""
         record = ir.get(src)
         plan, kind = record.precision, record.value
-        if plan is None or kind is None:
+        if plan is None or kind is None or kind == "other":  # (complex: autocast casts none)
             return value
         if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
             return value

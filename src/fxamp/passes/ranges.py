@@ -12,13 +12,15 @@ reported (logged), not changed.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 import torch.fx as fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten
 
+from ..config import CALIBRATION_FORMS
+from ..errors import CalibrationDataError, node_error
 from ..plan import RangeStats
 from .. import ir
 from ..ir import Decision, Rule
@@ -37,8 +39,10 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm)
         self.tiny = tiny
         self.acc: Dict[str, list] = {}
+        self.current: Optional[fx.Node] = None  # the node running (named when it fails)
 
     def run_node(self, n: fx.Node) -> Any:
+        self.current = n
         result = super().run_node(n)
         leaves, _ = tree_flatten(result)
         floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -57,20 +61,62 @@ class _Recorder(fx.Interpreter):
         return result
 
 
-def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any],
-                   dtype: torch.dtype) -> Dict[str, RangeStats]:
-    """Run the FP32 graph on calibration batches and record each node's ranges."""
+def _shapes(values: Any) -> str:
+    """``(2, 8), 'abc'``: the shapes of a batch's tensors, other values by repr."""
+    return ", ".join(str(tuple(v.shape)) if isinstance(v, torch.Tensor) else repr(v)[:30]
+                     for v in values)
+
+
+_FIX = ("make every batch a tuple of the model's positional inputs with the shapes and "
+        "types of example_inputs")
+
+
+def _run_batch(recorder: _Recorder, gm: fx.GraphModule, batch: tuple, count: int,
+               example: Optional[tuple]) -> None:
+    """One calibration batch through the graph; a batch that does not fit the model is a
+    CalibrationDataError naming the batch, the node that failed and the example's shapes."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    like = f"; the example inputs are ({_shapes(example)})" if example is not None else ""
+    if len(batch) > len(places):
+        raise CalibrationDataError(
+            f"calibration batch {count} has {len(batch)} inputs ({_shapes(batch)}), the "
+            f"model's graph takes {len(places)}{like}\n  what to do: {_FIX}")
+    recorder.current = None
+    try:
+        recorder.run(*batch)
+    except Exception as err:  # noqa: BLE001 - the user's batch, reported with its node
+        node = recorder.current
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        where = f" at node {node.name!r}" if node is not None else ""
+        if node is not None and node.op == "call_module" and node.target == "_guards_fn":
+            raise CalibrationDataError(
+                f"calibration batch {count} ({_shapes(batch)}) does not fit the exported "
+                f"graph's inputs: torch.export's shape check says {first}{like}\n  what to "
+                f"do: {_FIX}, or give torch.export dynamic_shapes= for a dimension that "
+                "varies") from err
+        raise node_error(
+            CalibrationDataError, node, f"calibration batch {count} ({_shapes(batch)}) fails "
+            f"in the FP32 model{where}: {type(err).__name__}: {first}{like}", _FIX) from err
+
+
+def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any], dtype: torch.dtype,
+                   example: Optional[tuple] = None) -> Dict[str, RangeStats]:
+    """Run the FP32 graph on calibration batches and record each node's ranges; a batch
+    that does not fit, or no batch at all, is a :class:`CalibrationDataError`."""
     recorder = _Recorder(gm, torch.finfo(dtype).tiny)
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     count = 0
     with torch.no_grad(), _reparametrize_module(gm, buffers, strict=False):
         for batch in track(batches, "calibration", unit="batch"):
-            batch = batch if isinstance(batch, (tuple, list)) else (batch,)
-            recorder.run(*batch)
+            batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
             count += 1
+            _run_batch(recorder, gm, batch, count, example)
             log.info("calibration batch %d done", count)
     if count == 0:
-        raise ValueError("calibration_data yielded no batches")
+        raise CalibrationDataError(
+            "calibration_data gave no batches (an empty list, or an iterator or generator "
+            f"already used up); it takes {CALIBRATION_FORMS}\n  what to do: pass at least one "
+            "batch, e.g. calibration_data=[(x,)], a fresh iterator, or leave it out")
     # rounded as the plan file writes them, so a plan's text round-trips exactly
     return {name: RangeStats(float(f"{a[0]:.6g}"), float(f"{a[1] / a[2] if a[2] else 0.0:.4f}"),
                              a[3])
@@ -94,7 +140,8 @@ class RangesRule(DecisionRule):
         if ctx.ranges is None:
             data = ctx.calibration
             ctx.ranges = ({} if data is None else dict(data) if isinstance(data, dict)
-                          else collect_ranges(gm, data, self.policy.compute))
+                          else collect_ranges(gm, data, self.policy.compute,
+                                              tuple(ctx.inputs) if ctx.inputs else None))
         self.stats = ctx.ranges
         self.low = self.policy.compute
         self.limit = torch.finfo(self.low).max / MARGIN

@@ -11,6 +11,7 @@ from typing import Any, Dict
 
 from ..errors import FxampError
 from ..plan import Plan, diff
+from .checkpoint_checks import check_checkpoint
 from .localize import Overflow
 from .rng import rng_state, set_rng_state
 
@@ -52,7 +53,14 @@ class CheckpointMixin:
     def load_state_dict(self, state: Dict[str, Any], restore_rng: bool = True) -> None:
         """Restore :meth:`state_dict`; re-heals the saved healed nodes and warns if the
         plan then differs from the saved plan text. ``restore_rng=False`` leaves this
-        process's random generators as they are."""
+        process's random generators as they are.
+
+        All or nothing: the whole checkpoint is checked first (the model's keys, shapes and
+        dtypes, the optimizer's parameter groups and per-parameter state, the scaler, the
+        counters and histories); a checkpoint that does not fit raises
+        :class:`fxamp.errors.CheckpointError` naming what differs, with the model, optimizer
+        and scaler unchanged."""
+        check_checkpoint(state, self.gm, self.optimizer, self.scaler, self.scheduler)
         if state.get("healed") and state["healed"] != self.healed:
             if self.original_model is None or self.example_inputs is None:
                 raise FxampError("the checkpoint has healed nodes "

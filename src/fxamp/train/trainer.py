@@ -25,6 +25,7 @@ from ..plan import Plan
 from ..policy import Policy
 from ..rewriter import plan_of
 from .checkpoint import CheckpointMixin
+from .checkpoint_checks import check_optimizer_params
 from .healing import HealingMixin, _config_of
 from .localize import Overflow, localize
 from .nonfinite import NonFiniteMixin
@@ -80,7 +81,8 @@ class Trainer(NonFiniteMixin, HealingMixin, CheckpointMixin):
 
     model: a GraphModule made by :func:`fxamp.amp_rewrite`, or a
         ``DistributedDataParallel`` wrapping one.
-    optimizer: an optimizer over the model's (FP32, shared) Parameters.
+    optimizer: an optimizer over the model's (FP32, shared) Parameters; one over another
+        copy's Parameters (which would train nothing) raises FxampError.
     scaler: a :class:`torch.amp.GradScaler`; None makes ``GradScaler(device)``, enabled
         when the plan computes in float16 and disabled for bfloat16 (no scaling; a step whose
         gradients are non-finite is still skipped).
@@ -145,6 +147,7 @@ class Trainer(NonFiniteMixin, HealingMixin, CheckpointMixin):
                 f"computes in {Policy.parse(policy).compute}; bfloat16 has float32's range and "
                 "needs no loss scaling), so there is no scale to fall\n  what to do: drop "
                 "min_scale; max_consecutive_skips bounds runs of skipped (non-finite) steps")
+        check_optimizer_params(self.gm, optimizer.param_groups)
         self.optimizer = optimizer
         self.scaler = scaler
         if Policy.parse(policy).weights == "o2":  # the step re-casts the weights (train/o2.py)
