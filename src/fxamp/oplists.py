@@ -12,6 +12,7 @@ list and follow their inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Callable, Dict, Optional, Tuple
 
@@ -400,6 +401,8 @@ def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tupl
         return label, pad_ops(mode, len(pad) if isinstance(pad, (list, tuple)) else 0)
     if fn in RUNTIME_FUNCTIONS:
         return label, RUNTIME
+    if isinstance(fn, type) and (dataclasses.is_dataclass(fn) or issubclass(fn, (dict, tuple))):
+        return label, ()  # an output container (ModelOutput, a dataclass): holds its inputs
     if fn is torch.einsum:
         return label, einsum_ops(node.args)
     if fn is operator.truediv and node.args and not isinstance(node.args[0], torch.fx.Node):

@@ -116,6 +116,17 @@ class FxampTracer(fx.Tracer):
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
+    def create_arg(self, a: Any) -> Any:
+        """fx's, with a ``dict`` subclass holding Proxies (a Hugging Face ``ModelOutput``,
+        an ``OrderedDict``) rebuilt by a call of its class, as fx does for dataclasses,
+        instead of becoming a plain ``dict``."""
+        if isinstance(a, dict) and type(a) is not dict \
+                and not isinstance(a, fx.immutable_collections.immutable_dict) \
+                and all(isinstance(k, str) and k.isidentifier() for k in a) and _has_proxy(a):
+            kwargs = {k: self.create_arg(v) for k, v in a.items()}
+            return self.create_node("call_function", type(a), (), kwargs)
+        return super().create_arg(a)
+
     def _proxied_ids(self) -> FrozenSet[int]:
         if not self.proxied:
             return frozenset()

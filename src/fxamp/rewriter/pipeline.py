@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ir, ops
+from .. import ir, late_hooks, ops
 from .._version import __version__
 from ..config import CONFIG_ATTR, RewriteConfig
 from ..errors import FxampError, TraceError, UnsupportedModelError
@@ -209,6 +209,7 @@ def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Mod
         torch.set_grad_enabled(grad)
         state.restore()
         report_side_effects(model, state.restored)
+        late_hooks.arm_pending()
 
 
 def _kept(config: RewriteConfig, gm: nn.Module) -> RewriteConfig:
@@ -324,6 +325,7 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     complete_state(model, gm)
     copy_root_hooks(model, gm)
     front.finish(gm, captured, model, *example)
+    late_hooks.install(gm, model)
     if taken == "export":  # (torch's exported graphs hold local objects: deepcopy works)
         refuse_copies(gm, taken, deepcopy=False)
     return gm

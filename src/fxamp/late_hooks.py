@@ -1,0 +1,134 @@
+"""Hooks added after the rewrite to a submodule whose ops the graph runs without calling it.
+
+A rewritten graph calls the submodules that had hooks at rewrite time (their hooks run,
+added or removed later too); the others are traced into ops, so a hook registered on one of
+them later would never run. Their hook dicts are watched: registering a hook counts, and the
+graph's first call (:func:`check`) looks again when the count moved and refuses, naming the
+module and the hook, while such a hook is registered. The check costs one comparison per
+call while no hook is added.
+"""
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any, List, Tuple
+
+import torch.fx as fx
+import torch.nn as nn
+
+from .errors import UnsupportedModelError
+
+#: the hook dicts of a module that run when it is called
+_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_ADDED = [0]  # hooks registered on watched dicts so far
+_PENDING: List["Watch"] = []  # made by the rewrite under way, armed when it ends
+ATTR = "fxamp_late_hooks"
+
+
+class _WatchedHooks(collections.OrderedDict):
+    """A module's hook dict that counts the hooks registered on it."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        _ADDED[0] += 1
+
+
+class Watch:
+    """The submodules one graph runs as ops (weakly held), by path."""
+
+    def __init__(self, modules: List[Tuple[str, nn.Module]]) -> None:
+        self.modules = [(path, weakref.ref(m)) for path, m in modules]
+        self.seen = -1  # (armed: looks at the modules on the first call)
+
+    def arm(self) -> None:
+        """Watch the modules' hook dicts (after the rewrite restored the model's state)."""
+        for _, ref in self.modules:
+            module = ref()
+            for kind in _KINDS if module is not None else ():
+                hooks = getattr(module, kind, None)
+                if hooks is not None and not isinstance(hooks, _WatchedHooks):
+                    setattr(module, kind, _WatchedHooks(hooks))
+
+    def __getstate__(self) -> dict:  # (copies and pickles watch the copied modules)
+        return {"modules": [(p, r()) for p, r in self.modules if r() is not None]}
+
+    def __setstate__(self, state: dict) -> None:
+        self.modules = [(p, weakref.ref(m)) for p, m in state["modules"]]
+        self.seen = -1
+        self.arm()
+
+    def found(self) -> List[str]:
+        """``path (kind: hook)`` for each hook now registered on a watched module."""
+        out = []
+        for path, ref in self.modules:
+            module = ref()
+            for kind in _KINDS if module is not None else ():
+                for hook in getattr(module, kind, {}).values():
+                    name = getattr(hook, "__qualname__", type(hook).__qualname__)
+                    out.append(f"{path} ({kind.strip('_')[:-1]}: {name})")
+        return out
+
+
+def check(watch: Watch, *inputs: Any) -> None:
+    """A graph's check, before its ops: refuse while a hook added after the rewrite is
+    registered on a module the graph does not call. ``inputs`` keep the call first."""
+    if watch.seen == _ADDED[0]:
+        return
+    found = watch.found()
+    if not found:
+        watch.seen = _ADDED[0]
+        return
+    raise UnsupportedModelError(
+        "hooks were registered after amp_rewrite on submodules whose ops the rewritten "
+        f"graph runs without calling them, so they would not run: {'; '.join(found)}; what "
+        "to do: register them before amp_rewrite (a submodule with hooks stays a call that "
+        "runs them) and rewrite again, or remove them (handle.remove())")
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def install(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Watch the submodules of ``model`` that ``gm``'s graph runs as ops (those named in its
+    nodes' ``nn_module_stack`` that no ``call_module`` node calls), and make ``gm``'s first
+    call check them."""
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module" or (
+        n.op == "get_attr" and isinstance(_attr(gm, str(n.target)), nn.Module))}
+    paths = set()
+    for node in gm.graph.nodes:
+        for value in (node.meta.get("nn_module_stack") or {}).values():
+            path = value[0] if isinstance(value, tuple) else None
+            if isinstance(path, str) and path and path not in called:
+                paths.add(path)
+    modules = []
+    for path in sorted(paths):
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if any(path.startswith(c + ".") for c in called):
+            continue  # inside a module the graph calls: its hooks run
+        modules.append((path, module))
+    if not modules:
+        return
+    watch = Watch(modules)
+    _PENDING.append(watch)
+    gm.__dict__[ATTR] = watch  # (a plain attribute: no module, parameter or buffer)
+    graph = gm.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = inputs[-1] if inputs else next(iter(graph.nodes))
+    with graph.inserting_after(anchor):
+        node = graph.create_node("get_attr", ATTR)  # (fx warns of a non-module attribute)
+    with graph.inserting_after(node):
+        graph.call_function(check, (node, *inputs))
+    gm.recompile()
+
+
+def arm_pending() -> None:
+    """Arm the watches the finished rewrite made (its state snapshot is restored)."""
+    while _PENDING:
+        _PENDING.pop().arm()
