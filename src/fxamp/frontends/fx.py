@@ -159,8 +159,8 @@ def _traced_by_fx(module: nn.Module) -> bool:
     return not type(module).__module__.startswith("torch.nn")
 
 
-def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx"
-          ) -> fx.GraphModule:
+def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
+          absent: FrozenSet[str] = frozenset()) -> fx.GraphModule:
     """Trace ``model`` with torch.fx; raise TraceError naming the line and the way out.
 
     A model whose traced code may read ``training`` (:func:`.modes.reads_training`) is
@@ -168,13 +168,16 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx"
     that made them (:mod:`.modes`), so ``train()`` / ``eval()`` keep working on the result.
     Submodules named in ``leaves`` are kept as calls.
     ``frontend`` is the front end the user asked for (it shapes the advice in errors).
+    ``absent``: forward parameters defaulting to None that the example leaves out; they are
+    traced as None (``concrete_args``: a ``mask is not None`` branch is not taken), and the
+    graph asserts they stay None.
     """
     from .state import ModelState
 
     before = set(vars(model))
     state = ModelState(model)  # forward ran on Proxies: put caches and counters back
     try:
-        return _trace_both_modes(model, frozenset(leaves), frontend)
+        return _trace_both_modes(model, frozenset(leaves), frontend, absent)
     finally:  # fx stores tensor constants on the traced root: keep the user's model clean
         for name in set(vars(model)) - before:
             if name.startswith(_CONSTANT):
@@ -182,13 +185,14 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx"
         state.restore()
 
 
-def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str],
-                      frontend: str) -> fx.GraphModule:
-    graph = _trace_graph(model, leaves, frontend)
+def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str], frontend: str,
+                      absent: FrozenSet[str] = frozenset()) -> fx.GraphModule:
+    graph = _trace_graph(model, leaves, frontend, absent)
     if reads_training(model, _traced_by_fx):
         mode = model.training
         with training_flags(model, not mode):  # (fails: fx does not take the model, so
-            other = _trace_graph(model, leaves, frontend)  # auto tries export's two modes)
+            other = _trace_graph(model, leaves, frontend,  # auto tries export's two modes)
+                                 absent)
         train, eval_ = (graph, other) if mode else (other, graph)
         aligned = align(train, eval_, (model, model))
         if aligned is None or not follow_mode(graph, aligned, mode, module_flag):
@@ -211,7 +215,7 @@ _FX_ADVICE = {
 
 
 def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
-                 frontend: str = "fx") -> fx.Graph:
+                 frontend: str = "fx", absent: FrozenSet[str] = frozenset()) -> fx.Graph:
     proxied: FrozenSet[str] = frozenset()
     buffers = buffer_writes.buffer_targets(model)
     while True:
@@ -221,7 +225,7 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                     checkpointing.fx_recording(tracer, model.training), \
                     buffer_writes.recording(tracer, model, proxied), \
                     buffer_writes.guarding(buffers):
-                graph = tracer.trace(model)
+                graph = tracer.trace(model, concrete_args={n: None for n in absent} or None)
         except buffer_writes.BufferUpdated as updated:
             if updated.target in proxied:  # (cannot happen: a Proxy is no buffer)
                 raise
@@ -268,6 +272,18 @@ def failing_module(exc: BaseException, model: nn.Module) -> str:
     return found
 
 
+def absent_defaults(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> FrozenSet[str]:
+    """The forward's parameters that default to None and are not in the example."""
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(name for name, p in signature.parameters.items()
+                     if p.default is None and name not in bound.arguments
+                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 def fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
     """An fx graph's placeholder values: the forward's parameters bound in order."""
     if not kwargs:
@@ -286,7 +302,8 @@ class FxFrontend:
     graph = True
 
     def capture(self, model: nn.Module, request: Request) -> Traced:
-        gm = trace(model, (), request.asked)
+        gm = trace(model, (), request.asked, absent_defaults(model, request.args,
+                                                             request.kwargs))
         checkpointing.warn_unseen(model, gm.graph)
         return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), [])
 
@@ -309,8 +326,8 @@ class FxFrontend:
 MAX_RUNTIME_LEAVES = 32
 
 
-def _partial_trace(model: nn.Module, error: TraceError, state: Any
-                   ) -> Tuple[fx.GraphModule, List[str]]:
+def _partial_trace(model: nn.Module, error: TraceError, state: Any,
+                   absent: FrozenSet[str] = frozenset()) -> Tuple[fx.GraphModule, List[str]]:
     """fx tracing with each submodule that fails kept as a call (run under autocast)."""
     leaves: List[str] = []
     while True:
@@ -319,7 +336,7 @@ def _partial_trace(model: nn.Module, error: TraceError, state: Any
             raise error
         leaves.append(path)
         try:
-            return trace(model, leaves, "auto"), leaves
+            return trace(model, leaves, "auto", absent), leaves
         except TraceError as err:
             error = err
             state.restore()
@@ -338,7 +355,8 @@ class PartialFrontend(FxFrontend):
         if error is None:
             raise TraceError("partial tracing starts from the fx front end's error; what "
                              "to do: ask for frontend='auto'")
-        gm, leaves = _partial_trace(model, error, request.state)
+        gm, leaves = _partial_trace(model, error, request.state,
+                                    absent_defaults(model, request.args, request.kwargs))
         log.info("%s: torch.fx and torch.export fail; traced around %s",
                  type(model).__name__, ", ".join(leaves))
         return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), leaves)

@@ -57,6 +57,10 @@ def _same(a: Any, b: Any) -> bool:
     return True
 
 
+#: caches torch.nn's own modules rebuild whenever they are called (RNNs' flat weights): not
+#: the model's side effects
+_TORCH_CACHES = frozenset({"_flat_weights", "_flat_weight_refs"})
+
 _SCALARS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
 
@@ -171,7 +175,7 @@ class ModelState:
                 continue
             path = self.paths[id(module)]
             now = module.__dict__
-            for name in sorted(set(attrs) | set(now)):
+            for name in sorted((set(attrs) | set(now)) - _TORCH_CACHES):
                 if name not in now or name not in attrs or not _equal(now[name], attrs[name]):
                     out.append(self._describe(module, path, name, "set"))
         for container, contents, where in self.containers.values():
