@@ -4,12 +4,13 @@ from __future__ import annotations
 import collections
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .errors import PlanFormatError, rewritten_attr
+from .errors import PlanFormatError, rewritten_attr, shorten
 from .plan_text import (COLUMNS, FORMAT, FORMAT_V1, _REGENERATE, _escape,  # noqa: F401
                         _quote_rest, parse, quote_token)
 from .policy import dtype_name
@@ -54,17 +55,22 @@ class RangeStats:
         if any(len(p) != 2 for p in pairs) or \
                 sorted(k for k, _ in pairs) != ["max_abs", "nonfinite", "underflow"]:
             raise ValueError("expected max_abs=X underflow=Y nonfinite=Z, each once")
-        fields = dict(pairs)  # type: ignore[arg-type]
-        max_abs, underflow = float(fields["max_abs"]), float(fields["underflow"])
-        nonfinite = int(fields["nonfinite"])
+        fields = {k: v for k, v in pairs}
+        shown = {k: shorten(v, 40) for k, v in fields.items()}
+        try:
+            max_abs, underflow = float(fields["max_abs"]), float(fields["underflow"])
+        except ValueError:
+            raise ValueError(f"max_abs={shown['max_abs']} underflow={shown['underflow']}: "
+                             "expected numbers") from None
         for key, value in (("max_abs", max_abs), ("underflow", underflow)):
             if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{key}={fields[key]} must be finite and non-negative")
+                raise ValueError(f"{key}={shown[key]} must be finite and non-negative")
         if underflow > 1:
-            raise ValueError(f"underflow={fields['underflow']} is a fraction: at most 1")
-        if nonfinite < 0:
-            raise ValueError(f"nonfinite={fields['nonfinite']} is a count: not negative")
-        return cls(max_abs, underflow, nonfinite)
+            raise ValueError(f"underflow={shown['underflow']} is a fraction: at most 1")
+        if not re.fullmatch(r"\d{1,18}", fields["nonfinite"]):
+            raise ValueError(f"nonfinite={shown['nonfinite']} is a count: a whole number "
+                             "from 0, at most 18 digits")
+        return cls(max_abs, underflow, int(fields["nonfinite"]))
 
 
 @dataclass
