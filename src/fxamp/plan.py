@@ -6,7 +6,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -186,7 +186,32 @@ def _changes(a: Plan, b: Plan) -> Tuple[List[Tuple[str, str, str]], List[_Change
     return headers, changes
 
 
-def _summary(changes: List[_Change]) -> str:
+@dataclass
+class _RangeChange:
+    kind: str  # "~" changed, "+" added, "-" removed
+    name: str
+    old: Optional[RangeStats]
+    new: Optional[RangeStats]
+
+
+def _range_changes(a: Plan, b: Plan) -> List[_RangeChange]:
+    """The ``@range`` lines that differ: a range decides fp16 vs fp32 when the plan is
+    reused as ``calibration_data``."""
+    changes = [_RangeChange("-" if name not in b.ranges else "~", name, ra,
+                            b.ranges.get(name))
+               for name, ra in a.ranges.items() if b.ranges.get(name) != ra]
+    changes += [_RangeChange("+", name, None, rb) for name, rb in b.ranges.items()
+                if name not in a.ranges]
+    return changes
+
+
+def _range_line(c: _RangeChange) -> str:
+    if c.kind == "~":
+        return f"~ @range {c.name}  {c.old} -> {c.new}"
+    return f"{c.kind} @range {c.name}  {c.old if c.kind == '-' else c.new}"
+
+
+def _summary(changes: List[_Change], ranges: Sequence[_RangeChange] = ()) -> str:
     moves: collections.Counter = collections.Counter(
         (dtype_name(c.old.dtype).upper(), dtype_name(c.new.dtype).upper())
         for c in changes if c.kind == "~" and c.old.dtype != c.new.dtype)  # type: ignore[union-attr]
@@ -199,6 +224,10 @@ def _summary(changes: List[_Change]) -> str:
     extra = [f"{kinds['~'] - n_moves} changed rule/reason" if kinds["~"] - n_moves else "",
              f"{kinds['+']} added" if kinds["+"] else "",
              f"{kinds['-']} removed" if kinds["-"] else ""]
+    range_kinds = collections.Counter(c.kind for c in ranges)
+    for kind, word in (("~", "changed"), ("+", "added"), ("-", "removed")):
+        n = range_kinds[kind]
+        extra.append(f"{n} range{'s' if n != 1 else ''} {word}" if n else "")
     return summary + "".join(f"; {e}" for e in extra if e)
 
 
@@ -233,20 +262,24 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
 
     ``a`` and ``b`` are Plans or paths of plan files (read with :meth:`Plan.load`).
     Versions in the header are ignored; other header lines, changed, added and removed nodes
-    are listed, then a one-line summary. ``fmt="markdown"`` gives a table for a pull request.
+    and ``@range`` lines (a range decides fp16 vs fp32 when the plan is reused as
+    ``calibration_data``) are listed, then a one-line summary. ``fmt="markdown"`` gives a
+    table for a pull request.
     """
     if fmt not in ("text", "markdown"):
         raise ValueError(f"unknown diff format {fmt!r}; valid: text, markdown")
     a, b = _as_plan(a, "the first"), _as_plan(b, "the second")
     headers, changes = _changes(a, b)
-    if not headers and not changes:
+    ranges = _range_changes(a, b)
+    if not headers and not changes and not ranges:
         return ""
     if fmt == "text":
         out = [f"{key}: {va} -> {vb}" for key, va, vb in headers]
         out += [_text_line(c) for c in changes]
-        out.append(_summary(changes))
+        out += [_range_line(c) for c in ranges]
+        out.append(_summary(changes, ranges))
         return "\n".join(out) + "\n"
-    out = [f"**fxamp plan diff** \u2014 {_summary(changes)}", ""]
+    out = [f"**fxamp plan diff** \u2014 {_summary(changes, ranges)}", ""]
     out += [f"- `{key}`: `{va}` \u2192 `{vb}`" for key, va, vb in headers]
     if changes:
         out += ["", "| | node | op | before | after | rule | reason |",
@@ -259,6 +292,10 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
                     c.old.rule != c.new.rule else ref.rule)  # type: ignore[union-attr]
             out.append(f"| {c.kind} | `{c.name}` | `{_cell(ref.op)}` | {before} | {after} | "
                        f"{rule} | {_cell(ref.reason)} |")  # type: ignore[union-attr]
+    if ranges:
+        out += ([""] if changes else []) + ["| | range of node | before | after |",
+                                            "|---|---|---|---|"]
+        out += [f"| {c.kind} | `{c.name}` | {c.old or ''} | {c.new or ''} |" for c in ranges]
     return "\n".join(out) + "\n"
 
 

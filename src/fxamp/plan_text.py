@@ -187,7 +187,11 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
                 raise line.error("expected '@range NODE max_abs=X underflow=Y nonfinite=Z'")
             name, _ = line.token("range node")
             if name in plan.ranges:
-                raise line.error(f"a second range for node {name!r}")
+                raise line.error(f"a second range for node {excerpt(name)}")
+            if name not in plan.nodes:
+                raise line.error(f"a range for node {excerpt(name)}, which the plan has no "
+                                 "line for (a range belongs to a node of the plan); "
+                                 + _REGENERATE)
             try:
                 plan.ranges[name] = RangeStats.parse(raw[line.pos:])
             except ValueError as err:
@@ -269,4 +273,9 @@ def _parse_v1(cls: type, lines: List[str]) -> Any:
     if not saw_columns:
         raise PlanFormatError("the plan has no column header line (# node op module ...);"
                               " the file may be truncated")
+    unknown = [name for name in plan.ranges if name not in plan.nodes]
+    if unknown:
+        raise PlanFormatError(f"a range for node {excerpt(unknown[0])}, which the plan has "
+                              "no line for (a range belongs to a node of the plan); "
+                              + _REGENERATE)
     return plan
