@@ -216,3 +216,48 @@ def test_input_shape_falls_back_to_real_inputs_where_meta_cannot_run(models, cap
     assert run("plan", f"{m}:gate", "--input-shape", "100000,100000,8") == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "run on device meta" in err and "320.0 GB" in err
+
+
+def test_an_onnx_export_failure_prints_only_the_clear_error(models, capfd, caplog):
+    """The TorchScript exporter's C++ log prints the graph at the exception (to descriptor
+    1) before fxamp's error; the command shows only the error, --debug the captured text."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    m = models("""
+        import torch
+        import torch.nn as nn
+        class Svd(nn.Module):
+            def forward(self, x):
+                return torch.linalg.svd(x)[0]
+        def build():
+            return Svd(), (torch.randn(3, 3),)
+    """)
+    assert run("export", f"{m}:build", "-o", "m.onnx") == 2
+    out, err = capfd.readouterr()
+    assert "both ONNX exporters failed" in err and "linalg_svd" in err and out == ""
+    assert "Torch IR graph at exception" not in err and "Traceback" not in err
+    assert [line for line in err.splitlines() if not line.startswith("fxamp export: ")] == []
+    with caplog.at_level("DEBUG", logger="fxamp.cli.quiet"):  # what --debug shows
+        assert run("--debug", "export", f"{m}:build", "-o", "m.onnx") == 2
+    assert "Traceback" in capfd.readouterr().err
+    assert "stdout of the failed step:\nTorch IR graph at exception" in caplog.text
+
+
+def test_torch_fx_s_traceback_of_a_failing_step_is_kept_off_stderr(capfd):
+    """torch.fx prints the generated forward's traceback to sys.stderr when a call fails
+    in it; the step's output is shown only when it succeeds."""
+    from fxamp.cli.quiet import quiet
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 2))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        quiet(gm)(torch.randn(3, 5))
+    assert capfd.readouterr().err == ""
+    with pytest.raises(RuntimeError):
+        gm(torch.randn(3, 5))  # the same call, not quieted: torch.fx's own print
+    assert "Call using an FX-traced Module" in capfd.readouterr().err
+
+    def noisy():
+        print("a warning worth seeing", file=sys.stderr)
+        print("a result")
+        return 7
+    assert quiet(noisy)() == 7
+    assert capfd.readouterr() == ("a result\n", "a warning worth seeing\n")
