@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch.fx, torch.export, or auto: fx, then export, then fx "
                        "around untraceable submodules (default auto)")
         p.add_argument("--input-shape", type=_shape, action="append",
-                       help="shape of a random FP32 input; repeat for several inputs")
+                       help="shape of an FP32 input (random for export; on device meta, without "
+                       "data, for the commands that only plan); repeat for several inputs")
 
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
     model_args(p)
