@@ -58,6 +58,30 @@ class CheckpointError(FxampError, ValueError):
     not a trainer checkpoint at all); nothing was loaded."""
 
 
+class FactoryError(FxampError):
+    """A command's MODULE:FACTORY could not be imported, called, or returned something that
+    is not a model or ``(model, example_inputs)``; the message names the cause."""
+
+
+#: the most characters of a user's input (a line of a file) quoted in a message
+EXCERPT_CHARS = 200
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """``repr(text)``, cut to its first ``limit`` characters with a note of its length when
+    longer, so a message never echoes a huge input whole."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters, the first {limit} shown)"
+
+
+def shorten(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """``text`` unquoted, cut like :func:`excerpt`."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters, the first {limit} shown)"
+
+
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                       for m in (torch,)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 

@@ -6,6 +6,13 @@ file system). A process killed mid-write, a full disk or any exception leaves th
 as it was (the temporary file is removed when Python can still run). Missing parent
 directories are created. Any OS-level failure becomes an :class:`OutputFileError` that names
 the path, the cause and what to do.
+
+A target that is not a regular file — a device such as ``/dev/null``, a FIFO, a socket, or
+a process's stream (``/dev/stdout``, ``/proc/self/fd/N``) — is written straight into
+(opened for writing; for ``/dev/stdout`` this process's own descriptor), never replaced: a
+rename would put a regular file in its place.
+:class:`Staging` keeps the files of a command that writes several in a temporary directory
+until the command has succeeded.
 """
 from __future__ import annotations
 
@@ -15,14 +22,17 @@ import logging
 import os
 import secrets
 import shutil
+import stat
+import sys
 import tempfile
-from typing import Callable, Iterator, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from .errors import OutputFileError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_directory", "output_error"]
+__all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_directory", "output_error",
+           "writes_in_place", "Staging"]
 
 
 def _advice(err: OSError) -> str:
@@ -54,7 +64,73 @@ def _target(path: str) -> str:
     return os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
 
 
-def _prepare(path: str) -> str:
+_STREAM_DIRS = ("/proc/", "/dev/fd/")
+
+
+def writes_in_place(path: str) -> bool:
+    """Whether ``path`` is written straight into rather than replaced: it exists and is
+    not a regular file or a directory (a character or block device, a FIFO, a socket), or
+    it leads through a process's file descriptors (``/dev/stdout``, ``/proc/self/fd/1``)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if stat.S_ISDIR(mode):
+        return False
+    if not stat.S_ISREG(mode):
+        return True
+    link, hops = os.path.abspath(os.fspath(path)), 0
+    while hops < 40:
+        if link.startswith(_STREAM_DIRS):
+            return True
+        if not os.path.islink(link):
+            return False
+        link = os.path.join(os.path.dirname(link), os.readlink(link))
+        hops += 1
+    return False
+
+
+def _own_descriptor(path: str) -> Optional[int]:
+    """N when ``path`` leads to this process's file descriptor N (``/dev/stdout``,
+    ``/dev/fd/N``, ``/proc/self/fd/N``)."""
+    link = os.path.abspath(os.fspath(path))
+    mine = (f"/proc/{os.getpid()}/fd/", "/proc/self/fd/", "/proc/thread-self/fd/",
+            "/dev/fd/")
+    for _ in range(40):
+        for prefix in mine:
+            rest = link[len(prefix):] if link.startswith(prefix) else ""
+            if rest.isdigit():
+                return int(rest)
+        if not os.path.islink(link):
+            return None
+        link = os.path.join(os.path.dirname(link), os.readlink(link))
+    return None
+
+
+def _write_in_place(path: str, fill: Callable[[int], None]) -> str:
+    """Write into the existing non-regular file ``path`` (no temporary file, no rename)."""
+    for stream in (sys.stdout, sys.stderr):  # what was printed before comes first
+        with contextlib.suppress(Exception):
+            stream.flush()
+    own = _own_descriptor(path)
+    try:
+        if own is not None:  # /dev/stdout: this process's descriptor, at its own offset
+            fill(own)
+            return os.fspath(path)
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_BINARY", 0) |
+                     getattr(os, "O_CLOEXEC", 0))
+        try:
+            fill(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise output_error(os.fspath(path), err) from err
+    return os.fspath(path)
+
+
+def _prepare(path: str, create: bool = True) -> str:
+    """The real file to replace, checked (not a directory, writable, its directory there
+    or creatable); missing directories are made when ``create``."""
     target = _target(path)
     if os.path.isdir(target):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
@@ -68,6 +144,8 @@ def _prepare(path: str) -> str:
         if not os.path.isdir(above):
             raise NotADirectoryError(errno.ENOTDIR, f"{above} is a file, not a directory",
                                      path)
+        if not create:
+            return target
         os.makedirs(directory, exist_ok=True)
         log.info("created directory %s", directory)
     return target
@@ -104,6 +182,8 @@ def _fsync_directory(directory: str) -> None:
 
 
 def _write(path: str, fill: Callable[[int], None]) -> str:
+    if writes_in_place(path):
+        return _write_in_place(path, fill)
     try:
         target = _prepare(path)
         directory, name = os.path.split(target)
@@ -149,6 +229,10 @@ def atomic_directory(path: str) -> Iterator[str]:
     temporary directory next to ``path``; on success every file the block wrote there is
     moved into ``path``'s directory (the file named like ``path`` last), on failure the
     directory is removed and the old files are untouched."""
+    if writes_in_place(path):
+        with _directory_into(path) as tmpdir:
+            yield tmpdir
+        return
     try:
         target = _prepare(path)
         tmpdir = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
@@ -170,3 +254,100 @@ def atomic_directory(path: str) -> Iterator[str]:
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     _fsync_directory(os.path.dirname(target))
+
+
+@contextlib.contextmanager
+def _directory_into(path: str) -> Iterator[str]:
+    """atomic_directory for a target written in place: the block writes into a private
+    temporary directory, then the file named like ``path`` is copied into ``path``."""
+    tmpdir = tempfile.mkdtemp(prefix="fxamp-", suffix=".tmp")
+    try:
+        yield tmpdir
+        name = os.path.basename(os.path.abspath(path))
+        others = sorted(f for f in os.listdir(tmpdir) if f != name)
+        if others:
+            raise output_error(os.fspath(path), OSError(
+                errno.EINVAL, f"{path} is not a regular file, and the output has companion "
+                f"files ({', '.join(others)}) that must lie beside it: write to a file"))
+        copy_into(os.path.join(tmpdir, name), path)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def copy_into(source: str, path: str) -> str:
+    """Write the bytes of the file ``source`` to ``path`` as the writes here do (atomically,
+    or straight into a non-regular target)."""
+    def fill(fd: int) -> None:
+        with open(source, "rb") as fh:
+            while True:
+                chunk = fh.read(1 << 20)
+                if not chunk:
+                    return
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+    return _write(path, fill)
+
+
+def _probe(target: str) -> None:
+    """Create and remove a temporary file beside ``target`` when its directory exists: the
+    write there will work (permissions, read-only or special file systems)."""
+    directory = os.path.dirname(target)
+    if os.path.isdir(directory):
+        fd, tmp = _open_temp(directory, os.path.basename(target))
+        os.close(fd)
+        os.unlink(tmp)
+
+
+class Staging:
+    """The outputs of a command that writes several files, kept in a temporary directory
+    until it has succeeded: :meth:`path` names where to write a target's file (and any
+    companion files beside it), :meth:`commit` writes each to its target (companions first,
+    each write atomic or in place); closing without a commit leaves every target as it was.
+
+    The targets are checked when they are named (not a directory, writable), so a bad path
+    fails before the work."""
+
+    def __init__(self) -> None:
+        self.root = tempfile.mkdtemp(prefix="fxamp-", suffix=".tmp")
+        self._entries: List[Tuple[str, str]] = []
+
+    def path(self, target: str) -> str:
+        """Where to write the file that goes to ``target``."""
+        target = os.fspath(target)
+        if not writes_in_place(target):
+            try:
+                _probe(_prepare(target, create=False))
+            except OSError as err:
+                raise output_error(target, err) from err
+        folder = os.path.join(self.root, str(len(self._entries)))
+        os.mkdir(folder)
+        self._entries.append((folder, target))
+        return os.path.join(folder, os.path.basename(os.path.abspath(target)))
+
+    def commit(self) -> None:
+        """Write every staged file to its target."""
+        staged = []
+        for folder, target in self._entries:
+            name = os.path.basename(os.path.abspath(target))
+            others = sorted(f for f in os.listdir(folder) if f != name)
+            if others and writes_in_place(target):
+                raise output_error(target, OSError(
+                    errno.EINVAL, f"{target} is not a regular file, and the output has "
+                    f"companion files ({', '.join(others)}) that must lie beside it"))
+            staged.append((folder, target, name, others))
+        for folder, target, name, others in staged:
+            for f in others:
+                copy_into(os.path.join(folder, f),
+                          os.path.join(os.path.dirname(os.path.abspath(target)), f))
+            if os.path.exists(os.path.join(folder, name)):
+                copy_into(os.path.join(folder, name), target)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "Staging":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -4,12 +4,13 @@ from __future__ import annotations
 import collections
 import math
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .errors import PlanFormatError, rewritten_attr
+from .errors import PlanFormatError, rewritten_attr, shorten
 from .plan_text import (COLUMNS, FORMAT, FORMAT_V1, _REGENERATE, _escape,  # noqa: F401
                         _quote_rest, parse, quote_token)
 from .policy import dtype_name
@@ -54,17 +55,22 @@ class RangeStats:
         if any(len(p) != 2 for p in pairs) or \
                 sorted(k for k, _ in pairs) != ["max_abs", "nonfinite", "underflow"]:
             raise ValueError("expected max_abs=X underflow=Y nonfinite=Z, each once")
-        fields = dict(pairs)  # type: ignore[arg-type]
-        max_abs, underflow = float(fields["max_abs"]), float(fields["underflow"])
-        nonfinite = int(fields["nonfinite"])
+        fields = {k: v for k, v in pairs}
+        shown = {k: shorten(v, 40) for k, v in fields.items()}
+        try:
+            max_abs, underflow = float(fields["max_abs"]), float(fields["underflow"])
+        except ValueError:
+            raise ValueError(f"max_abs={shown['max_abs']} underflow={shown['underflow']}: "
+                             "expected numbers") from None
         for key, value in (("max_abs", max_abs), ("underflow", underflow)):
             if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{key}={fields[key]} must be finite and non-negative")
+                raise ValueError(f"{key}={shown[key]} must be finite and non-negative")
         if underflow > 1:
-            raise ValueError(f"underflow={fields['underflow']} is a fraction: at most 1")
-        if nonfinite < 0:
-            raise ValueError(f"nonfinite={fields['nonfinite']} is a count: not negative")
-        return cls(max_abs, underflow, nonfinite)
+            raise ValueError(f"underflow={shown['underflow']} is a fraction: at most 1")
+        if not re.fullmatch(r"\d{1,18}", fields["nonfinite"]):
+            raise ValueError(f"nonfinite={shown['nonfinite']} is a count: a whole number "
+                             "from 0, at most 18 digits")
+        return cls(max_abs, underflow, int(fields["nonfinite"]))
 
 
 @dataclass
@@ -180,7 +186,32 @@ def _changes(a: Plan, b: Plan) -> Tuple[List[Tuple[str, str, str]], List[_Change
     return headers, changes
 
 
-def _summary(changes: List[_Change]) -> str:
+@dataclass
+class _RangeChange:
+    kind: str  # "~" changed, "+" added, "-" removed
+    name: str
+    old: Optional[RangeStats]
+    new: Optional[RangeStats]
+
+
+def _range_changes(a: Plan, b: Plan) -> List[_RangeChange]:
+    """The ``@range`` lines that differ: a range decides fp16 vs fp32 when the plan is
+    reused as ``calibration_data``."""
+    changes = [_RangeChange("-" if name not in b.ranges else "~", name, ra,
+                            b.ranges.get(name))
+               for name, ra in a.ranges.items() if b.ranges.get(name) != ra]
+    changes += [_RangeChange("+", name, None, rb) for name, rb in b.ranges.items()
+                if name not in a.ranges]
+    return changes
+
+
+def _range_line(c: _RangeChange) -> str:
+    if c.kind == "~":
+        return f"~ @range {c.name}  {c.old} -> {c.new}"
+    return f"{c.kind} @range {c.name}  {c.old if c.kind == '-' else c.new}"
+
+
+def _summary(changes: List[_Change], ranges: Sequence[_RangeChange] = ()) -> str:
     moves: collections.Counter = collections.Counter(
         (dtype_name(c.old.dtype).upper(), dtype_name(c.new.dtype).upper())
         for c in changes if c.kind == "~" and c.old.dtype != c.new.dtype)  # type: ignore[union-attr]
@@ -193,6 +224,10 @@ def _summary(changes: List[_Change]) -> str:
     extra = [f"{kinds['~'] - n_moves} changed rule/reason" if kinds["~"] - n_moves else "",
              f"{kinds['+']} added" if kinds["+"] else "",
              f"{kinds['-']} removed" if kinds["-"] else ""]
+    range_kinds = collections.Counter(c.kind for c in ranges)
+    for kind, word in (("~", "changed"), ("+", "added"), ("-", "removed")):
+        n = range_kinds[kind]
+        extra.append(f"{n} range{'s' if n != 1 else ''} {word}" if n else "")
     return summary + "".join(f"; {e}" for e in extra if e)
 
 
@@ -227,20 +262,24 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
 
     ``a`` and ``b`` are Plans or paths of plan files (read with :meth:`Plan.load`).
     Versions in the header are ignored; other header lines, changed, added and removed nodes
-    are listed, then a one-line summary. ``fmt="markdown"`` gives a table for a pull request.
+    and ``@range`` lines (a range decides fp16 vs fp32 when the plan is reused as
+    ``calibration_data``) are listed, then a one-line summary. ``fmt="markdown"`` gives a
+    table for a pull request.
     """
     if fmt not in ("text", "markdown"):
         raise ValueError(f"unknown diff format {fmt!r}; valid: text, markdown")
     a, b = _as_plan(a, "the first"), _as_plan(b, "the second")
     headers, changes = _changes(a, b)
-    if not headers and not changes:
+    ranges = _range_changes(a, b)
+    if not headers and not changes and not ranges:
         return ""
     if fmt == "text":
         out = [f"{key}: {va} -> {vb}" for key, va, vb in headers]
         out += [_text_line(c) for c in changes]
-        out.append(_summary(changes))
+        out += [_range_line(c) for c in ranges]
+        out.append(_summary(changes, ranges))
         return "\n".join(out) + "\n"
-    out = [f"**fxamp plan diff** \u2014 {_summary(changes)}", ""]
+    out = [f"**fxamp plan diff** \u2014 {_summary(changes, ranges)}", ""]
     out += [f"- `{key}`: `{va}` \u2192 `{vb}`" for key, va, vb in headers]
     if changes:
         out += ["", "| | node | op | before | after | rule | reason |",
@@ -253,6 +292,10 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
                     c.old.rule != c.new.rule else ref.rule)  # type: ignore[union-attr]
             out.append(f"| {c.kind} | `{c.name}` | `{_cell(ref.op)}` | {before} | {after} | "
                        f"{rule} | {_cell(ref.reason)} |")  # type: ignore[union-attr]
+    if ranges:
+        out += ([""] if changes else []) + ["| | range of node | before | after |",
+                                            "|---|---|---|---|"]
+        out += [f"| {c.kind} | `{c.name}` | {c.old or ''} | {c.new or ''} |" for c in ranges]
     return "\n".join(out) + "\n"
 
 

@@ -11,7 +11,7 @@ import logging
 import re
 from typing import Any, List, Optional, Tuple
 
-from .errors import PlanFormatError
+from .errors import PlanFormatError, excerpt
 from .policy import parse_dtype
 
 log = logging.getLogger(__name__)
@@ -20,6 +20,7 @@ FORMAT = "fxamp precision plan v2"
 FORMAT_V1 = "fxamp precision plan v1"
 COLUMNS = ("node", "op", "module", "dtype", "inputs", "rule", "reason")
 _END = re.compile(r"# end of plan: (\d+) nodes, (\d+) ranges")  # always plural: a cut shows
+_COUNT_DIGITS = 18  # an end-marker count longer than this is no count (int() refuses 4300)
 _REGENERATE = ("regenerate it with `fxamp check MODULE:FACTORY --plan FILE --update` (or "
                "`fxamp plan ... -o FILE`), or restore it from version control")
 
@@ -56,7 +57,7 @@ class _Line:
         self.text, self.number, self.pos = text, number, 0
 
     def error(self, problem: str) -> PlanFormatError:
-        return PlanFormatError(f"line {self.number}: {problem}: {self.text!r}")
+        return PlanFormatError(f"line {self.number}: {problem}: {excerpt(self.text)}")
 
     def _skip(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos].isspace():
@@ -117,12 +118,12 @@ def parse(text: str, cls: type) -> Any:
         return _parse_v1(cls, lines)
     if first.startswith("# fxamp precision plan v") and first != f"# {FORMAT}":
         raise PlanFormatError(
-            f"line 1: {first[2:]!r} is not a format this fxamp reads ({FORMAT!r} or "
+            f"line 1: {excerpt(first[2:])} is not a format this fxamp reads ({FORMAT!r} or "
             f"{FORMAT_V1!r}); " + _REGENERATE)
     if first != f"# {FORMAT}":
         raise PlanFormatError(f"line 1: expected '# {FORMAT}', found "
-                              f"{lines[0] if lines else '(empty file)'!r}; is this a plan "
-                              "written by `fxamp plan`?")
+                              f"{excerpt(lines[0] if lines else '(empty file)')}; is this a "
+                              "plan written by `fxamp plan`?")
     return _parse_v2(cls, lines)
 
 
@@ -138,13 +139,17 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
             continue
         if end is not None:
             raise PlanFormatError(f"line {number}: text after the end marker (line {end}): "
-                                  f"{raw!r}; the file holds more than one plan or was edited")
+                                  f"{excerpt(raw)}; the file holds more than one plan or was "
+                                  "edited")
         line = _Line(raw, number)
         if raw.startswith("# end of plan"):
             match = _END.fullmatch(raw.rstrip())
             if not match:
                 raise line.error("malformed end marker (expected '# end of plan: N nodes, "
                                  "M ranges'); the file may be truncated")
+            if max(len(match.group(1)), len(match.group(2))) > _COUNT_DIGITS:
+                raise line.error(f"the end marker's counts have more than {_COUNT_DIGITS} "
+                                 "digits: the file was edited or corrupted; " + _REGENERATE)
             n_nodes, n_ranges = int(match.group(1)), int(match.group(2))
             if (n_nodes, n_ranges) != (len(plan.nodes), len(plan.ranges)):
                 raise line.error(f"the end marker counts {n_nodes} nodes and {n_ranges} "
@@ -182,7 +187,11 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
                 raise line.error("expected '@range NODE max_abs=X underflow=Y nonfinite=Z'")
             name, _ = line.token("range node")
             if name in plan.ranges:
-                raise line.error(f"a second range for node {name!r}")
+                raise line.error(f"a second range for node {excerpt(name)}")
+            if name not in plan.nodes:
+                raise line.error(f"a range for node {excerpt(name)}, which the plan has no "
+                                 "line for (a range belongs to a node of the plan); "
+                                 + _REGENERATE)
             try:
                 plan.ranges[name] = RangeStats.parse(raw[line.pos:])
             except ValueError as err:
@@ -197,7 +206,7 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
         (name, _), (op, op_q), (module, mod_q) = cells[:3]
         (dtype, _), (inputs, _), (rule, _) = cells[3:]
         if name in plan.nodes:
-            raise line.error(f"node {name!r} appears twice")
+            raise line.error(f"node {excerpt(name)} appears twice")
         try:
             plan.nodes[name] = NodePrecision(
                 dtype=parse_dtype(dtype), rule=rule, reason=reason,
@@ -210,7 +219,7 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
         last = len(lines)
         raise PlanFormatError(
             f"line {last}: the plan ends without its end marker ('# end of plan: N nodes, M "
-            f"ranges'; last line: {lines[-1]!r}): the file is truncated; " + _REGENERATE)
+            f"ranges'; last line: {excerpt(lines[-1])}): the file is truncated; " + _REGENERATE)
     if not saw_columns:
         raise PlanFormatError("the plan has no column header line (# node op module ...)")
     return plan
@@ -233,7 +242,7 @@ def _parse_v1(cls: type, lines: List[str]) -> Any:
             key, sep, value = body.partition(": ")
             if not sep:
                 raise PlanFormatError(f"line {number}: header line must be '# key: value', "
-                                      f"found {line!r}")
+                                      f"found {excerpt(line)}")
             plan.header[key] = value
             continue
         if line.startswith("@range "):
@@ -243,17 +252,17 @@ def _parse_v1(cls: type, lines: List[str]) -> Any:
             except (IndexError, KeyError, ValueError) as err:
                 raise PlanFormatError(f"line {number}: expected '@range NODE max_abs=X "
                                       f"underflow=Y nonfinite=Z' ({err}), found "
-                                      f"{line!r}") from None
+                                      f"{excerpt(line)}") from None
             continue
         if not saw_columns:
             raise PlanFormatError(f"line {number}: node line before the column header")
         parts = line.split(None, 6)
         if len(parts) != 7:
             raise PlanFormatError(f"line {number}: expected 7 columns ({' '.join(COLUMNS)}),"
-                                  f" found {len(parts)}: {line!r}")
+                                  f" found {len(parts)}: {excerpt(line)}")
         name, op, module, dtype, inputs, rule, reason = parts
         if name in plan.nodes:
-            raise PlanFormatError(f"line {number}: node {name!r} appears twice")
+            raise PlanFormatError(f"line {number}: node {excerpt(name)} appears twice")
         try:
             plan.nodes[name] = NodePrecision(
                 dtype=parse_dtype(dtype), rule=rule, reason=reason,
@@ -264,4 +273,9 @@ def _parse_v1(cls: type, lines: List[str]) -> Any:
     if not saw_columns:
         raise PlanFormatError("the plan has no column header line (# node op module ...);"
                               " the file may be truncated")
+    unknown = [name for name in plan.ranges if name not in plan.nodes]
+    if unknown:
+        raise PlanFormatError(f"a range for node {excerpt(unknown[0])}, which the plan has "
+                              "no line for (a range belongs to a node of the plan); "
+                              + _REGENERATE)
     return plan

@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional, Sequence, Tuple
+import traceback
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
 from .._version import __version__
-from ..errors import FxampError
+from ..errors import FxampError, excerpt, short_path, shorten
 from ..policy import COMPUTE_DTYPE_NAMES, parse_compute_dtype
 from .audit import _cmd_audit
 from .demo import _cmd_demo
@@ -39,11 +40,29 @@ __all__ = ["main", "build_parser", "load_factory"]
 
 
 def _shape(text: str) -> Tuple[int, ...]:
+    """argparse type of --input-shape: comma-separated sizes, each 0 <= n < 2**63."""
     try:
-        return tuple(int(v) for v in text.split(","))
+        shape = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--input-shape takes comma-separated ints like "
-                                         f"1,3,224,224, got {text!r}") from None
+                                         f"1,3,224,224, got {excerpt(text)}") from None
+    bad = [n for n in shape if not 0 <= n < 2 ** 63]
+    if bad:
+        raise argparse.ArgumentTypeError(f"--input-shape sizes are integers from 0 to 2**63-1, "
+                                         f"got {bad[0]} in {excerpt(text)}")
+    return shape
+
+
+def _positive(text: str) -> int:
+    """argparse type of a count that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {excerpt(text)}"
+                                         ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _compute_dtype(text: str) -> torch.dtype:
@@ -56,13 +75,23 @@ def _compute_dtype(text: str) -> torch.dtype:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxamp", description="Explicit mixed precision "
-                                     "for PyTorch models: plans, diffs, rewrites.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress")
+                                     "for PyTorch models: plans, diffs, rewrites. Exit "
+                                     "status: 0 success, 1 a plan differs (diff, check) or an "
+                                     "error finding (audit), 2 any failure.")
+    _global_flags(parser, False)
     parser.add_argument("--version", action="version",
                         version=f"fxamp {__version__} (torch {torch.__version__})")
     dtype_help = (f"compute dtype: fp16 or bf16 (names: {', '.join(COMPUTE_DTYPE_NAMES)}); "
                   "FP32 nodes are policy overrides such as fp32:head.*")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+
+    def with_flags(*a: Any, **k: Any) -> argparse.ArgumentParser:
+        p = add_parser(*a, **k)
+        _global_flags(p, argparse.SUPPRESS)  # after the command too, not overriding
+        return p
+
+    sub.add_parser = with_flags  # type: ignore[method-assign]
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("factory", help="MODULE:FACTORY or FILE.py:FACTORY returning a model "
@@ -76,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch.fx, torch.export, or auto: fx, then export, then fx "
                        "around untraceable submodules (default auto)")
         p.add_argument("--input-shape", type=_shape, action="append",
-                       help="shape of a random FP32 input; repeat for several inputs")
+                       help="shape of an FP32 input (random for export; on device meta, without "
+                       "data, for the commands that only plan); repeat for several inputs")
 
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
     model_args(p)
@@ -129,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=_cmd_export)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
-    m.add_argument("--steps", type=int, default=30)
+    m.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
     m.add_argument("--dtype", default=torch.float16, type=_compute_dtype,
                    help=dtype_help + " (default fp16)")
     m.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
@@ -137,13 +167,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _global_flags(parser: argparse.ArgumentParser, default: Any) -> None:
+    """-v and --debug, on the main parser and (with ``SUPPRESS``) on every command."""
+    parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                        help="log progress")
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="print the traceback of a failure (and log at debug level)")
+
+
+def _unexpected(err: BaseException) -> str:
+    """One line for a failure that is not an FxampError: its type, message and place."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+    place = (f" (at {short_path(where[0].filename)}, line {where[0].lineno}, in "
+             f"{where[0].name})" if where else "")
+    return (f"unexpected {type(err).__name__}: {shorten(text) if text else '-'}{place}; "
+            "what to do: run again with --debug for the traceback; if the cause is not in "
+            "your model or arguments, report it to fxamp with that traceback")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``fxamp`` console script."""
+    """Entry point of the ``fxamp`` console script. Exit status: 0 success, 1 a plan
+    differs (``diff``, ``check``) or an error finding (``audit``), 2 every failure, with
+    one line on stderr (``--debug`` adds the traceback)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.DEBUG if args.debug else
+                        logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except FxampError as err:
+        if args.debug:
+            traceback.print_exc()
         print(f"fxamp {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"fxamp {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - every failure is exit 2 and one line
+        if args.debug:
+            traceback.print_exc()
+        print(f"fxamp {args.command}: error: {_unexpected(err)}", file=sys.stderr)
+    return 2

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import argparse
 
-from .factory import _config, load_factory
+from .factory import _config, plan_only
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from ..passes.audit import summary
     from ..rewriter.audit import audit
 
-    model, inputs = load_factory(args.factory, args.input_shape or [])
     config = _config(args)
-    findings = audit(model, inputs, config=config, onnx=args.onnx)
+    findings = plan_only(args, lambda model, inputs: audit(model, inputs, config=config,
+                                                           onnx=args.onnx))
     order = ("error", "warning", "info")
     shown = [f for f in findings if order.index(f.severity) <= order.index(args.min_severity)]
     for finding in shown:
