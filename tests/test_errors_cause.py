@@ -1,4 +1,6 @@
 """Errors name the real cause: example inputs, tracing advice, conflicting dtypes."""
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -96,3 +98,54 @@ def test_cli_takes_compute_from_the_policy_and_refuses_a_conflict():
     assert bad.returncode == 2
     assert "conflicts with the policy's compute=bf16" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+class _OptionalMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        y = self.a(x)
+        if mask is not None:
+            y = y.masked_fill(mask, 0.0)
+        return y
+
+
+def test_a_none_default_left_out_of_the_example_is_traced_as_none():
+    model = _OptionalMask()
+    x = torch.randn(2, 4)
+    gm = fxamp.amp_rewrite(model, (x,), frontend="fx", target="cpu", dtype=torch.bfloat16)
+    with torch.autocast("cpu", torch.bfloat16):
+        want = model(x)
+    assert torch.equal(gm(x).float(), want.float())
+    with pytest.raises(AssertionError, match="specialized to have value None"):
+        gm(x, torch.zeros(2, 4, dtype=torch.bool))  # (a mask the example did not have)
+
+
+class _PackedGRU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.GRU(4, 4, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        return self.g(packed)[1]
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_packed_sequence_is_named_as_the_cause(frontend):
+    inputs = (torch.randn(2, 3, 4), torch.tensor([3, 2]))
+    with pytest.raises(fxamp.TraceError) as err:
+        fxamp.amp_rewrite(_PackedGRU(), inputs, frontend=frontend, target="cpu",
+                          dtype=torch.bfloat16)
+    text = str(err.value)
+    assert "packed sequence" in text and "branch" not in text and "control flow" not in text
+
+
+def test_an_rnns_own_flat_weight_cache_is_no_side_effect(caplog):
+    model = nn.Sequential(nn.LSTM(4, 4, batch_first=True))
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        fxamp.amp_rewrite(model, (torch.randn(2, 3, 4),), target="cpu", dtype=torch.bfloat16)
+    assert not [r for r in caplog.records if "changed its own state" in r.getMessage()]

@@ -88,3 +88,16 @@ def test_fxamp_diff_exits_1_on_a_changed_range(calibrated, tmp_path, capsys):
     assert main(["diff", str(a), str(b)]) == 1
     out = capsys.readouterr().out
     assert "~ @range fc " in out and "nonfinite=3" in out
+
+
+def test_check_of_a_calibrated_plan_uses_its_ranges_and_update_keeps_them(tmp_path, capsys):
+    from fxamp.demo import small_cnn
+    model, inputs = small_cnn()
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, calibration_data=[inputs]))
+    assert plan.ranges
+    path = tmp_path / "model.plan"
+    plan.save(str(path))
+    assert main(["check", "fxamp.demo:small_cnn", "--plan", str(path)]) == 0
+    assert main(["check", "fxamp.demo:small_cnn", "--plan", str(path), "--update"]) == 0
+    assert Plan.load(str(path)).ranges == plan.ranges
+    capsys.readouterr()

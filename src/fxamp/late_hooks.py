@@ -2,14 +2,12 @@
 
 A rewritten graph calls the submodules that had hooks at rewrite time (their hooks run,
 added or removed later too); the others are traced into ops, so a hook registered on one of
-them later would never run. Their hook dicts are watched: registering a hook counts, and the
-graph's first call (:func:`check`) looks again when the count moved and refuses, naming the
-module and the hook, while such a hook is registered. The check costs one comparison per
-call while no hook is added.
+them later would never run. The graph's first call (:func:`check`) looks at their hook
+dicts (one C-level ``any`` over them, microseconds) and refuses, naming the module and the
+hook, while such a hook is registered.
 """
 from __future__ import annotations
 
-import collections
 import weakref
 from typing import Any, List, Tuple
 
@@ -20,42 +18,22 @@ from .errors import UnsupportedModelError
 
 #: the hook dicts of a module that run when it is called
 _KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_ADDED = [0]  # hooks registered on watched dicts so far
-_PENDING: List["Watch"] = []  # made by the rewrite under way, armed when it ends
 ATTR = "fxamp_late_hooks"
 
 
-class _WatchedHooks(collections.OrderedDict):
-    """A module's hook dict that counts the hooks registered on it."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        _ADDED[0] += 1
-
-
 class Watch:
-    """The submodules one graph runs as ops (weakly held), by path."""
+    """The submodules one graph runs as ops (weakly held, by path) and their hook dicts."""
 
     def __init__(self, modules: List[Tuple[str, nn.Module]]) -> None:
         self.modules = [(path, weakref.ref(m)) for path, m in modules]
-        self.seen = -1  # (armed: looks at the modules on the first call)
-
-    def arm(self) -> None:
-        """Watch the modules' hook dicts (after the rewrite restored the model's state)."""
-        for _, ref in self.modules:
-            module = ref()
-            for kind in _KINDS if module is not None else ():
-                hooks = getattr(module, kind, None)
-                if hooks is not None and not isinstance(hooks, _WatchedHooks):
-                    setattr(module, kind, _WatchedHooks(hooks))
+        self.dicts = [getattr(m, kind) for _, m in modules for kind in _KINDS
+                      if isinstance(getattr(m, kind, None), dict)]
 
     def __getstate__(self) -> dict:  # (copies and pickles watch the copied modules)
         return {"modules": [(p, r()) for p, r in self.modules if r() is not None]}
 
     def __setstate__(self, state: dict) -> None:
-        self.modules = [(p, weakref.ref(m)) for p, m in state["modules"]]
-        self.seen = -1
-        self.arm()
+        self.__init__(state["modules"])  # type: ignore[misc]
 
     def found(self) -> List[str]:
         """``path (kind: hook)`` for each hook now registered on a watched module."""
@@ -72,11 +50,11 @@ class Watch:
 def check(watch: Watch, *inputs: Any) -> None:
     """A graph's check, before its ops: refuse while a hook added after the rewrite is
     registered on a module the graph does not call. ``inputs`` keep the call first."""
-    if watch.seen == _ADDED[0]:
+    if not any(watch.dicts):
         return
     found = watch.found()
-    if not found:
-        watch.seen = _ADDED[0]
+    if not found:  # (hook dicts replaced since: watch the ones the modules hold now)
+        watch.__init__([(p, r()) for p, r in watch.modules if r() is not None])  # type: ignore[misc]
         return
     raise UnsupportedModelError(
         "hooks were registered after amp_rewrite on submodules whose ops the rewritten "
@@ -115,9 +93,7 @@ def install(gm: fx.GraphModule, model: nn.Module) -> None:
         modules.append((path, module))
     if not modules:
         return
-    watch = Watch(modules)
-    _PENDING.append(watch)
-    gm.__dict__[ATTR] = watch  # (a plain attribute: no module, parameter or buffer)
+    gm.__dict__[ATTR] = Watch(modules)  # (a plain attribute: no module, parameter or buffer)
     graph = gm.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     anchor = inputs[-1] if inputs else next(iter(graph.nodes))
@@ -126,9 +102,3 @@ def install(gm: fx.GraphModule, model: nn.Module) -> None:
     with graph.inserting_after(node):
         graph.call_function(check, (node, *inputs))
     gm.recompile()
-
-
-def arm_pending() -> None:
-    """Arm the watches the finished rewrite made (its state snapshot is restored)."""
-    while _PENDING:
-        _PENDING.pop().arm()

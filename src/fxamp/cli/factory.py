@@ -300,10 +300,13 @@ def _config(args: argparse.Namespace) -> Any:
     return RewriteConfig.make(args.policy, args.dtype, args.target, args.frontend)
 
 
-def _rewrite(args: argparse.Namespace) -> Any:
+def _rewrite(args: argparse.Namespace, ranges: Any = None) -> Any:
     """The command's model rewritten with its arguments, for a command that needs only the
-    plan and the graph (see :func:`plan_only`)."""
+    plan and the graph (see :func:`plan_only`); ``ranges`` (a Plan's ``@range`` statistics)
+    are its calibration data when given."""
     from .. import amp_rewrite
 
     config = _config(args)
+    if ranges:
+        config = config.replace(calibration=dict(ranges))
     return plan_only(args, lambda model, inputs: amp_rewrite(model, inputs, config=config))

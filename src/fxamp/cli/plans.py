@@ -3,6 +3,7 @@ compared with another plan file or with the committed one."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Optional
 
@@ -24,17 +25,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_plan(command: str, path: str, hint: str = "") -> Optional[Any]:
-    """Plan.load, or None after one line on stderr (unreadable, not UTF-8, truncated...)."""
+def _load_plan(command: str, path: str, hint: str = "", quiet: bool = False
+               ) -> Optional[Any]:
+    """Plan.load, or None after one line on stderr (unreadable, not UTF-8, truncated...;
+    nothing printed when ``quiet``)."""
     from ..plan import Plan
 
     try:
         return Plan.load(path)
     except OSError as err:
-        print(f"fxamp {command}: cannot read {path}: {err.strerror or err}{hint}",
-              file=sys.stderr)
+        problem = f"cannot read {path}: {err.strerror or err}{hint}"
     except FxampError as err:
-        print(f"fxamp {command}: {path}: {err}", file=sys.stderr)
+        problem = f"{path}: {err}"
+    if not quiet:
+        print(f"fxamp {command}: {problem}", file=sys.stderr)
     return None
 
 
@@ -56,14 +60,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .. import plan_of
     from ..plan import diff
 
-    plan = plan_of(_rewrite(args))
-    if args.update:
+    if args.update:  # (ranges the file holds, from the Python API's calibration, are kept)
+        kept = _load_plan("check", args.plan, quiet=True) if os.path.isfile(args.plan) else None
+        plan = plan_of(_rewrite(args, kept.ranges if kept is not None else None))
         plan.save(args.plan)
         print(f"wrote {args.plan} ({len(plan.nodes)} nodes)")
         return 0
     committed = _load_plan("check", args.plan, "; create it with --update")
     if committed is None:
         return 2
+    # the committed ranges are the calibration: the CLI has no batches, and the plan is
+    # checked for the decisions those ranges give
+    plan = plan_of(_rewrite(args, committed.ranges))
     text = diff(committed, plan, fmt=args.format)
     if text:
         sys.stdout.write(text)

@@ -31,7 +31,8 @@ from ..errors import TraceError
 from ..progress import shows
 from . import checkpointing
 from .checkpoint_regions import outline
-from .common import as_tuple, training_flags, warn_mode_only, warn_one_mode
+from .common import (PACKED_ADVICE, as_tuple, packed_sequence_failure, training_flags,
+                     warn_mode_only, warn_one_mode)
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
 from .aten_inputs import ShapeCheck, batch_inputs, flat_inputs, plain_containers, plain_inputs_hook
@@ -116,6 +117,8 @@ _ADVICE = {
 def _advice(exc: BaseException, frontend: str) -> str:
     """What to do about an export failure: an output object torch.export cannot carry (a
     Hugging Face ``DynamicCache``) has its own advice; else the front end's."""
+    if packed_sequence_failure(exc):
+        return PACKED_ADVICE
     found = re.search(r"Found <class '([\w.]+)'> in output", str(exc))
     if found:
         name = found.group(1).rsplit(".", 1)[-1]

@@ -83,3 +83,26 @@ def nested_header(header: Dict[str, str], runtime: "list[str] | tuple" = (),
         header["nested"] = " ".join(f"{path}={plan.header['frontend']}"
                                     for path, plan in nested.items())
     return header
+
+
+#: what to do when a packed sequence stops a tracer (its batch sizes are tensor values)
+PACKED_ADVICE = (
+    "a packed sequence (torch.nn.utils.rnn.pack_padded_sequence / PackedSequence) cannot be "
+    "traced: its batch sizes are computed from the lengths' values on the CPU; run the RNN on "
+    "the padded batch (no packing; mask or gather the padded steps instead), or rewrite the "
+    "model's other submodules with amp_rewrite and keep the packed RNN under torch.autocast")
+
+
+def packed_sequence_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while packing a sequence or running an RNN on one."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    for error in (exc, exc.__cause__, exc.__context__):
+        tb = error.__traceback__ if error is not None else None
+        while tb is not None:
+            frame = tb.tb_frame
+            if frame.f_code.co_filename.replace("\\", "/").endswith("nn/utils/rnn.py") or any(
+                    isinstance(v, PackedSequence) for v in frame.f_locals.values()):
+                return True
+            tb = tb.tb_next
+    return False

@@ -19,7 +19,8 @@ from .checkpoint_regions import outline
 from ..runtime import has_call_hooks
 from .base import Request, Traced
 from .hooks import mark_hooked_runtime
-from .common import training_flags, warn_one_mode
+from .common import (PACKED_ADVICE, packed_sequence_failure, training_flags,
+                     warn_one_mode)
 from .modes import align, follow_mode, module_flag, reads_training
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,8 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
             advice = _FX_ADVICE.get(frontend, _FX_ADVICE["auto"])
             if isinstance(exc, (grad_mode.RegionRefused, buffer_writes.BufferRefused)):
                 advice = str(exc)
+            elif packed_sequence_failure(exc):
+                advice = PACKED_ADVICE
             raise trace_error(
                 f"torch.fx.symbolic_trace cannot trace {type(model).__name__}", exc, model,
                 advice) from exc

@@ -209,7 +209,6 @@ def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Mod
         torch.set_grad_enabled(grad)
         state.restore()
         report_side_effects(model, state.restored)
-        late_hooks.arm_pending()
 
 
 def _kept(config: RewriteConfig, gm: nn.Module) -> RewriteConfig:
