@@ -1,4 +1,6 @@
 """The exported deployment file: BatchNorm folded, Casts only at real boundaries, FP32 I/O."""
+import re
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -106,3 +108,57 @@ def test_cancelling_and_repeated_casts_go_lossy_pairs_stay():
     assert ("up", "down") not in casts and ("h", "same") not in casts
     onnx.checker.check_model(model)
     np.testing.assert_array_equal(run(model), before)
+
+
+class Large(nn.Module):
+    """Activations near 1e5 before a LayerNorm: past FP16's max in a training plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.norm, self.head = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.up(x) * 5e4))
+
+
+def test_an_overflowing_plan_is_named_with_its_range_not_blamed_on_tracing(tmp_path):
+    from fxamp.export import PlanOverflowError
+
+    torch.manual_seed(0)
+    model, x = Large().eval(), (torch.randn(4, 8),)
+    gm = fxamp.amp_rewrite(model, x)  # target cuda: no ranges without calibration data
+    with pytest.raises(PlanOverflowError) as info:
+        export_onnx(gm, x, str(tmp_path / "m.onnx"))
+    text = str(info.value)
+    with torch.no_grad():
+        peak = float((model.up(x[0]) * 5e4).abs().max())
+    assert "overflows at node 'mul'" in text
+    got = float(re.search(r"reaches ([0-9.e+]+) in FP32", text).group(1))
+    assert abs(got - peak) < 0.01 * peak  # (from its fp16 inputs: their rounding only)
+    assert "calibration_data" in text and "fp32:mul" in text and "target='tensorrt'" in text
+    assert "tracing" not in text and "branch" not in text
+    assert not (tmp_path / "m.onnx").exists()
+    # the fixes it names work: the deployment target, or calibration data
+    export_onnx(fxamp.amp_rewrite(model, x, target="tensorrt"), x, str(tmp_path / "t.onnx"))
+    export_onnx(fxamp.amp_rewrite(model, x, calibration_data=[x]), x, str(tmp_path / "c.onnx"))
+
+
+def test_true_fp16_check_names_the_onnx_node_that_overflows():
+    from fxamp.export import PlanOverflowError
+    from fxamp.export.verify import check_true_fp16
+
+    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    scale = helper.make_tensor("k", f16, [], [1000.0])
+    nodes = [_cast("x", "h", f16), helper.make_node("Mul", ["h", "k"], ["big"], name="mul_k"),
+             helper.make_node("Div", ["big", "k"], ["back"]), _cast("back", "y", f32)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f32, [2])],
+                              [helper.make_tensor_value_info("y", f32, [2])], [scale])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    class Same(nn.Module):  # what the file computes, in FP32: finite
+        def forward(self, x):
+            return x * 1000.0 / 1000.0
+    x = (torch.tensor([100.0, 1.0]),)
+    with pytest.raises(PlanOverflowError, match="ONNX node 'mul_k' \\(Mul"):
+        check_true_fp16(proto, Same(), x, ["x"])
+    check_true_fp16(proto, Same(), (torch.tensor([1.0, 2.0]),), ["x"])  # in range: passes
