@@ -31,7 +31,6 @@ from .. import ops
 from ..ir import Decision, Rule
 from ..policy import dtype_name
 from .autocast_rules import AnnotateRule
-from .placement_free import EXACT, free_kind
 
 #: a reduction of more values than this per output runs in FP32 in a deployment plan
 DEEP_REDUCTION = 4096
@@ -105,9 +104,9 @@ class DeployRule(AnnotateRule):
                 return Decision(torch.float32, self.name, f"reduces {depth} values per output "
                                 f"(more than {DEEP_REDUCTION}: a {dtype_name(low)} "
                                 "accumulator loses the small terms): fp32", label)
-        if free_kind(node, self.gm) == EXACT or (not names and ops.moves_values(node)):
-            return Decision(None, self.name, "exact in any dtype (selects or moves values): "
-                            "follows its inputs", label)
+        if not names and ops.moves_values(node):
+            return Decision(None, self.name, "moves values, computes nothing: follows its "
+                            "inputs", label)
         if not names and node.op == "call_module":  # BatchNorm, Dropout, Identity ...
             return Decision(None, self.name, "computes in its input's dtype (its parameters "
                             "and statistics stay fp32; a BatchNorm folds into its conv on "
