@@ -162,3 +162,29 @@ def test_true_fp16_check_names_the_onnx_node_that_overflows():
     with pytest.raises(PlanOverflowError, match="ONNX node 'mul_k' \\(Mul"):
         check_true_fp16(proto, Same(), x, ["x"])
     check_true_fp16(proto, Same(), (torch.tensor([1.0, 2.0]),), ["x"])  # in range: passes
+
+
+def test_modelopt_autocast_gives_nan_in_true_fp16_where_the_deployment_plan_is_right(tmp_path):
+    """The peer's file on the numerics trap (needs nvidia-modelopt[onnx]; skipped without)."""
+    pytest.importorskip("modelopt.onnx.autocast")
+    from modelopt.onnx.autocast import convert_to_mixed_precision
+
+    from fxamp.export import run_true_fp16
+
+    class Trap(nn.Module):
+        def forward(self, x):
+            z = x - x.mean(-1, keepdim=True)
+            z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-12)
+            return torch.exp(z * 6) / torch.exp(z * 6).sum(-1, keepdim=True)
+    x = torch.randn(3, 16)
+    x[0] = 0.5  # a constant row
+    model, fp32 = Trap().eval(), str(tmp_path / "fp32.onnx")
+    torch.onnx.export(model, (x,), fp32, dynamo=True)
+    peer = convert_to_mixed_precision(onnx_path=fp32, low_precision_type="fp16",
+                                      keep_io_types=True)
+    ours = onnx.load(export_onnx(fxamp.amp_rewrite(model, (x,), target="tensorrt"), (x,),
+                                 str(tmp_path / "ours.onnx")))
+    name = ours.graph.input[0].name
+    assert not np.isfinite(run_true_fp16(peer, {peer.graph.input[0].name: x.numpy()})[0]).all()
+    got = run_true_fp16(ours, {name: x.numpy()})[0]
+    assert np.abs(got - model(x).numpy()).max() < 1e-2
