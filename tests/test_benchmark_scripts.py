@@ -84,3 +84,12 @@ def test_cpu_step_time_train_gives_the_fp32_master_bound():
     assert bound_ms > limit_ms, row
     bound_ratio, fxamp_ratio = (float(v) for v in row[-3].split(" / "))
     assert bound_ratio > 0 and fxamp_ratio > 0, row
+
+
+def test_export_peers_runs_fxamp_and_skips_peers_that_are_not_installed():
+    out = _run("benchmarks/export_peers.py", "--models", "trap", "--no-docs",
+               "--peer-python", sys.executable)  # this env has neither peer
+    assert "trap: ModelOpt AutoCast skipped: not installed" in out
+    assert "trap: onnxconverter-common skipped: not installed" in out
+    assert "| trap | fxamp tensorrt | yes | yes |" in out
+    assert "| trap | yes (every peer fails) |" not in out  # no peer ran: nothing compared

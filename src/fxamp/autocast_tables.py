@@ -103,7 +103,9 @@ ATEN_TABLES: Dict[str, Dict[str, str]] = {"cuda": _parse(_CUDA_TEXT), "cpu": _pa
 
 def aten_category(op: str, target: str) -> Optional[str]:
     """The category of ATen op ``op`` (overload name or base name) for ``target``, or None."""
-    table = ATEN_TABLES[target]
+    from .policy import autocast_device
+
+    table = ATEN_TABLES[autocast_device(target)]
     if op in table:
         return table[op]
     base = op.split(".")[0]

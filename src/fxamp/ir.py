@@ -61,6 +61,8 @@ class Rule(str, enum.Enum):
     PLACEMENT = "placement"    # casts moved to the cheaper side of a value-preserving op
     SEARCH = "search"          # the tolerance search
     BISECT = "bisect"          # the bisection baseline of the search
+    DEPLOY = "deploy"          # a deployment target's plan: low precision unless a number
+                               # or the engine needs fp32
 
     __hash__ = str.__hash__  # hashes as its word: {"user"} finds Rule.USER
 

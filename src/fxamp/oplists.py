@@ -172,6 +172,22 @@ RUNTIME_MODULES = tuple(m for m in (nn.LocalResponseNorm, nn.LPPool1d, nn.LPPool
                                     getattr(nn, "LPPool3d", None)) if m is not None)
 
 
+#: per deployment target, the ATen ops that export to an ONNX op the engine has no FP16 kernel
+#: for (its published operator table: ``export/tensorrt_ops.py``), with that ONNX op
+ENGINE_FP32_OPS: Dict[str, Dict[str, str]] = {"tensorrt": {"stft": "STFT"}}
+#: reductions whose depth (values reduced per output) the deployment plan checks
+REDUCTION_OPS = frozenset({"sum", "mean", "var", "std", "var_mean", "std_mean", "norm",
+                           "linalg_vector_norm", "prod", "cumsum", "cumprod", "logsumexp",
+                           "nansum", "nanmean"})
+#: calls on no autocast list that move values without computing (getitem, views, splits)
+MOVE_OPS = frozenset({"getitem", "view", "reshape", "flatten", "permute", "transpose",
+                      "contiguous", "expand", "squeeze", "unsqueeze", "chunk", "split",
+                      "size", "unbind", "narrow", "select", "t", "clone", "detach"})
+#: the model's own dtype conversions (``x.float()``, ``x.to(dtype)``)
+CONVERSION_METHODS = frozenset({"to", "float", "double", "half", "bfloat16", "type",
+                                "type_as"})
+
+
 def _function_table() -> Dict[Callable, Tuple[str, ...]]:
     table: Dict[Callable, Tuple[str, ...]] = {}
     namespaces = (F, torch, torch.linalg, torch.special, torch.fft)

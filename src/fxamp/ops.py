@@ -255,3 +255,26 @@ def bind(node: fx.Node, names: Tuple[str, ...], allowed: Tuple[str, ...]
 
 #: the additions of a graph, fx and ATen spellings
 ADDS = (operator.add, torch.add, torch.ops.aten.add.Tensor, torch.ops.aten.add.Scalar)
+
+
+def engine_fp32_op(aten: str, target: str) -> Optional[str]:
+    """The ONNX op that ATen op ``aten`` exports to when deployment target ``target`` has no
+    FP16 kernel for it (``oplists.ENGINE_FP32_OPS``), else None."""
+    return oplists.ENGINE_FP32_OPS.get(target, {}).get(aten.split(".")[0])
+
+
+def is_reduction(aten: str) -> bool:
+    """Whether ATen op ``aten`` sums (or multiplies) many values into one (sum, mean, var...)."""
+    return aten.split(".")[0] in oplists.REDUCTION_OPS
+
+
+def is_conversion(node: fx.Node) -> bool:
+    """Whether ``node`` is the model's own dtype conversion (``x.float()``, ``x.to(d)``)."""
+    return node.op == "call_method" and node.target in oplists.CONVERSION_METHODS
+
+
+def moves_values(node: fx.Node) -> bool:
+    """Whether a call moves values without computing new ones (getitem, view, split...)."""
+    name = (str(node.target) if node.op == "call_method"
+            else getattr(node.target, "__name__", ""))
+    return name.split(".")[0] in oplists.MOVE_OPS

@@ -28,11 +28,29 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "f
                 torch.float64: "fp64"}
 #: the names a compute (low) dtype is given by: fp32 is no compute dtype
 COMPUTE_DTYPE_NAMES = tuple(sorted(k for k, v in _DTYPE_ALIASES.items() if v != torch.float32))
-_TARGETS = ("cuda", "cpu")
+#: training targets mirror that device's torch.autocast; deployment targets are plans for an
+#: inference engine: all low precision, FP32 only where numbers or the engine need it
+TRAINING_TARGETS = ("cuda", "cpu")
+DEPLOY_TARGETS = ("tensorrt",)
+_TARGETS = TRAINING_TARGETS + DEPLOY_TARGETS
+#: the autocast device whose tables (follow / promote semantics) and runtime a target uses
+_AUTOCAST_DEVICE = {"tensorrt": "cuda"}
 _KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement", "weights")
 #: how weights reach low precision: see Policy.weights
 WEIGHT_MODES = ("cached", "cast", "o2")
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
+
+
+def is_deploy(target: str) -> bool:
+    """Whether ``target`` is a deployment plan (an inference engine), not a training one."""
+    return target in DEPLOY_TARGETS
+
+
+def autocast_device(target: str) -> str:
+    """The torch.autocast device type of ``target``: itself for "cuda"/"cpu"; "cuda" for
+    "tensorrt" (its opaque calls run under CUDA autocast; its follow/promote ops behave as
+    there)."""
+    return _AUTOCAST_DEVICE.get(target, target)
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> str:
@@ -89,7 +107,11 @@ class Policy:
     """What to rewrite to.
 
     compute: the low-precision dtype (float16 or bfloat16).
-    target: whose autocast op lists are mirrored, "cuda" or "cpu".
+    target: whose autocast op lists are mirrored, "cuda" or "cpu" (training); or "tensorrt",
+        a deployment plan: every floating op in the low dtype, FP32 only where a number
+        forces it (a value range on the example inputs or calibration data, a deep
+        reduction, a norm's eps, an op TensorRT has no FP16 kernel for), each with its
+        reason (``passes/deploy.py``).
     overrides: per-node / per-module / per-op dtype overrides, later ones win.
     output_dtype: dtype of the model's floating outputs (default FP32, like keep_io_types);
         None keeps what the graph computes.

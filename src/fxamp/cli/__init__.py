@@ -1,11 +1,11 @@
 """The ``fxamp`` command: a thin layer over the Python API.
 
-fxamp plan MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P] [-o FILE]
+fxamp plan MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu|tensorrt] [--policy P] [-o FILE]
            (or FILE.py:FACTORY, a path from the current directory)
 fxamp diff OLD NEW [--format text|markdown]
 fxamp check MODULE:FACTORY --plan FILE [--update]
 fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
-fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu] [--policy P]
+fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu|tensorrt] [--policy P]
             [--frontend auto|fx|export] [--onnx FILE]
 fxamp export MODULE:FACTORY -o model.onnx [--report report.md] [--backend auto]
 fxamp demo
@@ -98,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "or (model, inputs)")
         p.add_argument("--dtype", default=None, type=_compute_dtype,
                        help=dtype_help + " (default fp16, or the policy's compute=)")
-        p.add_argument("--target", default="cuda", choices=["cuda", "cpu"],
-                       help="whose autocast lists to mirror (default cuda)")
+        p.add_argument("--target", default="cuda", choices=["cuda", "cpu", "tensorrt"],
+                       help="cuda or cpu: whose autocast lists to mirror (training; default "
+                       "cuda); tensorrt: a deployment plan, all FP16 except where numbers "
+                       "or the engine need FP32")
         p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
         p.add_argument("--frontend", default="auto", choices=["auto", "fx", "export"],
                        help="torch.fx, torch.export, or auto: fx, then export, then fx "

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from .engine_report import check_numerics, precision_report, tensorrt_available
 from .onnx_export import export_onnx
+from .overflow import PlanOverflowError, run_true_fp16
 from .predict import SOURCES, Prediction, predict, predict_fp16
 from .report import (SCHEMA, BackendUnavailableError, ExportError, LayerPrecision,
                      NumericsError, PrecisionReport)
 
 __all__ = ["export_onnx", "precision_report", "check_numerics", "tensorrt_available",
            "PrecisionReport", "LayerPrecision", "ExportError", "BackendUnavailableError",
-           "NumericsError", "SCHEMA", "predict", "predict_fp16", "Prediction", "SOURCES"]
+           "NumericsError", "PlanOverflowError", "run_true_fp16", "SCHEMA", "predict",
+           "predict_fp16", "Prediction", "SOURCES"]

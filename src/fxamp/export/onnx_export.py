@@ -5,8 +5,9 @@ runs first; if it fails the TorchScript exporter (``dynamo=False``) is tried. Wh
 file is stored in the model's ``metadata_props`` ("fxamp.exporter"), with the plan's text
 ("fxamp.plan") so a report can be made from the file alone.
 
-The post-processing (weight casts, lost eps, type repair, eps, provenance) is in
-:mod:`fxamp.export.repairs`.
+The post-processing is in :mod:`fxamp.export.fold` (BatchNorm folded into its Conv),
+:mod:`fxamp.export.repairs` (weight casts, lost eps, type repair, eps, provenance) and
+:mod:`fxamp.export.cast_pairs` (Casts only at real precision boundaries).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from ..rewriter import plan_of
 from ..frontends.common import as_tuple
 from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
                       restore_tiny_adds, set_meta)
+from .cast_pairs import simplify_casts
+from .fold import fold_batchnorm
 from .report import ExportError
 from .verify import check_export
 
@@ -222,10 +225,12 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
             except Exception as err:  # noqa: BLE001
                 raise ExportError(f"both ONNX exporters failed; dynamo: {error or '-'}; "
                                   f"torchscript: {type(err).__name__}: {err}") from err
+    bn_folded = fold_batchnorm(model)  # (from the FP32 values, before the weight casts)
     folded = fold_weight_casts(model)
     restored = restore_tiny_adds(model, ep) if ep is not None else 0
     repaired = repair_types(model)
     eps_fixed = fix_eps(model)
+    casts_removed = simplify_casts(model)
     _annotate(model, gm, mapping)
     # a traced graph (TorchScript) holds the branches the example took: check the file on a
     # second input too; torch.export's graph is checked the same way (cheap insurance)
@@ -234,7 +239,8 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, "fxamp.plan": plan.to_text(),
             "fxamp.folded_weight_casts": str(folded), "fxamp.restored_eps_adds": str(restored),
             "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed),
-            "fxamp.checked_inputs": str(checked)}
+            "fxamp.checked_inputs": str(checked), "fxamp.folded_batchnorms": str(bn_folded),
+            "fxamp.removed_casts": str(casts_removed)}
     if error:
         meta["fxamp.dynamo_error"] = error
     for key, value in meta.items():

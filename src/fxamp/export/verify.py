@@ -6,7 +6,12 @@ and, when the file has a dynamic batch axis, on a batch of twice the size.
 A tracing exporter (TorchScript) records the branch the example input took; torch.export
 refuses value-dependent branches, but the eager front end's results (whose own forward is
 Python) can only be traced. A file that disagrees is refused with an ``ExportError`` naming
-the input and the output that differ, never written.
+the input and the output that differ, never written. When the rewritten model itself
+overflows there (its low-precision output is inf/NaN where FP32 is finite), the cause is the
+plan's numbers, not the trace: a ``PlanOverflowError`` names the node, the value it reaches
+and the fixes. The file is also run in true FP16 (``onnx.reference``, every op in its
+declared type) on the example input; inf/NaN there where the model is finite is refused the
+same way.
 """
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+import torch.fx as fx
+
+from .overflow import PlanOverflowError, find_overflow, first_nonfinite_node, run_true_fp16
 from .report import ExportError
 
 log = logging.getLogger(__name__)
@@ -135,6 +143,9 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
                               "export with example inputs of the shapes it will get") from None
         problem = _compare(got, want)
         if problem is not None:
+            overflow = find_overflow(model, case) if isinstance(model, fx.GraphModule) else None
+            if overflow is not None:  # the plan's numbers, not the trace, differ
+                raise overflow.error(what)
             index, detail = problem
             which = f"output {index}" if index >= 0 else "the outputs"
             raise ExportError(
@@ -144,5 +155,42 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
                 "'if x.sum() > 0', in the model's forward); the file is not written. what to "
                 "do: write the branch as a tensor op (torch.where), or export the model's "
                 "traceable parts (its rewritten submodules) on their own")
+    check_true_fp16(proto, model, inputs, names)
     log.info("checked the exported graph against PyTorch on %d inputs", len(cases))
     return len(cases)
+
+
+def check_true_fp16(proto: Any, model: torch.nn.Module, inputs: tuple, names: List[str]) -> None:
+    """Run ``proto`` on the example input with every op in its declared type
+    (``onnx.reference``); raise PlanOverflowError when it gives inf/NaN where the rewritten
+    model is finite, naming the ONNX node, its fx node and the fix. Skipped (logged) when the
+    reference evaluator cannot run the file."""
+    import numpy as np
+
+    leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
+    try:
+        got = run_true_fp16(proto, feed)
+    except Exception as err:  # noqa: BLE001 - an op the reference evaluator lacks
+        log.info("not checked in true FP16: onnx.reference cannot run it (%s: %s)",
+                 type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return
+    with torch.no_grad():
+        want = [t for t in tree_leaves(model(*inputs)) if isinstance(t, torch.Tensor)]
+    bad = any(isinstance(g, np.ndarray) and g.dtype.kind == "f" and not np.isfinite(g).all()
+              and bool(torch.isfinite(w).all()) for g, w in zip(got, want))
+    if not bad:
+        return
+    node = first_nonfinite_node(proto, feed)
+    label = node.name if node is not None else "?"
+    fx_name = next((p.value for p in node.metadata_props if p.key == "fxamp.fx_node"),
+                   None) if node is not None else None
+    where = f"ONNX node {label!r} ({node.op_type}" if node is not None else "a node ("
+    where += f", fx node {fx_name!r})" if fx_name else ")"
+    raise PlanOverflowError(
+        f"the exported file overflows in true FP16 on the example input: {where} gives "
+        "inf/NaN while its inputs are finite (onnx.reference computes every op in its "
+        "declared type; onnxruntime's CPU provider runs FP16 nodes in FP32 and hides it). "
+        "what to do: keep it in FP32 with the policy override "
+        f"'fp32:{fx_name or label}', give calibration_data that reaches these values, or "
+        "rewrite with target='tensorrt'")

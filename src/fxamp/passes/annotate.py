@@ -25,7 +25,7 @@ from .. import ir
 from ..ir import Decision, Rule
 from ..errors import FxampError, UnsupportedModelError, node_error
 from ..plan import NodePrecision
-from ..policy import Policy, dtype_name
+from ..policy import Policy, autocast_device, dtype_name
 from ..runtime import device_autocast, eligible
 from . import PassResult, observe
 from .autocast_rules import decide, make_rules, module_path
@@ -319,9 +319,10 @@ class _Simulator(fx.Interpreter):
     def _execute(self, n: fx.Node, d: Decision, args: tuple, kwargs: dict) -> Any:
         if d.runtime:
             try:
-                return self._in_autocast(n, args, kwargs, torch.device(self.policy.target))
+                return self._in_autocast(n, args, kwargs,
+                                         torch.device(autocast_device(self.policy.target)))
             except Exception:  # noqa: BLE001 - e.g. CPU constants made inside the call
-                if self.policy.target == "cpu":
+                if autocast_device(self.policy.target) == "cpu":
                     raise
                 log.debug("%s: %s autocast simulation failed; using CPU's", n.name,
                           self.policy.target, exc_info=True)

@@ -11,7 +11,8 @@ promote and fp32-unless-a-dtype lists depend on them.
 4. :class:`GuardsRule` — torch.export's input-shape check;
 5. :class:`NestedRule` — a submodule rewritten on its own gets FP32 inputs (rule "nested");
 6. :class:`RuntimeRule` — an opaque call runs under torch.autocast at run time;
-7. :class:`AutocastRule` — autocast's op tables for the target (always applies: last).
+7. :class:`AutocastRule` — autocast's op tables for the target (always applies: last); for a
+   deployment target, :class:`~fxamp.passes.deploy.DeployRule` instead.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from .. import ir, ops
 from ..ir import Decision, Rule
 from ..plan import Plan
-from ..policy import Policy, dtype_name
+from ..policy import Policy, dtype_name, is_deploy
 from .. import overrides
 from . import observe
 from .manager import PassContext
@@ -200,9 +201,16 @@ ANNOTATE_RULES: Tuple[Type[AnnotateRule], ...] = (
 
 
 def make_rules(root: nn.Module, policy: Policy) -> Tuple[AnnotateRule, ...]:
-    """The annotate rules for one graph module and policy."""
+    """The annotate rules for one graph module and policy: for a deployment target
+    (``target="tensorrt"``) :class:`~fxamp.passes.deploy.DeployRule` decides last instead of
+    autocast's tables."""
     ctx = PassContext(policy)
-    return tuple(cls(root, ctx) for cls in ANNOTATE_RULES)  # type: ignore[arg-type]
+    classes = ANNOTATE_RULES
+    if is_deploy(policy.target):
+        from .deploy import DeployRule  # (it builds on AnnotateRule, defined here)
+
+        classes = classes[:-1] + (DeployRule,)
+    return tuple(cls(root, ctx) for cls in classes)  # type: ignore[arg-type]
 
 
 def decide(node: fx.Node, rules: Tuple[AnnotateRule, ...], args: tuple, kwargs: dict
@@ -212,4 +220,4 @@ def decide(node: fx.Node, rules: Tuple[AnnotateRule, ...], args: tuple, kwargs: 
     for rule in rules:
         if rule.applies(node):
             return rule.decision(node, args, kwargs)
-    raise AssertionError("AutocastRule applies to every node")
+    raise AssertionError("the last rule (AutocastRule or DeployRule) applies to every node")

@@ -6,8 +6,10 @@ largest magnitude, the fraction of non-zero values below the low dtype's smalles
 the count of non-finite values. ``keep_in_range`` keeps in FP32 every node whose output — or
 one of whose floating inputs — would pass the low dtype's largest value with a safety margin:
 the node that overflows and the nodes it feeds until the values are back in range. bf16 has
-FP32's range, so for bf16 only real overflows count. Nodes whose values mostly underflow are
-reported (logged), not changed.
+FP32's range, so for bf16 only real overflows count. For a deployment target (``tensorrt``) the
+example inputs are always a calibration batch, the margin is :data:`DEPLOY_MARGIN`, and a
+called module whose weights pass the limit is kept in FP32 too. Nodes whose values mostly
+underflow are reported (logged), not changed.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from ..errors import CalibrationDataError, node_error
 from ..plan import RangeStats
 from .. import ir
 from ..ir import Decision, Rule
-from ..policy import dtype_name
+from ..policy import dtype_name, is_deploy
 from ..progress import track
 from .manager import PassContext
 from .rule import DecisionRule, rule_pass
@@ -32,6 +34,9 @@ from .rule import DecisionRule, rule_pass
 log = logging.getLogger(__name__)
 
 MARGIN = 2.0  # keep values below max / MARGIN in the low dtype
+#: a deployment plan's margin: its ranges come from a few example inputs, and an engine has
+#: no loss scaler or overflow check behind it
+DEPLOY_MARGIN = 8.0
 
 
 class _Recorder(fx.Interpreter):
@@ -144,7 +149,12 @@ class RangesRule(DecisionRule):
                                               tuple(ctx.inputs) if ctx.inputs else None))
         self.stats = ctx.ranges
         self.low = self.policy.compute
-        self.limit = torch.finfo(self.low).max / MARGIN
+        self.deploy = is_deploy(self.policy.target)
+        self.margin = DEPLOY_MARGIN if self.deploy else MARGIN
+        self.limit = torch.finfo(self.low).max / self.margin
+        more = isinstance(ctx.calibration, list) and len(ctx.calibration) > 1
+        self.seen = ("calibration data" if not self.deploy else
+                     "the example inputs and calibration data" if more else "the example inputs")
 
     def applies(self, node: fx.Node) -> bool:
         return (ir.precision(node) is not None and node.name in self.stats
@@ -162,9 +172,24 @@ class RangesRule(DecisionRule):
             which = "its output" if out_max > self.limit else "an input"
             value = out_max if out_max > self.limit else in_max
             return {node: self.verdict(
-                torch.float32, f"{which} reaches {value:.3g} on calibration data, past "
-                f"{dtype_name(low)}'s max {torch.finfo(low).max:.6g} / {MARGIN:g}")}
+                torch.float32, f"{which} reaches {value:.3g} on {self.seen}, past "
+                f"{dtype_name(low)}'s max {torch.finfo(low).max:.6g} / {self.margin:g}")}
+        weight = _params_max(self.gm, node) if self.deploy else 0.0
+        if weight > self.limit:
+            return {node: self.verdict(
+                torch.float32, f"a weight reaches {weight:.3g}, past {dtype_name(low)}'s max "
+                f"{torch.finfo(low).max:.6g} / {self.margin:g}")}
         return {}
+
+
+def _params_max(gm: fx.GraphModule, node: fx.Node) -> float:
+    """The largest magnitude among a called module's own floating parameters and buffers."""
+    if node.op != "call_module":
+        return 0.0
+    module = gm.get_submodule(str(node.target))
+    values = [t.detach().abs().max() for t in list(module.parameters()) + list(module.buffers())
+              if t.is_floating_point() and t.numel() and t.device.type != "meta"]
+    return float(max(values)) if values else 0.0
 
 
 #: the ranges pass: ``(gm, ctx) -> PassResult``

@@ -18,7 +18,7 @@ from ..overrides import Scope, check_matched, override_scope
 from ..passes import PassResult
 from ..passes.manager import PassContext, PassManager
 from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
-from ..policy import Policy
+from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
 from ..frontends.common import as_tuple, nested_header, nested_lines
 from ..frontends.copies import refuse_copies
@@ -282,7 +282,8 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     try:  # decisions fixed by node name and calibration need one graph of the whole model
         captured = capture_model(model, inputs, kwargs, frontend, state,
                                  config.dynamic_shapes,
-                                 whole_graph=_needs_graph(fixed, calibration_data))
+                                 whole_graph=_needs_graph(fixed, calibration_data)
+                                 or is_deploy(pol.target))
     except TraceError:
         state.restore()
         raise
@@ -304,6 +305,9 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     example, inputs = (inputs, kwargs), flat
     if calibration_data is not None and not isinstance(calibration_data, (Plan, dict)):
         calibration_data = front.calibration(captured, calibration_data)
+    if is_deploy(pol.target) and not isinstance(calibration_data, (Plan, dict)):
+        # a deployment plan's ranges: the example inputs, then any calibration batches
+        calibration_data = [tuple(flat)] + list(calibration_data or [])
     for name, (dtype, rule, reason) in (fixed or {}).items():
         node = next((n for n in src.graph.nodes if n.name == name), None)
         if node is None:
