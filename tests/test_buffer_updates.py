@@ -168,3 +168,24 @@ def test_a_buffer_assigned_another_shape_is_refused_naming_the_line(frontend):
         fxamp.amp_rewrite(Grows(), (torch.randn(3, 4),), frontend=frontend, **BF16)
     assert "test_buffer_updates.py" in str(err.value)
     assert str(err.value).count("what to do") == 1
+
+
+@pytest.mark.slow
+def test_timm_cumulative_batchnorm_runs_under_auto_and_counts_calls():
+    """momentum=None reads the counter in Python: fx and export refuse the norm, auto runs
+    it eagerly under autocast with the other children rewritten (their inputs cast to the
+    dtypes they were planned for)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=4)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.momentum = None
+    x = torch.randn(2, 3, 32, 32)
+    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    counts = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
+    assert all(c.item() == 0 for c in counts)
+    for _ in range(2):
+        assert torch.isfinite(gm(x)).all()
+    assert all(c.item() == 2 for c in counts)

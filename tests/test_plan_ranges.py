@@ -101,3 +101,13 @@ def test_check_of_a_calibrated_plan_uses_its_ranges_and_update_keeps_them(tmp_pa
     assert main(["check", "fxamp.demo:small_cnn", "--plan", str(path), "--update"]) == 0
     assert Plan.load(str(path)).ranges == plan.ranges
     capsys.readouterr()
+
+
+def test_ranges_of_nodes_a_reused_plan_no_longer_has_are_left_out(calibrated, tmp_path):
+    model, x, plan = calibrated
+    stale = dict(plan.ranges)
+    stale["gone"] = plan.ranges["fc"]
+    reused = fxamp.plan_of(fxamp.amp_rewrite(model, x, calibration_data=stale))
+    assert set(reused.ranges) == set(plan.ranges)
+    reused.save(str(tmp_path / "p.plan"))
+    assert Plan.load(str(tmp_path / "p.plan")).ranges == reused.ranges  # still readable

@@ -63,6 +63,12 @@ def check(watch: Watch, *inputs: Any) -> None:
         "runs them) and rewrite again, or remove them (handle.remove())")
 
 
+def is_check(node: fx.Node) -> bool:
+    """The graph's late-hook check (:func:`check`) or the read of its watch."""
+    return (node.op == "call_function" and node.target is check) or (
+        node.op == "get_attr" and node.target == ATTR)
+
+
 def _attr(gm: nn.Module, target: str) -> Any:
     value: Any = gm
     for part in target.split("."):

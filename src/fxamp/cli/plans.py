@@ -66,12 +66,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
         plan.save(args.plan)
         print(f"wrote {args.plan} ({len(plan.nodes)} nodes)")
         return 0
-    committed = _load_plan("check", args.plan, "; create it with --update")
-    if committed is None:
-        return 2
     # the committed ranges are the calibration: the CLI has no batches, and the plan is
-    # checked for the decisions those ranges give
-    plan = plan_of(_rewrite(args, committed.ranges))
+    # checked for the decisions those ranges give (the model's own errors come first)
+    committed = _load_plan("check", args.plan, quiet=True)
+    plan = plan_of(_rewrite(args, committed.ranges if committed is not None else None))
+    if committed is None:
+        _load_plan("check", args.plan, "; create it with --update")
+        return 2
     text = diff(committed, plan, fmt=args.format)
     if text:
         sys.stdout.write(text)

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import FxampError
 from ..ir import Rule
@@ -71,17 +71,42 @@ def _fp32(value: Any) -> Any:
     return value
 
 
-def _as_planned(module: nn.Module, fp32_inputs: bool) -> None:
+def _planned_dtypes(call: Optional[Tuple[tuple, dict, Any]]) -> List[Optional[torch.dtype]]:
+    """The floating dtype of each input leaf of a recorded call (None: not floating)."""
+    if call is None:
+        return []
+    leaves, _ = tree_flatten((call[0], call[1]))
+    return [v.dtype if isinstance(v, torch.Tensor) and v.is_floating_point() else None
+            for v in leaves]
+
+
+def _to_planned(values: Any, planned: List[Optional[torch.dtype]]) -> Any:
+    """Floating inputs cast to the dtypes the child was planned for, where they differ (a
+    rewritten sibling before it may give FP32 where autocast gave bf16)."""
+    leaves, spec = tree_flatten(values)
+    if len(leaves) != len(planned):
+        return values
+    return tree_unflatten([
+        v.to(d) if d is not None and isinstance(v, torch.Tensor) and v.is_floating_point()
+        and v.dtype != d else v for v, d in zip(leaves, planned)], spec)
+
+
+def _as_planned(module: nn.Module, fp32_inputs: bool,
+                planned: Sequence[Optional[torch.dtype]] = ()) -> None:
     """Make ``module`` (a rewritten child with explicit casts) run with autocast off. It was
     planned with the inputs the model's forward gives it under the root's autocast (a bf16
-    activation stays bf16, as under autocast), or, where that plan failed, with the FP32
-    model's inputs (``fp32_inputs``: its low-precision inputs are cast to FP32)."""
+    activation stays bf16, as under autocast: ``planned``, each input's dtype, which its
+    inputs are cast to), or, where that plan failed, with the FP32 model's inputs
+    (``fp32_inputs``: its low-precision inputs are cast to FP32)."""
     forward = module.forward
+    dtypes = list(planned)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if fp32_inputs:
             args, kwargs = tree_map(_fp32, (args, kwargs))
+        elif any(dtypes):
+            args, kwargs = _to_planned((args, kwargs), dtypes)
         with torch.autocast(device_type((args, kwargs)), enabled=False):
             return forward(*args, **kwargs)
 
@@ -143,7 +168,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     runtime: List[str] = [name for name in calls if name not in children]
     for name, sub in children.items():
         child = model.get_submodule(name)
-        _as_planned(sub, name in fp32_inputs)
+        _as_planned(sub, name in fp32_inputs, _planned_dtypes(calls.get(name)))
         _reading_from(sub, child)
         _put(result, model, name, sub)
         nested[name] = getattr(sub, "fxamp_plan")

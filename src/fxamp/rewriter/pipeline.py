@@ -318,9 +318,12 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
                       annotate=lambda gm, ctx: annotate_step(gm, ctx, state))
     steps = pass_list(lambda gm, ctx: _check_overrides(gm, pol, scope, nested))
     gm = PassManager(steps)(src, ctx).graph_module  # GraphModule() compiled it already
-    stats = ctx.ranges or {}
-    plan = Plan(nodes=_plan_nodes(src, nested), header=_header(pol, taken, leaves, nested),
-                ranges=stats)
+    nodes = _plan_nodes(src, nested)
+    stats = {name: r for name, r in (ctx.ranges or {}).items() if name in nodes}
+    if len(stats) < len(ctx.ranges or {}):  # (a reused plan of an older model, say)
+        log.info("%s: ranges for nodes the graph does not have are left out: %s",
+                 type(model).__name__, ", ".join(sorted(set(ctx.ranges) - set(stats))))
+    plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, nested), ranges=stats)
     setattr(gm, _PLAN_ATTR, plan)
     gm.fxamp_source = ops.module_label(model)
     setattr(gm, _POLICY_ATTR, pol)
