@@ -254,7 +254,7 @@ def test_clean_model_has_no_findings():
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype
                for k in before)
-    assert not hasattr(model, "fxamp_plan")
+    assert not hasattr(model, "fxamp_result")
 
 
 def test_finding_str_and_summary():

@@ -229,7 +229,7 @@ def test_torchvision_detection_list_of_images():
     drawn = {n.name: n for n in shown_nodes(gm, plan)}
     assert any(name.startswith("backbone/") for name in drawn)
     assert drawn["transform"].rule == "runtime"
-    findings = audit_result(gm, gm.fxamp_policy)
+    findings = audit_result(gm, fxamp.result.result_of(gm).policy)
     runtime = {f.node for f in findings if f.code == "runs-under-autocast"}
     assert "transform" in runtime and "rpn/anchor_generator" in runtime
     assert any(f.code == "dims-not-multiple-of-8" and "/" in f.node for f in findings)

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .errors import CalibrationDataError, FxampError, PolicyError, rewritten_attr
+from .errors import CalibrationDataError, FxampError, PolicyError
 from .plan import Plan, RangeStats
 from .policy import Policy, dtype_name, make_policy, parse_compute_dtype
 
@@ -30,8 +30,6 @@ FRONTEND_ORDER: Dict[str, Tuple[str, ...]] = {
 }
 #: front ends a rewrite can ask for
 FRONTENDS = tuple(FRONTEND_ORDER)
-#: where amp_rewrite keeps the config on the module it returns
-CONFIG_ATTR = "fxamp_config"
 
 Calibration = Union[None, Iterable[Any], Plan, Dict[str, RangeStats]]
 
@@ -122,4 +120,6 @@ def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
 
 def config_of(module: Any) -> RewriteConfig:
     """The RewriteConfig ``module`` was made with by ``amp_rewrite`` (FxampError if none)."""
-    return rewritten_attr(module, CONFIG_ATTR, RewriteConfig)  # type: ignore[return-value]
+    from .result import config_of as read
+
+    return read(module)

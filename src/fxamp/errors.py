@@ -86,16 +86,6 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                       for m in (torch,)) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
 
 
-def rewritten_attr(module: object, attr: str, kind: type) -> object:
-    """``module.<attr>`` when it is a ``kind`` that ``fxamp.amp_rewrite`` stored there;
-    else an FxampError saying the module was not made by ``amp_rewrite``."""
-    value = getattr(module, attr, None)
-    if not isinstance(value, kind):
-        raise FxampError(f"{type(module).__name__} was not made by fxamp.amp_rewrite; "
-                         "what to do: call fxamp.amp_rewrite(model, example_inputs) first")
-    return value
-
-
 def is_library_file(path: str) -> bool:
     """Whether ``path`` belongs to torch or fxamp (not the user's code)."""
     return os.path.abspath(path).startswith(_LIBRARY_DIRS)

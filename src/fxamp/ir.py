@@ -63,6 +63,8 @@ class Rule(str, enum.Enum):
     BISECT = "bisect"          # the bisection baseline of the search
     DEPLOY = "deploy"          # a deployment target's plan: low precision unless a number
                                # or the engine needs fp32
+    HEAL = "heal"              # fxamp.train moved an overflowing node to fp32
+    # (new members go at the end: Model Explorer numbers the rules by position)
 
     __hash__ = str.__hash__  # hashes as its word: {"user"} finds Rule.USER
 

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .errors import PlanFormatError, rewritten_attr, shorten
+from .errors import PlanFormatError, shorten
 from .plan_text import (COLUMNS, FORMAT, FORMAT_V1, _REGENERATE, _escape,  # noqa: F401
                         _quote_rest, parse, quote_token)
 from .policy import dtype_name
@@ -299,10 +299,8 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
     return "\n".join(out) + "\n"
 
 
-#: where amp_rewrite keeps the Plan on the module it returns
-PLAN_ATTR = "fxamp_plan"
-
-
 def plan_of(gm: object) -> Plan:
-    """The Plan that amp_rewrite used to make ``gm``."""
-    return rewritten_attr(gm, PLAN_ATTR, Plan)  # type: ignore[return-value]
+    """The Plan that amp_rewrite used to make ``gm`` (see :mod:`fxamp.result`)."""
+    from .result import plan_of as read
+
+    return read(gm)

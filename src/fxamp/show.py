@@ -19,6 +19,7 @@ from .passes import fetch_attr
 from . import ir
 from .ir import Rule
 from .plan import Plan
+from .result import has_result, result_of
 from .policy import dtype_name
 
 COLOURS = {"fp16": "#f5a623", "bf16": "#e8743b", "fp32": "#4a90d9", "fp64": "#7b5ea7",
@@ -50,7 +51,7 @@ def _eager_nodes(model: torch.nn.Module, plan: Plan) -> List[ShownNode]:
         if "/" in name:
             continue
         sub = getattr(model, name, None)
-        sub_plan = getattr(sub, "fxamp_plan", None)
+        sub_plan = result_of(sub).plan if has_result(sub) else None
         if p.rule == "nested" and isinstance(sub_plan, Plan):
             for n in shown_nodes(sub, sub_plan):
                 module = f"{name}.{n.module}" if n.module else name

@@ -31,7 +31,8 @@ from ..errors import FxampError
 from ..ir import Rule
 from ..ops import module_label
 from ..passes.annotate import first_float
-from ..plan import NodePrecision, Plan
+from ..plan import NodePrecision, Plan, plan_of
+from ..result import Rewritten, set_result
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
@@ -171,7 +172,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
         _as_planned(sub, name in fp32_inputs, _planned_dtypes(calls.get(name)))
         _reading_from(sub, child)
         _put(result, model, name, sub)
-        nested[name] = getattr(sub, "fxamp_plan")
+        nested[name] = plan_of(sub)
     if not nested:
         raise FxampError(f"none of {type(model).__name__}'s children could be rewritten")
     original = type(model).forward
@@ -209,8 +210,8 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                                         f"torch.autocast ({dtype_name(low)}) at run time",
                                         label, name)
     header = nested_header(dict(header, frontend="eager"), runtime, nested)
-    result.fxamp_plan = Plan(nodes=nodes, header=header)
-    result.fxamp_policy = pol
+    set_result(result, Rewritten(Plan(nodes=nodes, header=header), pol,
+                                 module_label(model)))
     return result
 
 

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import ir, ops
 from ..ir import Decision, Rule
-from ..plan import Plan
+from ..result import has_result, result_of
 from ..policy import Policy, dtype_name, is_deploy
 from .. import overrides
 from . import observe
@@ -128,11 +128,10 @@ class NestedRule(AnnotateRule):
     name = Rule.NESTED
 
     def applies(self, node: fx.Node) -> bool:
-        return node.op == "call_module" and isinstance(
-            getattr(self.gm.get_submodule(node.target), "fxamp_plan", None), Plan)
+        return node.op == "call_module" and has_result(self.gm.get_submodule(node.target))
 
     def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
-        source = getattr(self.gm.get_submodule(node.target), "fxamp_source", self.label(node))
+        source = result_of(self.gm.get_submodule(node.target)).source or self.label(node)
         return Decision(torch.float32, self.name, "rewritten on its own (a submodule the "
                         "whole-model trace could not take), planned for FP32 inputs; its nodes "
                         f"are the plan lines {node.target}/*", source)

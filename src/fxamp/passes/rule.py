@@ -28,6 +28,13 @@ class DecisionRule:
     #: the plan's rule column for what this rule decides
     name: Rule
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        name = getattr(cls, "name", None)  # (an abstract base may have none yet)
+        if name is not None and not isinstance(name, Rule):
+            raise TypeError(f"{cls.__qualname__}.name must be a member of fxamp.ir.Rule "
+                            f"(the plan's rule column), not {name!r}")
+
     def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         self.gm, self.ctx, self.policy = gm, ctx, ctx.policy
 

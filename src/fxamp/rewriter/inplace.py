@@ -22,16 +22,15 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch.nn as nn
 
-from ..config import CONFIG_ATTR
 from ..errors import FxampError, UnsupportedModelError
-from ..plan import PLAN_ATTR
+from ..result import ATTR as RESULT, has_result
 
 #: where the rewritten module lives in the model's ``__dict__``
 ATTR = "_fxamp_rewritten"
 PAIRS = "_fxamp_flag_pairs"  # (rewritten module's module, model's module) of training flags
 TENSORS = "_fxamp_tensor_pairs"  # (rewritten module's dict, model's dict, name) of tensors
 #: the result attributes the model gets too (plan_of, config_of read them)
-RESULT_ATTRS = (PLAN_ATTR, CONFIG_ATTR, "fxamp_policy", "fxamp_source")
+RESULT_ATTRS = (RESULT,)
 
 
 def _flag_pairs(model: nn.Module, gm: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
@@ -200,7 +199,7 @@ def rewritten(model: nn.Module) -> nn.Module:
     gm = model.__dict__.get(ATTR)
     if gm is not None:
         return gm
-    if PLAN_ATTR in model.__dict__ or hasattr(model, PLAN_ATTR):
+    if has_result(model):
         return model
     raise FxampError(f"{type(model).__name__} was not rewritten by fxamp.amp_rewrite; what "
                      "to do: call fxamp.amp_rewrite(model, example_inputs, inplace=True)")

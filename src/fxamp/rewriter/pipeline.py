@@ -11,13 +11,14 @@ import torch.nn as nn
 
 from .. import ir, late_hooks, ops
 from .._version import __version__
-from ..config import CONFIG_ATTR, RewriteConfig
+from ..config import RewriteConfig
 from ..errors import FxampError, TraceError, UnsupportedModelError
 from ..ir import fix
 from ..overrides import Scope, check_matched, override_scope
 from ..passes import PassResult
 from ..passes.manager import PassContext, PassManager
-from ..plan import PLAN_ATTR, Plan, RangeStats, plan_of
+from ..plan import Plan, RangeStats, plan_of
+from ..result import Rewritten, has_result, result_of, set_result
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
 from ..frontends.common import as_tuple, nested_header, nested_lines
@@ -34,8 +35,6 @@ from .state_dict import complete_state
 log = logging.getLogger(__name__)
 
 
-_PLAN_ATTR = PLAN_ATTR
-_POLICY_ATTR = "fxamp_policy"
 
 
 def _check_model(model: Any) -> None:
@@ -159,19 +158,19 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     example_kwargs = config.example_kwargs
     _check_model(model)
     if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
-        if inplace and getattr(model, _POLICY_ATTR) == pol:
+        if inplace and result_of(model).policy == pol:
             log.info("model was already rewritten in place with the same policy")
             return model
         with uninstalled(model):
             gm = amp_rewrite(model, example_inputs, config=config)
         return reinstall(model, gm) if inplace else gm
-    if getattr(model, _PLAN_ATTR, None) is not None:
-        if getattr(model, _POLICY_ATTR) == pol:
+    if has_result(model):
+        if result_of(model).policy == pol:
             log.info("model was already rewritten with the same policy; returning it")
             return model  # type: ignore[return-value]
         raise UnsupportedModelError(
             f"this model was already rewritten by fxamp with policy "
-            f"{getattr(model, _POLICY_ATTR)}; asked for {pol}. what to do: rewrite the "
+            f"{result_of(model).policy}; asked for {pol}. what to do: rewrite the "
             "original FP32 model instead")
     if example_inputs is None and not example_kwargs:
         raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
@@ -193,7 +192,7 @@ def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Mod
         with state.watch(), young_objects_only():
             try:
                 gm = rewrite(model, args, config)
-                setattr(gm, CONFIG_ATTR, _kept(config, gm))
+                set_result(gm, result_of(gm).replace(config=_kept(config, gm)))
                 return gm
             except Exception:
                 # when the FP32 model itself fails on the example inputs, that is the cause:
@@ -324,9 +323,7 @@ def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
         log.info("%s: ranges for nodes the graph does not have are left out: %s",
                  type(model).__name__, ", ".join(sorted(set(ctx.ranges) - set(stats))))
     plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, nested), ranges=stats)
-    setattr(gm, _PLAN_ATTR, plan)
-    gm.fxamp_source = ops.module_label(model)
-    setattr(gm, _POLICY_ATTR, pol)
+    set_result(gm, Rewritten(plan, pol, ops.module_label(model)))
     _copy_training_flags(model, gm)
     complete_state(model, gm)
     copy_root_hooks(model, gm)

@@ -15,7 +15,9 @@ from typing import Dict
 import torch
 import torch.nn as nn
 
-from ..config import CONFIG_ATTR, RewriteConfig
+from ..config import RewriteConfig
+from ..ir import Rule
+from ..result import has_result, result_of, set_result
 from ..policy import Policy
 from ..rewriter import amp_rewrite, plan_of
 from .localize import Overflow
@@ -26,8 +28,8 @@ log = logging.getLogger("fxamp.train.trainer")  # the trainer's logger, as befor
 def _config_of(gm: nn.Module, policy: str) -> RewriteConfig:
     """The RewriteConfig ``gm`` was made with; for a module without one (made by the search,
     say) the plan's policy with the front end its header names."""
-    config = getattr(gm, CONFIG_ATTR, None)
-    if isinstance(config, RewriteConfig):
+    config = result_of(gm).config if has_result(gm) else None
+    if config is not None:
         return config
     frontend = plan_of(gm).header.get("frontend", "auto")
     return RewriteConfig(Policy.parse(policy), frontend if frontend in ("fx", "export")
@@ -59,9 +61,9 @@ class HealingMixin:
         config = self._config.with_fp32(healed)
         gm = amp_rewrite(self.original_model, self.example_inputs, config=config)
         plan = plan_of(gm)
-        for name, reason in healed.items():
-            if name in plan.nodes:
-                plan.nodes[name] = replace(plan.nodes[name], rule="heal", reason=reason)
+        nodes = {name: replace(p, rule=Rule.HEAL, reason=healed[name]) if name in healed
+                 else p for name, p in plan.nodes.items()}
+        set_result(gm, result_of(gm).replace(plan=replace(plan, nodes=nodes)))
         gm.train(self.gm.training)
         self.gm = self.module = gm
         self.healed = dict(healed)

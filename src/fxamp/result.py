@@ -1,0 +1,63 @@
+"""What a rewrite leaves on the module it returns: one frozen :class:`Rewritten` under one
+attribute (:data:`ATTR`), read by :func:`plan_of` / :func:`config_of` / :func:`result_of`."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .config import RewriteConfig
+from .errors import FxampError
+from .plan import Plan
+from .policy import Policy
+
+#: the one attribute a rewritten module (and an in-place rewritten model) holds
+ATTR = "fxamp_result"
+
+
+@dataclass(frozen=True)
+class Rewritten:
+    """A rewrite's result: the plan it used, its policy, the label of the model it was made
+    from (``nn.Linear``, ``MyNet``) and, for the top-level rewrite, its config."""
+
+    plan: Plan
+    policy: Policy
+    source: str = ""
+    config: Optional[RewriteConfig] = None
+
+    def replace(self, **changes: Any) -> "Rewritten":
+        """A copy with ``changes`` (the result itself is never changed)."""
+        return dataclasses.replace(self, **changes)
+
+
+def has_result(module: object) -> bool:
+    """Whether ``module`` holds a rewrite's result."""
+    return isinstance(getattr(module, ATTR, None), Rewritten)
+
+
+def result_of(module: object) -> Rewritten:
+    """The :class:`Rewritten` ``module`` holds; FxampError when amp_rewrite did not make it."""
+    value = getattr(module, ATTR, None)
+    if not isinstance(value, Rewritten):
+        raise FxampError(f"{type(module).__name__} was not made by fxamp.amp_rewrite; what "
+                         "to do: call fxamp.amp_rewrite(model, example_inputs) first")
+    return value
+
+
+def set_result(module: object, result: Rewritten) -> None:
+    """Store ``result`` on ``module`` (a plain attribute, not a submodule or buffer)."""
+    setattr(module, ATTR, result)
+
+
+def plan_of(module: object) -> Plan:
+    """The Plan that amp_rewrite used to make ``module``."""
+    return result_of(module).plan
+
+
+def config_of(module: object) -> RewriteConfig:
+    """The RewriteConfig ``module`` was made with by ``amp_rewrite`` (FxampError if none)."""
+    config = result_of(module).config
+    if config is None:
+        raise FxampError(f"{type(module).__name__} is a nested part of a rewrite; what to do: "
+                         "read the config of the module amp_rewrite returned")
+    return config
