@@ -22,7 +22,7 @@ from fxamp.frontends.fx import trace
 class ExpInFp32Rule(DecisionRule):
     """exp overflows fp16 past 11.1: every exp planned in the low dtype runs in fp32."""
 
-    name = "exp_fp32"  # in the tree: a new member of fxamp.ir.Rule
+    name = ir.Rule.SOFTMAX  # in the tree: its own member, EXP_FP32, at the end of ir.Rule
 
     def applies(self, node: fx.Node) -> bool:
         return ops.name(node) == "exp"  # torch.exp, x.exp(), aten.exp.default
@@ -62,5 +62,5 @@ def test_example_rule_alone_and_as_a_pass():
     assert rule_pass(ExpInFp32Rule)(gm, ctx).modified
     annotate(gm, (x,), pol)
     p = ir.precision(exp)
-    assert (p.dtype, p.inputs, p.rule) == (torch.float32, torch.float32, "exp_fp32")
+    assert (p.dtype, p.inputs, p.rule) == (torch.float32, torch.float32, "softmax")
     assert not rule_pass(ExpInFp32Rule)(gm, ctx).modified  # a fixpoint: nothing more to do

@@ -1,6 +1,7 @@
 """Policy overrides that match nothing are errors, not silent no-ops.
 
-A rewrite records which overrides matched at least one node while it annotated. Rewrites
+A rewrite records which overrides matched at least one node while it annotated, in its
+:class:`Scope` (the pass context carries it to the rules). Rewrites
 nest (a submodule no tracer takes whole is rewritten on its own; the eager front end
 rewrites each child): a nested rewrite matches overrides against the names the top-level
 plan shows for its nodes (``leaf/node`` and the full module path ``leaf.sub.module``) as
@@ -13,12 +14,10 @@ nodes with no plan line (``fp32:size``: nothing floating to keep in a dtype) is 
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 from .errors import PolicyError
 from .policy import Override, Policy, dtype_name
@@ -36,48 +35,32 @@ class Scope:
         """Whether this is the top-level rewrite (the one that checks)."""
         return not self.paths
 
+    def child(self, path: str) -> "Scope":
+        """The scope of the rewrite of submodule ``path`` (its matches join this scope's
+        through :meth:`join` when that rewrite succeeds)."""
+        return Scope(self.paths + (path,))
 
-_SCOPE: contextvars.ContextVar[Optional[Scope]] = contextvars.ContextVar(
-    "fxamp_override_scope", default=None)
-
-
-@contextlib.contextmanager
-def override_scope(path: str = "") -> Iterator[Scope]:
-    """The scope of a rewrite. Outside any scope, a new top-level one; inside one, with
-    ``path`` (the submodule's path in the enclosing rewrite), a nested one whose matches
-    join the enclosing scope's when the block ends without an error; without ``path``, the
-    enclosing scope itself."""
-    parent = _SCOPE.get()
-    if parent is not None and not path:
-        yield parent
-        return
-    scope = Scope(parent.paths + (path,) if parent is not None else ())
-    token = _SCOPE.set(scope)
-    try:
-        yield scope
-    finally:
-        _SCOPE.reset(token)
-    if parent is not None:  # reached only without an exception
-        parent.matched |= scope.matched
+    def join(self, child: "Scope") -> None:
+        """Count a finished nested rewrite's matches here."""
+        self.matched |= child.matched
 
 
-def node_names(name: str, module: str, label: str) -> Tuple[str, ...]:
+def node_names(name: str, module: str, label: str, scope: Optional[Scope] = None
+               ) -> Tuple[str, ...]:
     """The names an override pattern is matched against for one node: its name, module path
     (and ``path.``, so ``encoder.layer.0.*`` covers the layer's own functional ops), op
     label, and inside a nested rewrite the same names as the top-level plan shows them."""
     names = [name, module, module + "." if module else "", label]
-    scope = _SCOPE.get()
     if scope is not None and scope.paths:
         full = ".".join(scope.paths) + ("." + module if module else "")
         names += ["/".join(scope.paths) + "/" + name, full, full + "."]
     return tuple(names)
 
 
-def match(policy: Policy, *names: str) -> Optional[Override]:
-    """``policy.override_for(*names)``, recording in the current scope every override that
-    matches (not only the one that wins)."""
+def match(policy: Policy, scope: Optional[Scope], *names: str) -> Optional[Override]:
+    """``policy.override_for(*names)``, recording in ``scope`` every override that matches
+    (not only the one that wins)."""
     found = policy.overrides_matching(*names)
-    scope = _SCOPE.get()
     if scope is not None:
         scope.matched.update(found)
     return found[-1] if found else None

@@ -116,7 +116,8 @@ class _Simulator(fx.Interpreter):
     observed behaviour is the decision."""
 
     def __init__(self, gm: fx.GraphModule, policy: Policy, fake_mode: FakeTensorMode,
-                 home: torch.device, memo: Optional[Dict[fx.Node, Any]] = None) -> None:
+                 home: torch.device, memo: Optional[Dict[fx.Node, Any]] = None,
+                 scope: Any = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.policy = policy
         self.fake_mode = fake_mode
@@ -124,7 +125,7 @@ class _Simulator(fx.Interpreter):
         self.decisions: Dict[str, Tuple[Decision, Any]] = {}
         #: the nodes with an input autocast would cast (floating, not float64)
         self.float_in: set = set()
-        self.rules = make_rules(gm, policy)
+        self.rules = make_rules(gm, policy, scope)
         # node -> (its first decision and the identities of its input values, (decision,
         # result)) from an earlier run of the same session: reused while both are unchanged
         self.memo: Dict[fx.Node, Any] = {} if memo is None else memo
@@ -360,14 +361,15 @@ class FakeSession:
 
 
 def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy,
-             session: Optional[FakeSession] = None) -> PassResult:
+             session: Optional[FakeSession] = None, scope: Any = None) -> PassResult:
     """Record the plan line, value kind and shape (``fxamp.ir``) of every node with a floating
-    output. ``session`` (made for this ``gm``) reuses the fake results of earlier runs."""
+    output. ``session`` (made for this ``gm``) reuses the fake results of earlier runs;
+    ``scope``: the rewrite's override record (:class:`fxamp.overrides.Scope`)."""
     if session is None or session.gm is not gm:
         session = FakeSession(gm, example_inputs)
     session.runs += 1
     with session.mode:
-        sim = _Simulator(gm, policy, session.mode, session.home, session.memo)
+        sim = _Simulator(gm, policy, session.mode, session.home, session.memo, scope)
         # grad stays enabled, as in training: modules such as nn.MultiheadAttention take
         # the path they take when training (their inference fast path differs on fakes)
         with _reparametrize_module(gm, session.state, tie_weights=True, strict=False):

@@ -80,8 +80,9 @@ class UserOverrideRule(AnnotateRule):
     def _override(self, node: fx.Node) -> Optional[Tuple[object, str]]:
         label = self.label(node)
         # "encoder.layer.0.*" covers the layer's own functional ops as well as its submodules
-        found = overrides.match(self.policy, *overrides.node_names(node.name, module_path(node),
-                                                                   label))
+        scope = self.ctx.scope
+        found = overrides.match(self.policy, scope, *overrides.node_names(
+            node.name, module_path(node), label, scope))
         return None if found is None else (found, label)
 
     def applies(self, node: fx.Node) -> bool:
@@ -199,11 +200,12 @@ ANNOTATE_RULES: Tuple[Type[AnnotateRule], ...] = (
     AutocastRule)
 
 
-def make_rules(root: nn.Module, policy: Policy) -> Tuple[AnnotateRule, ...]:
+def make_rules(root: nn.Module, policy: Policy, scope: Optional[overrides.Scope] = None
+               ) -> Tuple[AnnotateRule, ...]:
     """The annotate rules for one graph module and policy: for a deployment target
     (``target="tensorrt"``) :class:`~fxamp.passes.deploy.DeployRule` decides last instead of
-    autocast's tables."""
-    ctx = PassContext(policy)
+    autocast's tables. ``scope``: the rewrite's override record."""
+    ctx = PassContext(policy, scope=scope)
     classes = ANNOTATE_RULES
     if is_deploy(policy.target):
         from .deploy import DeployRule  # (it builds on AnnotateRule, defined here)

@@ -32,8 +32,12 @@ class PassContext:
     policy: the frozen Policy. inputs: the graph's placeholder values (real or fake).
     calibration: calibration batches (placeholder tuples), a dict of RangeStats or None.
     ranges: the range statistics the ranges step collected (or was given).
-    annotate: the pipeline's annotate step (the decision steps re-run it after a change).
+    annotate: the pass list's annotate step (set by the PassManager from the step marked
+    ``annotates``; the decision steps re-run it after a change).
     session: the annotate step's fake-tensor session (one per rewrite).
+    state: the model's state snapshot, restored after each run of its code (annotate's).
+    scope: the rewrite's override record (which overrides matched; ``fxamp.overrides``).
+    nested: the plans of submodules rewritten on their own, by path.
     """
 
     policy: Policy
@@ -42,6 +46,9 @@ class PassContext:
     ranges: Optional[Dict[str, RangeStats]] = None
     annotate: Optional[Callable[[fx.GraphModule, "PassContext"], PassResult]] = None
     session: Any = None
+    state: Any = None
+    scope: Any = None
+    nested: Dict[str, Any] = dataclasses.field(default_factory=dict)
     log: List[str] = dataclasses.field(default_factory=list)  # "step: modified" lines
 
 
@@ -58,6 +65,7 @@ class Step:
     when: Callable[[PassContext], bool] = lambda ctx: True
     decides: bool = False
     rewrites: bool = False  # changes the graph in place: recompiled after a change
+    annotates: bool = False  # the annotate step: decision steps re-run it after a change
 
 
 def check_graph(gm: fx.GraphModule) -> None:
@@ -105,6 +113,7 @@ class PassManager:
         self.steps = list(steps)
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        ctx.annotate = next((s.run for s in self.steps if s.annotates), ctx.annotate)
         modified = False
         for step in self.steps:
             if not step.when(ctx):

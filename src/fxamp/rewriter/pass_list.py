@@ -1,16 +1,21 @@
-"""The pass list of a rewrite (``pass_list``) and its annotate step (``annotate_step``).
+"""The pass list of a rewrite (``pass_list``), its annotate step (``annotate_pass``) and its
+override check (``check_overrides``): ordinary passes reading what they need from the
+pass context.
 
 Each pass is ``(gm, ctx) -> PassResult`` (``passes/manager.py``); ``amp_rewrite`` runs this
 list with a ``PassManager``. docs/architecture.md ("The pass list") describes each step.
 """
 from __future__ import annotations
 
-from typing import Callable, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.fx as fx
 
+from .. import ir
 from ..errors import FxampError
+from ..overrides import check_matched
+from ..plan import Plan
 from ..passes import PassResult, custom_ops, joins, layout, loss, norm_eps, softmax
 from ..passes.annotate import FakeSession, annotate, check_banned
 from ..passes.casts import insert_casts
@@ -18,26 +23,22 @@ from ..passes.manager import PassContext, Step, fixpoint
 from ..passes.placement import place_casts
 from ..passes.ranges import keep_in_range
 from ..frontends.aten import quiet_torch_logs
-from ..frontends.state import ModelState
+from ..frontends.common import nested_lines
 
 
-def pass_list(check_overrides: Callable[[fx.GraphModule, PassContext], PassResult]
-              ) -> List[Step]:
+def pass_list() -> List[Step]:
     """The passes of a rewrite, in order (each ``(gm, ctx) -> PassResult``; see
-    ``passes/manager.py``). The annotate step is ``ctx.annotate``; the decision steps
-    re-run it after each change, and are swept to a fixpoint."""
+    ``passes/manager.py``). The decision steps re-run the annotate step after each change,
+    and are swept to a fixpoint."""
     def numerics(ctx: PassContext) -> bool:
         return ctx.policy.numerics
 
-    def annotate_step(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
-        assert ctx.annotate is not None
-        return ctx.annotate(gm, ctx)
     return [
         # graph rewrites before any dtype is known
         Step("softmax", softmax.stable_softmax, numerics, rewrites=True),
         Step("custom_ops", custom_ops.fence_custom_ops, numerics),
         # the one fake run: every node's dtype under autocast (and the decisions so far)
-        Step("annotate", annotate_step),
+        Step("annotate", annotate_pass, annotates=True),
         # every node is decided: an override that matches nothing fails before the costly
         # passes
         Step("overrides", check_overrides, lambda ctx: bool(ctx.policy.overrides)),
@@ -54,7 +55,7 @@ def pass_list(check_overrides: Callable[[fx.GraphModule, PassContext], PassResul
     ]
 
 
-def annotate_step(src: fx.GraphModule, ctx: PassContext, state: ModelState) -> PassResult:
+def annotate_pass(src: fx.GraphModule, ctx: PassContext) -> PassResult:
     """annotate's fake run (one FakeSession per rewrite: later runs re-execute only the
     nodes whose decision or inputs changed), with torch's fake-tensor logging kept from the
     user and the model's attributes restored after it (hooks run on fake tensors there)."""
@@ -63,11 +64,32 @@ def annotate_step(src: fx.GraphModule, ctx: PassContext, state: ModelState) -> P
         with quiet_torch_logs():
             if ctx.session is None or ctx.session.gm is not src:
                 ctx.session = FakeSession(src, ctx.inputs)
-            return annotate(src, ctx.inputs, ctx.policy, ctx.session)
+            return annotate(src, ctx.inputs, ctx.policy, ctx.session, ctx.scope)
     except FxampError as err:  # fx's notes ("While executing ..., Use tlparse") are noise
         if hasattr(err, "__notes__"):
             del err.__notes__
         raise
     finally:
         torch.set_grad_enabled(grad)
-        state.restore()
+        if ctx.state is not None:
+            ctx.state.restore()
+
+
+def plan_lines(nodes: Dict[str, Any]) -> List[Tuple[str, str, str]]:
+    """(node name, module path, op) of each plan line: what overrides are matched against."""
+    return [(name, p.module, p.op) for name, p in nodes.items()]
+
+
+def plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
+    """The plan lines of ``src``'s decided nodes, then each nested plan's under ``path/``."""
+    nodes = {n.name: ir.precision(n) for n in src.graph.nodes if ir.precision(n)}
+    nodes.update(nested_lines(nested))
+    return nodes
+
+
+def check_overrides(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """A check of the top-level rewrite: PolicyError for an override that matches no node
+    (nested rewrites' matches are in its scope)."""
+    if ctx.scope is not None and ctx.scope.top:
+        check_matched(ctx.policy, ctx.scope, plan_lines(plan_nodes(gm, ctx.nested)))
+    return PassResult(gm, modified=False)

@@ -3,25 +3,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ir, late_hooks, ops
+from .. import late_hooks, ops
 from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, TraceError, UnsupportedModelError
 from ..ir import fix
-from ..overrides import Scope, check_matched, override_scope
-from ..passes import PassResult
+from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats, plan_of
 from ..result import Rewritten, has_result, result_of, set_result
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
-from ..frontends.common import as_tuple, nested_header, nested_lines
+from ..frontends.common import as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
@@ -29,7 +28,7 @@ from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, uninstalled
 from .inputs import check_example_inputs
-from .pass_list import annotate_step, pass_list
+from .pass_list import pass_list, plan_lines, plan_nodes
 from .state_dict import complete_state
 
 log = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ def _header(policy: Policy, frontend: str, leaves: Sequence[str] = (),
 
 def _rewrite_submodules(model: nn.Module, paths: Sequence[str],
                         calls: Dict[str, Tuple[tuple, dict, Any]], config: RewriteConfig,
-                        what: str) -> Dict[str, nn.Module]:
+                        what: str, scope: Scope) -> Dict[str, nn.Module]:
     """Rewrite each submodule in ``paths`` on its own (any front end, the calls captured
     on the example inputs as its inputs) where one takes it; returns them by path. The
     others (``what`` says what becomes of them) are left out."""
@@ -80,9 +79,10 @@ def _rewrite_submodules(model: nn.Module, paths: Sequence[str],
             continue  # never called by forward
         sub_args, sub_kwargs, _ = calls[path]
         try:
-            with override_scope(path):
-                done[path] = rewrite(model.get_submodule(path), tuple(sub_args),
-                                     inner.replace(example_kwargs=sub_kwargs))
+            child = scope.child(path)
+            done[path] = rewrite(model.get_submodule(path), tuple(sub_args),
+                                 inner.replace(example_kwargs=sub_kwargs), scope=child)
+            scope.join(child)  # (a failed rewrite's matches do not count)
         except Exception as err:  # noqa: BLE001 - it stays a call under autocast (planned)
             log.info("%s %s: %s: %s", path, what, type(err).__name__,
                      (str(err).splitlines() or [""])[0])
@@ -90,14 +90,14 @@ def _rewrite_submodules(model: nn.Module, paths: Sequence[str],
 
 
 def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str],
-                    args: tuple, kwargs: Dict[str, Any], config: RewriteConfig
-                    ) -> Dict[str, Plan]:
+                    args: tuple, kwargs: Dict[str, Any], config: RewriteConfig,
+                    scope: Scope) -> Dict[str, Plan]:
     """Rewrite each untraceable leaf on its own where a front end takes it; the others
     stay runtime calls. Returns the nested plans by leaf path."""
     calls = submodule_calls(model, leaves, args, kwargs)
     nested: Dict[str, Plan] = {}
     for path, sub in _rewrite_submodules(model, leaves, calls, config,
-                                         "stays a runtime call").items():
+                                         "stays a runtime call", scope).items():
         parent, _, name = path.rpartition(".")
         setattr(src.get_submodule(parent) if parent else src, name, sub)
         nested[path] = plan_of(sub)
@@ -218,26 +218,13 @@ def _kept(config: RewriteConfig, gm: nn.Module) -> RewriteConfig:
 
 
 def rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
-            fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None
-            ) -> fx.GraphModule:
-    """The pipeline behind amp_rewrite. ``fixed`` maps node names to (dtype, rule, reason)
-    decisions made outside the passes (the tolerance search). The top-level rewrite (not
-    one nested in another) raises PolicyError when an override of the policy matches no
-    node."""
-    with override_scope() as scope:
-        return _rewrite(model, inputs, config, fixed, scope)
-
-
-def _plan_lines(nodes: Dict[str, Any]) -> List[Tuple[str, str, str]]:
-    """(node name, module path, op) of each plan line: what overrides are matched against."""
-    return [(name, p.module, p.op) for name, p in nodes.items()]
-
-
-def _plan_nodes(src: fx.GraphModule, nested: Dict[str, Plan]) -> Dict[str, Any]:
-    """The plan lines of ``src``'s decided nodes, then each nested plan's under ``path/``."""
-    nodes = {n.name: ir.precision(n) for n in src.graph.nodes if ir.precision(n)}
-    nodes.update(nested_lines(nested))
-    return nodes
+            fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None,
+            scope: Optional[Scope] = None) -> fx.GraphModule:
+    """The pipeline behind amp_rewrite (one :class:`Rewrite`). ``fixed`` maps node names to
+    (dtype, rule, reason) decisions made outside the passes (the tolerance search).
+    ``scope``: the override record of the enclosing rewrite's submodule this one is (none:
+    a top-level rewrite, which raises PolicyError when an override matches no node)."""
+    return Rewrite(model, inputs, config, fixed, scope or Scope()).run()
 
 
 def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
@@ -250,9 +237,9 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
     # model's inputs, cast to FP32 on entry
     under = submodule_calls(model, captured.paths, inputs, kwargs, config.policy.compute)
     children = _rewrite_submodules(model, captured.paths, under, config,
-                                   "is planned for FP32 inputs instead")
+                                   "is planned for FP32 inputs instead", scope)
     fp32 = _rewrite_submodules(model, [p for p in captured.paths if p not in children],
-                               captured.calls, config, "stays under autocast")
+                               captured.calls, config, "stays under autocast", scope)
     children.update(fp32)
     try:
         result = eager_root(model, inputs, kwargs, config.policy,
@@ -264,7 +251,7 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
             raise
         raise captured.refused from None
     if scope.top:
-        check_matched(config.policy, scope, _plan_lines(plan_of(result).nodes))
+        check_matched(config.policy, scope, plan_lines(plan_of(result).nodes))
     refuse_copies(result, "eager")
     log.warning("%s: no tracer takes its forward; it runs eagerly under torch.autocast "
                 "with its children rewritten (%s)", type(model).__name__,
@@ -272,74 +259,110 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
     return result
 
 
-def _rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
-             fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]],
-             scope: Scope) -> fx.GraphModule:
-    pol, frontend, calibration_data = config.policy, config.frontend, config.calibration
-    kwargs = dict(config.example_kwargs or {})
-    state = ModelState(model)
-    try:  # decisions fixed by node name and calibration need one graph of the whole model
-        captured = capture_model(model, inputs, kwargs, frontend, state,
-                                 config.dynamic_shapes,
-                                 whole_graph=_needs_graph(fixed, calibration_data)
-                                 or is_deploy(pol.target))
-    except TraceError:
-        state.restore()
-        raise
-    if isinstance(captured, Children):
-        return _assemble(model, inputs, kwargs, config, captured,
-                         scope)  # type: ignore[return-value]
-    src, taken, flat, leaves = captured
-    front = graph_frontend(captured)
-    hooked = front.runtime_calls(captured)
-    if hooked:
-        log.info("%s: modules with hooks stay calls run under torch.autocast: %s",
-                 type(model).__name__, ", ".join(hooked))
-    nested = _rewrite_leaves(model, src, leaves, inputs, kwargs, config) if leaves else {}
-    runtime = [leaf for leaf in leaves if leaf not in nested]
-    if runtime:
-        log.warning("%s: torch.fx and torch.export cannot take %s; they run under "
-                    "torch.autocast at run time (rule 'runtime')", type(model).__name__,
-                    ", ".join(runtime))
-    example, inputs = (inputs, kwargs), flat
-    if calibration_data is not None and not isinstance(calibration_data, (Plan, dict)):
-        calibration_data = front.calibration(captured, calibration_data)
-    if is_deploy(pol.target) and not isinstance(calibration_data, (Plan, dict)):
-        # a deployment plan's ranges: the example inputs, then any calibration batches
-        calibration_data = [tuple(flat)] + list(calibration_data or [])
-    for name, (dtype, rule, reason) in (fixed or {}).items():
-        node = next((n for n in src.graph.nodes if n.name == name), None)
-        if node is None:
-            raise FxampError(f"no node named {name!r} in the traced graph")
-        fix(node, dtype, rule, reason)
-    ctx = PassContext(pol, inputs, calibration=_calibration(calibration_data),
-                      ranges=_given_ranges(calibration_data),
-                      annotate=lambda gm, ctx: annotate_step(gm, ctx, state))
-    steps = pass_list(lambda gm, ctx: _check_overrides(gm, pol, scope, nested))
-    gm = PassManager(steps)(src, ctx).graph_module  # GraphModule() compiled it already
-    nodes = _plan_nodes(src, nested)
-    stats = {name: r for name, r in (ctx.ranges or {}).items() if name in nodes}
-    if len(stats) < len(ctx.ranges or {}):  # (a reused plan of an older model, say)
-        log.info("%s: ranges for nodes the graph does not have are left out: %s",
-                 type(model).__name__, ", ".join(sorted(set(ctx.ranges) - set(stats))))
-    plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, nested), ranges=stats)
-    set_result(gm, Rewritten(plan, pol, ops.module_label(model)))
-    _copy_training_flags(model, gm)
-    complete_state(model, gm)
-    copy_root_hooks(model, gm)
-    front.finish(gm, captured, model, *example)
-    late_hooks.install(gm, model)
-    if taken == "export":  # (torch's exported graphs hold local objects: deepcopy works)
-        refuse_copies(gm, taken, deepcopy=False)
-    return gm
+class Rewrite:
+    """One rewrite of one model, its state in fields and its steps as methods, in order:
+    :meth:`capture` (a front end's graph, or the children of an eager root), :meth:`decide`
+    (the pass list: every node's precision), :meth:`build` (the plan, the result on the
+    rewritten module), :meth:`result`."""
 
+    def __init__(self, model: nn.Module, inputs: tuple, config: RewriteConfig,
+                 fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]],
+                 scope: Scope) -> None:
+        self.model, self.example, self.config = model, inputs, config
+        self.kwargs = dict(config.example_kwargs or {})
+        self.fixed, self.scope = fixed or {}, scope
+        self.state = ModelState(model)  # put back after every run of the model's code
+        self.nested: Dict[str, Plan] = {}
+        self.captured: Any = None
+        self.ctx: Optional[PassContext] = None
+        self.gm: Optional[fx.GraphModule] = None
 
-def _check_overrides(gm: fx.GraphModule, pol: Policy, scope: Scope,
-                     nested: Dict[str, Plan]) -> PassResult:
-    """The top-level rewrite raises PolicyError for an override that matches no node."""
-    if scope.top:
-        check_matched(pol, scope, _plan_lines(_plan_nodes(gm, nested)))
-    return PassResult(gm, modified=False)
+    def run(self) -> fx.GraphModule:
+        """The steps in order; an eager root is assembled from its rewritten children."""
+        self.capture()
+        if isinstance(self.captured, Children):
+            return _assemble(self.model, self.example, self.kwargs, self.config,
+                             self.captured, self.scope)  # type: ignore[return-value]
+        self.decide()
+        self.build()
+        return self.result()
+
+    def capture(self) -> None:
+        """The front end's capture; untraceable leaves rewritten on their own."""
+        pol, calibration = self.config.policy, self.config.calibration
+        try:  # decisions fixed by node name and calibration need one graph of the model
+            self.captured = capture_model(
+                self.model, self.example, self.kwargs, self.config.frontend, self.state,
+                self.config.dynamic_shapes,
+                whole_graph=_needs_graph(self.fixed, calibration) or is_deploy(pol.target))
+        except TraceError:
+            self.state.restore()
+            raise
+        if isinstance(self.captured, Children):
+            return
+        src, _, _, leaves = self.captured
+        front = graph_frontend(self.captured)
+        hooked = front.runtime_calls(self.captured)
+        if hooked:
+            log.info("%s: modules with hooks stay calls run under torch.autocast: %s",
+                     type(self.model).__name__, ", ".join(hooked))
+        if leaves:
+            self.nested = _rewrite_leaves(self.model, src, leaves, self.example, self.kwargs,
+                                          self.config, self.scope)
+        runtime = [leaf for leaf in leaves if leaf not in self.nested]
+        if runtime:
+            log.warning("%s: torch.fx and torch.export cannot take %s; they run under "
+                        "torch.autocast at run time (rule 'runtime')", type(self.model).__name__,
+                        ", ".join(runtime))
+
+    def decide(self) -> None:
+        """The pass list over the captured graph: every node decided, casts inserted."""
+        pol = self.config.policy
+        src, _, flat, _ = self.captured
+        calibration = self.config.calibration
+        if calibration is not None and not isinstance(calibration, (Plan, dict)):
+            calibration = graph_frontend(self.captured).calibration(self.captured, calibration)
+        if is_deploy(pol.target) and not isinstance(calibration, (Plan, dict)):
+            # a deployment plan's ranges: the example inputs, then any calibration batches
+            calibration = [tuple(flat)] + list(calibration or [])
+        for name, (dtype, rule, reason) in self.fixed.items():
+            node = next((n for n in src.graph.nodes if n.name == name), None)
+            if node is None:
+                raise FxampError(f"no node named {name!r} in the traced graph")
+            fix(node, dtype, rule, reason)
+        self.ctx = PassContext(pol, flat, calibration=_calibration(calibration),
+                               ranges=_given_ranges(calibration), state=self.state,
+                               scope=self.scope, nested=self.nested)
+        self.gm = PassManager(pass_list())(src, self.ctx).graph_module  # (compiled)
+
+    def build(self) -> None:
+        """The plan and the result on the rewritten module; the model's flags, state,
+        hooks and front-end finishing touches."""
+        assert self.gm is not None and self.ctx is not None
+        pol, model, gm = self.config.policy, self.model, self.gm
+        src, taken, _, leaves = self.captured
+        nodes = plan_nodes(src, self.nested)
+        given = self.ctx.ranges or {}
+        stats = {name: r for name, r in given.items() if name in nodes}
+        if len(stats) < len(given):  # (a reused plan of an older model, say)
+            log.info("%s: ranges for nodes the graph does not have are left out: %s",
+                     type(model).__name__, ", ".join(sorted(set(given) - set(stats))))
+        plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, self.nested),
+                    ranges=stats)
+        set_result(gm, Rewritten(plan, pol, ops.module_label(model)))
+        _copy_training_flags(model, gm)
+        complete_state(model, gm)
+        copy_root_hooks(model, gm)
+        graph_frontend(self.captured).finish(gm, self.captured, model, self.example,
+                                             self.kwargs)
+        late_hooks.install(gm, model)
+        if taken == "export":  # (torch's exported graphs hold local objects: deepcopy works)
+            refuse_copies(gm, taken, deepcopy=False)
+
+    def result(self) -> fx.GraphModule:
+        """The rewritten module."""
+        assert self.gm is not None
+        return self.gm
 
 
 def _needs_graph(fixed: Any, calibration_data: Any) -> bool:
