@@ -35,7 +35,8 @@ COMPUTE_DTYPE_NAMES = tuple(sorted(k for k, v in _DTYPE_ALIASES.items() if v != 
 #: inference engine: all low precision, FP32 only where numbers or the engine need it
 TRAINING_TARGETS = ("cuda", "cpu")
 DEPLOY_TARGETS = ("tensorrt",)
-_TARGETS = TRAINING_TARGETS + DEPLOY_TARGETS
+#: every target a policy takes
+TARGETS = TRAINING_TARGETS + DEPLOY_TARGETS
 #: the autocast device whose tables (follow / promote semantics) and runtime a target uses
 _AUTOCAST_DEVICE = {"tensorrt": "cuda"}
 _KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement", "weights")
@@ -167,9 +168,9 @@ class Policy:
             raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         if self.compute not in (torch.float16, torch.bfloat16):
             raise PolicyError(_compute_error(dtype_name(self.compute)))
-        if self.target not in _TARGETS:
+        if self.target not in TARGETS:
             raise PolicyError(f"unknown target {self.target!r}; valid targets: "
-                              f"{', '.join(_TARGETS)}")
+                              f"{', '.join(TARGETS)}")
         unknown = sorted(set(self.rules_off) - set(NUMERICS_RULES))
         if unknown:
             raise PolicyError(f"unknown numerics rule {unknown[0]!r}"

@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 import torch.nn as nn
 
-from ..config import CONFIG_ATTR, RewriteConfig
+from ..config import CONFIG_ATTR, FRONTENDS, RewriteConfig
 from ..policy import Policy
 from ..rewriter import amp_rewrite, plan_of
 from .localize import Overflow
@@ -30,8 +30,8 @@ def _config_of(gm: nn.Module, policy: str) -> RewriteConfig:
     if isinstance(config, RewriteConfig):
         return config
     frontend = plan_of(gm).header.get("frontend", "auto")
-    return RewriteConfig(Policy.parse(policy), frontend if frontend in ("fx", "export")
-                         else "auto")
+    # the header names the front end that took it (fx+runtime, eager: only under auto)
+    return RewriteConfig(Policy.parse(policy), frontend if frontend in FRONTENDS else "auto")
 
 
 class HealingMixin:
