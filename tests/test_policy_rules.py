@@ -99,8 +99,9 @@ def test_numerics_off_is_the_shorthand_for_every_rule_and_output_keep(model_and_
     body = [line for line in short.to_text().splitlines() if not line.startswith("# policy")]
     assert body == [line for line in long.to_text().splitlines()
                     if not line.startswith("# policy")]
-    # numerics=on turns the rules back on
+    # numerics=on turns the rules back on; an off: after numerics=off changes nothing
     assert Policy.parse(every + ",numerics=on").rules_off == frozenset()
+    assert Policy.parse("numerics=off,off:joins") == p
 
 
 @pytest.mark.parametrize("text, match", [

@@ -239,7 +239,8 @@ class Policy:
                                       f"{_suggest(rule, NUMERICS_RULES)} in {item!r}; "
                                       f"off:RULE takes {', '.join(NUMERICS_RULES)} "
                                       "(numerics=off switches off all of them)")
-                policy = replace(policy, rules_off=policy.rules_off | {rule})
+                if policy.numerics:  # (after numerics=off every rule is off already)
+                    policy = replace(policy, rules_off=policy.rules_off | {rule})
             elif ":" in item:
                 dtype, _, pattern = item.partition(":")
                 if not pattern.strip():

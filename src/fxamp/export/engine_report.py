@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..plan import Plan
 from ..ir import Rule
 from ..policy import dtype_name
-from .backends import ONNXRUNTIME, alias_device, choose
+from .backends import ONNXRUNTIME, TENSORRT, alias_device, choose
 from .onnx_export import FX_NODE, MODULE
 from .onnx_types import ONNX_FLOAT_NAMES, compute_dtype
 from .ort_layers import feeds, providers
@@ -112,7 +112,7 @@ def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "aut
         model = _load(path)
         layers = _exported_layers(model, _plan_from(model, plan))
         apply_engine_info(layers, engine_info)
-        return PrecisionReport(layers=layers, backend="tensorrt", device="inspector JSON",
+        return PrecisionReport(layers=layers, backend=TENSORRT.name, device="inspector JSON",
                                model=os.path.basename(path),
                                exporter=next((p.value for p in model.metadata_props
                                               if p.key == "fxamp.exporter"), ""))
