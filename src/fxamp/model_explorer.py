@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
+from .config import FRONTEND_ORDER
 from .errors import FxampError
 from .fileio import atomic_write_text
 from .ir import Rule
@@ -170,7 +171,7 @@ def write_program_node_data(model: Any, inputs: Any, output: str, frontend: str 
     from .plan import plan_of
     from .rewriter import amp_rewrite
 
-    if frontend == "fx":
+    if "export" not in FRONTEND_ORDER.get(frontend, ("export",)):  # fx alone
         raise FxampError("--format model-explorer draws the model's torch.export program, so "
                          "it needs the export front end's node names; what to do: drop "
                          "--frontend fx (or use --frontend export)")

@@ -7,12 +7,15 @@ A policy is a frozen dataclass with a string form (after deepmind/jmp)::
 Items are separated by commas. ``key=value`` sets a field; ``fp32:PATTERN``,
 ``fp16:PATTERN`` or ``bf16:PATTERN`` is an override: every node whose name, module path or op
 label matches the glob PATTERN computes in that dtype (``rule="user"``). Later overrides win.
+``off:RULE`` switches one numerics rule off (:data:`NUMERICS_RULES`); ``numerics=off`` is
+the shorthand for all of them plus ``output=keep`` (the autocast mirror).
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from dataclasses import dataclass, field, replace
-from typing import Optional, Tuple, Union
+from typing import FrozenSet, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -32,13 +35,23 @@ COMPUTE_DTYPE_NAMES = tuple(sorted(k for k, v in _DTYPE_ALIASES.items() if v != 
 #: inference engine: all low precision, FP32 only where numbers or the engine need it
 TRAINING_TARGETS = ("cuda", "cpu")
 DEPLOY_TARGETS = ("tensorrt",)
-_TARGETS = TRAINING_TARGETS + DEPLOY_TARGETS
+#: every target a policy takes
+TARGETS = TRAINING_TARGETS + DEPLOY_TARGETS
 #: the autocast device whose tables (follow / promote semantics) and runtime a target uses
 _AUTOCAST_DEVICE = {"tensorrt": "cuda"}
 _KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement", "weights")
 #: how weights reach low precision: see Policy.weights
 WEIGHT_MODES = ("cached", "cast", "o2")
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
+#: the numerics rules ``off:RULE`` switches off one at a time (their plan rule names), in the
+#: order the rewrite runs them; ``numerics=off`` switches off all of them
+NUMERICS_RULES = ("softmax", "custom_ops", "norm_eps", "loss", "joins")
+
+
+def _suggest(word: str, valid: Sequence[str]) -> str:
+    """" (did you mean X?)" for the closest of ``valid`` to ``word``, else ""."""
+    close = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def is_deploy(target: str) -> bool:
@@ -115,8 +128,14 @@ class Policy:
     overrides: per-node / per-module / per-op dtype overrides, later ones win.
     output_dtype: dtype of the model's floating outputs (default FP32, like keep_io_types);
         None keeps what the graph computes.
-    numerics: run the numerics passes (norm eps, loss, softmax, custom ops, joins). Off, the
-        rewrite mirrors autocast exactly (and outputs keep their dtype unless output= is set).
+    numerics: run the numerics passes (:data:`NUMERICS_RULES`: softmax, custom ops, norm eps,
+        loss, joins). ``Policy.parse("numerics=off")`` turns all of them off and, unless an
+        ``output=`` item is given, also sets ``output_dtype=None`` (``output=keep``): with both,
+        the rewrite mirrors autocast exactly, whose outputs keep the dtype their op gave.
+        Setting the field directly changes only the rules.
+    rules_off: numerics rules switched off one at a time (``off:joins``); nothing else
+        changes (the output dtype neither). A rule runs when ``numerics`` is on and it is
+        not in ``rules_off`` (:meth:`runs`).
     channels_last: run 2-D convolutions in NHWC: the weights of the graph's 4-D convs are
         kept in channels_last memory format (in place: same Parameter objects, shared with
         the model) and the graph's 4-D floating inputs are made channels_last on entry.
@@ -139,6 +158,7 @@ class Policy:
     overrides: Tuple[Override, ...] = field(default_factory=tuple)
     output_dtype: Optional[torch.dtype] = torch.float32
     numerics: bool = True
+    rules_off: FrozenSet[str] = frozenset()
     channels_last: bool = False
     placement: bool = True
     weights: str = "cached"
@@ -148,9 +168,20 @@ class Policy:
             raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         if self.compute not in (torch.float16, torch.bfloat16):
             raise PolicyError(_compute_error(dtype_name(self.compute)))
-        if self.target not in _TARGETS:
+        if self.target not in TARGETS:
             raise PolicyError(f"unknown target {self.target!r}; valid targets: "
-                              f"{', '.join(_TARGETS)}")
+                              f"{', '.join(TARGETS)}")
+        unknown = sorted(set(self.rules_off) - set(NUMERICS_RULES))
+        if unknown:
+            raise PolicyError(f"unknown numerics rule {unknown[0]!r}"
+                              f"{_suggest(unknown[0], NUMERICS_RULES)}; rules off:RULE "
+                              f"switches: {', '.join(NUMERICS_RULES)}")
+        object.__setattr__(self, "rules_off", frozenset(self.rules_off))
+
+    def runs(self, rule: str) -> bool:
+        """Whether the numerics rule ``rule`` (one of :data:`NUMERICS_RULES`) runs."""
+        assert rule in NUMERICS_RULES, rule
+        return self.numerics and rule not in self.rules_off
 
     @classmethod
     def parse(cls, text: str, base: Optional["Policy"] = None) -> "Policy":
@@ -165,8 +196,10 @@ class Policy:
                 key, _, value = item.partition("=")
                 key, value = key.strip().lower(), value.strip()
                 if key not in _KEYS:
-                    raise PolicyError(f"unknown policy key {key!r} in {text!r}; valid keys: "
-                                      f"{', '.join(_KEYS)}, or DTYPE:PATTERN overrides")
+                    raise PolicyError(f"unknown policy key {key!r}{_suggest(key, _KEYS)} in "
+                                      f"{text!r}; valid keys: {', '.join(_KEYS)}, or "
+                                      "DTYPE:PATTERN overrides, or off:RULE (rules: "
+                                      f"{', '.join(NUMERICS_RULES)})")
                 if key == "compute":
                     policy = replace(policy, compute=parse_compute_dtype(value))
                 elif key == "target":
@@ -194,9 +227,20 @@ class Policy:
                     if value.lower() not in ("on", "off", "true", "false", "1", "0"):
                         raise PolicyError(f"numerics takes on or off, got {value!r}")
                     on = value.lower() in ("on", "true", "1")
-                    policy = replace(policy, numerics=on)
+                    # numerics=on turns every rule back on; numerics=off is the autocast
+                    # mirror: every rule off and (unless output= says) outputs kept
+                    policy = replace(policy, numerics=on, rules_off=frozenset())
                     if not on and not output_given:
                         policy = replace(policy, output_dtype=None)
+            elif item.partition(":")[0].strip().lower() == "off":
+                rule = item.partition(":")[2].strip().lower()
+                if rule not in NUMERICS_RULES:
+                    raise PolicyError(f"unknown numerics rule {rule!r}"
+                                      f"{_suggest(rule, NUMERICS_RULES)} in {item!r}; "
+                                      f"off:RULE takes {', '.join(NUMERICS_RULES)} "
+                                      "(numerics=off switches off all of them)")
+                if policy.numerics:  # (after numerics=off every rule is off already)
+                    policy = replace(policy, rules_off=policy.rules_off | {rule})
             elif ":" in item:
                 dtype, _, pattern = item.partition(":")
                 if not pattern.strip():
@@ -211,6 +255,8 @@ class Policy:
         parts = [f"compute={dtype_name(self.compute)}", f"target={self.target}"]
         if not self.numerics:
             parts.append("numerics=off")
+        else:
+            parts.extend(f"off:{rule}" for rule in NUMERICS_RULES if rule in self.rules_off)
         if self.channels_last:
             parts.append("channels_last=on")
         if not self.placement:

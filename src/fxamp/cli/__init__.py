@@ -27,8 +27,10 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 
 from .._version import __version__
+from ..config import FRONTENDS
 from ..errors import FxampError, excerpt, short_path, shorten
-from ..policy import COMPUTE_DTYPE_NAMES, parse_compute_dtype
+from ..export.backends import CHOICES as BACKEND_CHOICES
+from ..policy import COMPUTE_DTYPE_NAMES, TARGETS, TRAINING_TARGETS, parse_compute_dtype
 from .audit import _cmd_audit
 from .demo import _cmd_demo
 from .export import _cmd_export
@@ -98,12 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "or (model, inputs)")
         p.add_argument("--dtype", default=None, type=_compute_dtype,
                        help=dtype_help + " (default fp16, or the policy's compute=)")
-        p.add_argument("--target", default="cuda", choices=["cuda", "cpu", "tensorrt"],
+        p.add_argument("--target", default="cuda", choices=list(TARGETS),
                        help="cuda or cpu: whose autocast lists to mirror (training; default "
                        "cuda); tensorrt: a deployment plan, all FP16 except where numbers "
                        "or the engine need FP32")
         p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
-        p.add_argument("--frontend", default="auto", choices=["auto", "fx", "export"],
+        p.add_argument("--frontend", default="auto", choices=list(FRONTENDS),
                        help="torch.fx, torch.export, or auto: fx, then export, then fx "
                        "around untraceable submodules (default auto)")
         p.add_argument("--input-shape", type=_shape, action="append",
@@ -151,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.add_argument("-o", "--output", required=True, help="the ONNX file to write")
     e.add_argument("--report", help="write a precision report (.md, .json or .html)")
-    e.add_argument("--backend", default="auto", choices=["auto", "onnxruntime", "tensorrt"],
+    e.add_argument("--backend", default="auto", choices=list(BACKEND_CHOICES),
                    help="backend the report inspects (default auto: TensorRT when it and a "
                    "GPU are there, else onnxruntime)")
     e.add_argument("--model-explorer", metavar="FILE.json",
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
     m.add_argument("--dtype", default=torch.float16, type=_compute_dtype,
                    help=dtype_help + " (default fp16)")
-    m.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
+    m.add_argument("--target", default="cuda", choices=list(TRAINING_TARGETS))
     m.set_defaults(func=_cmd_demo)
     return parser
 

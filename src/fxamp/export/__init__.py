@@ -6,14 +6,17 @@ onnxruntime either (they are imported when a function runs). Install them with
 """
 from __future__ import annotations
 
-from .engine_report import check_numerics, precision_report, tensorrt_available
+from .backends import CHOICES as BACKEND_CHOICES, Backend, get_backend
+from .engine_report import check_numerics, precision_report
 from .onnx_export import export_onnx
 from .overflow import PlanOverflowError, run_true_fp16
 from .predict import SOURCES, Prediction, predict, predict_fp16
 from .report import (SCHEMA, BackendUnavailableError, ExportError, LayerPrecision,
-                     NumericsError, PrecisionReport)
+                     NumericsError, PrecisionReport, UnknownBackendError)
+from .trt_build import tensorrt_available
 
 __all__ = ["export_onnx", "precision_report", "check_numerics", "tensorrt_available",
            "PrecisionReport", "LayerPrecision", "ExportError", "BackendUnavailableError",
            "NumericsError", "PlanOverflowError", "run_true_fp16", "SCHEMA", "predict",
-           "predict_fp16", "Prediction", "SOURCES"]
+           "predict_fp16", "Prediction", "SOURCES", "Backend", "BACKEND_CHOICES",
+           "get_backend", "UnknownBackendError"]

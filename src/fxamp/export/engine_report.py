@@ -15,37 +15,29 @@ model). A node computing in FP32 there but FP16 in the file is a fallback. With 
 profiling on, the provider that ran each node is read back; where a GPU provider was asked for,
 a node run by the CPU provider is a fallback too.
 
-TensorRT: :func:`_tensorrt_layers` builds an engine (TensorRT 10/11 Python API; NOT run by
-fxamp's tests: no TensorRT there) and reads its inspector JSON with
+TensorRT: :func:`fxamp.export.trt_build.tensorrt_layers` builds an engine (TensorRT 10/11
+Python API; NOT run by fxamp's tests: no TensorRT there) and reads its inspector JSON with
 :mod:`fxamp.export.trt_layers`, which is tested on NVIDIA's published engine files; an engine
 built elsewhere can be read with ``precision_report(..., engine_info=FILE)``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..errors import FxampError
 from ..plan import Plan
 from ..ir import Rule
 from ..policy import dtype_name
+from .backends import ONNXRUNTIME, TENSORRT, alias_device, choose
 from .onnx_export import FX_NODE, MODULE
+from .onnx_types import ONNX_FLOAT_NAMES, compute_dtype
+from .ort_layers import feeds, providers
 from .repairs import NOTE, get_meta, value_types
-from .report import BackendUnavailableError, LayerPrecision, NumericsError, PrecisionReport
+from .report import LayerPrecision, NumericsError, PrecisionReport
 from .trt_layers import apply_engine_info
 
 log = logging.getLogger(__name__)
-
-_NAMES = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
-_FLOATS = set(_NAMES)
-_NO_COMPUTE = {"Shape", "Size", "NonZero", "ConstantOfShape"}
-TENSORRT_MISSING = ("backend='tensorrt' needs the TensorRT Python package and a CUDA GPU; "
-                    "what to do: pip install tensorrt (on a machine with an NVIDIA GPU and "
-                    "driver), or use backend='onnxruntime' / 'auto'")
-
 
 def _load(path: str) -> Any:
     import onnx
@@ -59,23 +51,6 @@ def _plan_from(model: Any, plan: Optional[Plan]) -> Optional[Plan]:
     for prop in model.metadata_props:
         if prop.key == "fxamp.plan":
             return Plan.from_text(prop.value)
-    return None
-
-
-def _compute_dtype(node: Any, types: Dict[str, int]) -> Optional[int]:
-    """The float type a node computes in: its output's for a Cast, else its first float
-    input's (else its first float output's)."""
-    if node.op_type in _NO_COMPUTE:
-        return None
-    if node.op_type == "Cast":
-        t = types.get(node.output[0])
-        return t if t in _FLOATS else None
-    for name in node.input:
-        if name and types.get(name) in _FLOATS:
-            return types[name]
-    for name in node.output:
-        if types.get(name) in _FLOATS:
-            return types[name]
     return None
 
 
@@ -102,11 +77,11 @@ def _exported_layers(model: Any, plan: Optional[Plan]) -> List[LayerPrecision]:
         if node.op_type == "Constant":
             continue
         fx_node = get_meta(node, FX_NODE)
-        exported = _compute_dtype(node, types)
+        exported = compute_dtype(node, types)
         planned = _planned(plan, fx_node, node, types) if exported is not None else None
         layer = LayerPrecision(onnx_node=node.name, op_type=node.op_type, fx_node=fx_node,
                                module=get_meta(node, MODULE), planned=planned,
-                               exported=_NAMES.get(exported) if exported else None,
+                               exported=ONNX_FLOAT_NAMES.get(exported) if exported else None,
                                note=(get_meta(node, NOTE) or "").strip())
         if planned and layer.exported and planned != layer.exported:
             layer.fallback = True
@@ -116,205 +91,46 @@ def _exported_layers(model: Any, plan: Optional[Plan]) -> List[LayerPrecision]:
     return layers
 
 
-# -- onnxruntime -------------------------------------------------------------------------
-def _random_feeds(session: Any) -> Dict[str, Any]:
-    import numpy as np
-
-    kinds = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
-             "tensor(double)": np.float64, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
-             "tensor(bool)": np.bool_}
-    rng = np.random.default_rng(0)
-    feeds = {}
-    for inp in session.get_inputs():
-        shape = [d if isinstance(d, int) and d > 0 else 1 for d in inp.shape]
-        feeds[inp.name] = rng.standard_normal(shape).astype(kinds.get(inp.type, np.float32))
-    return feeds
-
-
-def _feeds(session: Any, inputs: Optional[Sequence[Any]]) -> Dict[str, Any]:
-    if inputs is None:
-        return _random_feeds(session)
-    arrays = [x.detach().cpu().numpy() if hasattr(x, "detach") else x for x in inputs]
-    names = [i.name for i in session.get_inputs()]
-    if len(names) != len(arrays):
-        raise FxampError(f"the ONNX model takes {len(names)} inputs ({', '.join(names)}), "
-                         f"got {len(arrays)}")
-    return dict(zip(names, arrays))
-
-
-def _providers(device: Optional[str]) -> List[str]:
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    if device:
-        if device not in available:
-            raise BackendUnavailableError(f"onnxruntime provider {device} is not available "
-                                          f"here (available: {', '.join(available)})")
-        return [device] + (["CPUExecutionProvider"] if device != "CPUExecutionProvider"
-                           else [])
-    if "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def _onnxruntime_layers(path: str, layers: List[LayerPrecision], inputs: Optional[Sequence[Any]],
-                        device: Optional[str]) -> str:
-    """Fill ``actual`` from an onnxruntime session; return the provider asked for."""
-    import onnx
-    import onnxruntime as ort
-
-    providers = _providers(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        opts.optimized_model_filepath = os.path.join(tmp, "ort.onnx")
-        opts.enable_profiling = True
-        opts.profile_file_prefix = os.path.join(tmp, "profile")
-        opts.log_severity_level = 3
-        session = ort.InferenceSession(path, opts, providers=providers)
-        session.run(None, _feeds(session, inputs))
-        profile = session.end_profiling()
-        with open(profile, encoding="utf-8") as fh:
-            events = json.load(fh)
-        ran = onnx.load(opts.optimized_model_filepath)
-    ran_by = {}
-    for event in events:
-        args = event.get("args") or {}
-        if event.get("cat") == "Node" and "provider" in args:
-            ran_by[event["name"].rsplit("_kernel_time", 1)[0]] = args["provider"]
-    types = value_types(ran)
-    nodes = {n.name: n for n in ran.graph.node}
-    inserted = {n.output[0]: n for n in ran.graph.node
-                if n.name.startswith("InsertedPrecisionFreeCast")}
-    main = providers[0]
-    for layer in layers:
-        node = nodes.get(layer.onnx_node)
-        if node is None:
-            layer.actual = None
-            if layer.op_type == "Cast":
-                layer.note = (layer.note + " removed by onnxruntime (redundant once it runs "
-                              "the neighbours in fp32)" if layer.exported else layer.note).strip()
-            else:
-                layer.note = (layer.note + " removed or fused by onnxruntime").strip()
-            continue
-        dtype = _compute_dtype(node, types)
-        layer.actual = _NAMES.get(dtype) if dtype else None
-        provider = ran_by.get(layer.onnx_node, "")
-        notes = []
-        if layer.actual and layer.exported and layer.actual != layer.exported:
-            casts = [i for i in node.input if i in inserted]
-            notes.append(f"onnxruntime {provider or main} runs it in {layer.actual}: "
-                         + (f"no {layer.exported} kernel, Cast inserted before it" if casts else
-                            f"its {layer.exported} casts were dropped, it follows its "
-                            f"{layer.actual} neighbours"))
-        if provider and main != "CPUExecutionProvider" and provider == "CPUExecutionProvider":
-            notes.append(f"assigned to CPUExecutionProvider, not {main}")
-            layer.fallback = layer.fallback or bool(layer.planned)
-        if layer.planned and layer.actual and layer.actual != layer.planned:
-            layer.fallback = True
-        if notes:
-            layer.note = (layer.note + " " + "; ".join(notes)).strip()
-    return main
-
-
-# -- TensorRT (unverified here) ----------------------------------------------------------
-def tensorrt_available() -> bool:
-    """Whether TensorRT imports and a CUDA GPU is present."""
-    try:
-        import tensorrt  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means: not usable
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _tensorrt_layers(path: str, layers: List[LayerPrecision]) -> str:  # pragma: no cover
-    """Build a strongly typed TensorRT engine and read layer precisions from its inspector.
-
-    The engine build is NOT run by fxamp's tests (no TensorRT or GPU there); reading the
-    inspector's JSON is (:mod:`fxamp.export.trt_layers`, tested on NVIDIA's published engine
-    files). A strongly typed network keeps the ONNX file's types, so TensorRT may not pick
-    other precisions; the inspector still shows what each fused layer reads and writes.
-    """
-    import tensorrt as trt
-
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-    network = builder.create_network(flags)
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(path):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise FxampError(f"TensorRT could not parse {path}: {errors}")
-    config = builder.create_builder_config()
-    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
-    blob = builder.build_serialized_network(network, config)
-    if blob is None:
-        raise FxampError(f"TensorRT could not build an engine from {path}")
-    engine = trt.Runtime(logger).deserialize_cuda_engine(blob)
-    inspector = engine.create_engine_inspector()
-    apply_engine_info(layers, inspector.get_engine_information(trt.LayerInformationFormat.JSON))
-    return "TensorRT"
-
-
-# -- public API ---------------------------------------------------------------------------
-def _resolve(backend: str) -> str:
-    if backend == "auto":
-        return "tensorrt" if tensorrt_available() else "onnxruntime"
-    if backend == "tensorrt":
-        if not tensorrt_available():
-            raise BackendUnavailableError(TENSORRT_MISSING)
-        return backend
-    if backend == "onnxruntime":
-        try:
-            import onnxruntime  # noqa: F401
-        except ImportError:
-            raise BackendUnavailableError("backend='onnxruntime' needs onnxruntime; what to "
-                                          "do: pip install onnxruntime") from None
-        return backend
-    raise FxampError(f"backend must be onnxruntime, tensorrt or auto, got {backend!r}")
-
-
 def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "auto", *,
                      inputs: Optional[Sequence[Any]] = None, reference: Any = None,
                      device: Optional[str] = None, rtol: float = 1e-2,
                      atol: float = 1e-2, engine_info: Any = None) -> PrecisionReport:
     """Per-layer precision of the ONNX model at ``path`` against ``plan`` on ``backend``.
 
-    plan: the fxamp Plan (default: the one export_onnx stored in the file). backend:
-    "onnxruntime", "tensorrt" or "auto" (TensorRT when it imports and a GPU exists). inputs:
-    the example inputs (default: random, dynamic dims 1). reference: the FP32 PyTorch model;
-    when given with ``inputs`` the report's ``numerics`` holds the per-output errors (without
-    raising; use :func:`check_numerics` to fail above tolerance). device: an onnxruntime
-    provider to ask for (default CUDA when available, else CPU). engine_info: the inspector JSON
-    of a TensorRT engine built from this file elsewhere (path, text or dict; e.g. from
-    ``trtexec --exportLayerInfo``): ``actual`` is read from it, nothing is built or run.
+    plan: the fxamp Plan (default: the one export_onnx stored in the file). backend: a name
+    of :data:`fxamp.export.backends.REGISTRY` ("onnxruntime", "tensorrt") or "auto"
+    (TensorRT when it imports and a GPU exists); "onnxruntime-cuda" is onnxruntime on its
+    CUDA provider. inputs: the example inputs (default: random, dynamic dims 1). reference:
+    the FP32 PyTorch model; when given with ``inputs`` the report's ``numerics`` holds the
+    per-output errors (without raising; use :func:`check_numerics` to fail above
+    tolerance). device: an onnxruntime provider to ask for (default CUDA when available,
+    else CPU). engine_info: the inspector JSON of a TensorRT engine built from this file
+    elsewhere (path, text or dict; e.g. from ``trtexec --exportLayerInfo``): ``actual`` is
+    read from it, nothing is built or run.
     """
     if engine_info is not None:
         model = _load(path)
         layers = _exported_layers(model, _plan_from(model, plan))
         apply_engine_info(layers, engine_info)
-        return PrecisionReport(layers=layers, backend="tensorrt", device="inspector JSON",
+        return PrecisionReport(layers=layers, backend=TENSORRT.name, device="inspector JSON",
                                model=os.path.basename(path),
                                exporter=next((p.value for p in model.metadata_props
                                               if p.key == "fxamp.exporter"), ""))
-    chosen = _resolve(backend)
+    chosen = choose(backend)
+    device = device or alias_device(backend)
     model = _load(path)
     plan = _plan_from(model, plan)
     exporter = next((p.value for p in model.metadata_props if p.key == "fxamp.exporter"), "")
     layers = _exported_layers(model, plan)
-    if chosen == "tensorrt":  # pragma: no cover - needs TensorRT and a GPU
-        try:
-            used = _tensorrt_layers(path, layers)
-        except Exception as err:  # noqa: BLE001 - the TensorRT path is unverified
-            if backend != "auto":
-                raise
-            log.warning("TensorRT inspection failed (%s); using onnxruntime", err)
-            chosen, layers = "onnxruntime", _exported_layers(model, plan)
-    if chosen == "onnxruntime":
-        used = _onnxruntime_layers(path, layers, inputs, device)
-    report = PrecisionReport(layers=layers, backend=chosen, device=used,
+    try:
+        used = chosen.run(path, layers, inputs, device)
+    except Exception as err:  # noqa: BLE001 - the TensorRT path is unverified here
+        if backend != "auto" or chosen is ONNXRUNTIME:
+            raise
+        log.warning("%s inspection failed (%s); using onnxruntime", chosen.label, err)
+        chosen, layers = ONNXRUNTIME, _exported_layers(model, plan)
+        used = chosen.run(path, layers, inputs, device)
+    report = PrecisionReport(layers=layers, backend=chosen.name, device=used,
                              model=os.path.basename(path), exporter=exporter)
     if reference is not None and inputs is not None:
         report.numerics = check_numerics(path, reference, inputs, rtol=rtol, atol=atol,
@@ -340,8 +156,8 @@ def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: flo
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    session = ort.InferenceSession(path, opts, providers=_providers(device))
-    got = session.run(None, _feeds(session, inputs))
+    session = ort.InferenceSession(path, opts, providers=providers(device))
+    got = session.run(None, feeds(session, inputs))
     was = model_fp32.training
     model_fp32.eval()
     try:

@@ -31,100 +31,35 @@ Only ``ai.onnx`` ops are covered; contrib ops (``com.microsoft``) and custom ops
 (``supported=None``).
 
 The two tables are data modules of their own, re-exported here: :data:`TENSORRT_TYPES`
-(``tensorrt_ops.py``) and :data:`ORT_CUDA_TYPES` (``ort_cuda_ops.py``).
+(``tensorrt_ops.py``) and :data:`ORT_CUDA_TYPES` (``ort_cuda_ops.py``); each backend of
+:mod:`fxamp.export.backends` reads its own (``Backend.support``, in ``op_support.py``), and
+its predictions are keyed by its ``table`` name (:data:`BACKENDS`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from .backends import REGISTRY, get_backend
+from .op_support import SOURCES, Prediction
 from .ort_cuda_ops import ORT_CUDA_TYPES
 from .tensorrt_ops import TENSORRT_TYPES
 
-BACKENDS = ("tensorrt", "onnxruntime-cuda")
+#: the support tables by the key a report records predictions under, TensorRT first
+BACKENDS: Tuple[str, ...] = tuple(b.table for b in REGISTRY.values())
+_BY_TABLE = {b.table: b for b in REGISTRY.values()}
+assert set(SOURCES) == set(BACKENDS)
 
-SOURCES: Dict[str, Dict[str, str]] = {
-    "tensorrt": {
-        "repo": "onnx/onnx-tensorrt", "path": "docs/operators.md",
-        "version": "TensorRT 10.15 (opset 9-24) revision",
-        "commit": "not recorded (the revision whose header names TensorRT 10.15, opset 9-24)",
-        "short": "onnx-tensorrt docs/operators.md @ TensorRT 10.15",
-    },
-    "onnxruntime-cuda": {
-        "repo": "microsoft/onnxruntime", "path": "docs/OperatorKernels.md",
-        "version": "CUDAExecutionProvider, ai.onnx domain, newest opset row per op",
-        "commit": "001d12d2623fd411ce0f83d05abb5e82304a3389",
-        "short": "onnxruntime docs/OperatorKernels.md @ 001d12d",
-    },
-}
-
-_NAMES = {"fp16": ("FP16", "fp16", "float16", "FP16"), "bf16": ("BF16", "bf16", "bfloat16",
-                                                                 "BF16")}
-_LABEL = {"tensorrt": "TensorRT", "onnxruntime-cuda": "onnxruntime's CUDA provider"}
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """A documented (not measured) answer: can ``backend`` run ``op_type`` in the dtype?
-
-    supported: True / False, or None when the op is not in the table. note: one sentence,
-    starting with "prediction (<source>)". source: the document it comes from.
-    """
-
-    op_type: str
-    backend: str
-    dtype: str
-    supported: Optional[bool]
-    note: str
-    source: str
-
-
-def _check(backend: str, dtype: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if dtype not in _NAMES:
-        raise ValueError(f"dtype must be 'fp16' or 'bf16', got {dtype!r}")
+_DTYPES = ("fp16", "bf16")
 
 
 def predict(op_type: str, backend: str, dtype: str = "fp16") -> Prediction:
     """The documented support of ``op_type`` (an ai.onnx op name) in ``dtype`` on
-    ``backend`` ("tensorrt" or "onnxruntime-cuda")."""
-    _check(backend, dtype)
-    source = SOURCES[backend]["short"]
-    head = f"prediction ({source}): "
-    trt_name, ort_name, _, upper = _NAMES[dtype]
-    label = _LABEL[backend]
-    if backend == "tensorrt":
-        if op_type not in TENSORRT_TYPES:
-            return Prediction(op_type, backend, dtype, None, head + f"{op_type} is not in the "
-                              "TensorRT operator table; no prediction", source)
-        types = TENSORRT_TYPES[op_type]
-        if types is None:
-            return Prediction(op_type, backend, dtype, False, head + f"TensorRT does not "
-                              f"support {op_type} at all; the ONNX parser will reject it",
-                              source)
-        if trt_name in types.split():
-            return Prediction(op_type, backend, dtype, True, head + f"TensorRT lists {upper} "
-                              f"for {op_type}", source)
-        return Prediction(op_type, backend, dtype, False, head + f"TensorRT has no {upper} "
-                          f"{op_type} (types: {types.replace(' ', ', ')}); it will run in "
-                          "FP32", source)
-    if op_type not in ORT_CUDA_TYPES:
-        return Prediction(op_type, backend, dtype, None, head + f"{op_type} is not in the "
-                          "onnxruntime CUDA table here; no prediction", source)
-    entry = ORT_CUDA_TYPES[op_type]
-    if entry is None:
-        return Prediction(op_type, backend, dtype, False, head + f"{label} has no {op_type} "
-                          "kernel; it will run on another provider (CPU), not in "
-                          f"{upper} on the GPU", source)
-    opset, types = entry
-    if ort_name in types.split():
-        return Prediction(op_type, backend, dtype, True, head + f"{label} registers {upper} "
-                          f"{op_type} (opset {opset})", source)
-    return Prediction(op_type, backend, dtype, False, head + f"{label} has no {upper} "
-                      f"{op_type} kernel (opset {opset}: {types.replace(' ', ', ')}); it will "
-                      f"not run in {upper} there (onnxruntime casts it to FP32 or places it on "
-                      "another provider)", source)
+    ``backend``: a backend name ("tensorrt", "onnxruntime": its CUDA provider's table) or a
+    table key ("onnxruntime-cuda")."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'fp16' or 'bf16', got {dtype!r}")
+    found = _BY_TABLE.get(backend) or get_backend(backend)
+    return found.support(op_type, dtype)
 
 
 def predict_fp16(op_type: str, backend: str) -> Prediction:
@@ -134,13 +69,17 @@ def predict_fp16(op_type: str, backend: str) -> Prediction:
 
 def predicted_fallbacks(op_type: str, planned: Optional[str],
                         backends: Tuple[str, ...] = BACKENDS) -> Dict[str, str]:
-    """backend -> note, for each backend the tables say will not run ``op_type`` in the
+    """table key -> note, for each backend the tables say will not run ``op_type`` in the
     ``planned`` dtype ("fp16"/"bf16"; anything else: empty)."""
-    if planned not in _NAMES:
+    if planned not in _DTYPES:
         return {}
     out = {}
     for backend in backends:
         p = predict(op_type, backend, planned)
         if p.supported is False:
-            out[backend] = p.note
+            out[p.backend] = p.note
     return out
+
+
+__all__ = ["BACKENDS", "SOURCES", "Prediction", "TENSORRT_TYPES", "ORT_CUDA_TYPES", "predict",
+           "predict_fp16", "predicted_fallbacks"]

@@ -45,6 +45,10 @@ class BackendUnavailableError(FxampError):
     """The asked-for inference backend (or the hardware it needs) is not installed here."""
 
 
+class UnknownBackendError(FxampError, ValueError):
+    """A backend name that no backend of the registry (or alias) has."""
+
+
 class NumericsError(FxampError):
     """The exported model's outputs differ from the FP32 PyTorch model beyond tolerance."""
 

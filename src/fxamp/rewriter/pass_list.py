@@ -7,7 +7,7 @@ list with a ``PassManager``. docs/architecture.md ("The pass list") describes ea
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -30,22 +30,22 @@ def pass_list() -> List[Step]:
     """The passes of a rewrite, in order (each ``(gm, ctx) -> PassResult``; see
     ``passes/manager.py``). The decision steps re-run the annotate step after each change,
     and are swept to a fixpoint."""
-    def numerics(ctx: PassContext) -> bool:
-        return ctx.policy.numerics
+    def numerics(rule: str) -> Callable[[PassContext], bool]:
+        return lambda ctx: ctx.policy.runs(rule)
 
     return [
         # graph rewrites before any dtype is known
-        Step("softmax", softmax.stable_softmax, numerics, rewrites=True),
-        Step("custom_ops", custom_ops.fence_custom_ops, numerics),
+        Step("softmax", softmax.stable_softmax, numerics("softmax"), rewrites=True),
+        Step("custom_ops", custom_ops.fence_custom_ops, numerics("custom_ops")),
         # the one fake run: every node's dtype under autocast (and the decisions so far)
         Step("annotate", annotate_pass, annotates=True),
         # every node is decided: an override that matches nothing fails before the costly
         # passes
         Step("overrides", check_overrides, lambda ctx: bool(ctx.policy.overrides)),
         fixpoint("decide", [
-            Step("norm_eps", norm_eps.norm_eps, numerics, decides=True),
-            Step("loss", loss.loss_in_fp32, numerics, decides=True),
-            Step("joins", joins.consistent_joins, numerics, decides=True),
+            Step("norm_eps", norm_eps.norm_eps, numerics("norm_eps"), decides=True),
+            Step("loss", loss.loss_in_fp32, numerics("loss"), decides=True),
+            Step("joins", joins.consistent_joins, numerics("joins"), decides=True),
             Step("ranges", keep_in_range, decides=True),
         ]),
         Step("placement", place_casts, lambda ctx: ctx.policy.placement, decides=True),

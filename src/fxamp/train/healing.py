@@ -15,7 +15,7 @@ from typing import Dict
 import torch
 import torch.nn as nn
 
-from ..config import RewriteConfig
+from ..config import FRONTENDS, RewriteConfig
 from ..ir import Rule
 from ..result import has_result, result_of, set_result
 from ..policy import Policy
@@ -32,8 +32,8 @@ def _config_of(gm: nn.Module, policy: str) -> RewriteConfig:
     if config is not None:
         return config
     frontend = plan_of(gm).header.get("frontend", "auto")
-    return RewriteConfig(Policy.parse(policy), frontend if frontend in ("fx", "export")
-                         else "auto")
+    # the header names the front end that took it (fx+runtime, eager: only under auto)
+    return RewriteConfig(Policy.parse(policy), frontend if frontend in FRONTENDS else "auto")
 
 
 class HealingMixin:
