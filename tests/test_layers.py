@@ -20,8 +20,8 @@ SRC = pathlib.Path(fxamp.__file__).resolve().parent
 #: the layers, lowest first; a module may import its own layer and the ones before it.
 #: A module is in the first layer with a prefix that names it or a package above it.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("core", ("fxamp._version", "fxamp.errors", "fxamp.policy", "fxamp.plan_text",
-              "fxamp.plan", "fxamp.fileio", "fxamp.autocast_tables", "fxamp.oplists",
+    ("core", ("fxamp._version", "fxamp._torch", "fxamp.errors", "fxamp.policy",
+              "fxamp.plan_text", "fxamp.plan", "fxamp.fileio", "fxamp.autocast_tables", "fxamp.oplists",
               "fxamp.perf", "fxamp.runtime",
               "fxamp.overrides", "fxamp.config", "fxamp.progress", "fxamp.weight_cache",
               "fxamp.ir", "fxamp.ops", "fxamp.late_hooks",

@@ -31,7 +31,7 @@ from typing import Any, List, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from .._torch import tree_leaves
 
 from ..errors import FxampError
 from ..policy import Policy, dtype_name

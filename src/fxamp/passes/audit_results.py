@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from .._torch import tree_leaves
 
 from ..ops import module_label
 from ..plan import Plan

@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._torch import graph_codegen
 from ..policy import Policy, dtype_name
 from .. import runtime, weight_cache
 from ..runtime import has_call_hooks, is_grad_mode_node
@@ -311,7 +312,7 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
                 builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
     _fan_out(builder.graph, src)
     _guard_autocast(builder.graph)
-    builder.graph.set_codegen(src.graph._codegen)
+    builder.graph.set_codegen(graph_codegen(src.graph))
     if builder.cache_node is not None:
         setattr(src, weight_cache.ATTR, builder.cache)  # GraphModule() copies it from src
     gm = fx.GraphModule(src, builder.graph, type(src).__name__)

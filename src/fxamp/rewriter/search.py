@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from .._torch import reparametrize_module, tree_flatten, tree_map
 
 from ..config import RewriteConfig
 from ..errors import FxampError
@@ -142,7 +142,7 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
     src = traced.graph_module
     scorer = _LocalError(src, candidates, low)
     buffers = {name: b.clone() for name, b in src.named_buffers()}
-    with torch.no_grad(), torch.nn.utils.stateless._reparametrize_module(src, buffers,
+    with torch.no_grad(), reparametrize_module(src, buffers,
                                                                           strict=False):
         for batch in track(batches, "scoring nodes", unit="batch"):
             scorer.run(*graph_inputs(model, traced, tuple(batch), kwargs))
