@@ -38,7 +38,7 @@ _PLAN_ATTR = PLAN_ATTR
 _POLICY_ATTR = "fxamp_policy"
 
 
-def _check_model(model: Any) -> None:
+def check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(
             f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
@@ -157,7 +157,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "config.replace(...)")
     pol = config.policy
     example_kwargs = config.example_kwargs
-    _check_model(model)
+    check_model(model)
     if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
         if inplace and getattr(model, _POLICY_ATTR) == pol:
             log.info("model was already rewritten in place with the same policy")

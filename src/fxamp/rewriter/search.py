@@ -31,7 +31,7 @@ from ..policy import Policy, dtype_name, make_policy
 from ..progress import advance, shows, track
 from ..runtime import eligible
 from ..frontends.common import as_tuple
-from .pipeline import _check_model, plan_of, rewrite
+from .pipeline import check_model, plan_of, rewrite
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
              metric: Optional[Metric], policy: Union[None, str, Policy], dtype: torch.dtype,
              target: str, frontend: str, config: Optional[RewriteConfig]) -> _Evaluator:
-    _check_model(model)
+    check_model(model)
     if config is None:
         config = RewriteConfig(make_policy(policy, dtype, target), frontend)
     batches = [as_tuple(b) for b in data]
