@@ -135,7 +135,7 @@ def main() -> None:
                 f"output costs one cast there) plus autograd's backward. The `pattern:` rows are "
                 f"small graphs (batch 2, seq 8, width 32) with the cast patterns where the two "
                 f"can differ. fxamp columns: the numerics passes off/on (`numerics=off` / "
-                f"default) with the cast placement pass (`passes/placement.py`) off and on; "
+                f"default) with the cast placement pass (`passes/placement/`) off and on; "
                 f"placement moved = nodes with `rule=placement` in the default plan.\n\n"
                 + md)
         _common.append_docs("Casts per training step", body,

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.passes.audit_context import audit_context
+from fxamp.passes.audit.context import audit_context
 from fxamp.policy import make_policy
 from fxamp.train import Trainer
 

@@ -20,8 +20,8 @@ SRC = pathlib.Path(fxamp.__file__).resolve().parent
 #: the layers, lowest first; a module may import its own layer and the ones before it.
 #: A module is in the first layer with a prefix that names it or a package above it.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("core", ("fxamp._version", "fxamp.errors", "fxamp.policy", "fxamp.plan_text",
-              "fxamp.plan", "fxamp.fileio", "fxamp.autocast_tables", "fxamp.oplists",
+    ("core", ("fxamp._version", "fxamp._torch", "fxamp.errors", "fxamp.policy",
+              "fxamp.plan_text", "fxamp.plan", "fxamp.fileio", "fxamp.autocast_tables", "fxamp.oplists",
               "fxamp.perf", "fxamp.runtime",
               "fxamp.overrides", "fxamp.config", "fxamp.progress", "fxamp.weight_cache",
               "fxamp.ir", "fxamp.ops", "fxamp.late_hooks", "fxamp.result",
@@ -34,7 +34,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 ]
 
 #: modules split out of a larger one (issue 16), with the layer each must stay in: the
-#: ONNX op tables and the trainer's mixins are stages, the command's package is the top.
+#: ONNX op tables and the trainer's mixins are stages, the command's package is the top,
+#: the audit and placement subpackages are passes.
 SPLIT_MODULES = {
     "fxamp.export.predict": "stages", "fxamp.export.tensorrt_ops": "stages",
     "fxamp.export.ort_cuda_ops": "stages",
@@ -43,6 +44,12 @@ SPLIT_MODULES = {
     "fxamp.cli": "top", "fxamp.cli.__main__": "top", "fxamp.cli.factory": "top",
     "fxamp.cli.plans": "top", "fxamp.cli.show": "top", "fxamp.cli.audit": "top",
     "fxamp.cli.export": "top", "fxamp.cli.demo": "top",
+    "fxamp.passes.audit": "passes", "fxamp.passes.audit.graph": "passes",
+    "fxamp.passes.audit.findings": "passes", "fxamp.passes.audit.checks": "passes",
+    "fxamp.passes.audit.numerics": "passes", "fxamp.passes.audit.results": "passes",
+    "fxamp.passes.audit.context": "passes", "fxamp.passes.placement": "passes",
+    "fxamp.passes.placement.cut": "passes", "fxamp.passes.placement.free": "passes",
+    "fxamp.passes.placement.model": "passes",
 }
 
 

@@ -223,7 +223,7 @@ def test_torchvision_detection_list_of_images():
         assert abs(float(g["scores"].max()) - float(r["scores"].max())) < REL_TOL
     # show and audit read the eager result: its rewritten children's graphs, with the parts
     # that run under autocast (the transform, the anchor generator, the RoI pooler) marked
-    from fxamp.passes.audit_results import audit_result
+    from fxamp.passes.audit.results import audit_result
     from fxamp.show import shown_nodes
     plan = fxamp.plan_of(gm)
     drawn = {n.name: n for n in shown_nodes(gm, plan)}

@@ -38,6 +38,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import oplists
+from ._torch import OpOverload
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ def fp32_list_ops(target: str) -> Tuple[str, ...]:
 
 def _signature(target: Any) -> Optional[inspect.Signature]:
     """The signature of a call target: the ATen schema for an overload, else Python's."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         params = [inspect.Parameter(a.name, inspect.Parameter.KEYWORD_ONLY if a.kwarg_only
                                     else inspect.Parameter.POSITIONAL_OR_KEYWORD)
                   for a in target._schema.arguments]

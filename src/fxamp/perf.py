@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._torch import TorchDispatchMode
 
 __all__ = ["CastCount", "count_casts"]
 

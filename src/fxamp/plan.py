@@ -11,8 +11,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .errors import PlanFormatError, shorten
-from .plan_text import (COLUMNS, FORMAT, FORMAT_V1, _REGENERATE, _escape,  # noqa: F401
-                        _quote_rest, parse, quote_token)
+from .plan_text import (COLUMNS, FORMAT, FORMAT_V1, REGENERATE_ADVICE, escape_text,  # noqa: F401
+                        quote_rest, parse, quote_token)
 from .policy import dtype_name
 
 
@@ -112,12 +112,12 @@ class Plan:
         end marker with the node and range counts (format v2; see the README)."""
         out = [f"# {FORMAT}"]
         for key, value in self.header.items():
-            name = quote_token(key) if ":" not in key else _escape(key)
-            out.append(f"# {name}: {_quote_rest(value)}")
+            name = quote_token(key) if ":" not in key else escape_text(key)
+            out.append(f"# {name}: {quote_rest(value)}")
         rows = [("# " + COLUMNS[0],) + COLUMNS[1:]] + [
             (quote_token(name), quote_token(p.op) if p.op else "-",
              quote_token(p.module) if p.module else "-", dtype_name(p.dtype),
-             dtype_name(p.inputs), quote_token(p.rule), _quote_rest(p.reason))
+             dtype_name(p.inputs), quote_token(p.rule), quote_rest(p.reason))
             for name, p in self.nodes.items()
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
@@ -154,7 +154,7 @@ class Plan:
             raise PlanFormatError(
                 f"line {line}: byte 0x{data[err.start]:02x} at offset {err.start} is not "
                 "UTF-8: this is a binary file or another encoding, not a plan; "
-                + _REGENERATE) from None
+                + REGENERATE_ADVICE) from None
         return cls.from_text(text)
 
 

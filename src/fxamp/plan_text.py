@@ -21,10 +21,10 @@ FORMAT_V1 = "fxamp precision plan v1"
 COLUMNS = ("node", "op", "module", "dtype", "inputs", "rule", "reason")
 _END = re.compile(r"# end of plan: (\d+) nodes, (\d+) ranges")  # always plural: a cut shows
 _COUNT_DIGITS = 18  # an end-marker count longer than this is no count (int() refuses 4300)
-_REGENERATE = ("regenerate it with `fxamp check MODULE:FACTORY --plan FILE --update` (or "
+REGENERATE_ADVICE = ("regenerate it with `fxamp check MODULE:FACTORY --plan FILE --update` (or "
                "`fxamp plan ... -o FILE`), or restore it from version control")
 
-def _escape(text: str) -> str:
+def escape_text(text: str) -> str:
     """A JSON string literal for ``text`` in which every non-printable character (line
     breaks included) is escaped, so the literal never spans lines."""
     body = json.dumps(text, ensure_ascii=False)[1:-1]
@@ -37,15 +37,15 @@ def quote_token(text: str) -> str:
     ``@``, non-printable characters)."""
     plain = (text and text != "-" and text[0] not in "#@" and
              all(c.isprintable() and not c.isspace() and c != '"' for c in text))
-    return text if plain else _escape(text)
+    return text if plain else escape_text(text)
 
 
-def _quote_rest(text: str) -> str:
+def quote_rest(text: str) -> str:
     """The last column (reason, header value): free text, quoted only when it would not
     read back the same (empty, edge whitespace, a leading quote, non-printable)."""
     plain = (text and text == text.strip() and not text.startswith('"') and
              all(c.isprintable() for c in text))
-    return text if plain else _escape(text)
+    return text if plain else escape_text(text)
 
 
 class _Line:
@@ -109,7 +109,7 @@ def parse(text: str, cls: type) -> Any:
     nul = text.find("\x00")
     if nul >= 0:
         raise PlanFormatError(f"line {text.count(chr(10), 0, nul) + 1}: a NUL byte: this "
-                              "is a binary file, not a plan; " + _REGENERATE)
+                              "is a binary file, not a plan; " + REGENERATE_ADVICE)
     first = lines[0].strip() if lines else ""
     if first == f"# {FORMAT_V1}":
         log.warning("reading a version-1 plan: it has no end marker, so a truncated file "
@@ -119,7 +119,7 @@ def parse(text: str, cls: type) -> Any:
     if first.startswith("# fxamp precision plan v") and first != f"# {FORMAT}":
         raise PlanFormatError(
             f"line 1: {excerpt(first[2:])} is not a format this fxamp reads ({FORMAT!r} or "
-            f"{FORMAT_V1!r}); " + _REGENERATE)
+            f"{FORMAT_V1!r}); " + REGENERATE_ADVICE)
     if first != f"# {FORMAT}":
         raise PlanFormatError(f"line 1: expected '# {FORMAT}', found "
                               f"{excerpt(lines[0] if lines else '(empty file)')}; is this a "
@@ -149,7 +149,7 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
                                  "M ranges'); the file may be truncated")
             if max(len(match.group(1)), len(match.group(2))) > _COUNT_DIGITS:
                 raise line.error(f"the end marker's counts have more than {_COUNT_DIGITS} "
-                                 "digits: the file was edited or corrupted; " + _REGENERATE)
+                                 "digits: the file was edited or corrupted; " + REGENERATE_ADVICE)
             n_nodes, n_ranges = int(match.group(1)), int(match.group(2))
             if (n_nodes, n_ranges) != (len(plan.nodes), len(plan.ranges)):
                 raise line.error(f"the end marker counts {n_nodes} nodes and {n_ranges} "
@@ -191,7 +191,7 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
             if name not in plan.nodes:
                 raise line.error(f"a range for node {excerpt(name)}, which the plan has no "
                                  "line for (a range belongs to a node of the plan); "
-                                 + _REGENERATE)
+                                 + REGENERATE_ADVICE)
             try:
                 plan.ranges[name] = RangeStats.parse(raw[line.pos:])
             except ValueError as err:
@@ -219,7 +219,8 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
         last = len(lines)
         raise PlanFormatError(
             f"line {last}: the plan ends without its end marker ('# end of plan: N nodes, M "
-            f"ranges'; last line: {excerpt(lines[-1])}): the file is truncated; " + _REGENERATE)
+            f"ranges'; last line: {excerpt(lines[-1])}): the file is truncated; "
+            + REGENERATE_ADVICE)
     if not saw_columns:
         raise PlanFormatError("the plan has no column header line (# node op module ...)")
     return plan
@@ -277,5 +278,5 @@ def _parse_v1(cls: type, lines: List[str]) -> Any:
     if unknown:
         raise PlanFormatError(f"a range for node {excerpt(unknown[0])}, which the plan has "
                               "no line for (a range belongs to a node of the plan); "
-                              + _REGENERATE)
+                              + REGENERATE_ADVICE)
     return plan

@@ -10,13 +10,13 @@ from typing import Any, Callable, Dict, Iterator, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from ._torch import SET_GRAD as _SET_GRAD, tree_flatten, tree_map
 
 #: a module's hook dicts that run when it is called
 CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
               "_backward_pre_hooks")
 #: the grad-mode switch a graph region boundary calls (``torch.no_grad`` kept in a graph)
-SET_GRAD = torch._C._set_grad_enabled
+SET_GRAD = _SET_GRAD
 
 log = logging.getLogger(__name__)
 _OWN = threading.local()  # .depth: fxamp's own autocast regions entered on this thread

@@ -53,6 +53,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _torch
 from .runtime import fan_out
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,7 @@ def _exclusive(t: torch.Tensor) -> bool:
     no view, no caller kept it): it may then be overwritten. Conservative: False when the
     counts cannot be read."""
     try:
-        return (t._use_count() == 1  # noqa: SLF001
-                and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2)
+        return _torch.tensor_use_count(t) == 1 and _torch.storage_use_count(t) == 2
     except Exception:  # noqa: BLE001 (a torch without these counters: never overwrite)
         return False
 
@@ -138,9 +138,9 @@ def _cacheable(p: Any) -> bool:
         return False  # (compiling before is_inference: dynamo cannot trace that)
     if p.device.type == "meta" or p.is_inference():
         return False
-    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+    if _torch.in_dispatch_or_function_mode():
         return False
-    return not torch._C._functorch.is_functorch_wrapped_tensor(p)
+    return not _torch.is_functorch_wrapped(p)
 
 
 class _Slot:
@@ -279,7 +279,7 @@ class WeightCache(nn.Module):
                     del old
                 dsts = [d if d is not None else torch.empty_like(s.param, dtype=dtype)
                         for d, s in zip(dsts, group)]
-                torch._foreach_copy_(dsts, [s.param for s in group])
+                _torch.foreach_copy_(dsts, [s.param for s in group])
                 for s, dst in zip(group, dsts):
                     s.copy, s.key, s.version, s.new = dst, _key(s.param), dst._version, True
                     s.steps, s.with_grad = steps(s.param), False

@@ -31,12 +31,12 @@ from ..config import FRONTENDS
 from ..errors import FxampError, excerpt, short_path, shorten
 from ..export.backends import CHOICES as BACKEND_CHOICES
 from ..policy import COMPUTE_DTYPE_NAMES, TARGETS, TRAINING_TARGETS, parse_compute_dtype
-from .audit import _cmd_audit
-from .demo import _cmd_demo
-from .export import _cmd_export
+from .audit import cmd_audit
+from .demo import cmd_demo
+from .export import cmd_export
 from .factory import load_factory
-from .plans import _cmd_check, _cmd_diff, _cmd_plan
-from .show import _cmd_show
+from .plans import cmd_check, cmd_diff, cmd_plan
+from .show import cmd_show
 
 __all__ = ["main", "build_parser", "load_factory"]
 
@@ -115,20 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
     model_args(p)
     p.add_argument("-o", "--output", help="write the plan to this file")
-    p.set_defaults(func=_cmd_plan)
+    p.set_defaults(func=cmd_plan)
 
     d = sub.add_parser("diff", help="diff two plan files (exit 1 when they differ)")
     d.add_argument("old")
     d.add_argument("new")
     d.add_argument("--format", default="text", choices=["text", "markdown"])
-    d.set_defaults(func=_cmd_diff)
+    d.set_defaults(func=cmd_diff)
 
     c = sub.add_parser("check", help="fail (exit 1) when a model's plan differs from a file")
     model_args(c)
     c.add_argument("--plan", required=True, help="the committed plan file")
     c.add_argument("--update", action="store_true", help="rewrite the plan file instead")
     c.add_argument("--format", default="text", choices=["text", "markdown"])
-    c.set_defaults(func=_cmd_check)
+    c.set_defaults(func=cmd_check)
 
     s = sub.add_parser("show", help="draw the graph coloured by precision")
     model_args(s)
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=["html", "dot", "svg", "mermaid", "model-explorer"],
                    help="default: from the file extension, else html; model-explorer: node "
                    "data JSON for Google's Model Explorer (OUTPUT and OUTPUT's .rule.json)")
-    s.set_defaults(func=_cmd_show)
+    s.set_defaults(func=cmd_show)
 
     a = sub.add_parser("audit", help="list what works against mixed precision in a model "
                        "(exit 1 when there is an error finding)")
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show findings of this severity and above (default: all)")
     a.add_argument("--onnx", metavar="FILE", help="also check this exported ONNX file (opset, "
                    "dynamic batch axis)")
-    a.set_defaults(func=_cmd_audit)
+    a.set_defaults(func=cmd_audit)
 
     e = sub.add_parser("export", help="rewrite, export to ONNX and report what a backend "
                        "really runs in which precision")
@@ -160,14 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write Model Explorer node data for the ONNX file: planned "
                    "precision to FILE.json, actual to FILE.actual.json (rule and reason go "
                    "into the ONNX nodes' metadata)")
-    e.set_defaults(func=_cmd_export)
+    e.set_defaults(func=cmd_export)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
     m.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
     m.add_argument("--dtype", default=torch.float16, type=_compute_dtype,
                    help=dtype_help + " (default fp16)")
     m.add_argument("--target", default="cuda", choices=list(TRAINING_TARGETS))
-    m.set_defaults(func=_cmd_demo)
+    m.set_defaults(func=cmd_demo)
     return parser
 
 

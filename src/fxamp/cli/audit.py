@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import argparse
 
-from .factory import _config, plan_only
+from .factory import config_from_args, plan_only
 
 
-def _cmd_audit(args: argparse.Namespace) -> int:
+def cmd_audit(args: argparse.Namespace) -> int:
     from ..passes.audit import summary
     from ..rewriter.audit import audit
 
-    config = _config(args)
+    config = config_from_args(args)
     findings = plan_only(args, lambda model, inputs: audit(model, inputs, config=config,
                                                            onnx=args.onnx))
     order = ("error", "warning", "info")

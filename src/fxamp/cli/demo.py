@@ -10,7 +10,7 @@ import torch
 from ..policy import dtype_name
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     from ..demo import run_demo
 
     low = args.dtype

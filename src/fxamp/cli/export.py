@@ -7,11 +7,11 @@ import sys
 
 from ..errors import FxampError
 from ..plan import plan_of
-from .factory import _config, load_factory
+from .factory import config_from_args, load_factory
 from .quiet import quiet
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
+def cmd_export(args: argparse.Namespace) -> int:
     """Rewrite, export, report: every output is written only once all of it succeeded."""
     import time
 
@@ -28,7 +28,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         report_path = staging.path(args.report) if args.report else None
         explorer_path = staging.path(args.model_explorer) if args.model_explorer else None
         model, inputs = load_factory(args.factory, args.input_shape or [])
-        gm = amp_rewrite(model, inputs, config=_config(args))
+        gm = amp_rewrite(model, inputs, config=config_from_args(args))
         try:
             from ..export import export_onnx, precision_report
         except ImportError as err:

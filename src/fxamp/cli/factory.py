@@ -292,7 +292,7 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _config(args: argparse.Namespace) -> Any:
+def config_from_args(args: argparse.Namespace) -> Any:
     """The one RewriteConfig of the model arguments (--policy, --dtype, --target,
     --frontend) that every command rewriting a model uses."""
     from ..config import RewriteConfig
@@ -300,13 +300,13 @@ def _config(args: argparse.Namespace) -> Any:
     return RewriteConfig.make(args.policy, args.dtype, args.target, args.frontend)
 
 
-def _rewrite(args: argparse.Namespace, ranges: Any = None) -> Any:
+def rewrite_from_args(args: argparse.Namespace, ranges: Any = None) -> Any:
     """The command's model rewritten with its arguments, for a command that needs only the
     plan and the graph (see :func:`plan_only`); ``ranges`` (a Plan's ``@range`` statistics)
     are its calibration data when given."""
     from .. import amp_rewrite
 
-    config = _config(args)
+    config = config_from_args(args)
     if ranges:
         config = config.replace(calibration=dict(ranges))
     return plan_only(args, lambda model, inputs: amp_rewrite(model, inputs, config=config))

@@ -9,13 +9,13 @@ from typing import Any, Optional
 
 from ..errors import FxampError
 from ..fileio import atomic_write_text
-from .factory import _rewrite
+from .factory import rewrite_from_args
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
     from .. import plan_of
 
-    gm = _rewrite(args)
+    gm = rewrite_from_args(args)
     text = plan_of(gm).to_text()
     if args.output:
         atomic_write_text(args.output, text)
@@ -42,7 +42,7 @@ def _load_plan(command: str, path: str, hint: str = "", quiet: bool = False
     return None
 
 
-def _cmd_diff(args: argparse.Namespace) -> int:
+def cmd_diff(args: argparse.Namespace) -> int:
     from ..plan import diff
 
     plans = []
@@ -56,20 +56,20 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 1 if text else 0
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
+def cmd_check(args: argparse.Namespace) -> int:
     from .. import plan_of
     from ..plan import diff
 
     if args.update:  # (ranges the file holds, from the Python API's calibration, are kept)
         kept = _load_plan("check", args.plan, quiet=True) if os.path.isfile(args.plan) else None
-        plan = plan_of(_rewrite(args, kept.ranges if kept is not None else None))
+        plan = plan_of(rewrite_from_args(args, kept.ranges if kept is not None else None))
         plan.save(args.plan)
         print(f"wrote {args.plan} ({len(plan.nodes)} nodes)")
         return 0
     # the committed ranges are the calibration: the CLI has no batches, and the plan is
     # checked for the decisions those ranges give (the model's own errors come first)
     committed = _load_plan("check", args.plan, quiet=True)
-    plan = plan_of(_rewrite(args, committed.ranges if committed is not None else None))
+    plan = plan_of(rewrite_from_args(args, committed.ranges if committed is not None else None))
     if committed is None:
         _load_plan("check", args.plan, "; create it with --update")
         return 2

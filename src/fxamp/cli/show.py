@@ -6,10 +6,10 @@ import argparse
 
 from ..errors import FxampError
 from ..fileio import atomic_write_text
-from .factory import _rewrite, load_factory
+from .factory import rewrite_from_args, load_factory
 
 
-def _cmd_show(args: argparse.Namespace) -> int:
+def cmd_show(args: argparse.Namespace) -> int:
     import shutil
     import subprocess
 
@@ -18,7 +18,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     if args.format == "model-explorer":
         return _show_model_explorer(args)
-    gm = _rewrite(args)
+    gm = rewrite_from_args(args)
     fmt = args.format or {"svg": "svg", "dot": "dot", "gv": "dot", "mmd": "mermaid",
                           "md": "mermaid"}.get(args.output.rpartition(".")[2], "html")
     if fmt == "svg":

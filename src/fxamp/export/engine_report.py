@@ -151,7 +151,7 @@ def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: flo
     import numpy as np
     import onnxruntime as ort
     import torch
-    from torch.utils._pytree import tree_flatten
+    from .._torch import tree_flatten
 
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     opts = ort.SessionOptions()

@@ -28,7 +28,7 @@ from ..frontends.common import training_flags
 from ..progress import shows
 from ..rewriter import plan_of
 from ..frontends.common import as_tuple
-from .repairs import (_FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
+from .repairs import (FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
                       restore_tiny_adds, set_meta)
 from .cast_pairs import simplify_casts
 from .fold import fold_batchnorm
@@ -114,7 +114,7 @@ def _fx_node_of(node: Any, mapping: Optional[Dict[str, str]]) -> Optional[str]:
         return None
     text = get_meta(node, "pkg.torch.onnx.fx_node")
     if text:
-        match = _FX_NODE_RE.match(text)
+        match = FX_NODE_RE.match(text)
         if match and match.group(1) in mapping:
             return mapping[match.group(1)]
     candidates = [node.name[len("node_"):] if node.name.startswith("node_") else node.name]

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map
+from .._torch import tree_flatten, tree_map
 
 from ..errors import node_error
 from ..policy import dtype_name

@@ -30,7 +30,7 @@ import torch.fx as fx
 log = logging.getLogger(__name__)
 
 NOTE = "fxamp.note"
-_FX_NODE_RE = re.compile(r"^%([^\s:]+)")
+FX_NODE_RE = re.compile(r"^%([^\s:]+)")
 _EPS_CONSUMERS = {"Sqrt", "Reciprocal", "Div", "Pow"}
 
 
@@ -191,7 +191,7 @@ def restore_tiny_adds(model: Any, ep: Any) -> int:
         readers = []
         for node in model.graph.node:
             text = get_meta(node, "pkg.torch.onnx.fx_node") or ""
-            match = _FX_NODE_RE.match(text)
+            match = FX_NODE_RE.match(text)
             if match and match.group(1) in users and src.name in node.input:
                 readers.append(node)
         if not readers:

@@ -19,7 +19,7 @@ import logging
 from typing import Any, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from .._torch import tree_leaves, tree_map
 
 import torch.fx as fx
 

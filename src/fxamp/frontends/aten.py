@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterable, Iterator, List
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_map
+from .._torch import PYTREE_REGISTER, tree_map
 
 from ..errors import TraceError
 from ..progress import shows
@@ -125,7 +125,7 @@ def _advice(exc: BaseException, frontend: str) -> str:
         return (f"the forward returns a {name}, which torch.export cannot carry out of the "
                 "graph; for a Hugging Face model pass use_cache=False in example_kwargs "
                 "(or in its config), else register the class with "
-                "torch.utils._pytree.register_pytree_node")
+                + PYTREE_REGISTER)
     return _ADVICE.get(frontend, _ADVICE["auto"])
 
 

@@ -20,10 +20,10 @@ def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tupl
     spec = getattr(gm, "_in_spec", None)
     if spec is None:
         return tuple(args)
-    import torch.fx._pytree as fx_pytree
+    from .._torch import tree_flatten_spec
 
     value = plain_containers((tuple(args), dict(kwargs)))
-    return tuple(fx_pytree.tree_flatten_spec(value, spec))
+    return tuple(tree_flatten_spec(value, spec))
 
 
 def batch_inputs(gm: fx.GraphModule, batch: tuple, count: int) -> tuple:
@@ -110,7 +110,7 @@ class ShapeCheck:
 def _input_names(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[str]:
     """The forward parameter (and the path inside it) of each leaf of ``(args, kwargs)``
     in torch.export's order; [] where they cannot be told."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
+    from .._torch import keystr, tree_flatten_with_path
 
     try:
         params = list(inspect.signature(model.forward).parameters)

@@ -24,8 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from .._torch import reparametrize_module, tree_flatten, tree_map, tree_unflatten
 
 from ..errors import FxampError
 from ..ir import Rule
@@ -56,7 +55,7 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                _reparametrize_module(model, buffers, strict=False), \
+                reparametrize_module(model, buffers, strict=False), \
                 (device_autocast(device_type((args, kwargs)), autocast) if autocast
                  else contextlib.nullcontext()):
             model(*args, **kwargs)

@@ -29,10 +29,9 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from .._torch import IS_GRAD, replaced_set_grad_enabled
 from ..runtime import SET_GRAD
 
-#: the functions the graph calls at region boundaries
-IS_GRAD = torch._C.is_grad_enabled
 _INFERENCE_ENTER = torch.autograd.grad_mode.inference_mode.__enter__
 _GRAD_MODE_FILE = os.path.normcase(os.path.abspath(torch.autograd.grad_mode.__file__))
 
@@ -53,7 +52,7 @@ def recording(tracer: fx.Tracer) -> Iterator[None]:
     torch.autocast regions raise RegionRefused."""
     import torch.amp.autocast_mode as autocast_mode
 
-    saved_is, saved_set = torch.is_grad_enabled, torch._C._set_grad_enabled
+    saved_is = torch.is_grad_enabled
     autocast_enter = autocast_mode.autocast.__enter__
 
     def is_grad_enabled() -> Any:
@@ -71,14 +70,12 @@ def recording(tracer: fx.Tracer) -> Iterator[None]:
             "it next)")
 
     torch.is_grad_enabled = is_grad_enabled  # type: ignore[assignment]
-    torch._C._set_grad_enabled = set_grad_enabled  # type: ignore[assignment]
     autocast_mode.autocast.__enter__ = refuse_autocast  # type: ignore[method-assign]
     try:
-        with refusing_inference_mode():
+        with replaced_set_grad_enabled(set_grad_enabled), refusing_inference_mode():
             yield
     finally:
         torch.is_grad_enabled = saved_is  # type: ignore[assignment]
-        torch._C._set_grad_enabled = saved_set  # type: ignore[assignment]
         autocast_mode.autocast.__enter__ = autocast_enter  # type: ignore[method-assign]
 
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from .._torch import OpOverload, tree_flatten, tree_unflatten
 
 
 def reads_training(model: nn.Module,
@@ -197,7 +197,7 @@ def _schema_args(node: fx.Node) -> Optional[List[Tuple[str, bool, Any]]]:
     """(name, kwarg_only, value) for every schema argument of an ATen call, defaults filled
     in; None for anything else."""
     fn = node.target
-    if node.op != "call_function" or not isinstance(fn, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(fn, OpOverload):
         return None
     out = []
     for i, arg in enumerate(fn._schema.arguments):
@@ -218,7 +218,7 @@ def _arguments(node: fx.Node
     """The node's argument values in order (an ATen call's by its schema, defaults filled
     in; any other node's flattened), a function that writes changed values back, and what
     two nodes' values must share to be compared (the schema's length, the tree's spec)."""
-    if isinstance(node.target, torch._ops.OpOverload) and node.op == "call_function":
+    if isinstance(node.target, OpOverload) and node.op == "call_function":
         schema = _schema_args(node)
         if schema is None:
             return None

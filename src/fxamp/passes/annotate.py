@@ -15,11 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                           DynamicOutputShapeException, FakeTensorMode,
-                                           unset_fake_temporarily)
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten, tree_map
+from .._torch import (DataDependentOutputException, DynamicOutputShapeException,
+                      FakeTensorMode, reparametrize_module, tree_flatten, tree_map,
+                      unset_fake_temporarily)
 
 from .. import ir
 from ..ir import Decision, Rule
@@ -372,7 +370,7 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy,
         sim = _Simulator(gm, policy, session.mode, session.home, session.memo, scope)
         # grad stays enabled, as in training: modules such as nn.MultiheadAttention take
         # the path they take when training (their inference fast path differs on fakes)
-        with _reparametrize_module(gm, session.state, tie_weights=True, strict=False):
+        with reparametrize_module(gm, session.state, tie_weights=True, strict=False):
             sim.run(*session.inputs)
     for node in gm.graph.nodes:
         ir.clear_annotation(node)

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple, Type
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from .._torch import tree_flatten
 
 from .. import ir, ops
 from ..ir import Decision, Rule

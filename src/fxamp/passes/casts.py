@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._torch import graph_codegen
 from ..policy import Policy, dtype_name
 from .. import runtime, weight_cache
 from ..runtime import has_call_hooks, is_grad_mode_node
@@ -49,7 +50,7 @@ def _functional_form(module: nn.Module, n_args: int, has_kwargs: bool) -> Option
     return None
 
 
-def _mutated(node: fx.Node, root: nn.Module) -> Optional[fx.Node]:
+def mutated_source(node: fx.Node, root: nn.Module) -> Optional[fx.Node]:
     """The value ``node`` changes in place (its first argument or its ``out=``), if any."""
     out = node.kwargs.get("out")
     if isinstance(out, (list, tuple)):
@@ -175,7 +176,7 @@ class _Builder:
             new = self.graph.create_node(node.op, node.target, args, kwargs, node.name,
                                          node.type)
         new.meta.update(node.meta)
-        changed = _mutated(node, self.src)
+        changed = mutated_source(node, self.src)
         if changed is not None:
             self.forget_casts(changed)
         if is_grad_mode_node(node):
@@ -262,7 +263,7 @@ def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
         if not (cast.op == "call_method" and cast.target == "to" and ir.is_cast(cast)):
             continue
         users = [u for u in cast.users if not runtime.is_autocast_guard(u)
-                 and _mutated(u, root) is not cast]
+                 and mutated_source(u, root) is not cast]
         if len(users) < 2:
             continue
         source, dtype = cast.args[0], cast.args[1]
@@ -311,7 +312,7 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
                 builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
     _fan_out(builder.graph, src)
     _guard_autocast(builder.graph)
-    builder.graph.set_codegen(src.graph._codegen)
+    builder.graph.set_codegen(graph_codegen(src.graph))
     if builder.cache_node is not None:
         setattr(src, weight_cache.ATTR, builder.cache)  # GraphModule() copies it from src
     gm = fx.GraphModule(src, builder.graph, type(src).__name__)

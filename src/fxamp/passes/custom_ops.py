@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops
+from .._torch import OpOverload, OpOverloadPacket, has_kernel_for_dispatch_key
 from ..ir import Decision, Rule
 from .rule import DecisionRule, rule_pass
 
@@ -35,7 +36,7 @@ def _has_autocast_kernel(op: object) -> bool:
     name = getattr(op, "_qualified_op_name", None) or getattr(op, "name", lambda: "")()
     overloads = getattr(op, "overloads", lambda: [])()
     names = [f"{name}.{o}" if o != "default" else name for o in overloads] or [name]
-    return any(torch._C._dispatch_has_kernel_for_dispatch_key(n, key)
+    return any(has_kernel_for_dispatch_key(n, key)
                for n in names for key in ("AutocastCPU", "AutocastCUDA"))
 
 
@@ -46,7 +47,7 @@ def is_custom(node: fx.Node) -> bool:
     fn = node.target
     if getattr(fn, "fxamp_function", None) is not None:  # a custom autograd.Function
         return True
-    if isinstance(fn, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
+    if isinstance(fn, (OpOverloadPacket, OpOverload)):
         return not _has_autocast_kernel(fn)
     qualname = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}"
     return qualname not in KNOWN_RUNTIME

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
+from .._torch import tree_flatten
 
 from .. import ops
 from ..ir import Decision, Rule

@@ -20,9 +20,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import ir, ops
+from .._torch import unset_fake_temporarily
 from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
 from . import fetch_attr

@@ -18,8 +18,7 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from .._torch import TorchDispatchMode, tree_flatten, tree_map
 
 from ..runtime import device_autocast
 

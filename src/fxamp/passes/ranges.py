@@ -18,8 +18,7 @@ from typing import Any, Dict, Iterable, Optional
 
 import torch
 import torch.fx as fx
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten
+from .._torch import reparametrize_module, tree_flatten
 
 from ..config import CALIBRATION_FORMS
 from ..errors import CalibrationDataError, node_error
@@ -111,7 +110,7 @@ def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any], dtype: torch.dtyp
     recorder = _Recorder(gm, torch.finfo(dtype).tiny)
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     count = 0
-    with torch.no_grad(), _reparametrize_module(gm, buffers, strict=False):
+    with torch.no_grad(), reparametrize_module(gm, buffers, strict=False):
         for batch in track(batches, "calibration", unit="batch"):
             batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
             count += 1

@@ -18,9 +18,9 @@ from .. import ops
 from ..config import RewriteConfig
 from ..errors import FxampError
 from ..frontends import trace_model
-from ..passes.audit_findings import Finding
-from ..passes.audit_context import audit_context
-from ..passes.audit_results import audit_result
+from ..passes.audit.findings import Finding
+from ..passes.audit.context import audit_context
+from ..passes.audit.results import audit_result
 from ..policy import Policy, make_policy
 from .pipeline import amp_rewrite
 
@@ -63,7 +63,7 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
     node, so those are reported rather than raised. ``config`` (a RewriteConfig, e.g.
     ``fxamp.config_of(gm)``) replaces dtype, target, policy, frontend and example_kwargs.
 
-    Optional training and deployment context (see :mod:`fxamp.passes.audit_context`):
+    Optional training and deployment context (see :mod:`fxamp.passes.audit.context`):
     ``optimizer`` (its param dtypes and eps), ``scaler`` (a ``torch.amp.GradScaler``: enabled,
     its device, ``growth_interval`` against ``steps_per_epoch``), ``batch`` (one data batch:
     input dtypes and ranges) and ``onnx`` (an exported ONNX file: opset, dynamic axes).

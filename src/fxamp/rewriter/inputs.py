@@ -13,8 +13,7 @@ from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_flatten
+from .._torch import reparametrize_module, tree_flatten
 
 from ..errors import ExampleInputError, is_library_file, short_path
 
@@ -39,7 +38,7 @@ def _run(model: nn.Module, args: tuple, kwargs: Dict[str, Any], grad: bool,
          autocast: Any) -> None:
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]), \
-            _reparametrize_module(model, buffers, strict=False), autocast:
+            reparametrize_module(model, buffers, strict=False), autocast:
         model(*args, **kwargs)
 
 

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 
-def _check_model(model: Any) -> None:
+def check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(
             f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
@@ -156,7 +156,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "config.replace(...)")
     pol = config.policy
     example_kwargs = config.example_kwargs
-    _check_model(model)
+    check_model(model)
     if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
         if inplace and result_of(model).policy == pol:
             log.info("model was already rewritten in place with the same policy")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from .._torch import reparametrize_module, tree_flatten, tree_map
 
 from ..config import RewriteConfig
 from ..errors import FxampError
@@ -31,7 +31,7 @@ from ..policy import Policy, dtype_name, make_policy
 from ..progress import advance, shows, track
 from ..runtime import eligible
 from ..frontends.common import as_tuple
-from .pipeline import _check_model, plan_of, rewrite
+from .pipeline import check_model, plan_of, rewrite
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
     src = traced.graph_module
     scorer = _LocalError(src, candidates, low)
     buffers = {name: b.clone() for name, b in src.named_buffers()}
-    with torch.no_grad(), torch.nn.utils.stateless._reparametrize_module(src, buffers,
+    with torch.no_grad(), reparametrize_module(src, buffers,
                                                                           strict=False):
         for batch in track(batches, "scoring nodes", unit="batch"):
             scorer.run(*graph_inputs(model, traced, tuple(batch), kwargs))
@@ -152,7 +152,7 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
              metric: Optional[Metric], policy: Union[None, str, Policy], dtype: torch.dtype,
              target: str, frontend: str, config: Optional[RewriteConfig]) -> _Evaluator:
-    _check_model(model)
+    check_model(model)
     if config is None:
         config = RewriteConfig(make_policy(policy, dtype, target), frontend)
     batches = [as_tuple(b) for b in data]

@@ -25,7 +25,7 @@ from .localize import Overflow
 log = logging.getLogger("fxamp.train.trainer")  # the trainer's logger, as before the split
 
 
-def _config_of(gm: nn.Module, policy: str) -> RewriteConfig:
+def healing_config(gm: nn.Module, policy: str) -> RewriteConfig:
     """The RewriteConfig ``gm`` was made with; for a module without one (made by the search,
     say) the plan's policy with the front end its header names."""
     config = result_of(gm).config if has_result(gm) else None

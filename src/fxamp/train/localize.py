@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
+from .._torch import tree_flatten
 
 from ..errors import FxampError, source_line
 from .. import ir

@@ -26,7 +26,7 @@ from ..policy import Policy
 from ..rewriter import plan_of
 from .checkpoint import CheckpointMixin
 from .checkpoint_checks import check_optimizer_params
-from .healing import HealingMixin, _config_of
+from .healing import HealingMixin, healing_config
 from .localize import Overflow, localize
 from .nonfinite import NonFiniteMixin
 from .o2 import attach_optimizer
@@ -169,7 +169,7 @@ class Trainer(NonFiniteMixin, HealingMixin, CheckpointMixin):
         self._writer: Any = None
         # what healing rewrites with (fp32:NODE overrides added): the first rewrite's config,
         # front end, example kwargs and calibration ranges included
-        self._config = _config_of(self.gm, policy)
+        self._config = healing_config(self.gm, policy)
         # counters and histories (all in state_dict)
         self.micro_steps = 0          # step() calls
         self.steps = 0                # optimizer steps attempted

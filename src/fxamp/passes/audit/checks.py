@@ -10,10 +10,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ir, ops
-from ..plan import NodePrecision
-from ..policy import Policy, dtype_name
-from .audit_findings import LOW, Finding, arg, called_module, finding, shape_of, up8
+from ... import ir, ops
+from ...plan import NodePrecision
+from ...policy import Policy, dtype_name
+from .findings import LOW, Finding, arg, called_module, finding, shape_of, up8
 
 _LOW_NAMES = {"torch.HalfTensor": torch.float16, "torch.cuda.HalfTensor": torch.float16,
               "torch.BFloat16Tensor": torch.bfloat16, "torch.cuda.BFloat16Tensor": torch.bfloat16}

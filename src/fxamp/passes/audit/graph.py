@@ -8,11 +8,11 @@ traces, to ``audit_graph`` here, which does the reading. The front
 end is the caller's choice (``frontend=``, as for amp_rewrite): on torch.export's ATen graphs
 the checks read the ATen spellings (``aten.layer_norm`` / ``native_layer_norm`` / ... eps from
 the op's schema, ``aten.exp``, ``aten.to.dtype`` / ``_to_copy`` casts). Nested graphs and the
-eager front end's results are walked by :mod:`fxamp.passes.audit_results`; the optional
-optimizer / GradScaler / batch / ONNX checks are in :mod:`fxamp.passes.audit_context`.
-This module runs the graph checks; they live in :mod:`fxamp.passes.audit_checks` (dims,
-casts, binary_cross_entropy) and :mod:`fxamp.passes.audit_numerics` (exp, norm eps), on the
-``Finding`` and graph helpers of :mod:`fxamp.passes.audit_findings`.
+eager front end's results are walked by :mod:`fxamp.passes.audit.results`; the optional
+optimizer / GradScaler / batch / ONNX checks are in :mod:`fxamp.passes.audit.context`.
+This module runs the graph checks; they live in :mod:`fxamp.passes.audit.checks` (dims,
+casts, binary_cross_entropy) and :mod:`fxamp.passes.audit.numerics` (exp, norm eps), on the
+``Finding`` and graph helpers of :mod:`fxamp.passes.audit.findings`.
 
 Finding codes (stable):
 
@@ -52,13 +52,13 @@ from typing import Iterable, List, Optional
 
 import torch.fx as fx
 
-from .. import ir
-from ..plan import Plan
-from ..policy import Policy
-from .audit_checks import check_bce, check_cast, check_dims
-from .audit_findings import SEVERITIES, Finding, op_names, summary
-from .audit_numerics import check_eps, check_exp, eps_finding, module_eps
-from .graph_parts import graph_parts
+from ... import ir
+from ...plan import Plan
+from ...policy import Policy
+from .checks import check_bce, check_cast, check_dims
+from .findings import SEVERITIES, Finding, op_names, summary
+from .numerics import check_eps, check_exp, eps_finding, module_eps
+from ..graph_parts import graph_parts
 
 __all__ = ["Finding", "SEVERITIES", "audit_graph", "eps_finding", "module_eps", "summary"]
 

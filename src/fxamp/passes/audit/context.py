@@ -31,11 +31,11 @@ from typing import Any, List, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from ..._torch import tree_leaves
 
-from ..errors import FxampError
-from ..policy import Policy, dtype_name
-from .audit_findings import Finding
+from ...errors import FxampError
+from ...policy import Policy, dtype_name
+from .findings import Finding
 
 log = logging.getLogger(__name__)
 

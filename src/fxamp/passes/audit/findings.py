@@ -12,9 +12,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ir, ops, runtime
-from ..errors import source_line
-from . import fetch_attr
+from ... import ir, ops, runtime
+from ...errors import source_line
+from .. import fetch_attr
 
 SEVERITIES = ("error", "warning", "info")
 LOW = (torch.float16, torch.bfloat16)

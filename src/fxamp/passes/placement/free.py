@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import ops
+from ... import ops
 
 #: commute with rounding: the same result whichever side of them the cast is
 _EXACT_METHODS = {"view", "reshape", "flatten", "permute", "transpose", "t", "contiguous",

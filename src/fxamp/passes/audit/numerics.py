@@ -12,10 +12,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import ir, ops
-from ..errors import source_line
-from ..policy import Policy, dtype_name
-from .audit_findings import (Finding, arg, called_module, finding, is_call_node, number,
+from ... import ir, ops
+from ...errors import source_line
+from ...policy import Policy, dtype_name
+from .findings import (Finding, arg, called_module, finding, is_call_node, number,
                              op_names, origin)
 
 # ---------------------------------------------------------------------------------------

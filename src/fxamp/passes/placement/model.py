@@ -11,12 +11,12 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 import torch
 import torch.fx as fx
 
-from .. import ir, ops
-from ..ir import Rule
-from ..policy import Policy
-from . import fetch_attr
-from .casts import _mutated
-from .placement_free import ARITH, free_kind, shape_only
+from ... import ir, ops
+from ...ir import Rule
+from ...policy import Policy
+from .. import fetch_attr
+from ..casts import mutated_source
+from .free import ARITH, free_kind, shape_only
 
 FP32 = torch.float32
 
@@ -109,7 +109,7 @@ class CutModel:
         it changes: moving them would break the aliasing the mutation relies on."""
         mutated = set()
         for n in nodes:
-            changed = _mutated(n, self.gm) if n.op != "output" else None
+            changed = mutated_source(n, self.gm) if n.op != "output" else None
             if changed is not None:
                 mutated.update((n, changed))
         stack = list(mutated)

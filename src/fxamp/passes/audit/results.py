@@ -23,15 +23,15 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from ..._torch import tree_leaves
 
-from ..ops import module_label
-from ..plan import Plan
-from ..policy import Policy, dtype_name
-from .audit import audit_graph
-from .audit_findings import Finding
-from .audit_numerics import eps_finding, module_eps
-from .. import ir
+from ...ops import module_label
+from ...plan import Plan
+from ...policy import Policy, dtype_name
+from .graph import audit_graph
+from .findings import Finding
+from .numerics import eps_finding, module_eps
+from ... import ir
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _check_outputs(gm: fx.GraphModule, plan: Plan) -> List[Finding]:
 def audit_result(gm: nn.Module, policy: Policy, top: bool = True) -> List[Finding]:
     """The findings of a model made by ``fxamp.amp_rewrite`` (any front end), nested graphs'
     node names prefixed with their module path (``backbone/conv2d``)."""
-    from ..plan import plan_of
+    from ...plan import plan_of
 
     plan = plan_of(gm)
     findings: List[Finding] = []

@@ -31,8 +31,8 @@ The pass runs whenever ``policy.placement`` is on, with or without the numerics 
 ``placement=off`` reproduces autocast's placement exactly.
 
 This module solves the cut and holds the rule; the allowlist is
-:mod:`fxamp.passes.placement_free` and the cut's values, consumers and costs are
-:mod:`fxamp.passes.placement_model`.
+:mod:`fxamp.passes.placement.free` and the cut's values, consumers and costs are
+:mod:`fxamp.passes.placement.model`.
 """
 from __future__ import annotations
 
@@ -43,11 +43,11 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..ir import Decision, Rule
-from ..policy import Policy, dtype_name
-from .manager import PassContext
-from .placement_model import FP32 as _FP32, CutModel, fmt as _fmt, fp32_locked
-from .rule import DecisionRule, rule_pass
+from ...ir import Decision, Rule
+from ...policy import Policy, dtype_name
+from ..manager import PassContext
+from .model import FP32 as _FP32, CutModel, fmt as _fmt, fp32_locked
+from ..rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
