@@ -105,8 +105,9 @@ def test_gc_scope_collects_new_garbage_and_unfreezes():
     with young_objects_only():
         frozen = gc.get_freeze_count()
         assert frozen > 0  # the objects that existed are in the permanent generation
-        with young_objects_only():  # nested: the outer one keeps its freeze
-            assert gc.get_freeze_count() == frozen
+        with young_objects_only():  # nested: the outer one keeps its freeze (the count
+            # may only drop, by frozen objects freed meanwhile: nothing more is frozen)
+            assert 0 < gc.get_freeze_count() <= frozen
         import weakref
         ref = weakref.ref(_Cycle())  # garbage made inside the block
         gc.collect()
