@@ -33,7 +33,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("top", ("fxamp.demo", "fxamp.cli", "fxamp.__main__", "fxamp")),
 ]
 
-#: modules split out of a larger one (issue 16), with the layer each must stay in: the
+#: modules split out of a larger one, with the layer each must stay in: the
 #: ONNX op tables and the trainer's mixins are stages, the command's package is the top,
 #: the audit and placement subpackages are passes.
 SPLIT_MODULES = {
