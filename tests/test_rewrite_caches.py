@@ -123,8 +123,10 @@ def test_gc_scope_leaves_a_programs_own_freeze_alone():
     gc.freeze()
     try:
         count = gc.get_freeze_count()
+        # (the count may only drop, by frozen objects freed meanwhile: the program's freeze
+        # is neither undone nor extended)
         with young_objects_only():
-            assert gc.get_freeze_count() == count
-        assert gc.get_freeze_count() == count
+            assert 0 < gc.get_freeze_count() <= count
+        assert 0 < gc.get_freeze_count() <= count
     finally:
         gc.unfreeze()
