@@ -24,7 +24,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
               "fxamp.plan_text", "fxamp.plan", "fxamp.fileio", "fxamp.autocast_tables", "fxamp.oplists",
               "fxamp.perf", "fxamp.runtime",
               "fxamp.overrides", "fxamp.config", "fxamp.progress", "fxamp.weight_cache",
-              "fxamp.ir", "fxamp.ops", "fxamp.late_hooks", "fxamp.result",
+              "fxamp.ir", "fxamp.ops", "fxamp.structure", "fxamp.program", "fxamp.result",
               "fxamp.op_args")),
     ("passes", ("fxamp.passes",)),
     ("frontends", ("fxamp.frontends",)),

@@ -1,6 +1,6 @@
 """The plan is authoritative at run time: a ``torch.autocast`` around the rewritten model
 (a user's own, Lightning's ``bf16-mixed``, accelerate's ``mixed_precision``) changes nothing
-it computes, is reported once, and is back on after the call (runtime.autocast_off)."""
+it computes, is reported once, and is back on after the call (fxamp.program.Program)."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp import runtime
+from fxamp import program
 
 BF16 = torch.bfloat16
 X = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
@@ -26,13 +26,13 @@ def _mlp() -> nn.Module:
 
 @pytest.fixture(autouse=True)
 def _warn_again(monkeypatch):
-    monkeypatch.setattr(runtime, "_WARNED", [])
+    monkeypatch.setattr(program, "_WARNED", [])
 
 
 def test_an_fp32_override_holds_under_an_outer_autocast_and_is_reported_once(caplog):
     gm = fxamp.amp_rewrite(_mlp(), (X,), dtype=BF16, target="cpu", policy="fp32:0")
     want = gm(X)
-    with caplog.at_level(logging.WARNING, logger="fxamp.runtime"):
+    with caplog.at_level(logging.WARNING, logger="fxamp.program"):
         with torch.autocast("cpu", dtype=BF16):
             got = gm(X)
             again = gm(X)
@@ -82,7 +82,7 @@ def test_an_eager_root_s_own_autocast_is_not_reported(caplog):
     torch.manual_seed(0)
     model = Root()
     gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu")
-    with caplog.at_level(logging.WARNING, logger="fxamp.runtime"):
+    with caplog.at_level(logging.WARNING, logger="fxamp.program"):
         gm(X)
     assert "turned off inside it" not in caplog.text
 

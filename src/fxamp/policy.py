@@ -41,7 +41,9 @@ TARGETS = TRAINING_TARGETS + DEPLOY_TARGETS
 _AUTOCAST_DEVICE = {"tensorrt": "cuda"}
 _KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement", "weights")
 #: how weights reach low precision: see Policy.weights
-WEIGHT_MODES = ("cached", "cast", "o2")
+WEIGHT_MODES = ("cast", "o2")
+#: older spellings that parse as another mode
+_WEIGHT_ALIASES = {"cached": "cast"}
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
 #: the numerics rules ``off:RULE`` switches off one at a time (their plan rule names), in the
 #: order the rewrite runs them; ``numerics=off`` switches off all of them
@@ -142,15 +144,13 @@ class Policy:
     placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
         low/FP32 boundary where that casts fewer bytes per step (``passes/placement.py``).
         Independent of ``numerics``; off, casts sit where autocast puts them.
-    weights: how the FP32 weights reach low precision (``fxamp/weight_cache.py``).
-        "cached" (default): a forward with grad casts every weight, as autocast does (into
-        the previous copy's memory); forwards without grad (eval loops, ``generate``) reuse
-        the copies until an optimizer steps on the weight or its version counter or storage
-        changes; ``fxamp.weight_cache_bytes(gm)`` reports the memory. "cast": cast on every
-        forward into new memory, like autocast with ``cache_enabled=False``. "o2" (apex O2
-        style): ``fxamp.train.attach_optimizer(gm, optimizer)`` re-casts the copies right
-        after each optimizer step, in one foreach operation, so forward and backward cast no
-        weight.
+    weights: how the FP32 weights reach low precision.
+        "cast" (default): every forward casts each weight it computes with in the graph, as
+        autocast does, and nothing is kept between steps ("cached", an older mode, now
+        means the same). "o2" (apex O2 style, ``fxamp/weight_cache.py``): low-precision
+        copies are kept between steps and ``fxamp.train.attach_optimizer(gm, optimizer)``
+        re-casts them right after each optimizer step, in one foreach operation, so forward
+        and backward cast no weight; ``fxamp.weight_cache_bytes(gm)`` reports the memory.
     """
 
     compute: torch.dtype = torch.float16
@@ -161,7 +161,7 @@ class Policy:
     rules_off: FrozenSet[str] = frozenset()
     channels_last: bool = False
     placement: bool = True
-    weights: str = "cached"
+    weights: str = "cast"
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_MODES:
@@ -217,11 +217,11 @@ class Policy:
                         raise PolicyError(f"placement takes on or off, got {value!r}")
                     policy = replace(policy, placement=value.lower() in _ON)
                 elif key == "weights":
+                    value = _WEIGHT_ALIASES.get(value.lower(), value)
                     if value.lower() not in WEIGHT_MODES:
-                        raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)} (keep "
-                                          f"low-precision weight copies between forwards, "
-                                          f"cast every forward, or re-cast in the optimizer "
-                                          f"step), got {value!r}")
+                        raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)} (cast "
+                                          f"every forward, or keep copies re-cast in the "
+                                          f"optimizer step), got {value!r}")
                     policy = replace(policy, weights=value.lower())
                 else:
                     if value.lower() not in ("on", "off", "true", "false", "1", "0"):
@@ -261,7 +261,7 @@ class Policy:
             parts.append("channels_last=on")
         if not self.placement:
             parts.append("placement=off")
-        if self.weights != "cached":
+        if self.weights != "cast":
             parts.append(f"weights={self.weights}")
         if self.output_dtype != (torch.float32 if self.numerics else None):
             parts.append(f"output={dtype_name(self.output_dtype) if self.output_dtype else 'keep'}")

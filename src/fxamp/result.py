@@ -3,7 +3,7 @@ attribute (:data:`ATTR`), read by :func:`plan_of` / :func:`config_of` / :func:`r
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .config import RewriteConfig
@@ -18,12 +18,15 @@ ATTR = "fxamp_result"
 @dataclass(frozen=True)
 class Rewritten:
     """A rewrite's result: the plan it used, its policy, the label of the model it was made
-    from (``nn.Linear``, ``MyNet``) and, for the top-level rewrite, its config."""
+    from (``nn.Linear``, ``MyNet``), for the top-level rewrite its config, and the
+    :class:`~fxamp.structure.Structure` its program checks on each call."""
 
     plan: Plan
     policy: Policy
     source: str = ""
     config: Optional[RewriteConfig] = None
+    #: what the graphs read of the model, checked on each call (``fxamp.structure``)
+    structure: Any = field(default=None, compare=False, repr=False)
 
     def replace(self, **changes: Any) -> "Rewritten":
         """A copy with ``changes`` (the result itself is never changed)."""

@@ -1,5 +1,5 @@
 """Small functions the rewritten graphs call (guarded casts, params swapped in, autocast
-leaves) and the tests that recognise run-time calls (hooked modules, grad-mode switches)."""
+leaves; what runs around every call is :mod:`fxamp.program`) and the tests that recognise run-time calls (hooked modules, grad-mode switches)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,36 +20,12 @@ SET_GRAD = _SET_GRAD
 
 log = logging.getLogger(__name__)
 _OWN = threading.local()  # .depth: fxamp's own autocast regions entered on this thread
-_WARNED: list = []
-_DEVICES: Tuple[str, ...] = tuple(d for d in ("cpu", "cuda", "xpu", "mps")
-                                  if torch.amp.is_autocast_available(d))
 
 
-def autocast_off(*inputs: Any) -> Tuple[str, ...]:
-    """The first call of a rewritten graph: turn off every ``torch.autocast`` around it (its
-    casts are explicit, the plan says each node's dtype); the device types turned off, for
-    :func:`autocast_restore`. An autocast the user (Lightning's ``bf16-mixed``, accelerate's
-    ``mixed_precision``, a ``with torch.autocast``) put around it is reported once; fxamp's
-    own (an eager root's) is not. ``inputs``: the graph's inputs (so the call comes first)."""
-    was = tuple(d for d in _DEVICES if torch.is_autocast_enabled(d))
-    if not was:
-        return was
-    if not _WARNED and not getattr(_OWN, "depth", 0) and not torch.compiler.is_compiling():
-        _WARNED.append(True)
-        log.warning("a rewritten model was called under torch.autocast(%s): autocast is "
-                    "turned off inside it, so every node computes in the dtype its plan "
-                    "says (the casts are explicit); the autocast is neither needed nor "
-                    "used around it", ", ".join(was))
-    for d in was:
-        torch.set_autocast_enabled(d, False)
-    return was
-
-
-def autocast_restore(was: Tuple[str, ...], *outputs: Any) -> None:
-    """The last call of a rewritten graph: turn back on what :func:`autocast_off` turned
-    off. ``outputs``: the graph's results (so the call comes after them)."""
-    for d in was:
-        torch.set_autocast_enabled(d, True)
+def own_autocast_depth() -> int:
+    """How many of fxamp's own autocast regions (:func:`device_autocast`: an eager root, a
+    call kept under autocast) this thread is inside."""
+    return getattr(_OWN, "depth", 0)
 
 
 def write_buffer_(buffer: torch.Tensor, value: Any) -> torch.Tensor:
@@ -94,11 +70,6 @@ def fan_out(source: Any, dtype: torch.dtype, shared: Any) -> Any:
             and not source.is_leaf and isinstance(shared, torch.Tensor)):
         return _FanOut.apply(source, shared)
     return shared
-
-
-def is_autocast_guard(node: fx.Node) -> bool:
-    """A call of :func:`autocast_off` or :func:`autocast_restore` in a rewritten graph."""
-    return node.op == "call_function" and node.target in (autocast_off, autocast_restore)
 
 
 def has_call_hooks(module: nn.Module) -> bool:

@@ -1,26 +1,23 @@
-"""Low-precision weight copies kept across forwards, re-cast only when a weight changed.
+"""Low-precision weight copies kept across forwards for the policy ``weights=o2``.
 
-The rewritten graph casts each FP32 Parameter it computes with in low precision through
-:func:`cast_weight` (one node per weight and dtype, marked as a cast in the IR:
-``ir.is_cast``). With the policy ``weights=cached`` (the default) the cast is kept in a
-:class:`WeightCache` (a submodule ``fxamp_weight_cache`` of the GraphModule, without
-parameters or buffers).
+By default (``weights=cast``) the rewritten graph casts each FP32 Parameter it computes with
+in low precision with ``Tensor.to``, as autocast does, and keeps nothing between steps. With
+``weights=o2`` (Apex O2 style: bf16/fp16 copies of the weights live between steps, updated
+by the optimizer) the graph casts through :func:`cast_weight` (one node per weight and dtype,
+marked as a cast in the IR: ``ir.is_cast``) into a :class:`WeightCache` (a submodule
+``fxamp_weight_cache`` of the rewritten module, without parameters or buffers). The text
+below is about that cache.
 
 When a copy is fresh. Nothing can tell cheaply that a weight changed: a fused optimizer, a
 write through ``.data`` or a sharded all-gather change the values without bumping the
 Parameter's version counter. So:
 
-- a forward with grad (training) casts every weight it uses, as ``torch.autocast`` does
-  (into the previous copy's memory when nothing else holds it), whatever changed it;
-- a forward without grad (eval, ``generate``) reuses the copies of earlier forwards without
-  grad while the Parameter is the same object with the same version counter, storage,
-  dtype, device, shape and strides and no ``torch.optim`` optimizer has stepped on it since
-  (a global step hook counts steps: :func:`steps`); a copy cast with grad is never reused
-  without it. What it cannot see is an in-place write through ``.data`` between two
-  forwards without grad and without an optimizer step: ``fxamp.train.refresh_weights(gm)``
-  (or the policy ``weights=cast``) is the answer there;
-- ``weights=o2``: the attached optimizer's step re-casts the copies of the weights it owns
-  (``train/o2.py``); forwards with grad reuse them until the next step of any optimizer.
+- with an attached optimizer (``fxamp.train.attach_optimizer``), its step re-casts the copies
+  of the weights it owns (``train/o2.py``) and forwards, with grad or without, reuse them
+  while the Parameter is the same object with the same version counter, storage, dtype,
+  device, shape and strides; another optimizer's step or a write through ``.data`` is not
+  seen: ``fxamp.train.refresh_weights(gm)`` re-casts;
+- without one, a forward with grad casts every weight it uses (a warning says so).
 
 Gradients: a copy cast with grad mode on keeps a backward that is ``Tensor.to``'s (the
 low-precision gradient cast to the master's dtype; ``ToCopyBackward`` / ``CopyBackwards``, or
@@ -51,7 +48,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _torch
 from .runtime import fan_out
@@ -65,30 +61,12 @@ log = logging.getLogger(__name__)
 BIG = 1 << 20
 ATTR = "fxamp_weight_cache"  # the submodule name in the rewritten GraphModule
 _PLAIN = (torch.Tensor, nn.Parameter)
-#: how many ``torch.optim`` steps have begun on each Parameter (the global pre-hook counts)
-_STEPPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
-_HOOKED: List[Any] = []  # the global hook's handle, registered with the first cache
-
-
-def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            _STEPPED[p] = _STEPPED.get(p, 0) + 1
 
 
 def steps(param: torch.Tensor) -> int:
-    """How many ``torch.optim`` optimizer steps (of any optimizer, fused ones included) have
-    begun on ``param`` since the first :class:`WeightCache` was made: a copy cast at
-    another count may be stale."""
-    return _STEPPED.get(param, 0)
-
-
-def _hook_steps() -> None:
-    """Count every optimizer step from now on (once per process; a pre-hook, so that
-    ``weights=o2``'s own post-hook, which re-casts after the step, sees the new count)."""
-    if not _HOOKED:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-        _HOOKED.append(register_optimizer_step_pre_hook(_count_step))
+    """The optimizer step count a copy is cast at: always 0 (no global optimizer hook is
+    installed; ``weights=o2``'s attached optimizer re-casts its copies after each step)."""
+    return 0
 
 
 class _CastBack(torch.autograd.Function):
@@ -224,7 +202,6 @@ class WeightCache(nn.Module):
         self.hits = 0
         self.casts = 0  # weights cast (misses), counted for tests and benchmarks
         self.served = False  # a copy was served since the o2 step last re-cast (train/o2.py)
-        _hook_steps()
 
     def add_slot(self, dtype: torch.dtype, param: Optional[torch.Tensor] = None) -> int:
         """A new slot for one weight (``param``, if known: the first forward then casts
@@ -366,8 +343,15 @@ def cast_weight(param: Any, dtype: torch.dtype, cache: Optional[WeightCache] = N
     return cache.get(index, param, torch.is_grad_enabled() and param.requires_grad)
 
 
+#: where an in-place rewrite keeps its rewritten module in the model's ``__dict__``
+#: (``rewriter/inplace.py``'s ``ATTR``)
+INPLACE_ATTR = "_fxamp_rewritten"
+
+
 def caches(gm: nn.Module) -> List[WeightCache]:
-    """Every WeightCache inside ``gm`` (nested rewrites have their own)."""
+    """Every WeightCache inside ``gm`` (nested rewrites have their own); for a model rewritten
+    in place, those of the rewritten module it computes with."""
+    gm = gm.__dict__.get(INPLACE_ATTR, gm)
     return [m for m in gm.modules() if isinstance(m, WeightCache)]
 
 

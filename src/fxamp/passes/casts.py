@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .._torch import graph_codegen
 from ..policy import Policy, dtype_name
 from .. import runtime, weight_cache
+from ..program import Program
 from ..runtime import has_call_hooks, is_grad_mode_node
 from . import PassResult
 from .. import ir
@@ -86,8 +87,9 @@ class _Builder:
         self.params: Dict[int, fx.Node] = {}
         self.n_casts = 0
         self.reserved = {n.name for n in src.graph.nodes}
-        # weights=cached / o2: weight casts go through a WeightCache (fxamp/weight_cache.py)
-        self.cache = weight_cache.WeightCache(policy.weights) if policy.weights != "cast" else None
+        # weights=o2: weight casts go through a WeightCache the optimizer step re-casts
+        # (fxamp/weight_cache.py); otherwise each weight is cast in the graph, as autocast does
+        self.cache = weight_cache.WeightCache(policy.weights) if policy.weights == "o2" else None
         self.cache_node: Optional[fx.Node] = None
 
     def name(self, candidate: str) -> str:
@@ -262,8 +264,7 @@ def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
     for cast in list(graph.nodes):
         if not (cast.op == "call_method" and cast.target == "to" and ir.is_cast(cast)):
             continue
-        users = [u for u in cast.users if not runtime.is_autocast_guard(u)
-                 and mutated_source(u, root) is not cast]
+        users = [u for u in cast.users if mutated_source(u, root) is not cast]
         if len(users) < 2:
             continue
         source, dtype = cast.args[0], cast.args[1]
@@ -278,24 +279,9 @@ def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
     return made
 
 
-def _guard_autocast(graph: fx.Graph) -> None:
-    """The plan is authoritative at run time: the graph turns off any ``torch.autocast``
-    around it first and turns it back on last (``runtime.autocast_off`` / ``_restore``)."""
-    inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    output = next(n for n in graph.nodes if n.op == "output")
-    where = graph.inserting_after(inputs[-1]) if inputs else graph.inserting_before(
-        next(iter(graph.nodes)))
-    with where:
-        off = graph.create_node("call_function", runtime.autocast_off, tuple(inputs), {},
-                                "fxamp_autocast_off")
-    with graph.inserting_before(output):
-        graph.create_node("call_function", runtime.autocast_restore,
-                          (off,) + tuple(output.all_input_nodes), {},
-                          "fxamp_autocast_restore")
-
-
 def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
-    """Build the rewritten GraphModule (sharing ``src``'s submodules and Parameters)."""
+    """Build the rewritten graph, a :class:`~fxamp.program.Program` (sharing ``src``'s
+    submodules and Parameters); what runs around it on each call is the Program's."""
     policy = ctx.policy
     builder = _Builder(src, policy)
     # the inputs the layout pass marked are converted to channels_last on entry
@@ -311,10 +297,9 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
             for placeholder in pending:
                 builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
     _fan_out(builder.graph, src)
-    _guard_autocast(builder.graph)
     builder.graph.set_codegen(graph_codegen(src.graph))
     if builder.cache_node is not None:
         setattr(src, weight_cache.ATTR, builder.cache)  # GraphModule() copies it from src
-    gm = fx.GraphModule(src, builder.graph, type(src).__name__)
+    gm = Program(src, builder.graph, type(src).__name__)
     log.debug("inserted %d casts", builder.n_casts)
     return PassResult(gm, modified=builder.n_casts > 0)

@@ -6,11 +6,13 @@ The rewritten module (``gm``) shares the model's Parameters, buffers and leaf mo
 model's ``forward`` becomes a call of it. The model stays the same object of the same
 class, so its other methods (``generate``, ``save_pretrained``, ``config``), the wrappers
 around it (PEFT, Lightning, accelerate, DDP) and its hooks keep working; its own hooks run
-once, around the rewritten forward. ``model.train()`` / ``model.eval()`` reach the graph:
-before each call the training flags of the modules the rewrite made (fx's containers, the
-export front end's root) are copied from the model's modules at the same paths, and so are
-the Parameters and buffers they hold (``model.to(device)`` replaces buffers; a Parameter
-set on a module replaces the old one): the graph computes with what the model holds.
+once, around the rewritten forward. The graph reads the model's own modules, Parameters,
+buffers and training flags (``fxamp/structure.py``): ``model.train()`` / ``model.eval()``,
+``model.to(device)``, ``load_state_dict(assign=True)`` and a Parameter set on a module reach
+it with no per-call copy. A change of the model's structure after the rewrite (a submodule
+replaced or deleted, a parametrization, a patched ``forward``, ``.double()``) is seen at the
+next call, which plans the model again on its inputs (logged as a warning) and computes with
+the new plan; a change fxamp refuses (``.half()``: FP32 master weights) raises naming it.
 ``fxamp.plan_of(model)`` and ``fxamp.config_of(model)`` read the plan and config;
 ``fxamp.rewritten(model)`` returns the rewritten module.
 """
@@ -18,57 +20,18 @@ from __future__ import annotations
 
 import inspect
 import contextlib
-from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional
 
 import torch.nn as nn
 
 from ..errors import FxampError, UnsupportedModelError
-from ..result import ATTR as RESULT, has_result
+from ..result import ATTR as RESULT, has_result, result_of
+from ..structure import StructureChanged
 
 #: where the rewritten module lives in the model's ``__dict__``
 ATTR = "_fxamp_rewritten"
-PAIRS = "_fxamp_flag_pairs"  # (rewritten module's module, model's module) of training flags
-TENSORS = "_fxamp_tensor_pairs"  # (rewritten module's dict, model's dict, name) of tensors
 #: the result attributes the model gets too (plan_of, config_of read them)
 RESULT_ATTRS = (RESULT,)
-
-
-def _flag_pairs(model: nn.Module, gm: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
-    """(module of ``gm``, module of ``model`` at the same path) for every module the rewrite
-    made (not shared with the model), the roots first."""
-    own = {id(m) for m in model.modules()}
-    originals = dict(model.named_modules())
-    return [(module, originals[path]) for path, module in gm.named_modules()
-            if id(module) not in own and path in originals]
-
-
-def _tensor_pairs(model: nn.Module, gm: nn.Module) -> List[Tuple[dict, dict, str]]:
-    """(``_parameters`` / ``_buffers`` dict of a module the rewrite made, the same dict of
-    the model's module at that path, name) for every Parameter and buffer both hold: what
-    the model's modules hold at call time is what the graph computes with (``model.to()``
-    replaces buffers, ``fully_shard`` and a user's ``module.weight = Parameter(...)`` replace
-    parameters)."""
-    own = {id(m) for m in model.modules()}
-    originals = dict(model.named_modules())
-    pairs = []
-    for path, module in gm.named_modules():
-        theirs = originals.get(path)
-        if id(module) in own or theirs is None:
-            continue
-        for kind in ("_parameters", "_buffers"):
-            mine, their_dict = getattr(module, kind), getattr(theirs, kind)
-            pairs += [(mine, their_dict, name) for name in mine if name in their_dict]
-    return pairs
-
-
-def _follow_the_model(model: nn.Module) -> None:
-    """Before a call: the graph's modules take the model's training flags and tensors."""
-    for mine, theirs in model.__dict__[PAIRS]:
-        mine.training = theirs.training
-    for mine, theirs, name in model.__dict__[TENSORS]:
-        value = theirs[name]
-        if mine[name] is not value:
-            mine[name] = value
 
 
 def _check_sharding(model: nn.Module, cls: type) -> None:
@@ -88,15 +51,24 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
         "reduce_dtype=torch.float32) instead of fxamp")
 
 
-class InplaceForward:
-    """The model's ``forward`` after an in-place rewrite: the training flags follow the
-    model's, then the rewritten module computes. Holds the model (deepcopy and pickling
-    carry it to the copy through their memo)."""
+#: re-plans an in-place rewritten model whose structure changed: (model, args, kwargs, why)
+#: -> the new rewritten module (set by the pipeline, which owns amp_rewrite)
+Replan = Callable[[nn.Module, tuple, dict, str], nn.Module]
 
-    def __init__(self, model: nn.Module, names: Optional[FrozenSet[str]]) -> None:
+
+class InplaceForward:
+    """The model's ``forward`` after an in-place rewrite: the rewritten module computes (its
+    own call checks the model's structure, see ``fxamp/program.py``); when the model's
+    structure changed since (a submodule replaced, a parametrization, a patched forward), the
+    model is planned again on this call's inputs and computes with the new plan. Holds the
+    model (deepcopy and pickling carry it to the copy through their memo)."""
+
+    def __init__(self, model: nn.Module, names: Optional[FrozenSet[str]],
+                 replan: Optional[Replan] = None) -> None:
         self.model = model
         self.names = names  # the keyword arguments the rewritten forward takes (None: any)
         self.cls = type(model)
+        self.replan = replan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
@@ -111,8 +83,13 @@ class InplaceForward:
                 f"{', '.join(sorted(self.names)) or 'none'}); what to do: rewrite with "
                 "example_kwargs holding every argument the calls pass (e.g. "
                 "amp_rewrite(model, example_kwargs=dict(batch), inplace=True))")
-        _follow_the_model(model)
-        return model.__dict__[ATTR](*args, **kwargs)
+        try:
+            return model.__dict__[ATTR](*args, **kwargs)
+        except StructureChanged as err:
+            if not err.replan or self.replan is None:
+                raise
+            gm = self.replan(model, args, kwargs, str(err))
+        return gm(*args, **kwargs)
 
 
 def _keywords(gm: nn.Module) -> Optional[FrozenSet[str]]:
@@ -127,7 +104,7 @@ def _keywords(gm: nn.Module) -> Optional[FrozenSet[str]]:
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
-def install(model: nn.Module, gm: nn.Module) -> nn.Module:
+def install(model: nn.Module, gm: nn.Module, replan: Optional[Replan] = None) -> nn.Module:
     """Make ``model`` compute with ``gm`` (see the module docstring); returns ``model``."""
     if "forward" in model.__dict__:
         raise FxampError(
@@ -143,9 +120,7 @@ def install(model: nn.Module, gm: nn.Module) -> nn.Module:
             for key in list(theirs):
                 mine.pop(key, None)
     model.__dict__[ATTR] = gm
-    model.__dict__[PAIRS] = _flag_pairs(model, gm)
-    model.__dict__[TENSORS] = _tensor_pairs(model, gm)
-    forward = InplaceForward(model, _keywords(gm))
+    forward = InplaceForward(model, _keywords(gm), replan)
     try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
         forward.__signature__ = inspect.signature(gm.forward)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
@@ -154,6 +129,10 @@ def install(model: nn.Module, gm: nn.Module) -> nn.Module:
     for attr in RESULT_ATTRS:
         if hasattr(gm, attr):
             model.__dict__[attr] = getattr(gm, attr)
+    structure = getattr(result_of(gm), "structure", None) if has_result(gm) else None
+    if structure is not None:
+        structure.inplace = True  # (the model's flags are the graph's)
+        structure.take()  # (the model as it is now: its forward the rewritten one)
     return model
 
 
@@ -172,7 +151,7 @@ def is_inplace(model: nn.Module) -> bool:
 
 
 def _take(model: nn.Module) -> Dict[str, Any]:
-    keys = (ATTR, PAIRS, TENSORS, "forward") + RESULT_ATTRS
+    keys = (ATTR, "forward") + RESULT_ATTRS
     return {k: model.__dict__.pop(k) for k in keys if k in model.__dict__}
 
 
@@ -187,10 +166,10 @@ def uninstalled(model: nn.Module) -> Iterator[None]:
         model.__dict__.update(taken)
 
 
-def reinstall(model: nn.Module, gm: nn.Module) -> nn.Module:
+def reinstall(model: nn.Module, gm: nn.Module, replan: Optional[Replan] = None) -> nn.Module:
     """Replace the in-place rewrite ``model`` computes with by ``gm``."""
     _take(model)
-    return install(model, gm)
+    return install(model, gm, replan)
 
 
 def rewritten(model: nn.Module) -> nn.Module:

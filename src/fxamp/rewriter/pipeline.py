@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import late_hooks, ops
+from .. import ops
 from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, TraceError, UnsupportedModelError
@@ -18,6 +18,7 @@ from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats, plan_of
 from ..result import Rewritten, has_result, result_of, set_result
+from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
 from ..frontends.common import as_tuple, nested_header
@@ -163,7 +164,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             return model
         with uninstalled(model):
             gm = amp_rewrite(model, example_inputs, config=config)
-        return reinstall(model, gm) if inplace else gm
+        return reinstall(model, gm, _replan) if inplace else gm
     if has_result(model):
         if result_of(model).policy == pol:
             log.info("model was already rewritten with the same policy; returning it")
@@ -178,7 +179,38 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "pass e.g. (torch.randn(1, 3, 224, 224),)")
     args = () if example_inputs is None else as_tuple(example_inputs)
     gm = _rewrite_top(model, args, config)
-    return install(model, gm) if inplace else gm
+    return install(model, gm, _replan) if inplace else gm
+
+
+def _replan(model: nn.Module, args: tuple, kwargs: Dict[str, Any], why: str) -> nn.Module:
+    """An in-place rewritten model whose structure changed (``why``): planned again, with
+    its config, on the call's inputs (any outer autocast off, grad mode on, outside
+    inference mode), and put in place of the old rewrite; the new rewritten module."""
+    log.warning("%s changed after its in-place rewrite (%s): planning it again on this "
+                "call's inputs", type(model).__name__, why)
+    config = result_of(model).config
+    if config is None:
+        raise UnsupportedModelError(f"{why}; what to do: rewrite the model again")
+    try:
+        check_model(model)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{type(model).__name__} changed after its in-place "
+                                    f"rewrite ({why}) and cannot be planned again: {err}"
+                                    ) from None
+    if kwargs or config.example_kwargs:
+        config = config.replace(example_kwargs=dict(kwargs) or None)
+    devices = [d for d in ("cpu", "cuda", "xpu", "mps")
+               if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)]
+    for d in devices:
+        torch.set_autocast_enabled(d, False)
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), uninstalled(model):
+            gm = _rewrite_top(model, args, config)
+    finally:
+        for d in devices:
+            torch.set_autocast_enabled(d, True)
+    reinstall(model, gm, _replan)
+    return gm
 
 
 def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
@@ -355,7 +387,8 @@ class Rewrite:
         copy_root_hooks(model, gm)
         graph_frontend(self.captured).finish(gm, self.captured, model, self.example,
                                              self.kwargs)
-        late_hooks.install(gm, model)
+        share_modules(gm, model)  # the graph reads the model's own modules
+        set_result(gm, result_of(gm).replace(structure=Structure(model, gm, hooked_paths(gm))))
         if taken == "export":  # (torch's exported graphs hold local objects: deepcopy works)
             refuse_copies(gm, taken, deepcopy=False)
 

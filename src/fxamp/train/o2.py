@@ -46,8 +46,8 @@ def attach_optimizer(gm: Union[nn.Module, Callable[[], nn.Module]],
     found = caches(get())
     if not found:
         raise FxampError("attach_optimizer: this module keeps no low-precision weight copies "
-                         "(it was rewritten with weights=cast, or casts no weight); what to "
-                         "do: rewrite with policy weights=o2 (or the default weights=cached)")
+                         "(it was rewritten with the default weights=cast, or casts no "
+                         "weight); what to do: rewrite with policy weights=o2")
     for cache in found:
         cache.attached = True
 

@@ -1,0 +1,107 @@
+"""The module type every rewritten graph is: :class:`Program`, the one owner of what runs on
+each call.
+
+A call of a Program runs, in this order and on every exit path:
+
+1. the structure check (:class:`fxamp.structure.Structure`, kept in the result): the model's
+   modules, Parameters, buffers, training flags and dtypes against what the graphs were built
+   on, and the hooks registered since on modules the graphs run as ops (every graph part:
+   checkpoint regions included). While nothing changed this is a few C-level comparisons;
+2. every ``torch.autocast`` around the call turned off (the plan says each node's dtype, the
+   casts are explicit), and turned back on in a ``finally``, also when the graph raises;
+3. the graph (the generated ``forward``).
+
+Nothing else runs per call: no per-call copy of flags or tensors, no weight cache (each weight
+is cast in the graph, as autocast casts it), no process-wide state.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Tuple
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+#: the device types autocast knows on this torch (checked once)
+DEVICES: Tuple[str, ...] = tuple(d for d in ("cpu", "cuda", "xpu", "mps")
+                                 if torch.amp.is_autocast_available(d))
+_ENABLED = torch.is_autocast_enabled
+_SET = torch.set_autocast_enabled
+_COMPILING = torch.compiler.is_compiling
+_WARNED: list = []
+#: the attribute the rewrite's result is kept under (``fxamp.result.ATTR``)
+RESULT = "fxamp_result"
+
+
+def _note_outer_autocast(was: Tuple[str, ...]) -> None:
+    """Log once per process that a rewritten model ran under the user's autocast."""
+    from .runtime import own_autocast_depth
+
+    if not _WARNED and not own_autocast_depth() and not _COMPILING():
+        _WARNED.append(True)
+        log.warning("a rewritten model was called under torch.autocast(%s): autocast is "
+                    "turned off inside it, so every node computes in the dtype its plan "
+                    "says (the casts are explicit); the autocast is neither needed nor "
+                    "used around it", ", ".join(was))
+
+
+def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``graph_forward`` (the generated code) behind the structure check and the autocast
+    switch, restored in ``finally``."""
+
+    @functools.wraps(graph_forward)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        own = self.__dict__
+        guard = own[RESULT].structure if RESULT in own else None
+        if guard is not None and not _COMPILING() and guard.key != guard.now():
+            guard.check()  # (something changed: followed, re-planned or refused)
+        was = tuple(filter(_ENABLED, DEVICES))
+        if not was:
+            return graph_forward(self, *args, **kwargs)
+        _note_outer_autocast(was)
+        for device in was:
+            _SET(device, False)
+        try:
+            return graph_forward(self, *args, **kwargs)
+        finally:
+            for device in was:
+                _SET(device, True)
+
+    return forward
+
+
+class Program(fx.GraphModule):
+    """A rewritten graph: an ``fx.GraphModule`` whose ``forward`` is the generated graph code
+    run behind the structure check and with any outer autocast off (see the module
+    docstring). ``program.code`` is the graph's code."""
+
+    def recompile(self) -> Any:
+        """Generate the graph's code (``GraphModule.recompile``) and put it behind the
+        run-time contract."""
+        code = super().recompile()
+        cls = type(self)
+        cls.forward = _owned(cls.forward)  # type: ignore[method-assign]
+        return code
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """Pickled like a GraphModule (its code, re-traced on load), loaded as a Program."""
+        fn, args = super().__reduce__()
+        return (_load, (fn, args))
+
+
+def _load(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Program:
+    """A pickled Program: the GraphModule torch rebuilds, made a Program again with its
+    attributes (the result, the constants the graph does not name)."""
+    gm = fn(*args)
+    program = Program(gm, gm.graph, type(gm).__name__)
+    for key, value in gm.__dict__.items():
+        program.__dict__.setdefault(key, value)
+    return program
+
+
+def is_program(module: Any) -> bool:
+    """Whether ``module`` is a rewritten graph (a :class:`Program`)."""
+    return isinstance(module, Program)
