@@ -123,7 +123,12 @@ from typing import Dict  # noqa: E402
 import torch.utils.checkpoint as _checkpoint  # noqa: E402
 
 __all__ += ["op_schema", "overload_name", "checkpoint_impl", "replaced_checkpoint_impl",
-            "found_inf_per_device"]
+            "found_inf_per_device", "BATCH_NORM_BASE", "INSTANCE_NORM_BASE"]
+
+#: the private base classes of torch's norms (``nn.modules.batchnorm._BatchNorm``: the
+#: ``BatchNorm1d/2d/3d`` and their lazy and sync forms; ``instancenorm._InstanceNorm``)
+BATCH_NORM_BASE: type = torch.nn.modules.batchnorm._BatchNorm
+INSTANCE_NORM_BASE: type = torch.nn.modules.instancenorm._InstanceNorm
 
 
 def op_schema(op: Any) -> Any:
