@@ -6,7 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.config import RewriteConfig, config_of
+from fxamp.config import RewriteConfig
+from fxamp.result import config_of
 from fxamp.train import Trainer
 
 

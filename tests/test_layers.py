@@ -21,7 +21,8 @@ SRC = pathlib.Path(fxamp.__file__).resolve().parent
 #: A module is in the first layer with a prefix that names it or a package above it.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("core", ("fxamp._version", "fxamp._torch", "fxamp.errors", "fxamp.policy",
-              "fxamp.plan_text", "fxamp.plan", "fxamp.fileio", "fxamp.autocast_tables", "fxamp.oplists",
+              "fxamp.plan_records", "fxamp.plan_text", "fxamp.plan", "fxamp.fileio",
+              "fxamp.autocast_tables", "fxamp.oplists",
               "fxamp.perf", "fxamp.runtime",
               "fxamp.overrides", "fxamp.config", "fxamp.progress", "fxamp.weight_cache",
               "fxamp.ir", "fxamp.ops", "fxamp.structure", "fxamp.program", "fxamp.result",

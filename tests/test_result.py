@@ -7,10 +7,9 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from fxamp.config import config_of
 from fxamp.ir import Rule
 from fxamp.passes.rule import DecisionRule
-from fxamp.result import ATTR, Rewritten, result_of
+from fxamp.result import ATTR, Rewritten, config_of, result_of
 
 BF16 = dict(target="cpu", dtype=torch.bfloat16)
 

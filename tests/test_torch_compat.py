@@ -1,13 +1,25 @@
 """torch's private API is reached through ``fxamp._torch`` alone: every private name it
 wraps exists on the installed torch (CI also runs this on the oldest supported torch with
 ``pytest -m floor``), its wrappers do what their docstrings say, and no other module of
-fxamp uses a private torch name (the op vocabulary's op spellings are data and stay there)."""
+fxamp uses a private torch name.
+
+The last check reads every module with ``ast`` and resolves what each name is bound to:
+``import torch.utils.checkpoint as cp`` makes ``cp._checkpoint_impl`` the private
+``torch.utils.checkpoint._checkpoint_impl``; ``from torch import _C as C``,
+``getattr(torch, "_C")`` (a literal name), ``importlib.import_module("torch._dynamo")``, a
+name assigned a torch value (``g = torch.fx.Graph()``, then ``g._nodes``) and string
+annotations are resolved the same way. Any component of a resolved path, or of an import,
+that starts with one underscore (dunders are public) is private. ATen op spellings
+(``torch.ops.aten._to_copy.default``: the namespace, op and overload after ``torch.ops``)
+are names a node is matched against, not API. A few private attributes of torch objects
+(``Graph._codegen``, ``OpOverload._schema``...) are read off values whose origin a file does
+not show (a parameter, ``self.scaler``): :data:`PRIVATE_ATTRS` flags them on any object."""
 from __future__ import annotations
 
 import ast
 import importlib
 import pathlib
-import re
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 import torch
@@ -30,22 +42,59 @@ WRAPPED = [
     ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ("torch._subclasses.fake_tensor", "unset_fake_temporarily"),
-    ("torch.utils._python_dispatch", "TorchDispatchMode"), ("torch._ops", "OpOverload"), ("torch._ops", "OpOverloadPacket"),
+    ("torch.utils._python_dispatch", "TorchDispatchMode"), ("torch._ops", "OpOverload"),
+    ("torch._ops", "OpOverloadPacket"),
     ("torch._C", "_set_grad_enabled"), ("torch._C", "is_grad_enabled"),
     ("torch._C", "_dispatch_has_kernel_for_dispatch_key"), ("torch._C", "_storage_Use_Count"),
     ("torch._C", "_len_torch_dispatch_stack"), ("torch._C", "_is_torch_function_mode_enabled"),
     ("torch._C", "_functorch.is_functorch_wrapped_tensor"), ("torch", "_foreach_copy_"),
     ("torch", "Tensor._use_count"), ("torch.fx", "Graph._codegen"),
+    ("torch.amp", "GradScaler._found_inf_per_device"),
+    ("torch.nn.modules.batchnorm", "_BatchNorm"),
+    ("torch.nn.modules.instancenorm", "_InstanceNorm"),
 ]
 
-#: the modules that may spell private torch names: the wrapper itself and the op vocabulary
-#: (whose ``torch._C._nn.linear`` and the like are targets a node is matched against)
-ALLOWED = {"_torch.py", "oplists.py", "autocast_tables.py"}
+def test_the_named_private_wrappers_do_what_they_say():
+    """The wrappers of the block other modules use: an ATen overload's schema and overload
+    name, GradScaler's found-inf flags, the checkpoint implementation swapped for a block
+    (restored on an exception too), the norms' base classes."""
+    op = torch.ops.aten.pow.Tensor_Scalar
+    assert _torch.op_schema(op).name == "aten::pow"
+    assert _torch.overload_name(op) == "Tensor_Scalar"
+    assert _torch.overload_name(torch.ops.aten.relu.default) == "default"
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for value, found in ((1.0, 0.0), (float("inf"), 1.0)):
+        opt.zero_grad()
+        scaler.scale((w * value).sum()).backward()
+        scaler.unscale_(opt)
+        flags = _torch.found_inf_per_device(scaler, opt)
+        assert [f.item() for f in flags.values()] == [found]
+        scaler.step(opt)
+        scaler.update()
+    original = _torch.checkpoint_impl()
+    assert original is not None  # (None on a torch without it: regions are then not kept)
+    seen = []
 
-#: a use of a private torch name in code (docstrings, comments and strings are not read)
-#: (``torch.ops.aten._to_copy`` and the like are op spellings; dunders are public)
-PRIVATE = re.compile(r"(?<![\w.])torch(\.(?!ops\b)[A-Za-z]\w*)*\._(?!_)\w+"
-                     r"|_reparametrize_module|\._codegen\b|\._use_count\b")
+    def traced(function, args, kwargs, **options):
+        seen.append(options.get("use_reentrant"))
+        return original(function, args, kwargs, **options)
+
+    x = torch.ones(2, requires_grad=True)
+    with _torch.replaced_checkpoint_impl(traced):
+        torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
+    assert seen == [False] and _torch.checkpoint_impl() is original
+    with pytest.raises(RuntimeError, match="inside"):
+        with _torch.replaced_checkpoint_impl(traced):
+            raise RuntimeError("inside")
+    assert _torch.checkpoint_impl() is original
+    torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
+    assert seen == [False]
+    assert isinstance(nn.BatchNorm2d(3), _torch.BATCH_NORM_BASE)
+    assert isinstance(nn.SyncBatchNorm(3), _torch.BATCH_NORM_BASE)
+    assert isinstance(nn.InstanceNorm1d(3), _torch.INSTANCE_NORM_BASE)
+    assert not isinstance(nn.LayerNorm(3), (_torch.BATCH_NORM_BASE, _torch.INSTANCE_NORM_BASE))
 
 
 def _resolve(module: str, attr: str) -> object:
@@ -97,33 +146,249 @@ def test_the_wrappers_do_what_they_say():
     assert len(flat) == 2 and _torch.tree_unflatten(flat, spec)["b"][0] is t
 
 
-def private_uses(path: pathlib.Path) -> list:
-    """``line: text`` of each code line of ``path`` that names a private torch name."""
-    tree = ast.parse(path.read_text())
+#: the module that may use torch's private API (relative to ``src/fxamp``)
+WRAPPER = "_torch.py"
+
+#: private torch names still used outside the wrapper, per file, each with the reason; an
+#: entry is a debt: the test fails when a file uses another one, and when an entry is no
+#: longer used (so it is removed once the code moves)
+ALLOWED_USES: Dict[str, Dict[str, str]] = {
+    # replaced at import; the process-wide patch is being removed from this module by the
+    # change that moves every trace-time patch into _torch's table
+    "frontends/fx_names.py": {"torch.fx.graph._format_target": "patched at import; moving"},
+}
+
+#: private attributes of torch objects, flagged on any value (their owner is often a
+#: parameter or an attribute whose origin the file does not show)
+PRIVATE_ATTRS = frozenset({
+    "_schema", "_overloadname", "_codegen", "_use_count", "_cdata", "_found_inf_per_device",
+    "_checkpoint_impl", "_format_target", "_set_grad_enabled"})
+
+#: calls that read an attribute named by a string literal (the object, then the name)
+_NAMED_ATTR_CALLS = {"getattr", "hasattr", "setattr", "delattr"}
+#: calls that import a module named by a string literal
+_IMPORT_CALLS = {"importlib.import_module", "import_module", "__import__"}
+
+
+def _private(part: str) -> bool:
+    part = part.split("(")[0].split("[")[0]
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def private_prefix(path: str) -> Optional[str]:
+    """The shortest private prefix of a resolved torch path (None: all public). After
+    ``torch.ops`` the namespace, op and overload are op spellings, not API."""
+    parts = path.split(".")
+    if parts[0] != "torch":
+        return None
+    for i, part in enumerate(parts):
+        if parts[1:2] == ["ops"] and 2 <= i <= 4:
+            continue
+        if _private(part):
+            return ".".join(parts[:i + 1])
+    return None
+
+
+class TorchNames:
+    """What the names of one module are bound to, as torch paths (``torch.utils.checkpoint``,
+    ``torch.amp.GradScaler()`` for a call's result); one map for the whole file."""
+
+    def __init__(self, tree: ast.AST):
+        self.tree = tree
+        self.aliases: Dict[str, str] = {"torch": "torch"}  # (string annotations need no import)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "torch":
+                        if alias.asname:
+                            self.aliases[alias.asname] = alias.name
+                        else:
+                            self.aliases[alias.name.split(".")[0]] = "torch"
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module and \
+                    node.module.split(".")[0] == "torch":
+                for alias in node.names:
+                    self.aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        for _ in range(3):  # assignments of torch values, in any order (a few rounds)
+            for node in ast.walk(tree):
+                value, targets = None, []
+                if isinstance(node, ast.Assign):
+                    value, targets = node.value, node.targets
+                elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                    value, targets = node.value, [node.target]
+                elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+                    value, targets = node.context_expr, [node.optional_vars]
+                if value is None:
+                    continue
+                path = self.resolve(value)
+                for target in targets:
+                    if isinstance(target, ast.Name) and path is not None:
+                        self.aliases.setdefault(target.id, path)
+
+    def literal_call(self, node: ast.Call) -> Optional[str]:
+        """The torch path a literal ``getattr(obj, "_x")`` / ``import_module("torch.x")`` reads."""
+        func = ast.unparse(node.func)
+        literal = [a.value for a in node.args[1:2] if isinstance(a, ast.Constant)]
+        if func in _NAMED_ATTR_CALLS and func not in self.aliases and literal and \
+                isinstance(literal[0], str):
+            base = self.resolve(node.args[0])
+            return f"{base}.{literal[0]}" if base else None
+        first = node.args[0] if node.args else None
+        if func in _IMPORT_CALLS and isinstance(first, ast.Constant) and \
+                isinstance(first.value, str) and first.value.split(".")[0] == "torch":
+            return first.value
+        return None
+
+    def resolve(self, node: ast.AST) -> Optional[str]:
+        """The torch path ``node`` evaluates to, or None when it is not known to be one."""
+        if isinstance(node, ast.Name):
+            return self.aliases.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = self.resolve(node.value)
+            return f"{base}.{node.attr}" if base else None
+        if isinstance(node, ast.Call):
+            named = self.literal_call(node)
+            if named is not None:
+                return named
+            base = self.resolve(node.func)
+            return f"{base}()" if base else None
+        if isinstance(node, ast.Subscript):
+            base = self.resolve(node.value)
+            return f"{base}[]" if base else None
+        return None
+
+
+def _annotations(tree: ast.AST) -> List[Tuple[int, ast.AST]]:
+    """(line, parsed expression) of each string annotation (``x: "torch._ops.OpOverload"``)."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Attribute, ast.Name, ast.ImportFrom, ast.Import)):
-            text = ast.unparse(node)
-            if isinstance(node, ast.ImportFrom):
-                text = f"from {node.module} import " + ", ".join(a.name for a in node.names)
-            if PRIVATE.search(text):
-                found.append(node.lineno)
-    lines = path.read_text().splitlines()
-    return [f"{n}: {lines[n - 1].strip()}" for n in sorted(set(found))]
+        notes: List[Optional[ast.expr]] = []
+        if isinstance(node, ast.arg):
+            notes = [node.annotation]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            notes = [node.returns]
+        elif isinstance(node, ast.AnnAssign):
+            notes = [node.annotation]
+        for note in notes:
+            if isinstance(note, ast.Constant) and isinstance(note.value, str):
+                try:
+                    found.append((note.lineno, ast.parse(note.value, mode="eval")))
+                except SyntaxError:
+                    pass
+    return found
+
+
+def private_torch_uses(source: str) -> List[str]:
+    """``line: path`` for each private torch name the code of ``source`` uses (imports,
+    attribute reads and writes, literal ``getattr``, string annotations; docstrings,
+    comments and other strings are text)."""
+    tree = ast.parse(source)
+    names = TorchNames(tree)
+    hits: Set[Tuple[int, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            hits |= {(node.lineno, a.name) for a in node.names if private_prefix(a.name)}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            hits |= {(node.lineno, f"{node.module}.{a.name}") for a in node.names
+                     if private_prefix(f"{node.module}.{a.name}")}
+    trees = [(0, tree)] + _annotations(tree)
+    for line, sub in trees:
+        for node in ast.walk(sub):
+            if isinstance(node, ast.Call):  # a literal getattr / import_module; other calls
+                path = names.literal_call(node)  # are their callee, an attribute seen below
+            elif isinstance(node, ast.Attribute):
+                path = names.resolve(node)
+            else:
+                continue
+            where = line or node.lineno
+            if path is not None and private_prefix(path):
+                hits.add((where, path))
+            elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_ATTRS:
+                hits.add((where, f"{ast.unparse(node.value)}.{node.attr}"))
+    # one line per use: drop a path another hit on its line extends (torch._C of torch._C.x)
+    kept = {(n, p) for n, p in hits
+            if not any(m == n and q != p and q.startswith(p) and q[len(p)] in ".(["
+                       for m, q in hits)}
+    return [f"{n}: {p}" for n, p in sorted(kept)]
+
+
+def _module_uses() -> Dict[str, List[str]]:
+    """file (relative to src/fxamp) -> its private torch uses, the wrapper left out."""
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel != WRAPPER:
+            uses = private_torch_uses(path.read_text())
+            if uses:
+                out[rel] = uses
+    return out
 
 
 def test_no_module_but_the_wrapper_uses_private_torch_names():
-    bad = {str(p.relative_to(SRC)): private_uses(p) for p in sorted(SRC.rglob("*.py"))
-           if p.name not in ALLOWED or p.parent != SRC}
-    bad = {k: v for k, v in bad.items() if v}
-    assert not bad, ("private torch API outside fxamp._torch (add a wrapper there): "
-                     f"{bad}")
+    bad = {}
+    for rel, uses in _module_uses().items():
+        allowed = ALLOWED_USES.get(rel, {})
+        extra = [u for u in uses if u.split(": ", 1)[1] not in allowed]
+        if extra:
+            bad[rel] = extra
+    assert not bad, ("private torch API outside fxamp._torch (add a named wrapper there, in "
+                     "its block of names other modules use): " + "; ".join(
+                         f"{rel}: {', '.join(uses)}" for rel, uses in bad.items()))
 
 
-def test_the_check_sees_private_uses(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text("import torch\nfrom torch.utils._pytree import tree_map\n"
-                     "x = torch._C._set_grad_enabled\ny = g._codegen\n"
-                     "'''torch._C in a docstring'''\n")
-    got = private_uses(probe)
-    assert [g.split(":")[0] for g in got] == ["2", "3", "4"], got
+def test_every_allowed_private_use_is_still_there():
+    """An allowance left after its code moved would hide a new use of the same name."""
+    uses = _module_uses()
+    stale = [f"{rel}: {name}" for rel, names in ALLOWED_USES.items() for name in names
+             if not any(u.split(": ", 1)[1] == name for u in uses.get(rel, []))]
+    assert not stale, f"remove these from ALLOWED_USES (no longer used): {stale}"
+
+
+#: (snippet, the uses the checker must report): one per spelling of a private torch name
+PLANTED = [
+    ("import torch.utils.checkpoint as cp\nf = cp._checkpoint_impl\n",
+     ["2: torch.utils.checkpoint._checkpoint_impl"]),
+    ("from torch.amp import grad_scaler as gs\nf = gs.GradScaler._found_inf_per_device\n",
+     ["2: torch.amp.grad_scaler.GradScaler._found_inf_per_device"]),
+    ("from torch import _C as C\nC._set_grad_enabled(True)\n",
+     ["1: torch._C", "2: torch._C._set_grad_enabled"]),
+    ("import torch\nC = getattr(torch, '_C')\n", ["2: torch._C"]),
+    ("import torch\nsetattr(torch.utils.checkpoint, '_checkpoint_impl', print)\n",
+     ["2: torch.utils.checkpoint._checkpoint_impl"]),
+    ("import torch\ntorch._dynamo.reset()\n", ["2: torch._dynamo.reset"]),
+    ("import torch._dynamo\n", ["1: torch._dynamo"]),
+    ("import torch.fx\ng = torch.fx.Graph()\nn = g._graph_namespace\n",
+     ["3: torch.fx.Graph()._graph_namespace"]),
+    ("import torch.nn as nn\np = nn.Linear(2, 2)._parameters\n",
+     ["2: torch.nn.Linear()._parameters"]),
+    ("import torch\nC = torch._C\nC._set_grad_enabled(False)\n",
+     ["2: torch._C", "3: torch._C._set_grad_enabled"]),
+    ("from torch.utils._pytree import tree_map\n", ["1: torch.utils._pytree.tree_map"]),
+    ("import torch\nok = isinstance(f, torch._ops.OpOverloadPacket) or isinstance(\n"
+     "    f, torch._ops.OpOverload)\n",
+     ["2: torch._ops.OpOverloadPacket", "3: torch._ops.OpOverload"]),
+    ("from torch.nn.utils.stateless import _reparametrize_module as r\n",
+     ["1: torch.nn.utils.stateless._reparametrize_module"]),
+    ("import importlib\nd = importlib.import_module('torch._dynamo')\n", ["2: torch._dynamo"]),
+    ("def f(op: 'torch._ops.OpOverload') -> None:\n    pass\n", ["1: torch._ops.OpOverload"]),
+    ("import torch\ns = torch.ops.aten.add.Tensor._schema\n",
+     ["2: torch.ops.aten.add.Tensor._schema"]),
+    ("def f(scaler, opt):\n    return scaler._found_inf_per_device(opt)\n",
+     ["2: scaler._found_inf_per_device"]),
+    ("def f(graph):\n    return graph._codegen\n", ["2: graph._codegen"]),
+]
+
+#: code that names no private torch API
+CLEAN = ('"""torch._C in a docstring"""\nimport torch\nimport numpy as np\n'
+         "x = torch.ops.aten._to_copy.default  # an op spelling\n"
+         "v = torch.__version__\ny = np._NoValue\nname = 'torch._C'\n"
+         "class M(torch.nn.Module):\n    def f(self):\n        return self._modules\n")
+
+
+@pytest.mark.parametrize("source,expected", PLANTED, ids=[p[0].split("\n")[-2][:40]
+                                                       for p in PLANTED])
+def test_the_check_sees_a_planted_private_use(source, expected):
+    assert private_torch_uses(source) == expected
+
+
+def test_the_check_passes_public_names_and_text():
+    assert private_torch_uses(CLEAN) == []

@@ -9,7 +9,8 @@ from .rewriter.inplace import rewritten  # noqa: E402
 from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
 from .passes.audit import Finding  # noqa: E402
 from .rewriter.audit import audit  # noqa: E402
-from .config import RewriteConfig, config_of  # noqa: E402
+from .config import RewriteConfig  # noqa: E402
+from .result import config_of  # noqa: E402
 from .weight_cache import weight_cache_bytes  # noqa: E402
 from . import train  # noqa: E402
 

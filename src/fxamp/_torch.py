@@ -112,3 +112,57 @@ def foreach_copy_(dsts: list, srcs: list) -> None:
     """Copy each of ``srcs`` into the matching tensor of ``dsts`` in one fused call
     (``torch._foreach_copy_``; the lists hold tensors of one dtype and device)."""
     torch._foreach_copy_(dsts, srcs)
+
+
+# -- private names other modules use
+# (kept in one block: names reached by the op vocabulary, the checkpoint front-end helper
+# and the trainer; each wrapper says which private name it reads)
+
+from typing import Dict  # noqa: E402
+
+import torch.utils.checkpoint as _checkpoint  # noqa: E402
+
+__all__ += ["op_schema", "overload_name", "checkpoint_impl", "replaced_checkpoint_impl",
+            "found_inf_per_device", "BATCH_NORM_BASE", "INSTANCE_NORM_BASE"]
+
+#: the private base classes of torch's norms (``nn.modules.batchnorm._BatchNorm``: the
+#: ``BatchNorm1d/2d/3d`` and their lazy and sync forms; ``instancenorm._InstanceNorm``)
+BATCH_NORM_BASE: type = torch.nn.modules.batchnorm._BatchNorm
+INSTANCE_NORM_BASE: type = torch.nn.modules.instancenorm._InstanceNorm
+
+
+def op_schema(op: Any) -> Any:
+    """The ``FunctionSchema`` of an ATen overload (``OpOverload._schema``): its ``name``
+    (``aten::sum``) and ``arguments``."""
+    return op._schema
+
+
+def overload_name(op: Any) -> str:
+    """An ATen overload's overload name (``OpOverload._overloadname``: ``"default"``,
+    ``"Tensor_Scalar"``)."""
+    return op._overloadname
+
+
+def checkpoint_impl() -> Any:
+    """``torch.utils.checkpoint._checkpoint_impl`` (what ``checkpoint``, its decorator form
+    and ``checkpoint_sequential`` all call), or None on a torch without it."""
+    return getattr(_checkpoint, "_checkpoint_impl", None)
+
+
+@contextlib.contextmanager
+def replaced_checkpoint_impl(fn: Callable[..., Any]) -> Iterator[None]:
+    """Within the block ``torch.utils.checkpoint._checkpoint_impl`` is ``fn``; the original
+    is restored after, on every exit path."""
+    saved = _checkpoint._checkpoint_impl
+    _checkpoint._checkpoint_impl = fn  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        _checkpoint._checkpoint_impl = saved  # type: ignore[attr-defined]
+
+
+def found_inf_per_device(scaler: Any, optimizer: Any) -> Dict[Any, torch.Tensor]:
+    """device -> the found-inf flag ``scaler`` recorded for ``optimizer`` in its last
+    ``unscale_`` (``GradScaler._found_inf_per_device``; what ``GradScaler.step`` sums to
+    decide whether to skip)."""
+    return scaler._found_inf_per_device(optimizer)

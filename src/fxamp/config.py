@@ -3,7 +3,7 @@
 ``amp_rewrite`` builds one :class:`RewriteConfig` from its arguments (policy, dtype and
 target folded into the :class:`~fxamp.policy.Policy`, the front end, the example keyword
 arguments, the calibration) and stores it on the rewritten module; whoever rewrites the same
-model again reads it there (:func:`config_of`) instead of re-parsing the plan header:
+model again reads it there (:func:`fxamp.result.config_of`) instead of re-parsing the plan header:
 the trainer's healing, the tolerance search, the audit and the CLI. After a rewrite the
 stored config's ``calibration`` is the collected value ranges (so rewriting again needs no
 data and gives the same range decisions).
@@ -116,10 +116,3 @@ def _policy(policy: Union[None, str, Policy], dtype: Optional[torch.dtype],
                 f" ({policy}); what to do: give the low dtype once, either dtype= or "
                 "compute= in the policy")
     return pol
-
-
-def config_of(module: Any) -> RewriteConfig:
-    """The RewriteConfig ``module`` was made with by ``amp_rewrite`` (FxampError if none)."""
-    from .result import config_of as read
-
-    return read(module)

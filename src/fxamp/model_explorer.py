@@ -168,7 +168,7 @@ def write_program_node_data(model: Any, inputs: Any, output: str, frontend: str 
     ``rewrite``: the other ``amp_rewrite`` arguments (dtype, target, policy)."""
     import torch
 
-    from .plan import plan_of
+    from .result import plan_of
     from .rewriter import amp_rewrite
 
     if "export" not in FRONTEND_ORDER.get(frontend, ("export",)):  # fx alone

@@ -1,10 +1,18 @@
-"""ATen ops a call runs that depend on its arguments: ``F.interpolate``'s mode, ``F.pad``'s
-mode and pad length, whether an ``einsum`` contracts an index."""
+"""A call's arguments, and the ATen ops a call runs that depend on them.
+
+:func:`arg` reads one argument of an fx call by name, wherever it was passed (the op
+vocabulary, :mod:`fxamp.ops`, re-exports it for the passes; the op tables use it for the
+ops below). The ops: ``F.interpolate``'s mode, ``F.pad``'s mode and pad length, whether an
+``einsum`` contracts an index."""
 from __future__ import annotations
 
-from typing import Tuple
+import inspect
+from typing import Any, Dict, Optional, Tuple
 
+import torch
 import torch.nn.functional as F
+
+from . import _torch
 
 #: the interpolate functions (their ATen op follows the ``mode`` argument)
 INTERPOLATE = {F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear}
@@ -56,3 +64,45 @@ def einsum_ops(args: tuple) -> Tuple[str, ...]:
     if len(inputs) >= 2 and len(operands) >= 2 and contracted:
         return ("einsum", "bmm")
     return ("einsum",)
+
+
+def _signature(target: Any) -> Optional[inspect.Signature]:
+    """The signature of a call target: the ATen schema for an overload, else Python's."""
+    if isinstance(target, _torch.OpOverload):
+        params = [inspect.Parameter(a.name, inspect.Parameter.KEYWORD_ONLY if a.kwarg_only
+                                    else inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                  for a in _torch.op_schema(target).arguments]
+        return inspect.Signature(params)
+    try:
+        return inspect.signature(inspect.unwrap(target))
+    except (TypeError, ValueError):
+        return None
+
+
+def _normalised(node: "torch.fx.Node") -> Optional[Dict[str, Any]]:
+    """All the node's arguments by name (a call_function whose target has a signature)."""
+    if node.op != "call_function":
+        return None
+    sig = _signature(node.target)
+    if sig is None:
+        return None
+    try:
+        return dict(sig.bind_partial(*node.args, **node.kwargs).arguments)
+    except TypeError:
+        return None
+
+
+def arg(node: "torch.fx.Node", key: str, index: Optional[int] = None, default: Any = None) -> Any:
+    """The argument ``key`` of the call ``node``, whether passed by keyword or by position.
+
+    ``index`` is its position in the node's own call (for a tensor method, ``self`` is
+    position 0). Without ``index`` the position comes from the op's schema (Python
+    signature or ATen schema). ``default`` when it was not passed."""
+    if key in node.kwargs:
+        return node.kwargs[key]
+    if index is not None:
+        return node.args[index] if len(node.args) > index else default
+    bound = _normalised(node)
+    if bound is not None:
+        return bound.get(key, default)
+    return default

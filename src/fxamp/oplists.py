@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ops as op_vocab
-from .op_args import INTERPOLATE as _INTERPOLATE, einsum_ops, interpolate_ops, pad_ops
+from ._torch import OpOverload, OpOverloadPacket, op_schema, overload_name
+from .op_args import INTERPOLATE as _INTERPOLATE, arg, einsum_ops, interpolate_ops, pad_ops
 from .autocast_tables import (ATEN_TABLES, BANNED, FOLLOW, FP32, FP32_OPT,  # noqa: F401
                               LOWER, PROMOTE, TARGETS, aten_category)
 
@@ -263,13 +263,14 @@ def module_label(module: nn.Module) -> str:
 
 def is_aten(fn: object) -> bool:
     """Whether ``fn`` is an ATen op overload (the targets of a torch.export graph)."""
-    return isinstance(fn, torch._ops.OpOverload) and fn.namespace == "aten"
+    return isinstance(fn, OpOverload) and fn.namespace == "aten"
 
 
-def aten_name(fn: "torch._ops.OpOverload") -> str:
+def aten_name(fn: OpOverload) -> str:
     """``pow.Tensor_Scalar`` / ``linear`` for an ATen overload (``default`` dropped)."""
-    base = fn._schema.name.split("::", 1)[-1]
-    return base if fn._overloadname == "default" else f"{base}.{fn._overloadname}"
+    base = op_schema(fn).name.split("::", 1)[-1]
+    overload = overload_name(fn)
+    return base if overload == "default" else f"{base}.{overload}"
 
 
 def call_name(node: "torch.fx.Node") -> str:
@@ -281,7 +282,7 @@ def call_name(node: "torch.fx.Node") -> str:
         return str(node.target)
     if node.op == "call_function":
         if is_aten(node.target):
-            return node.target._schema.name.split("::", 1)[-1]
+            return op_schema(node.target).name.split("::", 1)[-1]
         return getattr(node.target, "__name__", str(node.target))
     return ""
 
@@ -311,7 +312,7 @@ def callable_label(fn: object) -> str:
 
 
 def _is_torch_callable(fn: object) -> bool:
-    if isinstance(fn, torch._ops.OpOverloadPacket) or isinstance(fn, torch._ops.OpOverload):
+    if isinstance(fn, (OpOverloadPacket, OpOverload)):
         return str(fn).startswith("aten")
     module = getattr(fn, "__module__", None)
     if module is None:  # builtin methods of torch._C._VariableFunctions, etc.
@@ -356,14 +357,14 @@ def node_ops(node: "torch.fx.Node", root: nn.Module) -> Tuple[str, Optional[Tupl
         prefix = next((p for p in _ALIAS_PREFIXES if name.startswith(p)), "")
         return label, (name, name[len(prefix):].split(".")[0]) if prefix else (name,)
     if fn in _INTERPOLATE:
-        mode = op_vocab.arg(node, "mode", 3, "nearest")
+        mode = arg(node, "mode", 3, "nearest")
         if fn is F.upsample_bilinear:
             mode = "bilinear"
         antialias = bool(node.kwargs.get("antialias", False))
         return label, interpolate_ops(mode if isinstance(mode, str) else "nearest", antialias)
     if fn is F.pad:
-        mode = op_vocab.arg(node, "mode", 2, "constant")
-        pad = op_vocab.arg(node, "pad", 1, ())
+        mode = arg(node, "mode", 2, "constant")
+        pad = arg(node, "pad", 1, ())
         return label, pad_ops(mode, len(pad) if isinstance(pad, (list, tuple)) else 0)
     if fn in RUNTIME_FUNCTIONS:
         return label, RUNTIME

@@ -27,7 +27,6 @@ the losses) are data in :mod:`fxamp.oplists`; only this module reads them
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import operator
 from collections.abc import Set as AbstractSet
@@ -38,7 +37,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import oplists
-from ._torch import OpOverload
+from . import _torch
+from .op_args import arg
 
 log = logging.getLogger(__name__)
 
@@ -184,55 +184,13 @@ def fp32_list_ops(target: str) -> Tuple[str, ...]:
                  if category in (FP32, FP32_OPT))
 
 
-def _signature(target: Any) -> Optional[inspect.Signature]:
-    """The signature of a call target: the ATen schema for an overload, else Python's."""
-    if isinstance(target, OpOverload):
-        params = [inspect.Parameter(a.name, inspect.Parameter.KEYWORD_ONLY if a.kwarg_only
-                                    else inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                  for a in target._schema.arguments]
-        return inspect.Signature(params)
-    try:
-        return inspect.signature(inspect.unwrap(target))
-    except (TypeError, ValueError):
-        return None
-
-
-def _normalised(node: fx.Node) -> Optional[Dict[str, Any]]:
-    """All the node's arguments by name (a call_function whose target has a signature)."""
-    if node.op != "call_function":
-        return None
-    sig = _signature(node.target)
-    if sig is None:
-        return None
-    try:
-        return dict(sig.bind_partial(*node.args, **node.kwargs).arguments)
-    except TypeError:
-        return None
-
-
-def arg(node: fx.Node, key: str, index: Optional[int] = None, default: Any = None) -> Any:
-    """The argument ``key`` of the call ``node``, whether passed by keyword or by position.
-
-    ``index`` is its position in the node's own call (for a tensor method, ``self`` is
-    position 0). Without ``index`` the position comes from the op's schema (Python
-    signature or ATen schema). ``default`` when it was not passed."""
-    if key in node.kwargs:
-        return node.kwargs[key]
-    if index is not None:
-        return node.args[index] if len(node.args) > index else default
-    bound = _normalised(node)
-    if bound is not None:
-        return bound.get(key, default)
-    return default
-
-
 def schema_arg(node: fx.Node, keys: Tuple[str, ...]) -> Tuple[Optional[str], Any]:
     """(name, value) of the first argument in the ATen op's schema named one of ``keys``
     (``("eps", "epsilon")``): passed by position or keyword, else the schema's default;
     (None, None) when the node calls no ATen overload or its schema has none of them."""
     if not is_aten(node):
         return None, None
-    for index, argument in enumerate(node.target._schema.arguments):  # type: ignore[union-attr]
+    for index, argument in enumerate(_torch.op_schema(node.target).arguments):
         if argument.name in keys:
             return argument.name, arg(node, argument.name, index, argument.default_value)
     return None, None

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ._torch import TorchDispatchMode
+from ._torch import TorchDispatchMode, op_schema
 
 __all__ = ["CastCount", "count_casts"]
 
@@ -60,7 +60,7 @@ class _CastCounter(TorchDispatchMode):
                            kwargs: Optional[Dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = func._schema.name
+        name = op_schema(func).name
         self.result.ops[name] += 1
         src = args[0] if args and isinstance(args[0], torch.Tensor) else None
         dst: Optional[torch.Tensor] = None

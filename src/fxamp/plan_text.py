@@ -12,6 +12,7 @@ import re
 from typing import Any, List, Optional, Tuple
 
 from .errors import PlanFormatError, excerpt
+from .plan_records import NodePrecision, RangeStats
 from .policy import parse_dtype
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,6 @@ def parse(text: str, cls: type) -> Any:
 
 def _parse_v2(cls: type, lines: List[str]) -> Any:
     """Version 2: header, column line, node lines, @range lines, end marker (checked)."""
-    from .plan import NodePrecision, RangeStats
-
     plan = cls()
     saw_columns = False
     end: Optional[int] = None
@@ -228,8 +227,6 @@ def _parse_v2(cls: type, lines: List[str]) -> Any:
 
 def _parse_v1(cls: type, lines: List[str]) -> Any:
     """Version 1: whitespace-separated columns, no quoting, no end marker."""
-    from .plan import NodePrecision, RangeStats
-
     plan = cls(format_version=1)
     saw_columns = False
     for number, line in enumerate(lines[1:], start=2):

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import FxampError
-from ..plan import plan_of
+from ..result import plan_of
 from .factory import config_from_args, load_factory
 from .quiet import quiet
 

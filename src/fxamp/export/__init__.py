@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from .backends import CHOICES as BACKEND_CHOICES, Backend, get_backend
 from .engine_report import check_numerics, precision_report
+from .errors import BackendUnavailableError, ExportError, NumericsError, UnknownBackendError
+from .layers import LayerPrecision
 from .onnx_export import export_onnx
 from .overflow import PlanOverflowError, run_true_fp16
 from .predict import SOURCES, Prediction, predict, predict_fp16
-from .report import (SCHEMA, BackendUnavailableError, ExportError, LayerPrecision,
-                     NumericsError, PrecisionReport, UnknownBackendError)
+from .report import SCHEMA, PrecisionReport
 from .trt_build import tensorrt_available
 
 __all__ = ["export_onnx", "precision_report", "check_numerics", "tensorrt_available",

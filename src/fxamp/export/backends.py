@@ -24,7 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .op_support import Prediction, ort_cuda_support, tensorrt_support
 from .ort_layers import onnxruntime_layers
-from .report import BackendUnavailableError, LayerPrecision, UnknownBackendError
+from .errors import BackendUnavailableError, UnknownBackendError
+from .layers import LayerPrecision
 from .trt_build import tensorrt_available, tensorrt_layers
 
 

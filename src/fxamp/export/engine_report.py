@@ -34,7 +34,9 @@ from .onnx_export import FX_NODE, MODULE
 from .onnx_types import ONNX_FLOAT_NAMES, compute_dtype
 from .ort_layers import feeds, providers
 from .repairs import NOTE, get_meta, value_types
-from .report import LayerPrecision, NumericsError, PrecisionReport
+from .errors import NumericsError
+from .layers import LayerPrecision
+from .report import PrecisionReport
 from .trt_layers import apply_engine_info
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from .repairs import (FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_t
                       restore_tiny_adds, set_meta)
 from .cast_pairs import simplify_casts
 from .fold import fold_batchnorm
-from .report import ExportError
+from .errors import ExportError
 from .verify import check_export
 
 log = logging.getLogger(__name__)

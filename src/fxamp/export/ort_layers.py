@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..errors import FxampError
 from .onnx_types import ONNX_FLOAT_NAMES, compute_dtype
 from .repairs import value_types
-from .report import BackendUnavailableError, LayerPrecision
+from .errors import BackendUnavailableError
+from .layers import LayerPrecision
 
 
 def random_feeds(session: Any) -> Dict[str, Any]:

@@ -20,7 +20,7 @@ from .._torch import tree_flatten, tree_map
 
 from ..errors import node_error
 from ..policy import dtype_name
-from .report import ExportError
+from .errors import ExportError
 
 _LOW = (torch.float16, torch.bfloat16)
 

@@ -29,53 +29,16 @@ from __future__ import annotations
 import html
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from ..errors import FxampError
 from ..fileio import atomic_write_text
+from .errors import (BackendUnavailableError, ExportError, NumericsError,  # noqa: F401
+                     UnknownBackendError)
+from .layers import LayerPrecision
+from .predict import predicted_fallbacks
 
 SCHEMA = "fxamp.precision_report/1"
-
-
-class ExportError(FxampError):
-    """The rewritten model could not be exported to ONNX."""
-
-
-class BackendUnavailableError(FxampError):
-    """The asked-for inference backend (or the hardware it needs) is not installed here."""
-
-
-class UnknownBackendError(FxampError, ValueError):
-    """A backend name that no backend of the registry (or alias) has."""
-
-
-class NumericsError(FxampError):
-    """The exported model's outputs differ from the FP32 PyTorch model beyond tolerance."""
-
-
-@dataclass
-class LayerPrecision:
-    """One ONNX node (one engine layer for TensorRT) and its precision.
-
-    planned: the dtype the fxamp plan gives its fx node (None: unmapped or not floating).
-    exported: the dtype it computes in inside the exported ONNX model.
-    actual: the dtype the backend really runs it in (None: removed/fused by the backend).
-    fallback: actual (or exported) differs from planned. note: who changed it and why.
-    predictions: backend -> note, for backends whose published operator table says they will
-    not run this op in the planned dtype (a prediction, not measured; see
-    :mod:`fxamp.export.predict`).
-    """
-
-    onnx_node: str
-    op_type: str
-    fx_node: Optional[str] = None
-    module: Optional[str] = None
-    planned: Optional[str] = None
-    exported: Optional[str] = None
-    actual: Optional[str] = None
-    fallback: bool = False
-    note: str = ""
-    predictions: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,8 +59,6 @@ class PrecisionReport:
         """Fill each layer's ``predictions`` (where empty) from the static operator tables of
         :mod:`fxamp.export.predict`: which backends are documented not to run the op in its
         planned fp16/bf16. Runs on construction; call again after changing layers."""
-        from .predict import predicted_fallbacks
-
         for layer in self.layers:
             if not layer.predictions:
                 layer.predictions = predicted_fallbacks(layer.op_type, layer.planned)

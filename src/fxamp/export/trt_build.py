@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import List
 
 from ..errors import FxampError
-from .report import LayerPrecision
+from .layers import LayerPrecision
 from .trt_layers import apply_engine_info
 
 

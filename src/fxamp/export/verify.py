@@ -24,7 +24,7 @@ from .._torch import tree_leaves, tree_map
 import torch.fx as fx
 
 from .overflow import PlanOverflowError, find_overflow, first_nonfinite_node, run_true_fp16
-from .report import ExportError
+from .errors import ExportError
 
 log = logging.getLogger(__name__)
 

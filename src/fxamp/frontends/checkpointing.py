@@ -35,6 +35,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
 
+from .._torch import checkpoint_impl, replaced_checkpoint_impl
+
 log = logging.getLogger(__name__)
 
 #: ``node.meta["custom"]`` key: the regions a node was traced in, outermost first
@@ -120,7 +122,7 @@ def recording(graph_of: Callable[[], Optional[fx.Graph]],
     value (None for a constant), ``mode`` the training mode of this trace. Yields the
     regions seen."""
     regions: List[Region] = []
-    original = getattr(torch_checkpoint, "_checkpoint_impl", None)
+    original = checkpoint_impl()
     if original is None:  # an older torch: checkpoint calls are traced through, as before
         log.debug("torch %s has no torch.utils.checkpoint._checkpoint_impl: checkpoint "
                   "regions are not kept", torch.__version__)
@@ -148,11 +150,8 @@ def recording(graph_of: Callable[[], Optional[fx.Graph]],
         log.debug("checkpoint region %d: %d nodes, %s", region.id, len(made), options)
         return result
 
-    torch_checkpoint._checkpoint_impl = traced  # type: ignore[assignment]
-    try:
+    with replaced_checkpoint_impl(traced):
         yield regions
-    finally:
-        torch_checkpoint._checkpoint_impl = original  # type: ignore[assignment]
 
 
 def fx_recording(tracer: fx.Tracer, mode: bool) -> "contextlib.AbstractContextManager":

@@ -30,8 +30,8 @@ from ..errors import FxampError
 from ..ir import Rule
 from ..ops import module_label
 from ..passes.annotate import first_float
-from ..plan import NodePrecision, Plan, plan_of
-from ..result import Rewritten, set_result
+from ..plan import NodePrecision, Plan
+from ..result import Rewritten, plan_of, set_result
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from .._torch import OpOverload, tree_flatten, tree_unflatten
+from .._torch import OpOverload, op_schema, tree_flatten, tree_unflatten
 
 
 def reads_training(model: nn.Module,
@@ -200,7 +200,7 @@ def _schema_args(node: fx.Node) -> Optional[List[Tuple[str, bool, Any]]]:
     if node.op != "call_function" or not isinstance(fn, OpOverload):
         return None
     out = []
-    for i, arg in enumerate(fn._schema.arguments):
+    for i, arg in enumerate(op_schema(fn).arguments):
         if i < len(node.args):
             value = node.args[i]
         elif arg.name in node.kwargs:

@@ -16,7 +16,7 @@ promote and fp32-unless-a-dtype lists depend on them.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Type
+from typing import Optional, Tuple, Type
 
 import torch
 import torch.fx as fx
@@ -30,7 +30,8 @@ from ..policy import Policy, dtype_name, is_deploy
 from .. import overrides
 from . import observe
 from .manager import PassContext
-from .rule import DecisionRule
+from .annotate_rule import AnnotateRule
+from .deploy import DeployRule
 
 
 def module_path(node: fx.Node) -> str:
@@ -41,21 +42,6 @@ def module_path(node: fx.Node) -> str:
         return str(node.target).rpartition(".")[0]
     stack = node.meta.get("nn_module_stack") or {}
     return next(reversed(stack.values()))[0] if stack else ""
-
-
-class AnnotateRule(DecisionRule):
-    """A rule annotate asks during the fake run (``decide`` gets the input values)."""
-
-    def decide(self, node: fx.Node, args: tuple = (), kwargs: Optional[dict] = None
-               ) -> Dict[fx.Node, Decision]:
-        return {node: self.decision(node, args, kwargs or {})}
-
-    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
-        """The node's decision (its op label included)."""
-        raise NotImplementedError
-
-    def label(self, node: fx.Node) -> str:
-        return ops.label(node, self.gm)
 
 
 class GraphInputRule(AnnotateRule):
@@ -208,8 +194,6 @@ def make_rules(root: nn.Module, policy: Policy, scope: Optional[overrides.Scope]
     ctx = PassContext(policy, scope=scope)
     classes = ANNOTATE_RULES
     if is_deploy(policy.target):
-        from .deploy import DeployRule  # (it builds on AnnotateRule, defined here)
-
         classes = classes[:-1] + (DeployRule,)
     return tuple(cls(root, ctx) for cls in classes)  # type: ignore[arg-type]
 

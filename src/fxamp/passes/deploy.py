@@ -30,7 +30,7 @@ from .._torch import tree_flatten
 from .. import ops
 from ..ir import Decision, Rule
 from ..policy import dtype_name
-from .autocast_rules import AnnotateRule
+from .annotate_rule import AnnotateRule
 
 #: a reduction of more values than this per output runs in FP32 in a deployment plan
 DEEP_REDUCTION = 4096

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ir, ops
-from .._torch import unset_fake_temporarily
+from .._torch import BATCH_NORM_BASE, INSTANCE_NORM_BASE, unset_fake_temporarily
 from ..ir import Decision, Rule
 from ..policy import Policy, dtype_name
 from . import fetch_attr
@@ -30,9 +30,8 @@ from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
 
-NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm,
-                nn.modules.instancenorm._InstanceNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm")
-                                                          else ())
+NORM_MODULES = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM_BASE, INSTANCE_NORM_BASE) + (
+    (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 # fx and torch.export (ATen) spellings; eps is read by name through the op's schema
 NORM_FUNCTIONS = (F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm,
                   getattr(F, "rms_norm", F.layer_norm),

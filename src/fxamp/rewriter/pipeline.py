@@ -16,8 +16,8 @@ from ..errors import FxampError, TraceError, UnsupportedModelError
 from ..ir import fix
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
-from ..plan import Plan, RangeStats, plan_of
-from ..result import Rewritten, has_result, result_of, set_result
+from ..plan import Plan, RangeStats
+from ..result import Rewritten, has_result, plan_of, result_of, set_result
 from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .._torch import found_inf_per_device
 from .localize import Overflow, localize
 from .skips import SCALE_FLOOR
 
@@ -35,14 +36,14 @@ class NonFiniteMixin:
         reduce (unused parameters, params outside DDP)."""
         if not _distributed():
             return
-        for found in self.scaler._found_inf_per_device(self.optimizer).values():
+        for found in found_inf_per_device(self.scaler, self.optimizer).values():
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
 
     def _found_inf(self) -> bool:
         """Whether ``scaler.step`` skipped ``optimizer.step()``: the same sum over the
         optimizer's found_inf flags that ``GradScaler.step`` tests (read before update())."""
         return sum(float(v.item()) for v in
-                   self.scaler._found_inf_per_device(self.optimizer).values()) > 0
+                   found_inf_per_device(self.scaler, self.optimizer).values()) > 0
 
     def _update_scale(self, found: bool, scale_before: float) -> None:
         if not found:
@@ -73,7 +74,7 @@ class NonFiniteMixin:
         log.warning("fxamp.train: step %d: the unscaled gradients are not finite (norm %s) "
                     "although GradScaler found no inf/NaN in the scaled ones (scale %g); "
                     "skipping the step", self.steps, grad_norm, scale)
-        for found in self.scaler._found_inf_per_device(self.optimizer).values():
+        for found in found_inf_per_device(self.scaler, self.optimizer).values():
             found.fill_(1.0)
 
     def _localize_window(self, scale: float) -> Overflow:

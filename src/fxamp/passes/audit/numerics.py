@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ... import ir, ops
+from ..._torch import BATCH_NORM_BASE, INSTANCE_NORM_BASE
 from ...errors import source_line
 from ...policy import Policy, dtype_name
 from .findings import (Finding, arg, called_module, finding, is_call_node, number,
@@ -115,8 +116,8 @@ def check_exp(node: fx.Node, gm: nn.Module, policy: Policy) -> Optional[Finding]
 # norm eps
 # ---------------------------------------------------------------------------------------
 _NORM_MODULES: Tuple[type, ...] = (
-    nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
-    nn.modules.instancenorm._InstanceNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+    BATCH_NORM_BASE, nn.LayerNorm, nn.GroupNorm,
+    INSTANCE_NORM_BASE) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 #: norm function -> (positional index of eps, its default)
 _NORM_FUNCTIONS = {F.layer_norm: (4, 1e-5), F.group_norm: (4, 1e-5), F.batch_norm: (7, 1e-5),
                    F.instance_norm: (7, 1e-5), torch.layer_norm: (4, 1e-5),

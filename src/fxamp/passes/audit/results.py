@@ -94,7 +94,7 @@ def _check_outputs(gm: fx.GraphModule, plan: Plan) -> List[Finding]:
 def audit_result(gm: nn.Module, policy: Policy, top: bool = True) -> List[Finding]:
     """The findings of a model made by ``fxamp.amp_rewrite`` (any front end), nested graphs'
     node names prefixed with their module path (``backbone/conv2d``)."""
-    from ...plan import plan_of
+    from ...result import plan_of
 
     plan = plan_of(gm)
     findings: List[Finding] = []
