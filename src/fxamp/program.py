@@ -56,7 +56,8 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         own = self.__dict__
         guard = own[RESULT].structure if RESULT in own else None
-        if guard is not None and not _COMPILING() and guard.key != guard.now():
+        if guard is not None and not _COMPILING() and (guard.key is None
+                                                       or guard.key != guard.now()):
             guard.check()  # (something changed: followed, re-planned or refused)
         was = tuple(filter(_ENABLED, DEVICES))
         if not was:

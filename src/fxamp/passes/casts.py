@@ -107,8 +107,8 @@ class _Builder:
             return value
         if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
             return value
-        if kind == "tensor" and value.op == "get_attr" and self.cache is not None and \
-                isinstance(self._attr(str(value.target)), nn.Parameter):
+        if kind == "tensor" and value.op == "get_attr" and \
+                isinstance(self._attr(str(value.target)), nn.Parameter):  # (tied: cast once)
             return self.param(str(value.target), self._attr(str(value.target)), dtype, value)
         key = (value, dtype)
         if key not in self.casts:
@@ -265,8 +265,8 @@ def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
         if not (cast.op == "call_method" and cast.target == "to" and ir.is_cast(cast)):
             continue
         users = [u for u in cast.users if mutated_source(u, root) is not cast]
-        if len(users) < 2:
-            continue
+        if len(users) < 2 or cast.args[0].op == "get_attr":
+            continue  # (a weight is a leaf: shared as is, as autocast's cast cache does)
         source, dtype = cast.args[0], cast.args[1]
         for user in users:
             with graph.inserting_before(user):
