@@ -1,6 +1,7 @@
-"""Weight copies kept across forwards (policy weights=cached, the default), weights=cast, and
-the apex-O2-style weights=o2 (fxamp/weight_cache.py, train/o2.py): same numbers, same
-gradients on the FP32 masters, fewer casts."""
+"""The default weights=cast (every forward casts, nothing kept; "cached" is its old alias)
+and the apex-O2-style weights=o2, whose low-precision copies live between steps
+(fxamp/weight_cache.py, train/o2.py): same numbers, same gradients on the FP32 masters,
+fewer casts with o2."""
 from __future__ import annotations
 
 import copy
@@ -57,11 +58,13 @@ def _launches(fn) -> dict:
     return counts
 
 
-def test_gradient_accumulation_grads_and_masters_identical_to_casting_every_forward():
-    a, ga, b, gb = _pair("weights=cached")
+@pytest.mark.parametrize("policy", ["weights=cached", "weights=o2"])
+def test_gradient_accumulation_grads_and_masters_identical_to_casting_every_forward(policy):
+    a, ga, b, gb = _pair(policy)
     opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
-    cache = caches(gb)[0]
+    if policy == "weights=o2":
+        fxamp.train.attach_optimizer(gb, opt_b)
     torch.manual_seed(1)
     for _ in range(2):  # optimizer steps
         for _ in range(3):  # micro-batches
@@ -76,22 +79,31 @@ def test_gradient_accumulation_grads_and_masters_identical_to_casting_every_forw
         opt_a.zero_grad(); opt_b.zero_grad()
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+    if policy == "weights=cached":  # the old name of weights=cast: no copies kept
+        assert fxamp.Policy.parse(fxamp.plan_of(gb).policy).weights == "cast"
+        assert not caches(gb)
+        assert fxamp.weight_cache_bytes(gb) == 0
+        return
+    cache = caches(gb)[0]
     n_weights = len(cache.slots)
-    # a forward with grad casts every weight, as autocast does (a write through .data
-    # between micro-batches would not show): 2 steps x 3 micro-batches
-    assert n_weights == 7 and cache.casts == 2 * 3 * n_weights
-    assert cache.hits == 0
+    # o2: the first forward casts every weight, each of the 2 steps re-casts them; the
+    # other micro-batches reuse the copies (2 steps x 3 micro-batches, 2 of them hits)
+    assert n_weights == 7 and cache.casts == (1 + 2) * n_weights
+    assert cache.hits == 2 * 2 * n_weights
 
 
-def test_eval_loop_casts_weights_once_and_launches_fewer_casts():
-    a, ga, b, gb = _pair("weights=cached")
+def test_o2_eval_loop_casts_weights_once_and_launches_fewer_casts():
+    a, ga, b, gb = _pair("weights=o2")
+    _, _, c, gc = _pair("weights=cached")  # the default's old name: casts every forward
     x = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
         want = ga(x)
         first = _launches(lambda: gb(x))
         again = _launches(lambda: gb(x))
         plain = _launches(lambda: ga(x))
-        assert torch.equal(gb(x), want)
+        default = [_launches(lambda: gc(x)) for _ in range(2)]
+        assert torch.equal(gb(x), want) and torch.equal(gc(x), want)
+    assert default == [plain, plain]
     n_weights = len(caches(gb)[0].slots)
     assert plain == {"aten::_to_copy": plain["aten::_to_copy"], "aten::_foreach_copy_": 0}
     # the first forward casts the 7 weights in one foreach copy, the next ones none
@@ -105,7 +117,9 @@ def test_eval_loop_casts_weights_once_and_launches_fewer_casts():
 @pytest.mark.parametrize("change", ["optimizer", "load_state_dict", "data", "copy_",
                                     "new_parameter", "the_copy_itself"])
 def test_a_changed_weight_is_cast_again(change):
-    a, ga, b, gb = _pair("weights=cached")
+    """weights=o2 without an optimizer re-casting the copies: eval forwards reuse them
+    until the weight's version counter, storage or object changes, or the copy itself."""
+    a, ga, b, gb = _pair("weights=o2")
     x = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
         gb(x)  # fill the cache
@@ -128,32 +142,45 @@ def test_a_changed_weight_is_cast_again(change):
     else:  # the module now holds another Parameter object
         ga.fc1.weight = nn.Parameter(other.fc1.weight.clone())
         gb.fc1.weight = nn.Parameter(other.fc1.weight.clone())
+    cache = caches(gb)[0]
+    casts = cache.casts
     with torch.no_grad():
         assert torch.equal(gb(x), ga(x))
+    changed = 7 if change == "load_state_dict" else 1
+    assert cache.casts == casts + changed  # only the changed weights are cast again
 
 
 def test_cache_made_under_inference_mode_serves_training():
-    a, ga, b, gb = _pair("weights=cached")
+    a, ga, b, gb = _pair("weights=o2")
+    fxamp.train.attach_optimizer(gb, torch.optim.SGD(b.parameters(), lr=0.1))
     x = torch.randint(0, 50, (2, 7))
     with torch.inference_mode():
         assert torch.equal(gb(x), ga(x))
+    cache = caches(gb)[0]
+    casts = cache.casts
     gb(x).float().sum().backward()  # no "inference tensors cannot be saved for backward"
+    assert cache.casts == casts  # the copies cast under inference_mode served it
     ga(x).float().sum().backward()
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa.grad, pb.grad)
 
 
-def test_weight_cache_bytes_and_the_off_switch():
-    a, ga, b, gb = _pair("weights=cached")
+def test_weight_cache_bytes_only_with_o2():
+    a, ga, b, gb = _pair("weights=o2")
     x = torch.randint(0, 50, (2, 7))
     assert fxamp.weight_cache_bytes(gb) == 0  # nothing cast yet
     gb(x)
     eligible = sum(p.numel() * 2 for p in b.parameters() if p is not b.ln.weight
                    and p is not b.ln.bias)  # LayerNorm stays FP32 on the CPU list
     assert fxamp.weight_cache_bytes(gb) == eligible
-    ga(x)
-    assert fxamp.weight_cache_bytes(ga) == 0 and not caches(ga)
-    assert "weights=cast" in str(fxamp.plan_of(ga).policy)
+    _, _, c, gc = _pair("weights=cached")  # the old name of the default weights=cast
+    for g in (ga, gc):  # the default keeps nothing, and has no cache submodule
+        g(x)
+        with torch.no_grad():
+            g(x)
+        assert fxamp.weight_cache_bytes(g) == 0 and not caches(g)
+        assert not hasattr(g, "fxamp_weight_cache")
+        assert "weights" not in str(fxamp.plan_of(g).policy)
     # dropped by deepcopy and pickling (they are rebuilt from the Parameters)
     assert fxamp.weight_cache_bytes(copy.deepcopy(gb)) == 0
     assert not any(s.copy is not None for s in pickle.loads(pickle.dumps(caches(gb)[0])).slots)
@@ -163,8 +190,11 @@ def test_policy_weights_field_and_string():
     p = fxamp.Policy.parse("compute=bf16,target=cpu,weights=o2")
     assert p.weights == "o2" and "weights=o2" in str(p)
     assert fxamp.Policy.parse(str(p)) == p
-    assert fxamp.Policy().weights == "cached" and "weights" not in str(fxamp.Policy())
-    with pytest.raises(PolicyError, match="weights takes cached, cast, o2"):
+    assert fxamp.Policy().weights == "cast" and "weights" not in str(fxamp.Policy())
+    assert fxamp.Policy.parse("weights=cached").weights == "cast"  # the older name
+    assert fxamp.Policy.parse("weights=cached") == fxamp.Policy.parse("weights=cast")
+    assert fxamp.Policy.parse("weights=cast") == fxamp.Policy()
+    with pytest.raises(PolicyError, match="weights takes cast, o2"):
         fxamp.Policy.parse("weights=sometimes")
 
 

@@ -1,7 +1,9 @@
-"""Weight copies re-cast into their old memory, and the FP32 gradient memory of large CPU
-weights kept between steps (fxamp/weight_cache.py): numbers bit-identical to casting every
-forward (``weights=cast``, plain ``Tensor.to`` in the graph), memory actually reused, and
-never a tensor someone still holds overwritten."""
+"""weights=o2's weight copies re-cast into their old memory, and the FP32 gradient memory of
+large CPU weights kept between steps (fxamp/weight_cache.py): numbers bit-identical to
+casting every forward (``weights=cast``, the default: plain ``Tensor.to`` in the graph),
+memory actually reused, and never a tensor someone still holds overwritten. Without an
+attached optimizer every o2 forward with grad casts into the old memory; with one, the
+step re-casts there."""
 from __future__ import annotations
 
 import copy
@@ -54,12 +56,12 @@ def _batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["weights=cached", "weights=o2"])
-def test_training_bit_identical_to_casting_every_forward_and_memory_reused(policy):
-    a, ga, b, gb = _pair(policy)
+@pytest.mark.parametrize("attach", [False, True], ids=["o2_forward_casts", "o2_attached"])
+def test_training_bit_identical_to_casting_every_forward_and_memory_reused(attach):
+    a, ga, b, gb = _pair("weights=o2")
     assert b.wte.weight.numel() * 4 >= BIG > b.qkv.weight.numel() * 4  # both paths
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)]
-    if policy == "weights=o2":
+    if attach:
         fxamp.train.attach_optimizer(gb, opts[1])
     cache = caches(gb)[0]
     head = next(s for s in cache.slots if s.param is b.wte.weight)
@@ -98,9 +100,10 @@ def test_tied_weight_gradient_is_summed_in_place_into_the_kept_memory():
     becomes .grad: no out-of-place sum of the tied weight, no fresh memory per step."""
     from torch.profiler import profile
 
-    a, ga, b, gb = _pair("weights=cached")
+    a, ga, b, gb = _pair("weights=o2")
     head = next(s for s in caches(gb)[0].slots if s.param is b.wte.weight)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b)]
+    fxamp.train.attach_optimizer(gb, opts[1])
     torch.manual_seed(3)
     ptrs = []
     for step in range(3):
@@ -127,8 +130,9 @@ VOCAB_D = (VOCAB, D)
 @pytest.mark.slow
 @pytest.mark.parametrize("hold", ["grad", "grad.detach()", "grad.data"])
 def test_a_copy_or_gradient_someone_holds_is_never_overwritten(hold):
-    a, ga, b, gb = _pair("weights=cached")
+    a, ga, b, gb = _pair("weights=o2")
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (a, b)]
+    fxamp.train.attach_optimizer(gb, opts[1])
     torch.manual_seed(2)
     idx, y = _batch()
     for g in (ga, gb):  # a first step: the copies and gradient memory exist
@@ -166,7 +170,7 @@ def test_a_copy_or_gradient_someone_holds_is_never_overwritten(hold):
 def test_no_reference_cycle_keeps_a_dropped_model_alive():
     import gc
     import weakref
-    _, _, b, gb = _pair("weights=cached")
+    _, _, b, gb = _pair("weights=o2")  # (no optimizer attached: its hook would hold gm)
     idx, y = _batch()
     F.cross_entropy(gb(idx).reshape(-1, VOCAB), y).backward()
     ref = weakref.ref(caches(gb)[0])

@@ -1,6 +1,8 @@
-"""Weight copies are never stale: whatever writes a weight (fused or foreach optimizers,
-writes through ``.data``, ``load_state_dict``, ``copy_``), the next forward computes with the
-new value, exactly as ``torch.autocast`` on the original model does (weight_cache.py)."""
+"""Weights are never stale: whatever writes a weight (fused or foreach optimizers, writes
+through ``.data``, ``load_state_dict``, ``copy_``), the next forward computes with the new
+value, exactly as ``torch.autocast`` on the original model does. The default (weights=cast)
+keeps no copy; weights=o2's copies are re-cast by the attached optimizer's step (fused ones
+included) or ``fxamp.train.refresh_weights`` (weight_cache.py, train/o2.py)."""
 from __future__ import annotations
 
 import copy
@@ -103,9 +105,44 @@ def test_o2_copies_follow_fused_and_foreach_optimizer_steps(kind):
     assert torch.equal(out, ref_out)
 
 
-def test_eval_forwards_reuse_copies_until_an_optimizer_steps_on_the_weights():
+def _autocast_eval(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        return model(X)
+
+
+def test_default_keeps_no_copies_and_eval_after_any_weight_change_equals_autocast():
+    """The default (weights=cast, "cached" its old alias) holds no weight copy: every eval
+    forward after an optimizer step (fused: no version bump), a write through ``.data`` or
+    ``load_state_dict`` computes with the new weights, as autocast does."""
+    for policy in (None, "weights=cached"):
+        model = _mlp()
+        gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy=policy)
+        assert not caches(gm) and not hasattr(gm, "fxamp_weight_cache")
+        with torch.no_grad():
+            gm(X)
+            assert torch.equal(gm(X), _autocast_eval(model))
+        assert fxamp.weight_cache_bytes(gm) == 0 and fxamp.train.refresh_weights(gm) == 0
+        F.cross_entropy(gm(X).float(), Y).backward()
+        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()  # no version bump
+        with torch.no_grad():
+            got = gm(X)
+        assert torch.equal(got, _autocast_eval(model))
+        model[0].weight.data.mul_(0.5)  # invisible to every counter
+        with torch.no_grad():
+            got = gm(X)
+        assert torch.equal(got, _autocast_eval(model))
+        model.load_state_dict(_mlp().state_dict())
+        with torch.no_grad():
+            got = gm(X)
+        assert torch.equal(got, _autocast_eval(model))
+        assert fxamp.weight_cache_bytes(gm) == 0
+
+
+def test_o2_eval_forwards_reuse_copies_until_the_attached_optimizer_steps():
     model = _mlp()
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="weights=o2")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # no version bump
+    fxamp.train.attach_optimizer(gm, opt)
     cache = caches(gm)[0]
     n = len(cache.slots)
     with torch.no_grad():
@@ -118,13 +155,14 @@ def test_eval_forwards_reuse_copies_until_an_optimizer_steps_on_the_weights():
     with torch.no_grad():
         gm(X)
     assert cache.casts == n
-    F.cross_entropy(gm(X).float(), Y).backward()
-    torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()  # no version bump
+    F.cross_entropy(gm(X).float(), Y).backward()  # the copies serve the forward with grad
+    assert cache.casts == n
+    opt.step()  # the attached fused step re-casts every weight it owns
+    assert cache.casts == 2 * n
     with torch.no_grad():
         got = gm(X)
-    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
-        want = model(X)
-    assert torch.equal(got, want)
+    assert cache.casts == 2 * n
+    assert torch.equal(got, _autocast_eval(model))
 
 
 def test_a_copy_cast_in_training_is_not_reused_by_eval_after_a_data_write():
@@ -134,19 +172,19 @@ def test_a_copy_cast_in_training_is_not_reused_by_eval_after_a_data_write():
     model[0].weight.data.mul_(0.5)  # no version bump, no optimizer
     with torch.no_grad():
         got = gm(X)
-    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
-        want = model(X)
-    assert torch.equal(got, want)
+    assert torch.equal(got, _autocast_eval(model))
 
 
-def test_refresh_weights_recasts_after_a_data_write_between_eval_forwards():
+def test_refresh_weights_recasts_o2_copies_after_a_data_write_between_eval_forwards():
     model = _mlp()
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="weights=o2")
+    fxamp.train.attach_optimizer(gm, torch.optim.SGD(model.parameters(), lr=0.1))
     with torch.no_grad():
         gm(X)
         model[0].weight.data.mul_(0.5)  # invisible to every counter
+        stale = gm(X)
+        want = _autocast_eval(model)
+        assert not torch.equal(stale, want)  # the copies do not see it (documented)
         assert fxamp.train.refresh_weights(gm) == len(caches(gm)[0].slots)
         got = gm(X)
-        with torch.autocast("cpu", dtype=BF16):
-            want = model(X)
     assert torch.equal(got, want)

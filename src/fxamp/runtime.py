@@ -1,5 +1,6 @@
 """Small functions the rewritten graphs call (guarded casts, params swapped in, autocast
-leaves; what runs around every call is :mod:`fxamp.program`) and the tests that recognise run-time calls (hooked modules, grad-mode switches)."""
+leaves; what runs around every call is :mod:`fxamp.program`) and the tests that recognise
+run-time calls (hooked modules, grad-mode switches)."""
 from __future__ import annotations
 
 import contextlib

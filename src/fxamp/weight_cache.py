@@ -229,17 +229,20 @@ class WeightCache(nn.Module):
                     seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
-    def refresh(self, only_stale: bool = True) -> int:
+    def refresh(self, only_stale: bool = True, owned: Optional[set] = None) -> int:
         """Re-cast the copies of every known weight that changed (all with
-        ``only_stale=False``), one ``torch._foreach_copy_`` per dtype and device; a copy is
-        overwritten in place only when nothing else holds it (no autograd graph saved it, no
-        caller kept it), else written into a new tensor. The number of weights cast."""
+        ``only_stale=False``), and those of the weights whose ``id`` is in ``owned`` (an
+        optimizer just stepped on them: a fused step bumps no version counter), one
+        ``torch._foreach_copy_`` per dtype and device; a copy is overwritten in place only
+        when nothing else holds it (no autograd graph saved it, no caller kept it), else
+        written into a new tensor. The number of weights cast."""
         groups: Dict[tuple, List[_Slot]] = {}
         for slot in self.slots:
             p = slot.param
             if p is None or not _cacheable(p):
                 continue
-            if only_stale and slot.fresh(self.mode == "o2"):
+            if (only_stale and slot.fresh(self.mode == "o2")
+                    and (owned is None or id(p) not in owned)):
                 continue
             groups.setdefault((slot.dtype, p.device), []).append(slot)
         n = 0

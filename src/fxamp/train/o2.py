@@ -1,14 +1,15 @@
 """apex "O2"-style weights: the optimizer step writes the low-precision weight copies.
 
 With the policy ``weights=o2`` the rewritten GraphModule keeps a low-precision copy of each
-FP32 weight (as with the default ``weights=cached``, ``fxamp/weight_cache.py``);
-:func:`attach_optimizer` registers an optimizer step post-hook that re-casts the copies of
-the weights the step changed, in one ``torch._foreach_copy_`` per dtype and device, right
-after the FP32 master weights are updated. Forward and backward then cast no weight; the
-gradients still flow to the FP32 masters (the backward of ``Tensor.to``), so GradScaler's
-``unscale_``, inf checks and skipped steps work on the masters exactly as without fxamp. A
-step GradScaler skips never calls ``optimizer.step()``: the masters and the copies stay as
-they were. :class:`fxamp.train.Trainer` attaches itself when the policy says ``weights=o2``.
+FP32 weight (``fxamp/weight_cache.py``); :func:`attach_optimizer` registers an optimizer
+step post-hook that re-casts the copies of the weights the optimizer owns (and of any other
+weight whose version counter or storage changed), in one ``torch._foreach_copy_`` per dtype
+and device, right after the FP32 master weights are updated. Forward and backward then
+cast no weight; the gradients still flow to the FP32 masters (the backward of
+``Tensor.to``), so GradScaler's ``unscale_``, inf checks and skipped steps work on the
+masters exactly as without fxamp. A step GradScaler skips never calls
+``optimizer.step()``: the masters and the copies stay as they were.
+:class:`fxamp.train.Trainer` attaches itself when the policy says ``weights=o2``.
 
 ::
 
@@ -52,11 +53,14 @@ def attach_optimizer(gm: Union[nn.Module, Callable[[], nn.Module]],
         cache.attached = True
 
     def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # the weights this step wrote: a fused step bumps no version counter, so their
+        # copies look fresh to the cache and are re-cast by name
+        owned = {id(p) for group in opt.param_groups for p in group["params"]}
         for cache in caches(get()):
             cache.attached = True
             # only copies a forward used since the last step: a compiled forward (the cache
             # steps aside while torch.compile traces) casts the weights in its own graph
             if cache.served:
                 cache.served = False
-                cache.refresh()
+                cache.refresh(owned=owned)
     return optimizer.register_step_post_hook(hook)
