@@ -80,9 +80,18 @@ class Program(fx.GraphModule):
     docstring). ``program.code`` is the graph's code."""
 
     def recompile(self) -> Any:
-        """Generate the graph's code (``GraphModule.recompile``) and put it behind the
-        run-time contract."""
-        code = super().recompile()
+        """Generate the graph's code (``GraphModule.recompile``, from :func:`flat_reads`'s
+        form of the graph) and put it behind the run-time contract."""
+        graph = self.__dict__.get("_graph")
+        flat = flat_reads(graph) if graph is not None else None
+        if flat is None:
+            code = super().recompile()
+        else:
+            self.__dict__["_graph"] = flat
+            try:
+                code = super().recompile()
+            finally:
+                self.__dict__["_graph"] = graph
         cls = type(self)
         cls.forward = _owned(cls.forward)  # type: ignore[method-assign]
         return code
@@ -91,6 +100,40 @@ class Program(fx.GraphModule):
         """Pickled like a GraphModule (its code, re-traced on load), loaded as a Program."""
         fn, args = super().__reduce__()
         return (_load, (fn, args))
+
+
+def flat_reads(graph: fx.Graph) -> Any:
+    """The graph to generate code from: ``graph`` with each nested attribute read
+    (``get_attr`` of ``blocks.0.attn.qkv.weight``) made from reads of its module's path,
+    each path read once, just before its first use: the code reads ``self.blocks`` once,
+    then ``blocks[0]``, then ``.attn``..., so a read costs O(1) attribute lookups instead of
+    a chain from ``self`` (quadratic in a model's depth). None when no read is nested.
+    The module's own ``graph`` is unchanged."""
+    if not any(n.op == "get_attr" and "." in str(n.target) for n in graph.nodes):
+        return None
+    from ._torch import graph_codegen
+
+    new = fx.Graph()
+    new.set_codegen(graph_codegen(graph))
+    env: dict = {}
+    paths: dict = {}
+    for node in graph.nodes:
+        if node.op != "get_attr" or "." not in str(node.target):
+            env[node] = new.node_copy(node, lambda n: env[n])
+            continue
+        *mods, last = str(node.target).split(".")
+        parent, path = None, ""
+        for atom in mods:
+            path = f"{path}.{atom}" if path else atom
+            if path not in paths:
+                name = "fxamp_m_" + path.replace(".", "_")
+                paths[path] = (new.create_node("get_attr", atom, (), {}, name) if parent is None
+                               else new.create_node("call_function", getattr, (parent, atom),
+                                                    {}, name))
+            parent = paths[path]
+        env[node] = new.create_node("call_function", getattr, (parent, last), {}, node.name)
+        env[node].meta.update(node.meta)
+    return new
 
 
 def _load(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Program:
