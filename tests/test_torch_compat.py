@@ -84,10 +84,12 @@ def test_the_wrappers_do_what_they_say():
     assert not _torch.in_dispatch_or_function_mode()
     assert not _torch.is_functorch_wrapped(t)
     seen = []
-    with _torch.replaced_set_grad_enabled(seen.append):
+    for patch in _torch.TRACE_PATCHES.values():  # every patched attribute is still there
+        assert patch.attribute in vars(patch.owner()), patch.name
+    with _torch.patched("set_grad_enabled", lambda original, mode: seen.append(mode)):
         with torch.no_grad():
             pass
-    assert seen and torch.is_grad_enabled()
+    assert seen == [False, True] and torch.is_grad_enabled()
     dst = [torch.zeros(2)]
     _torch.foreach_copy_(dst, [torch.ones(2)])
     assert dst[0].tolist() == [1.0, 1.0]

@@ -7,12 +7,13 @@ import logging
 import sys
 import traceback
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .._torch import patched
 from ..errors import TraceError, is_library_file, short_path
 from . import buffer_writes, checkpointing, grad_mode, stacks
 from .checkpoint_regions import outline
@@ -33,25 +34,19 @@ def _has_proxy(values: object) -> bool:
     return bool(found)
 
 
-@contextlib.contextmanager
-def _functions_as_leaves() -> Iterator[None]:
-    """While tracing, ``SomeFunction.apply(proxy, ...)`` records one call instead of
-    running the Function's forward on proxies (which may branch on dtypes or values)."""
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+def _functions_as_leaves() -> "contextlib.AbstractContextManager":
+    """While tracing (on this thread), ``SomeFunction.apply(proxy, ...)`` records one call
+    instead of running the Function's forward on proxies (which may branch on dtypes or
+    values)."""
+    def apply(original, cls, *args, **kwargs):  # type: ignore[no-untyped-def]
         for value in list(args) + list(kwargs.values()):
             if isinstance(value, fx.Proxy) or (isinstance(value, (list, tuple, dict))
                                                and _has_proxy(value)):
                 tracer = _first_proxy(args, kwargs).tracer
                 return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
-        return original.__func__(cls, *args, **kwargs)
+        return original(cls, *args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original  # type: ignore[assignment]
+    return patched("function_apply", apply)
 
 
 _FUNCTION_CALLS: "weakref.WeakKeyDictionary[type, Callable]" = weakref.WeakKeyDictionary()
