@@ -3,7 +3,9 @@
 fxamp needs a few of torch's names that are not public API (pytree flattening, fake-tensor
 exceptions, ``TorchDispatchMode``, ``_reparametrize_module``, the raw grad-mode switch,
 dispatcher and storage counters, the graph's code generator, ``OpOverload``, the fused
-``_foreach_copy_``). Every module of fxamp reaches them
+``_foreach_copy_``), and every attribute a trace replaces (:data:`TRACE_PATCHES`: name,
+owner, attribute, what it does; applied by :func:`patched`, thread-aware, under one
+re-entrant trace lock, never at import). Every module of fxamp reaches them
 through this module, so a torch upgrade is checked (tests/test_torch_compat.py, also run on
 the oldest supported torch with ``pytest -m floor``) and mended here alone.
 

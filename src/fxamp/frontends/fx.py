@@ -5,6 +5,7 @@ import contextlib
 import inspect
 import logging
 import sys
+import threading
 import traceback
 import weakref
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
@@ -104,9 +105,29 @@ class FxampTracer(fx.Tracer):
                 node.stack_trace = text
         return node
 
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        """fx's trace, on this thread only: torch.fx replaces ``nn.Module.__call__`` and
+        ``__getattr__`` for the whole process while it traces; on other threads they do
+        what torch's do (see :meth:`call_module`, :meth:`getattr`)."""
+        self._thread = threading.get_ident()
+        return super().trace(root, concrete_args)
+
+    def _elsewhere(self) -> bool:
+        """Whether another thread than the tracing one reached this tracer."""
+        return threading.get_ident() != getattr(self, "_thread", None)
+
+    def call_module(self, m: nn.Module, forward: Callable, args: tuple,
+                    kwargs: Dict[str, Any]) -> Any:
+        """fx's; another thread's module call runs the module unchanged."""
+        if self._elsewhere():
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: Dict[str, Any]) -> Any:
         """fx's, with the buffers named in ``proxied`` read as ``get_attr`` nodes too (see
-        :mod:`.buffer_writes`)."""
+        :mod:`.buffer_writes`); another thread reads the attribute itself."""
+        if self._elsewhere():
+            return attr_val
         if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter) \
                 and id(attr_val) not in self._proxied_ids():
             return attr_val
