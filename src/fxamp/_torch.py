@@ -3,7 +3,9 @@
 fxamp needs a few of torch's names that are not public API (pytree flattening, fake-tensor
 exceptions, ``TorchDispatchMode``, ``_reparametrize_module``, the raw grad-mode switch,
 dispatcher and storage counters, the graph's code generator, ``OpOverload``, the fused
-``_foreach_copy_``). Every module of fxamp reaches them
+``_foreach_copy_``), and every attribute a trace replaces (:data:`TRACE_PATCHES`: name,
+owner, attribute, what it does; applied by :func:`patched`, thread-aware, under one
+re-entrant trace lock, never at import). Every module of fxamp reaches them
 through this module, so a torch upgrade is checked (tests/test_torch_compat.py, also run on
 the oldest supported torch with ``pytest -m floor``) and mended here alone.
 
@@ -16,7 +18,11 @@ text, not uses.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+import dataclasses
+import logging
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.fx as fx
@@ -35,9 +41,11 @@ __all__ = [
     "reparametrize_module", "DataDependentOutputException", "DynamicOutputShapeException",
     "FakeTensorMode", "unset_fake_temporarily", "TorchDispatchMode", "OpOverload",
     "OpOverloadPacket",
-    "SET_GRAD", "IS_GRAD", "replaced_set_grad_enabled", "has_kernel_for_dispatch_key",
+    "SET_GRAD", "IS_GRAD", "has_kernel_for_dispatch_key",
     "storage_use_count", "tensor_use_count", "in_dispatch_or_function_mode",
     "is_functorch_wrapped", "graph_codegen", "foreach_copy_",
+    "Patch", "TRACE_PATCHES", "tracing", "tracing_thread", "patched", "format_target",
+    "spelling_names", "spell_names", "SpellingTracer",
 ]
 
 #: pytree helpers (``torch.utils._pytree``): flatten/unflatten nested containers of tensors
@@ -60,18 +68,6 @@ reparametrize_module = _reparametrize_module
 SET_GRAD = torch._C._set_grad_enabled
 #: the grad-mode query a traced region boundary records
 IS_GRAD = torch._C.is_grad_enabled
-
-
-@contextlib.contextmanager
-def replaced_set_grad_enabled(fn: Callable[[Any], None]) -> Iterator[None]:
-    """Within the block ``torch._C._set_grad_enabled`` (what ``torch.no_grad`` and friends
-    call) is ``fn``; the original is restored after."""
-    saved = torch._C._set_grad_enabled
-    torch._C._set_grad_enabled = fn  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch._C._set_grad_enabled = saved  # type: ignore[assignment]
 
 
 def has_kernel_for_dispatch_key(name: str, key: str) -> bool:
@@ -114,15 +110,327 @@ def foreach_copy_(dsts: list, srcs: list) -> None:
     torch._foreach_copy_(dsts, srcs)
 
 
+# -- patches applied while tracing ------------------------------------------------------
+#
+# torch.fx's symbolic tracer does not see context managers, custom autograd Functions or
+# attribute writes, so while fxamp traces a model it replaces a few of torch's attributes
+# (the table below). None is replaced at import. :func:`patched` installs a replacement
+# for the duration of a block, holding fxamp's one process-wide re-entrant trace lock
+# (:func:`tracing`: two rewrites serialize), and puts the original back on every exit
+# path. Each replacement is thread-aware: only on the thread that holds the lock does it
+# run fxamp's handler; on every other thread it calls the original unchanged, so other
+# threads' autocast, no_grad, inference_mode, attribute writes, Functions and stderr are
+# untouched while a rewrite runs.
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One attribute a trace replaces: ``owner()`` (looked up when applied) holds it as
+    ``attribute``; ``kind`` is how it is called (``function``: a plain function or a
+    method in a class's dict; ``classmethod``; ``stream``: a text stream)."""
+
+    name: str
+    owner: Callable[[], Any]
+    attribute: str
+    kind: str
+    does: str
+
+
+def _autocast_class() -> Any:
+    import torch.amp.autocast_mode as autocast_mode
+
+    return autocast_mode.autocast
+
+
+def _fx_graph_module() -> Any:
+    import torch.fx.graph as fx_graph
+
+    return fx_graph
+
+
+#: every attribute a trace replaces, by name (see the section comment above)
+TRACE_PATCHES: Dict[str, Patch] = {p.name: p for p in (
+    Patch("module_setattr", lambda: torch.nn.Module, "__setattr__", "function",
+          "fx: a buffer assigned in forward becomes a write_buffer_ node; the source line "
+          "of each attribute the forward sets is noted for the side-effect report"),
+    Patch("function_apply", lambda: torch.autograd.Function, "apply", "classmethod",
+          "fx: a custom autograd Function applied to Proxies is recorded as one call"),
+    Patch("is_grad_enabled", lambda: torch, "is_grad_enabled", "function",
+          "fx: the grad mode a no_grad / enable_grad region saves is a graph node"),
+    Patch("set_grad_enabled", lambda: torch._C, "_set_grad_enabled", "function",
+          "fx: a grad-mode switch (no_grad, enable_grad, set_grad_enabled) is a graph node"),
+    Patch("autocast_enter", _autocast_class, "__enter__", "function",
+          "fx: a model's own torch.autocast region is refused (RegionRefused)"),
+    Patch("inference_mode_enter", lambda: torch.autograd.grad_mode.inference_mode,
+          "__enter__", "function",
+          "fx and export: a model's own torch.inference_mode region is refused"),
+    Patch("format_target", _fx_graph_module, "_format_target", "function",
+          "fx code generation spells a module name holding a quote or a backslash"),
+    Patch("stderr", lambda: sys, "stderr", "stream",
+          "export: what torch prints to stderr while fxamp exports is captured"),
+    Patch("checkpoint_impl", lambda: torch.utils.checkpoint, "_checkpoint_impl", "function",
+          "fx and export: a torch.utils.checkpoint call runs inline and its nodes are "
+          "tagged as a region (frontends/checkpointing.py)"),
+)}
+
+
+class _TraceState:
+    """The thread holding the trace lock, how deep, and each patch's handler stack."""
+
+    def __init__(self) -> None:
+        self.owner: Optional[int] = None
+        self.depth = 0
+        self.handlers: Dict[str, List[Callable]] = {name: [] for name in TRACE_PATCHES}
+        self.originals: Dict[str, Any] = {}
+        self.installed: Dict[str, Any] = {}
+
+
+_TRACE_LOCK = threading.RLock()
+_STATE = _TraceState()
+
+
+def tracing_thread() -> bool:
+    """Whether the calling thread holds fxamp's trace lock (is tracing)."""
+    return _STATE.owner == threading.get_ident()
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Hold fxamp's process-wide, re-entrant trace lock for the block: the patches of
+    :func:`patched` act on this thread only, and another thread's rewrite waits."""
+    with _TRACE_LOCK:
+        outer = _STATE.depth == 0
+        if outer:
+            _STATE.owner = threading.get_ident()
+        _STATE.depth += 1
+        try:
+            yield
+        finally:
+            _STATE.depth -= 1
+            if outer:
+                _STATE.owner = None
+
+
+def _run(name: str, level: int, args: tuple, kwargs: dict) -> Any:
+    """The handler at ``level`` of ``name``'s stack, given the next one down (the
+    original below the first) as its first argument."""
+    original = _STATE.originals[name]
+    if level < 0:
+        return original(*args, **kwargs)
+    handler = _STATE.handlers[name][level]
+
+    def below(*a: Any, **k: Any) -> Any:
+        return _run(name, level - 1, a, k)
+
+    return handler(below, *args, **kwargs)
+
+
+class _ThreadStream:
+    """A text stream that sends the tracing thread's writes to its handler's buffer
+    and every other thread's to the stream it replaced."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def _target(self) -> Any:
+        stack = _STATE.handlers["stderr"]
+        return stack[-1] if stack and tracing_thread() else self._real
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _replacement(patch: Patch, original: Any) -> Any:
+    if patch.kind == "stream":
+        return _ThreadStream(original)
+    name = patch.name
+    stack = _STATE.handlers[name]
+    if patch.kind == "classmethod":  # (a classmethod, or a C classmethod_descriptor)
+        def raw(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            return original.__get__(None, cls)(*args, **kwargs)
+
+        _STATE.originals[name] = raw
+
+        def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            if stack and _STATE.owner == threading.get_ident():
+                return _run(name, len(stack) - 1, (cls,) + args, kwargs)
+            return original.__get__(None, cls)(*args, **kwargs)
+
+        return classmethod(apply)
+    _STATE.originals[name] = original
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if stack and _STATE.owner == threading.get_ident():
+            return _run(name, len(stack) - 1, args, kwargs)
+        return original(*args, **kwargs)
+
+    call.__name__ = getattr(original, "__name__", name)
+    call.__qualname__ = getattr(original, "__qualname__", name)
+    call.__doc__ = getattr(original, "__doc__", None)
+    return call
+
+
+def _install(patch: Patch) -> None:
+    owner = patch.owner()
+    original = vars(owner)[patch.attribute]
+    replacement = _replacement(patch, original)
+    _STATE.installed[patch.name] = (owner, original, replacement)
+    setattr(owner, patch.attribute, replacement)
+
+
+def _uninstall(patch: Patch) -> None:
+    owner, original, replacement = _STATE.installed.pop(patch.name)
+    _STATE.originals.pop(patch.name, None)
+    if vars(owner).get(patch.attribute) is replacement:
+        setattr(owner, patch.attribute, original)
+    else:  # something else replaced it meanwhile: leave its value (it wraps ours)
+        _log.warning("%s.%s was replaced while fxamp traced; leaving the new value",
+                     getattr(owner, "__name__", owner), patch.attribute)
+
+
+@contextlib.contextmanager
+def patched(name: str, handler: Any) -> Iterator[None]:
+    """Within the block, on this thread, :data:`TRACE_PATCHES` entry ``name`` runs
+    ``handler(original, *args, **kwargs)`` (``original``: the handler of an enclosing
+    block, or torch's own); for ``stderr``, ``handler`` is the stream that gets this
+    thread's writes. Holds the trace lock (:func:`tracing`); the first block installs the
+    replacement, the last one out puts torch's original back, on every exit path."""
+    patch = TRACE_PATCHES[name]
+    with tracing():
+        stack = _STATE.handlers[name]
+        if not stack:
+            _install(patch)
+        stack.append(handler)
+        try:
+            yield
+        finally:
+            stack.pop()
+            if not stack:
+                _uninstall(patch)
+
+
+def format_target(base: str, target: str) -> str:
+    """``base.a.b`` for a dotted ``target``; components that are not identifiers are
+    spelled ``getattr(base, "...")`` with a correctly escaped string literal (what
+    ``torch.fx.graph._format_target`` writes, except that torch's own does not escape a
+    ``"`` or a ``\\`` in a name)."""
+    out = base
+    for part in target.split("."):
+        if part.isidentifier():
+            out = f"{out}.{part}"
+        elif '"' in part or "\\" in part or not part.isprintable():
+            out = f"getattr({out}, {part!r})"
+        else:
+            out = f'getattr({out}, "{part}")'
+    return out
+
+
+def spelling_names() -> "contextlib.AbstractContextManager":
+    """While fxamp traces, fx code generation on this thread spells every module name
+    (:func:`format_target`)."""
+    return patched("format_target", lambda original, base, target: format_target(base, target))
+
+
+def _misspelt(part: str) -> bool:
+    """A name component torch's ``_format_target`` writes as Python that does not read
+    it back (a quote, a backslash, a non-printable character)."""
+    return not part.isidentifier() and ('"' in part or "\\" in part or not part.isprintable())
+
+
+class _SpellsNames:
+    """A code generator mixin: module names torch cannot spell are written by
+    :func:`format_target` (their nodes' targets are spelled with markers for torch's own
+    generator, the markers replaced by string literals in the code it writes)."""
+
+    def _gen_python_code(self, nodes: Any, root_module: str, namespace: Any,
+                         **kwargs: Any) -> Any:
+        renamed: List[tuple] = []
+        literals: Dict[str, str] = {}
+        for node in nodes:
+            if node.op not in ("get_attr", "call_module") or not isinstance(node.target, str):
+                continue
+            parts = node.target.split(".")
+            if not any(_misspelt(p) for p in parts):
+                continue
+            spelt = []
+            for part in parts:
+                if _misspelt(part):
+                    marker = f"<fxamp-name-{len(literals)}>"
+                    literals[f'"{marker}"'] = repr(part)
+                    part = marker
+                spelt.append(part)
+            renamed.append((node, node.target))
+            node.target = ".".join(spelt)
+        try:
+            code = super()._gen_python_code(  # type: ignore[misc]
+                nodes, root_module, namespace, **kwargs)
+        finally:
+            for node, target in renamed:
+                node.target = target
+        for marker, literal in literals.items():
+            code.src = code.src.replace(marker, literal)
+        return code
+
+
+_SPELLING: Dict[type, type] = {}
+
+
+def _spelling(cls: type) -> type:
+    if issubclass(cls, _SpellsNames):
+        return cls
+    if cls not in _SPELLING:
+        _SPELLING[cls] = type(f"Spelling{cls.__name__}", (_SpellsNames, cls),
+                              {"__module__": __name__})
+    return _SPELLING[cls]
+
+
+class SpellingTracer(fx.Tracer):
+    """The tracer torch re-traces an unpickled GraphModule's code with: its graph
+    spells every module name (the pickle of a module :func:`spell_names` mended)."""
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        graph = super().trace(root, concrete_args)
+        graph._codegen.__class__ = _spelling(type(graph._codegen))
+        return graph
+
+
+def spell_names(root: torch.nn.Module) -> int:
+    """Give each GraphModule in ``root`` whose graph names a module torch's code generator
+    cannot spell (``a"b``) a generator that can (``Graph._codegen``'s class), kept by
+    ``recompile()``, ``copy.deepcopy`` and pickling (``_tracer_cls``). How many changed."""
+    changed = 0
+    for module in root.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        graph = module.graph
+        if not any(n.op in ("get_attr", "call_module") and isinstance(n.target, str)
+                   and any(_misspelt(p) for p in n.target.split("."))
+                   for n in graph.nodes):
+            continue
+        graph._codegen.__class__ = _spelling(type(graph._codegen))
+        graph._tracer_cls = SpellingTracer
+        module._tracer_cls = SpellingTracer
+        module.recompile()
+        changed += 1
+    return changed
+
+
 # -- private names other modules use
 # (kept in one block: names reached by the op vocabulary, the checkpoint front-end helper
 # and the trainer; each wrapper says which private name it reads)
 
-from typing import Dict  # noqa: E402
 
 import torch.utils.checkpoint as _checkpoint  # noqa: E402
 
-__all__ += ["op_schema", "overload_name", "checkpoint_impl", "replaced_checkpoint_impl",
+__all__ += ["op_schema", "overload_name", "checkpoint_impl",
             "found_inf_per_device", "BATCH_NORM_BASE", "INSTANCE_NORM_BASE"]
 
 #: the private base classes of torch's norms (``nn.modules.batchnorm._BatchNorm``: the
@@ -147,18 +455,6 @@ def checkpoint_impl() -> Any:
     """``torch.utils.checkpoint._checkpoint_impl`` (what ``checkpoint``, its decorator form
     and ``checkpoint_sequential`` all call), or None on a torch without it."""
     return getattr(_checkpoint, "_checkpoint_impl", None)
-
-
-@contextlib.contextmanager
-def replaced_checkpoint_impl(fn: Callable[..., Any]) -> Iterator[None]:
-    """Within the block ``torch.utils.checkpoint._checkpoint_impl`` is ``fn``; the original
-    is restored after, on every exit path."""
-    saved = _checkpoint._checkpoint_impl
-    _checkpoint._checkpoint_impl = fn  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        _checkpoint._checkpoint_impl = saved  # type: ignore[attr-defined]
 
 
 def found_inf_per_device(scaler: Any, optimizer: Any) -> Dict[Any, torch.Tensor]:

@@ -25,9 +25,9 @@ from typing import Any, Dict, List, Optional
 
 import torch.nn as nn
 
+from .. import _torch
 from ..config import FRONTEND_ORDER, FRONTENDS
 from ..errors import TraceError
-from . import fx_names  # noqa: F401 - fixes fx codegen of names with quotes
 from .aten import AtenFrontend
 from .base import Capture, Children, Frontend, GraphFrontend, Request, Traced
 from .eager import EagerFrontend
@@ -60,7 +60,8 @@ def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
         order = [fe for fe in order if fe.graph]
     for fe in order:
         try:
-            captured = fe.capture(model, request)
+            with _torch.tracing(), _torch.spelling_names():  # (see _torch.TRACE_PATCHES)
+                captured = fe.capture(model, request)
         except TraceError as err:
             request.state.restore()
             request.errors[fe.name] = err

@@ -20,11 +20,13 @@ import re
 import inspect
 import io
 import logging
+import threading
 from typing import Any, Dict, Iterable, Iterator, List
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from .. import _torch
 from .._torch import PYTREE_REGISTER, tree_map
 
 from ..errors import TraceError
@@ -85,23 +87,46 @@ _NOISY_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._export", "tor
                   "torch._subclasses.fake_tensor", "torch.fx.interpreter")
 
 
+class _OtherThreads(logging.Filter):
+    """Drops the records below CRITICAL that one thread (the tracing one) logs."""
+
+    def __init__(self, ident: int) -> None:
+        super().__init__()
+        self.ident = ident
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.ident or record.levelno >= logging.CRITICAL
+
+
+def _noisy_loggers() -> List[logging.Logger]:
+    """Those loggers and their descendants that exist now (a filter acts on the records
+    of its own logger only)."""
+    names = set(_NOISY_LOGGERS) | {
+        name for name, lg in logging.Logger.manager.loggerDict.items()
+        if isinstance(lg, logging.Logger)
+        and any(name.startswith(prefix + ".") for prefix in _NOISY_LOGGERS)}
+    return [logging.getLogger(name) for name in sorted(names)]
+
+
 @contextlib.contextmanager
 def quiet_torch_logs() -> Iterator[None]:
     """Quieten those loggers, and the partial graph torch.export prints to stderr when it
-    fails (kept at debug level in fxamp's log)."""
-    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:  # (fake_tensor logs whole tracebacks at ERROR level)
-        lg.setLevel(logging.CRITICAL)
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(printed):
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-        if printed.getvalue():
-            log.debug("torch.export printed:\n%s", printed.getvalue())
+    fails (kept at debug level in fxamp's log), for this thread only: other threads' logs
+    and stderr are untouched (holds fxamp's trace lock)."""
+    with _torch.tracing():
+        quiet = _OtherThreads(threading.get_ident())
+        loggers = _noisy_loggers()
+        for lg in loggers:  # (fake_tensor logs whole tracebacks at ERROR level)
+            lg.addFilter(quiet)
+        printed = io.StringIO()
+        try:
+            with _torch.patched("stderr", printed):
+                yield
+        finally:
+            for lg in loggers:
+                lg.removeFilter(quiet)
+            if printed.getvalue():
+                log.debug("torch.export printed:\n%s", printed.getvalue())
 
 
 #: what to do when export fails, by the front end asked for (never advise the one in use)

@@ -20,13 +20,14 @@ Setting a buffer to ``None`` in forward is refused (:class:`BufferRefused`, nami
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Set
+from typing import Any, Dict, Iterator, List, Set
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from .._torch import patched
 from ..runtime import write_buffer_
 
 
@@ -88,9 +89,8 @@ def recording(tracer: fx.Tracer, root: nn.Module, proxied: Set[str]) -> Iterator
     have been computed from the trace's value of it."""
     owners: Dict[int, str] = {id(m): (f"{p}." if p else "")
                               for p, m in root.named_modules(remove_duplicate=False)}
-    previous = nn.Module.__setattr__
 
-    def setattr_(module: nn.Module, name: str, value: object) -> None:
+    def setattr_(previous: Any, module: nn.Module, name: str, value: object) -> None:
         buffers = module.__dict__.get("_buffers")
         if buffers is None or name not in buffers or id(module) not in owners:
             previous(module, name, value)
@@ -109,11 +109,8 @@ def recording(tracer: fx.Tracer, root: nn.Module, proxied: Set[str]) -> Iterator
         tracer.create_proxy("call_function", write_buffer_, (buffer, value), {},
                             name=f"{target.replace('.', '_')}_write")
 
-    nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
-    try:
+    with patched("module_setattr", setattr_):
         yield
-    finally:
-        nn.Module.__setattr__ = previous  # type: ignore[method-assign]
 
 
 def is_buffer_write(node: fx.Node) -> bool:

@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
 
-from .._torch import checkpoint_impl, replaced_checkpoint_impl
+from .._torch import checkpoint_impl, patched
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ def recording(graph_of: Callable[[], Optional[fx.Graph]],
         yield regions
         return
 
-    def traced(function: Callable, args: tuple, kwargs: dict, **options: Any) -> Any:
+    def traced(original: Callable, function: Callable, args: tuple, kwargs: dict,
+               **options: Any) -> Any:
         graph = graph_of()
         if graph is None:
             return original(function, args, kwargs, **options)
@@ -150,7 +151,7 @@ def recording(graph_of: Callable[[], Optional[fx.Graph]],
         log.debug("checkpoint region %d: %d nodes, %s", region.id, len(made), options)
         return result
 
-    with replaced_checkpoint_impl(traced):
+    with patched("checkpoint_impl", traced):  # (this thread only, under the trace lock)
         yield regions
 
 

@@ -5,14 +5,16 @@ import contextlib
 import inspect
 import logging
 import sys
+import threading
 import traceback
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .._torch import patched
 from ..errors import TraceError, is_library_file, short_path
 from . import buffer_writes, checkpointing, grad_mode, stacks
 from .checkpoint_regions import outline
@@ -33,25 +35,19 @@ def _has_proxy(values: object) -> bool:
     return bool(found)
 
 
-@contextlib.contextmanager
-def _functions_as_leaves() -> Iterator[None]:
-    """While tracing, ``SomeFunction.apply(proxy, ...)`` records one call instead of
-    running the Function's forward on proxies (which may branch on dtypes or values)."""
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+def _functions_as_leaves() -> "contextlib.AbstractContextManager":
+    """While tracing (on this thread), ``SomeFunction.apply(proxy, ...)`` records one call
+    instead of running the Function's forward on proxies (which may branch on dtypes or
+    values)."""
+    def apply(original, cls, *args, **kwargs):  # type: ignore[no-untyped-def]
         for value in list(args) + list(kwargs.values()):
             if isinstance(value, fx.Proxy) or (isinstance(value, (list, tuple, dict))
                                                and _has_proxy(value)):
                 tracer = _first_proxy(args, kwargs).tracer
                 return tracer.create_proxy("call_function", function_call(cls), args, kwargs)
-        return original.__func__(cls, *args, **kwargs)
+        return original(cls, *args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original  # type: ignore[assignment]
+    return patched("function_apply", apply)
 
 
 _FUNCTION_CALLS: "weakref.WeakKeyDictionary[type, Callable]" = weakref.WeakKeyDictionary()
@@ -109,9 +105,29 @@ class FxampTracer(fx.Tracer):
                 node.stack_trace = text
         return node
 
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        """fx's trace, on this thread only: torch.fx replaces ``nn.Module.__call__`` and
+        ``__getattr__`` for the whole process while it traces; on other threads they do
+        what torch's do (see :meth:`call_module`, :meth:`getattr`)."""
+        self._thread = threading.get_ident()
+        return super().trace(root, concrete_args)
+
+    def _elsewhere(self) -> bool:
+        """Whether another thread than the tracing one reached this tracer."""
+        return threading.get_ident() != getattr(self, "_thread", None)
+
+    def call_module(self, m: nn.Module, forward: Callable, args: tuple,
+                    kwargs: Dict[str, Any]) -> Any:
+        """fx's; another thread's module call runs the module unchanged."""
+        if self._elsewhere():
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: Dict[str, Any]) -> Any:
         """fx's, with the buffers named in ``proxied`` read as ``get_attr`` nodes too (see
-        :mod:`.buffer_writes`)."""
+        :mod:`.buffer_writes`); another thread reads the attribute itself."""
+        if self._elsewhere():
+            return attr_val
         if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter) \
                 and id(attr_val) not in self._proxied_ids():
             return attr_val

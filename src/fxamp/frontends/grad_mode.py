@@ -29,77 +29,74 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-from .._torch import IS_GRAD, replaced_set_grad_enabled
+from .. import _torch
+from .._torch import IS_GRAD, patched
 from ..runtime import SET_GRAD
 
-_INFERENCE_ENTER = torch.autograd.grad_mode.inference_mode.__enter__
 _GRAD_MODE_FILE = os.path.normcase(os.path.abspath(torch.autograd.grad_mode.__file__))
+_TORCH_FILE = _torch.__file__
 
 
 class RegionRefused(RuntimeError):
     """A context manager in forward that fxamp cannot keep in an fx graph."""
 
 
-def _from_grad_mode() -> bool:
-    """Whether the caller's caller is torch.autograd.grad_mode (a context manager)."""
-    frame = sys._getframe(2)
-    return os.path.normcase(os.path.abspath(frame.f_code.co_filename)) == _GRAD_MODE_FILE
-
-
 @contextlib.contextmanager
 def recording(tracer: fx.Tracer) -> Iterator[None]:
-    """While ``tracer`` traces: grad-mode changes become graph nodes; inference_mode and
-    torch.autocast regions raise RegionRefused."""
-    import torch.amp.autocast_mode as autocast_mode
-
-    saved_is = torch.is_grad_enabled
-    autocast_enter = autocast_mode.autocast.__enter__
-
-    def is_grad_enabled() -> Any:
+    """While ``tracer`` traces (on this thread: see ``_torch.patched``): grad-mode changes
+    become graph nodes; inference_mode and torch.autocast regions raise RegionRefused."""
+    def is_grad_enabled(original: Any) -> Any:
         if _from_grad_mode():
             return tracer.create_proxy("call_function", IS_GRAD, (), {})
-        return IS_GRAD()
+        return original()
 
-    def set_grad_enabled(mode: Any) -> None:
+    def set_grad_enabled(original: Any, mode: Any) -> None:
         tracer.create_proxy("call_function", SET_GRAD, (mode,), {})
 
-    def refuse_autocast(self: Any) -> None:
+    def refuse_autocast(original: Any, self: Any) -> None:
         raise RegionRefused(
             "the model's own torch.autocast region cannot be kept in an fx graph (fx does "
             "not see context managers); frontend='export' keeps it (frontend='auto' tries "
             "it next)")
 
-    torch.is_grad_enabled = is_grad_enabled  # type: ignore[assignment]
-    autocast_mode.autocast.__enter__ = refuse_autocast  # type: ignore[method-assign]
-    try:
-        with replaced_set_grad_enabled(set_grad_enabled), refusing_inference_mode():
-            yield
-    finally:
-        torch.is_grad_enabled = saved_is  # type: ignore[assignment]
-        autocast_mode.autocast.__enter__ = autocast_enter  # type: ignore[method-assign]
+    with patched("is_grad_enabled", is_grad_enabled), \
+            patched("set_grad_enabled", set_grad_enabled), \
+            patched("autocast_enter", refuse_autocast), refusing_inference_mode():
+        yield
 
 
-def _refuse_inference(self: Any) -> Any:
+def _caller(depth: int) -> Any:
+    """The frame ``depth`` up from the caller, not counting fxamp's patch dispatch
+    (``_torch.patched``) frames: the code that called the patched function."""
+    frame = sys._getframe(depth + 1)
+    while frame is not None and frame.f_code.co_filename == _TORCH_FILE:
+        frame = frame.f_back
+    return frame
+
+
+def _from_grad_mode() -> bool:
+    """Whether the grad-mode query (the handler calling this) was called from
+    torch.autograd.grad_mode (a context manager)."""
+    frame = _caller(2)
+    return frame is not None and os.path.normcase(
+        os.path.abspath(frame.f_code.co_filename)) == _GRAD_MODE_FILE
+
+
+def _refuse_inference(original: Any, self: Any) -> Any:
     from ..errors import is_library_file
 
-    if is_library_file(sys._getframe(1).f_code.co_filename):  # torch's own use
-        return _INFERENCE_ENTER(self)
+    if is_library_file(_caller(1).f_code.co_filename):  # torch's own use
+        return original(self)
     raise RegionRefused(
         "torch.inference_mode() inside forward cannot be kept in a graph (fx does not see "
         "it, torch.export drops it); use torch.no_grad() there (kept by both front ends), "
         "or frontend='auto' runs this code eagerly under torch.autocast")
 
 
-@contextlib.contextmanager
-def refusing_inference_mode() -> Iterator[None]:
-    """``torch.inference_mode()`` raises RegionRefused while a front end traces."""
-    cls = torch.autograd.grad_mode.inference_mode
-    saved = cls.__enter__
-    cls.__enter__ = _refuse_inference  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        cls.__enter__ = saved  # type: ignore[method-assign]
+def refusing_inference_mode() -> "contextlib.AbstractContextManager":
+    """``torch.inference_mode()`` raises RegionRefused while a front end traces (on the
+    tracing thread)."""
+    return patched("inference_mode_enter", _refuse_inference)
 
 
 def _wrap_set_grad() -> Any:

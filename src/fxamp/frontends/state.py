@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .._torch import patched
 from ..errors import is_library_file, short_path
 from ..runtime import has_call_hooks
 
@@ -96,19 +97,19 @@ def _put_back(container: Any, contents: Any) -> None:
 
 
 class _Watch:
-    """Where ``nn.Module.__setattr__`` was called from while the snapshot was taken."""
+    """The snapshots noting where ``nn.Module.__setattr__`` is called from (on the
+    tracing thread: see ``_torch.patched``)."""
 
     active: List["ModelState"] = []
-    original = nn.Module.__setattr__
 
 
-def _watched_setattr(module: nn.Module, name: str, value: Any) -> None:
+def _watched_setattr(original: Any, module: nn.Module, name: str, value: Any) -> None:
     # Python values only (a counter, a flag, a cache): torch sets tensors and modules on
     # every functional call, and a plain tensor attribute is reported without its line
     if not isinstance(value, (torch.Tensor, nn.Module)):
         for state in _Watch.active:
             state.note_setattr(module, name)
-    _Watch.original(module, name, value)
+    original(module, name, value)
 
 
 def _user_line() -> str:
@@ -155,15 +156,14 @@ class ModelState:
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
-        """Record the source line of each attribute set on the model's modules."""
-        _Watch.active.append(self)
-        nn.Module.__setattr__ = _watched_setattr  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            _Watch.active.remove(self)
-            if not _Watch.active:
-                nn.Module.__setattr__ = _Watch.original  # type: ignore[method-assign]
+        """Record the source line of each attribute set on the model's modules (by this
+        thread; holds fxamp's trace lock)."""
+        with patched("module_setattr", _watched_setattr):
+            _Watch.active.append(self)
+            try:
+                yield
+            finally:
+                _Watch.active.remove(self)
 
     def changes(self) -> List[str]:
         """The attributes that differ from the snapshot, as ``path.name`` (with the source

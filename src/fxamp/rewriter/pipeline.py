@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ops
+from .. import _torch, ops
 from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, TraceError, UnsupportedModelError
@@ -216,6 +216,11 @@ def _replan(model: nn.Module, args: tuple, kwargs: Dict[str, Any], why: str) -> 
 def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
     """The top-level rewrite: the model is left exactly as it was, and the FP32 model's own
     error is raised when it fails on the example inputs."""
+    with _torch.tracing():  # another thread's rewrite waits (see _torch.TRACE_PATCHES)
+        return _rewrite_locked(model, args, config)
+
+
+def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
     pol, example_kwargs = config.policy, config.example_kwargs
     check_global_hooks()
     state = ModelState(model)
@@ -256,7 +261,10 @@ def rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     (dtype, rule, reason) decisions made outside the passes (the tolerance search).
     ``scope``: the override record of the enclosing rewrite's submodule this one is (none:
     a top-level rewrite, which raises PolicyError when an override matches no node)."""
-    return Rewrite(model, inputs, config, fixed, scope or Scope()).run()
+    with _torch.tracing(), _torch.spelling_names():  # (GraphModules compiled while tracing)
+        gm = Rewrite(model, inputs, config, fixed, scope or Scope()).run()
+    _torch.spell_names(gm)  # (and when recompiled, copied or unpickled later)
+    return gm
 
 
 def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
