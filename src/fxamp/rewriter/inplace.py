@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import inspect
 import contextlib
-from typing import Any, Callable, Dict, FrozenSet, Iterator, Optional
+import operator
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch.nn as nn
 
 from ..errors import FxampError, UnsupportedModelError
 from ..result import ATTR as RESULT, has_result, result_of
-from ..structure import StructureChanged
+from ..structure import StructureChanged, mirrors
 
 #: where the rewritten module lives in the model's ``__dict__``
 ATTR = "_fxamp_rewritten"
@@ -51,6 +52,7 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
         "reduce_dtype=torch.float32) instead of fxamp")
 
 
+_TRAINING = operator.attrgetter("training")
 #: re-plans an in-place rewritten model whose structure changed: (model, args, kwargs, why)
 #: -> the new rewritten module (set by the pipeline, which owns amp_rewrite)
 Replan = Callable[[nn.Module, tuple, dict, str], nn.Module]
@@ -64,11 +66,17 @@ class InplaceForward:
     model (deepcopy and pickling carry it to the copy through their memo)."""
 
     def __init__(self, model: nn.Module, names: Optional[FrozenSet[str]],
-                 replan: Optional[Replan] = None) -> None:
+                 replan: Optional[Replan] = None,
+                 pairs: Optional[List[Tuple[nn.Module, nn.Module]]] = None) -> None:
         self.model = model
         self.names = names  # the keyword arguments the rewritten forward takes (None: any)
         self.cls = type(model)
         self.replan = replan
+        # a rewritten module without a structure check of its own (an eager root): its
+        # modules take the training flags of the model's at the same paths when they change
+        self.pairs = pairs or []
+        self.theirs = [theirs for _, theirs in self.pairs]
+        self.flags = tuple(map(_TRAINING, self.theirs))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
@@ -83,6 +91,12 @@ class InplaceForward:
                 f"{', '.join(sorted(self.names)) or 'none'}); what to do: rewrite with "
                 "example_kwargs holding every argument the calls pass (e.g. "
                 "amp_rewrite(model, example_kwargs=dict(batch), inplace=True))")
+        if self.theirs:
+            flags = tuple(map(_TRAINING, self.theirs))
+            if flags != self.flags:
+                for mine, theirs in self.pairs:
+                    mine.training = theirs.training
+                self.flags = flags
         try:
             return model.__dict__[ATTR](*args, **kwargs)
         except StructureChanged as err:
@@ -120,7 +134,9 @@ def install(model: nn.Module, gm: nn.Module, replan: Optional[Replan] = None) ->
             for key in list(theirs):
                 mine.pop(key, None)
     model.__dict__[ATTR] = gm
-    forward = InplaceForward(model, _keywords(gm), replan)
+    structure = getattr(result_of(gm), "structure", None) if has_result(gm) else None
+    forward = InplaceForward(model, _keywords(gm), replan,
+                             None if structure is not None else mirrors(gm, model))
     try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
         forward.__signature__ = inspect.signature(gm.forward)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
@@ -129,7 +145,6 @@ def install(model: nn.Module, gm: nn.Module, replan: Optional[Replan] = None) ->
     for attr in RESULT_ATTRS:
         if hasattr(gm, attr):
             model.__dict__[attr] = getattr(gm, attr)
-    structure = getattr(result_of(gm), "structure", None) if has_result(gm) else None
     if structure is not None:
         structure.inplace = True  # (the model's flags are the graph's)
         structure.take()  # (the model as it is now: its forward the rewritten one)
