@@ -43,7 +43,7 @@ __all__ = [
     "OpOverloadPacket",
     "SET_GRAD", "IS_GRAD", "has_kernel_for_dispatch_key",
     "storage_use_count", "tensor_use_count", "in_dispatch_or_function_mode",
-    "is_functorch_wrapped", "graph_codegen", "foreach_copy_",
+    "is_functorch_wrapped", "functorch_active", "graph_codegen", "foreach_copy_",
     "Patch", "TRACE_PATCHES", "tracing", "tracing_thread", "patched", "format_target",
     "spelling_names", "spell_names", "SpellingTracer",
 ]
@@ -96,6 +96,10 @@ def in_dispatch_or_function_mode() -> bool:
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
     """Whether ``t`` is a functorch wrapper (under vmap/grad transforms)."""
     return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
+#: whether a ``torch.func`` transform (grad, vmap, jvp, ...) is running on this thread
+functorch_active = torch._C._are_functorch_transforms_active
 
 
 def graph_codegen(graph: fx.Graph) -> Any:

@@ -131,7 +131,7 @@ class Structure:
                 "the model as it was and cannot follow that. what to do: rewrite the model "
                 "again (fxamp.amp_rewrite), or rewrite it with inplace=True, which plans the "
                 "model again when it changes", replan=False)
-        resync(model, gm, self.inplace)
+        resync(model, gm, self.inplace, before)
         log.debug("%s: Parameters, buffers or training flags changed after the rewrite: "
                   "followed", type(model).__name__)
         self.take()
@@ -262,17 +262,30 @@ def mirrors(gm: nn.Module, model: nn.Module) -> List[Tuple[nn.Module, nn.Module]
             if id(m) not in own and path in originals]
 
 
-def resync(model: nn.Module, gm: nn.Module, inplace: bool) -> None:
-    """The rewrite's own containers take the model's Parameters and buffers (and, in
-    place, its training flags) at the same paths: run when the structure key changed."""
-    for mine, theirs in mirrors(gm, model):
+def resync(model: nn.Module, gm: nn.Module, inplace: bool,
+           before: Optional[Dict[str, tuple]] = None) -> None:
+    """The rewrite's own containers take the Parameters and buffers the model replaced at
+    the same paths since ``before`` (its recorded detail; all of them when None) and, in
+    place, the model's training flags: run when the structure key changed. A tensor swapped
+    on ``gm``'s own container (``torch.func.functional_call(gm, ...)``) is left alone."""
+    originals = dict(model.named_modules())
+    own = {id(m) for m in originals.values()}
+    for path, mine in gm.named_modules():
+        theirs = originals.get(path)
+        if theirs is None or id(mine) in own:
+            continue
         if inplace:
             mine.training = theirs.training
-        for kind in ("_parameters", "_buffers"):
+        old = before.get(path) if before is not None else None
+        for index, kind in ((3, "_parameters"), (4, "_buffers")):
             my_dict, their_dict = getattr(mine, kind), getattr(theirs, kind)
+            recorded = old[index] if old is not None else {}
             for name in list(my_dict):
-                if name in their_dict and my_dict[name] is not their_dict[name]:
-                    my_dict[name] = their_dict[name]
+                value = their_dict.get(name)
+                if value is None or my_dict[name] is value:
+                    continue
+                if old is None or recorded.get(name, (None,))[0] != id(value):
+                    my_dict[name] = value
 
 
 def hooked_paths(gm: fx.GraphModule) -> List[str]:

@@ -22,7 +22,7 @@ from .. import runtime, weight_cache
 from ..program import Program
 from ..runtime import has_call_hooks, is_grad_mode_node
 from . import PassResult
-from .. import ir
+from .. import ir, ops
 from ..ir import Rule
 from .manager import PassContext
 
@@ -269,14 +269,27 @@ def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
             continue  # (a weight is a leaf: shared as is, as autocast's cast cache does)
         source, dtype = cast.args[0], cast.args[1]
         for user in users:
+            args = (source, dtype, cast) + ((True,) if _flat_linear(user, cast, root) else ())
             with graph.inserting_before(user):
-                node = graph.create_node("call_function", runtime.fan_out,
-                                         (source, dtype, cast), {}, f"{cast.name}_for_{user.name}")
+                node = graph.create_node("call_function", runtime.fan_out, args, {},
+                                         f"{cast.name}_for_{user.name}")
             ir.mark_cast(node)
             node.meta["stack_trace"] = cast.meta.get("stack_trace")
             user.replace_input_with(cast, node)
             made += 1
     return made
+
+
+def _flat_linear(user: fx.Node, cast: fx.Node, root: nn.Module) -> bool:
+    """Whether ``user`` is a linear with a bias whose input is ``cast``: under torch.func such
+    a linear runs on a flattened view of a 3-D input (``runtime.fan_out``)."""
+    if ops.is_module(user, root, nn.Linear):
+        return user.args[:1] == (cast,) and ops.module_of(user, root).bias is not None
+    if user.op != "call_function" or "linear" not in (ops.name(user), ops.aten_name(user)):
+        return False
+    bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
+    first = user.args[0] if user.args else user.kwargs.get("input")
+    return first is cast and bias is not None
 
 
 def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
