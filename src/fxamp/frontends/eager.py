@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -35,7 +36,9 @@ from ..result import Rewritten, set_result
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
+from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
 from .common import nested_header, nested_lines
+from .hooks import share_call_hooks
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +95,19 @@ def _to_planned(values: Any, planned: List[Optional[torch.dtype]]) -> Any:
 
 
 def _as_planned(module: nn.Module, fp32_inputs: bool,
-                planned: Sequence[Optional[torch.dtype]] = ()) -> None:
+                planned: Sequence[Optional[torch.dtype]] = (),
+                original: Optional[nn.Module] = None) -> None:
     """Make ``module`` (a rewritten child with explicit casts) run with autocast off. It was
     planned with the inputs the model's forward gives it under the root's autocast (a bf16
     activation stays bf16, as under autocast: ``planned``, each input's dtype, which its
     inputs are cast to), or, where that plan failed, with the FP32 model's inputs
-    (``fp32_inputs``: its low-precision inputs are cast to FP32)."""
+    (``fp32_inputs``: its low-precision inputs are cast to FP32). When ``original`` (the
+    child it replaces) is an HF layer that checkpoints itself, the call is checkpointed as
+    the layer's flag says at run time (:func:`.checkpointing.call_layer`)."""
     forward = module.forward
     dtypes = list(planned)
 
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def planned_call(*args: Any, **kwargs: Any) -> Any:
         if fp32_inputs:
             args, kwargs = tree_map(_fp32, (args, kwargs))
         elif any(dtypes):
@@ -110,11 +115,22 @@ def _as_planned(module: nn.Module, fp32_inputs: bool,
         with torch.autocast(device_type((args, kwargs)), enabled=False):
             return forward(*args, **kwargs)
 
+    layer = original if original is not None and is_checkpointing_layer(original) else None
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if layer is None:
+            return planned_call(*args, **kwargs)
+        return call_layer(layer, module.training, planned_call, args, kwargs)
+
     module.forward = run  # type: ignore[method-assign]
 
 
 def _reading_from(module: nn.Module, original: nn.Module) -> None:
-    """Attributes ``module`` lacks are read from ``original`` (the child it replaces)."""
+    """Attributes ``module`` lacks are read from ``original`` (the child it replaces); the
+    ones that say how it is called (whether a full backward hook is registered, an HF
+    layer's checkpointing flag and function) are ``original``'s, read and written through
+    (``model.gradient_checkpointing_enable()`` on either reaches both)."""
     cls = type(module)
 
     def __getattr__(self: nn.Module, name: str) -> Any:
@@ -123,7 +139,17 @@ def _reading_from(module: nn.Module, original: nn.Module) -> None:
         except AttributeError:
             return getattr(original, name)
 
-    module.__class__ = type(cls.__name__, (cls,), {"__getattr__": __getattr__})
+    shared = ("_is_full_backward_hook",) + (
+        LAYER_FLAGS if is_checkpointing_layer(original) else ())
+    attrs: Dict[str, Any] = {"__getattr__": __getattr__}
+    attrs.update({name: _through(original, name) for name in shared})
+    module.__class__ = type(cls.__name__, (cls,), attrs)
+
+
+def _through(original: nn.Module, name: str) -> property:
+    """A property reading and writing ``original``'s attribute ``name``."""
+    return property(lambda self: getattr(original, name, None),
+                    lambda self, value: setattr(original, name, value))
 
 
 def call_paths(module: nn.Module, prefix: str = "") -> List[str]:
@@ -168,8 +194,9 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     runtime: List[str] = [name for name in calls if name not in children]
     for name, sub in children.items():
         child = model.get_submodule(name)
-        _as_planned(sub, name in fp32_inputs, _planned_dtypes(calls.get(name)))
+        _as_planned(sub, name in fp32_inputs, _planned_dtypes(calls.get(name)), child)
         _reading_from(sub, child)
+        share_call_hooks(sub, child)
         _put(result, model, name, sub)
         nested[name] = plan_of(sub)
     if not nested:
@@ -186,6 +213,10 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
         return tree_map(lambda t: t.to(out_dtype) if isinstance(t, torch.Tensor)
                         and t.is_floating_point() and t.dtype != out_dtype else t, out)
 
+    try:  # what a caller reading the signature sees (HF Trainer drops other columns)
+        forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
     result.forward = forward  # type: ignore[method-assign]
     # the children's dtypes under the rewritten model, from one run on the example inputs
     outs = submodule_calls(result, list(calls), args, kwargs)

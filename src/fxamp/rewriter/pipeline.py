@@ -20,6 +20,7 @@ from ..plan import Plan, RangeStats, plan_of
 from ..result import Rewritten, has_result, result_of, set_result
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
+from ..frontends.checkpointing import layers_off
 from ..frontends.common import as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
@@ -236,10 +237,13 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
     # fails (a kernel without bf16, a submodule run on them outside autocast), the FP32
     # model's inputs, cast to FP32 on entry
     under = submodule_calls(model, captured.paths, inputs, kwargs, config.policy.compute)
-    children = _rewrite_submodules(model, captured.paths, under, config,
-                                   "is planned for FP32 inputs instead", scope)
-    fp32 = _rewrite_submodules(model, [p for p in captured.paths if p not in children],
-                               captured.calls, config, "stays under autocast", scope)
+    # (an HF layer that checkpoints itself is rewritten without: its rewritten call is
+    # checkpointed at run time as the layer's flag then says)
+    with layers_off(model.get_submodule(p) for p in captured.paths):
+        children = _rewrite_submodules(model, captured.paths, under, config,
+                                       "is planned for FP32 inputs instead", scope)
+        fp32 = _rewrite_submodules(model, [p for p in captured.paths if p not in children],
+                                   captured.calls, config, "stays under autocast", scope)
     children.update(fp32)
     try:
         result = eager_root(model, inputs, kwargs, config.policy,
