@@ -243,3 +243,35 @@ def test_hf_trainer_default_columns_and_neftune_train_like_trainer_bf16(tmp_path
     assert len(runs[0]) == 3 and runs[0] == runs[1]
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_lora_on_llama_q_k_v_o_trains_like_peft_under_autocast():
+    """PEFT's lora.Linear ends with ``result.to(torch_result_dtype)``, the dtype read from
+    the base layer's output at run time (bf16 under autocast): the rewritten q/k/v/o give
+    autocast's bf16, so RoPE and attention sum the LoRA gradients as autocast does."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_llama(), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # (PEFT starts B at zero: no gradient reaches A at step 0)
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
+    ref = copy.deepcopy(model)
+    ids = _ids()
+    _rewrite(model, True, ids)
+    line = fxamp.plan_of(model).nodes["base_model.model/model/layers.0/self_attn/q_proj"]
+    assert line.dtype == BF16 and "its dtype under torch.autocast" in line.reason
+    runs = []
+    for m, autocast in ((model, False), (ref, True)):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        steps = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = _loss(m, autocast, input_ids=ids, labels=ids)
+            loss.backward()
+            steps.append((loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                        if p.requires_grad}))
+            opt.step()
+        runs.append(steps)
+    for (loss, grads), (ref_loss, ref_grads) in zip(*runs):
+        assert loss == ref_loss and grads.keys() == ref_grads.keys() and len(grads) == 16
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)

@@ -152,6 +152,58 @@ def _through(original: nn.Module, name: str) -> property:
                     lambda self, value: setattr(original, name, value))
 
 
+#: the rules of a child's plan lines that follow autocast (a child planned otherwise, by an
+#: override or a numerics pass, keeps the output dtype its plan gives)
+_AS_AUTOCAST = (Rule.AUTOCAST, Rule.NESTED, Rule.RUNTIME, Rule.PLACEMENT)
+
+
+def _float_dtypes(value: Any) -> List[Optional[torch.dtype]]:
+    leaves, _ = tree_flatten(value)
+    return [v.dtype if isinstance(v, torch.Tensor) and v.is_floating_point() else None
+            for v in leaves]
+
+
+def _output_casts(result: nn.Module, nested: Dict[str, Plan],
+                  autocast_calls: Dict[str, Tuple[tuple, dict, Any]],
+                  outs: Dict[str, Tuple[tuple, dict, Any]]) -> Dict[str, str]:
+    """Cast the outputs of each rewritten child whose output dtypes (``outs``: a run of
+    the rewritten model) differ from those it gives under ``torch.autocast``
+    (``autocast_calls``) to autocast's, where its plan follows autocast. That is a cast the
+    model writes in terms of a dtype it reads at run time, which the trace (in FP32) baked
+    in: PEFT's LoRA ``result.to(torch_result_dtype)``, with ``torch_result_dtype`` read
+    from the base layer's output (bf16 under autocast, FP32 in the trace). Returns the
+    plan-line note of each child recast."""
+    done: Dict[str, str] = {}
+    for name, plan in nested.items():
+        if name not in autocast_calls or name not in outs or any(
+                p.rule not in _AS_AUTOCAST for p in plan.nodes.values()):
+            continue
+        want, got = _float_dtypes(autocast_calls[name][2]), _float_dtypes(outs[name][2])
+        if len(want) != len(got) or want == got or None in [
+                w for w, g in zip(want, got) if w != g] + [
+                g for w, g in zip(want, got) if w != g]:
+            continue
+        sub = result.get_submodule(name)
+        _cast_outputs(sub, want)
+        names = sorted({dtype_name(w) for w, g in zip(want, got) if w != g and w})
+        done[name] = (f"; its output is cast to {', '.join(names)}, its dtype under "
+                      "torch.autocast (the model casts it to a dtype read at run time, "
+                      "which the FP32 trace fixed)")
+        log.info("%s: output cast to %s, as under torch.autocast", name, ", ".join(names))
+    return done
+
+
+def _cast_outputs(module: nn.Module, dtypes: List[Optional[torch.dtype]]) -> None:
+    """``module``'s floating outputs cast to ``dtypes`` (one per output leaf)."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return _to_planned(forward(*args, **kwargs), dtypes)
+
+    module.forward = run  # type: ignore[method-assign]
+
+
 def call_paths(module: nn.Module, prefix: str = "") -> List[str]:
     """The paths of the submodules a forward calls: the children, with the items of a
     container that has no forward of its own (``ModuleList``, ``ModuleDict``: a decoder's
@@ -183,11 +235,16 @@ def _put(result: nn.Module, model: nn.Module, path: str, sub: nn.Module) -> None
 
 def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
                calls: Dict[str, Tuple[tuple, dict, Any]], children: Dict[str, nn.Module],
-               header: Dict[str, str], fp32_inputs: Sequence[str] = ()) -> nn.Module:
+               header: Dict[str, str], fp32_inputs: Sequence[str] = (),
+               autocast_calls: Optional[Dict[str, Tuple[tuple, dict, Any]]] = None
+               ) -> nn.Module:
     """The model with its own forward eager under autocast and its children rewritten.
     ``calls`` are the children's first calls (:func:`submodule_calls`), ``children`` the
     rewritten ones by name (those missing stay under autocast, ``rule="runtime"``);
-    ``fp32_inputs``: the children planned for the FP32 model's inputs."""
+    ``fp32_inputs``: the children planned for the FP32 model's inputs; ``autocast_calls``:
+    the children's first calls with the model under ``torch.autocast`` (a child whose
+    rewritten output has another dtype gets its output cast to autocast's:
+    :func:`_output_casts`)."""
     result = copy.copy(model)
     result._modules = dict(model._modules)
     nested: Dict[str, Plan] = {}
@@ -220,6 +277,13 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     result.forward = forward  # type: ignore[method-assign]
     # the children's dtypes under the rewritten model, from one run on the example inputs
     outs = submodule_calls(result, list(calls), args, kwargs)
+    recast: Dict[str, str] = {}
+    for _ in range(len(nested)):  # (a child recast may change what the next ones get)
+        found = _output_casts(result, nested, autocast_calls or {}, outs)
+        if not found:
+            break
+        recast.update(found)
+        outs = submodule_calls(result, list(calls), args, kwargs)
     nodes: Dict[str, NodePrecision] = {}
     for name in calls:
         value = first_float(outs.get(name, (None, None, None))[2])
@@ -232,8 +296,8 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
             inputs = torch.float32 if first is None or name in fp32_inputs else first.dtype
             nodes[name] = NodePrecision(dtype, Rule.NESTED, "rewritten on its own (the model's "
                                         f"forward is not traceable), planned for {given}; "
-                                        f"its nodes are the plan lines {name}/*", label, name,
-                                        inputs)
+                                        f"its nodes are the plan lines {name}/*"
+                                        + recast.get(name, ""), label, name, inputs)
             nodes.update(nested_lines({name: nested[name]}))
         else:
             nodes[name] = NodePrecision(dtype, Rule.RUNTIME, "not traceable: runs under "

@@ -249,7 +249,8 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
         result = eager_root(model, inputs, kwargs, config.policy,
                             {p: under.get(p, c) if p not in fp32 else c
                              for p, c in captured.calls.items()}, children,
-                            _header(config.policy, captured.frontend), fp32_inputs=list(fp32))
+                            _header(config.policy, captured.frontend), fp32_inputs=list(fp32),
+                            autocast_calls=under)
     except FxampError:
         if captured.refused is None:
             raise
