@@ -167,7 +167,9 @@ def test_llama_gradient_checkpointing_enabled_before_or_after_the_rewrite_checkp
         _llama(), True, ids)[2])
 
 
-def test_a_forward_hook_added_after_the_rewrite_on_a_gpt2_block_runs():
+def test_forward_hooks_added_after_the_rewrite_on_a_gpt2_block_and_its_final_norm_run():
+    """A block (an eager root itself) and ``ln_f`` (a child fx rewrote) are called as
+    modules by the eager forward: hooks registered on the model's modules run."""
     ref = _gpt2(train=False)
     ids = _ids()
     model = _rewrite(copy.deepcopy(ref), True, ids)
@@ -177,14 +179,16 @@ def test_a_forward_hook_added_after_the_rewrite_on_a_gpt2_block_runs():
         def hook(module, args, out):
             seen.append(type(module).__name__)
             return out * 2
-        handle = m.transformer.h[0].register_forward_hook(hook)
+        handles = [m.transformer.h[0].register_forward_hook(hook),
+                   m.transformer.ln_f.register_forward_hook(hook)]
         with torch.no_grad(), torch.autocast("cpu", dtype=BF16, enabled=m is ref):
             outputs.append(m(ids).logits)
-        handle.remove()
-    assert seen == ["GPT2Block", "GPT2Block"] and torch.equal(*outputs)
-    with torch.no_grad():  # removed: it stops running
+        for handle in handles:
+            handle.remove()
+    assert seen == ["GPT2Block", "LayerNorm"] * 2 and torch.equal(*outputs)
+    with torch.no_grad():  # removed: they stop running
         model(ids)
-    assert len(seen) == 2
+    assert len(seen) == 4
 
 
 def test_a_hook_on_a_module_traced_into_a_child_s_graph_is_refused_by_name():
