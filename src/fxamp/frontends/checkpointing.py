@@ -24,6 +24,7 @@ which ``Graph.node_copy`` and torch.export keep), not in fxamp's IR record.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -227,3 +228,62 @@ def warn_unseen(model: nn.Module, graph: fx.Graph) -> None:
                     "torch.no_grad()) on the model in train mode", type(model).__name__,
                     flagged[0] or type(model).__name__,
                     f" and {len(flagged) - 1} more" if len(flagged) > 1 else "")
+
+
+# --- HF layers that checkpoint themselves, as children of an eager root -------------------
+#
+# A Hugging Face ``GradientCheckpointingLayer`` (every decoder / encoder layer in
+# transformers 5.x) checkpoints in its own ``forward`` when its ``gradient_checkpointing``
+# flag is on (``model.gradient_checkpointing_enable()``, which HF Trainer calls after any
+# rewrite). Under an eager root the layer's rewritten module is called instead, so the
+# eager front end rewrites the layer with the flag off and checkpoints the rewritten call
+# itself, at run time, reading the flag and the checkpoint function the original layer
+# holds (:func:`call_layer`): enabling or disabling checkpointing before or after the
+# rewrite works as on the model.
+
+#: the attributes HF's ``gradient_checkpointing_enable`` sets on a layer
+LAYER_FLAGS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+def is_checkpointing_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is an HF ``GradientCheckpointingLayer`` (it checkpoints its own
+    forward when its ``gradient_checkpointing`` flag is on)."""
+    return any(cls.__name__ == "GradientCheckpointingLayer"
+               and cls.__module__.startswith("transformers") for cls in type(module).__mro__)
+
+
+@contextlib.contextmanager
+def layers_off(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """The ``gradient_checkpointing`` flag of each HF layer in ``modules`` off while the
+    block rewrites them (their graphs get no checkpoint regions; :func:`call_layer`
+    checkpoints the rewritten call), put back after."""
+    saved = [(m, m.__dict__["gradient_checkpointing"]) for m in modules
+             if is_checkpointing_layer(m) and "gradient_checkpointing" in m.__dict__]
+    try:
+        for module, _ in saved:
+            module.__dict__["gradient_checkpointing"] = False
+        yield
+    finally:
+        for module, flag in saved:
+            module.__dict__["gradient_checkpointing"] = flag
+
+
+def call_layer(layer: nn.Module, training: bool, run: Callable, args: tuple,
+               kwargs: Dict[str, Any]) -> Any:
+    """``run(*args, **kwargs)`` (the rewritten call of the HF layer ``layer``), under
+    ``layer._gradient_checkpointing_func`` when ``layer`` checkpoints: its flag on, in
+    training mode (``training``: the rewritten module's flag), with grad enabled. The
+    cache arguments are dropped as HF's own layer drops them (``use_cache=False``, no
+    ``cache`` / ``layer_past`` unless the layer may keep its cache)."""
+    if not (getattr(layer, "gradient_checkpointing", False) is True and training
+            and torch.is_grad_enabled()):
+        return run(*args, **kwargs)
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        for name in ("cache", "layer_past"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+    function = getattr(layer, "_gradient_checkpointing_func", None) or torch_checkpoint.checkpoint
+    return function(functools.partial(run, **kwargs), *args)

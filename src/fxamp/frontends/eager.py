@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -35,7 +36,9 @@ from ..result import Rewritten, plan_of, set_result
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
+from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
 from .common import nested_header, nested_lines
+from .hooks import share_call_hooks
 
 log = logging.getLogger(__name__)
 
@@ -92,17 +95,19 @@ def _to_planned(values: Any, planned: List[Optional[torch.dtype]]) -> Any:
 
 
 def _as_planned(module: nn.Module, fp32_inputs: bool,
-                planned: Sequence[Optional[torch.dtype]] = ()) -> None:
+                planned: Sequence[Optional[torch.dtype]] = (),
+                original: Optional[nn.Module] = None) -> None:
     """Make ``module`` (a rewritten child with explicit casts) run with autocast off. It was
     planned with the inputs the model's forward gives it under the root's autocast (a bf16
     activation stays bf16, as under autocast: ``planned``, each input's dtype, which its
     inputs are cast to), or, where that plan failed, with the FP32 model's inputs
-    (``fp32_inputs``: its low-precision inputs are cast to FP32)."""
+    (``fp32_inputs``: its low-precision inputs are cast to FP32). When ``original`` (the
+    child it replaces) is an HF layer that checkpoints itself, the call is checkpointed as
+    the layer's flag says at run time (:func:`.checkpointing.call_layer`)."""
     forward = module.forward
     dtypes = list(planned)
 
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def planned_call(*args: Any, **kwargs: Any) -> Any:
         if fp32_inputs:
             args, kwargs = tree_map(_fp32, (args, kwargs))
         elif any(dtypes):
@@ -110,11 +115,22 @@ def _as_planned(module: nn.Module, fp32_inputs: bool,
         with torch.autocast(device_type((args, kwargs)), enabled=False):
             return forward(*args, **kwargs)
 
+    layer = original if original is not None and is_checkpointing_layer(original) else None
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if layer is None:
+            return planned_call(*args, **kwargs)
+        return call_layer(layer, module.training, planned_call, args, kwargs)
+
     module.forward = run  # type: ignore[method-assign]
 
 
 def _reading_from(module: nn.Module, original: nn.Module) -> None:
-    """Attributes ``module`` lacks are read from ``original`` (the child it replaces)."""
+    """Attributes ``module`` lacks are read from ``original`` (the child it replaces); the
+    ones that say how it is called (whether a full backward hook is registered, an HF
+    layer's checkpointing flag and function) are ``original``'s, read and written through
+    (``model.gradient_checkpointing_enable()`` on either reaches both)."""
     cls = type(module)
 
     def __getattr__(self: nn.Module, name: str) -> Any:
@@ -123,7 +139,69 @@ def _reading_from(module: nn.Module, original: nn.Module) -> None:
         except AttributeError:
             return getattr(original, name)
 
-    module.__class__ = type(cls.__name__, (cls,), {"__getattr__": __getattr__})
+    shared = ("_is_full_backward_hook",) + (
+        LAYER_FLAGS if is_checkpointing_layer(original) else ())
+    attrs: Dict[str, Any] = {"__getattr__": __getattr__}
+    attrs.update({name: _through(original, name) for name in shared})
+    module.__class__ = type(cls.__name__, (cls,), attrs)
+
+
+def _through(original: nn.Module, name: str) -> property:
+    """A property reading and writing ``original``'s attribute ``name``."""
+    return property(lambda self: getattr(original, name, None),
+                    lambda self, value: setattr(original, name, value))
+
+
+#: the rules of a child's plan lines that follow autocast (a child planned otherwise, by an
+#: override or a numerics pass, keeps the output dtype its plan gives)
+_AS_AUTOCAST = (Rule.AUTOCAST, Rule.NESTED, Rule.RUNTIME, Rule.PLACEMENT)
+
+
+def _float_dtypes(value: Any) -> List[Optional[torch.dtype]]:
+    leaves, _ = tree_flatten(value)
+    return [v.dtype if isinstance(v, torch.Tensor) and v.is_floating_point() else None
+            for v in leaves]
+
+
+def _output_casts(result: nn.Module, nested: Dict[str, Plan],
+                  autocast_calls: Dict[str, Tuple[tuple, dict, Any]],
+                  outs: Dict[str, Tuple[tuple, dict, Any]]) -> Dict[str, str]:
+    """Cast the outputs of each rewritten child whose output dtypes (``outs``: a run of
+    the rewritten model) differ from those it gives under ``torch.autocast``
+    (``autocast_calls``) to autocast's, where its plan follows autocast. That is a cast the
+    model writes in terms of a dtype it reads at run time, which the trace (in FP32) baked
+    in: PEFT's LoRA ``result.to(torch_result_dtype)``, with ``torch_result_dtype`` read
+    from the base layer's output (bf16 under autocast, FP32 in the trace). Returns the
+    plan-line note of each child recast."""
+    done: Dict[str, str] = {}
+    for name, plan in nested.items():
+        if name not in autocast_calls or name not in outs or any(
+                p.rule not in _AS_AUTOCAST for p in plan.nodes.values()):
+            continue
+        want, got = _float_dtypes(autocast_calls[name][2]), _float_dtypes(outs[name][2])
+        if len(want) != len(got) or want == got or None in [
+                w for w, g in zip(want, got) if w != g] + [
+                g for w, g in zip(want, got) if w != g]:
+            continue
+        sub = result.get_submodule(name)
+        _cast_outputs(sub, want)
+        names = sorted({dtype_name(w) for w, g in zip(want, got) if w != g and w})
+        done[name] = (f"; its output is cast to {', '.join(names)}, its dtype under "
+                      "torch.autocast (the model casts it to a dtype read at run time, "
+                      "which the FP32 trace fixed)")
+        log.info("%s: output cast to %s, as under torch.autocast", name, ", ".join(names))
+    return done
+
+
+def _cast_outputs(module: nn.Module, dtypes: List[Optional[torch.dtype]]) -> None:
+    """``module``'s floating outputs cast to ``dtypes`` (one per output leaf)."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return _to_planned(forward(*args, **kwargs), dtypes)
+
+    module.forward = run  # type: ignore[method-assign]
 
 
 def call_paths(module: nn.Module, prefix: str = "") -> List[str]:
@@ -157,19 +235,25 @@ def _put(result: nn.Module, model: nn.Module, path: str, sub: nn.Module) -> None
 
 def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
                calls: Dict[str, Tuple[tuple, dict, Any]], children: Dict[str, nn.Module],
-               header: Dict[str, str], fp32_inputs: Sequence[str] = ()) -> nn.Module:
+               header: Dict[str, str], fp32_inputs: Sequence[str] = (),
+               autocast_calls: Optional[Dict[str, Tuple[tuple, dict, Any]]] = None
+               ) -> nn.Module:
     """The model with its own forward eager under autocast and its children rewritten.
     ``calls`` are the children's first calls (:func:`submodule_calls`), ``children`` the
     rewritten ones by name (those missing stay under autocast, ``rule="runtime"``);
-    ``fp32_inputs``: the children planned for the FP32 model's inputs."""
+    ``fp32_inputs``: the children planned for the FP32 model's inputs; ``autocast_calls``:
+    the children's first calls with the model under ``torch.autocast`` (a child whose
+    rewritten output has another dtype gets its output cast to autocast's:
+    :func:`_output_casts`)."""
     result = copy.copy(model)
     result._modules = dict(model._modules)
     nested: Dict[str, Plan] = {}
     runtime: List[str] = [name for name in calls if name not in children]
     for name, sub in children.items():
         child = model.get_submodule(name)
-        _as_planned(sub, name in fp32_inputs, _planned_dtypes(calls.get(name)))
+        _as_planned(sub, name in fp32_inputs, _planned_dtypes(calls.get(name)), child)
         _reading_from(sub, child)
+        share_call_hooks(sub, child)
         _put(result, model, name, sub)
         nested[name] = plan_of(sub)
     if not nested:
@@ -186,9 +270,20 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
         return tree_map(lambda t: t.to(out_dtype) if isinstance(t, torch.Tensor)
                         and t.is_floating_point() and t.dtype != out_dtype else t, out)
 
+    try:  # what a caller reading the signature sees (HF Trainer drops other columns)
+        forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
     result.forward = forward  # type: ignore[method-assign]
     # the children's dtypes under the rewritten model, from one run on the example inputs
     outs = submodule_calls(result, list(calls), args, kwargs)
+    recast: Dict[str, str] = {}
+    for _ in range(len(nested)):  # (a child recast may change what the next ones get)
+        found = _output_casts(result, nested, autocast_calls or {}, outs)
+        if not found:
+            break
+        recast.update(found)
+        outs = submodule_calls(result, list(calls), args, kwargs)
     nodes: Dict[str, NodePrecision] = {}
     for name in calls:
         value = first_float(outs.get(name, (None, None, None))[2])
@@ -201,8 +296,8 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
             inputs = torch.float32 if first is None or name in fp32_inputs else first.dtype
             nodes[name] = NodePrecision(dtype, Rule.NESTED, "rewritten on its own (the model's "
                                         f"forward is not traceable), planned for {given}; "
-                                        f"its nodes are the plan lines {name}/*", label, name,
-                                        inputs)
+                                        f"its nodes are the plan lines {name}/*"
+                                        + recast.get(name, ""), label, name, inputs)
             nodes.update(nested_lines({name: nested[name]}))
         else:
             nodes[name] = NodePrecision(dtype, Rule.RUNTIME, "not traceable: runs under "

@@ -110,3 +110,23 @@ def mark_hooked_runtime(gm: fx.GraphModule) -> List[str]:
                 module_label(module), runtime=True))
             marked.append(str(node.target))
     return marked
+
+
+#: the hook dicts a rewritten child of an eager root shares with the module it replaces
+SHARED_HOOKS = ROOT_HOOKS[:7]
+
+
+def share_call_hooks(module: nn.Module, original: nn.Module) -> bool:
+    """Make ``module`` (a rewritten child of an eager root, called as a module by the
+    root's Python forward) hold ``original``'s call-hook dicts themselves, so that a hook
+    registered on ``original`` after the rewrite (HF's NEFTune, ``enable_input_require_grads``)
+    or removed from it runs, or stops running, when ``module`` is called. False (nothing
+    shared) when ``module`` has hooks of its own that ``original`` lacks."""
+    pairs = [(kind, getattr(module, kind, None), getattr(original, kind, None))
+             for kind in SHARED_HOOKS]
+    if any(not isinstance(theirs, dict) or not isinstance(mine, dict)
+           or not set(mine) <= set(theirs) for _, mine, theirs in pairs):
+        return False
+    for kind, _, theirs in pairs:
+        module.__dict__[kind] = theirs
+    return True

@@ -55,8 +55,11 @@ def reads_training(model: nn.Module,
     name ``training`` in code (``self.training``, a ``training=`` argument, the string
     ``"training"``; not comments or docstrings, where "training recipe" says nothing); a
     class whose source cannot be read counts as reading it. Over-approximate on purpose: a
-    false "yes" costs one more capture, a false "no" a graph that silently keeps one mode."""
-    return any(traced(m) and _class_reads_training(type(m)) for m in model.modules())
+    false "yes" costs one more capture, a false "no" a graph that silently keeps one mode.
+    The root's own forward is always traced through (an ``nn.Dropout`` rewritten on its own,
+    as a child of an eager root, reads its flag in its code)."""
+    return any((m is model or traced(m)) and _class_reads_training(type(m))
+               for m in model.modules())
 
 
 @functools.lru_cache(maxsize=None)

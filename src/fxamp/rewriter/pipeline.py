@@ -21,6 +21,7 @@ from ..result import Rewritten, has_result, plan_of, result_of, set_result
 from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
+from ..frontends.checkpointing import layers_off
 from ..frontends.common import as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
@@ -276,16 +277,20 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
     # fails (a kernel without bf16, a submodule run on them outside autocast), the FP32
     # model's inputs, cast to FP32 on entry
     under = submodule_calls(model, captured.paths, inputs, kwargs, config.policy.compute)
-    children = _rewrite_submodules(model, captured.paths, under, config,
-                                   "is planned for FP32 inputs instead", scope)
-    fp32 = _rewrite_submodules(model, [p for p in captured.paths if p not in children],
-                               captured.calls, config, "stays under autocast", scope)
+    # (an HF layer that checkpoints itself is rewritten without: its rewritten call is
+    # checkpointed at run time as the layer's flag then says)
+    with layers_off(model.get_submodule(p) for p in captured.paths):
+        children = _rewrite_submodules(model, captured.paths, under, config,
+                                       "is planned for FP32 inputs instead", scope)
+        fp32 = _rewrite_submodules(model, [p for p in captured.paths if p not in children],
+                                   captured.calls, config, "stays under autocast", scope)
     children.update(fp32)
     try:
         result = eager_root(model, inputs, kwargs, config.policy,
                             {p: under.get(p, c) if p not in fp32 else c
                              for p, c in captured.calls.items()}, children,
-                            _header(config.policy, captured.frontend), fp32_inputs=list(fp32))
+                            _header(config.policy, captured.frontend), fp32_inputs=list(fp32),
+                            autocast_calls=under)
     except FxampError:
         if captured.refused is None:
             raise
