@@ -208,9 +208,10 @@ def make_rules(root: nn.Module, policy: Policy, scope: Optional[overrides.Scope]
     ctx = PassContext(policy, scope=scope)
     classes = ANNOTATE_RULES
     if is_deploy(policy.target):
-        from .deploy import DeployRule  # (it builds on AnnotateRule, defined here)
+        from .deploy import DeployRule, RecurrentRule  # (they build on AnnotateRule)
 
-        classes = classes[:-1] + (DeployRule,)
+        at = classes.index(RuntimeRule)  # an RNN module is no opaque call in a deployment
+        classes = classes[:at] + (RecurrentRule,) + classes[at:-1] + (DeployRule,)
     return tuple(cls(root, ctx) for cls in classes)  # type: ignore[arg-type]
 
 
