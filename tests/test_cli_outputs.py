@@ -144,3 +144,21 @@ def test_export_writes_nothing_when_a_later_step_fails(tmp_path, capsys, onnx_av
     assert "needs the TensorRT Python package" in err and "Traceback" not in err
     assert out.read_bytes() == b"the old model" and not report.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "model.onnx"]
+
+
+@pytest.mark.parametrize("spelling", ["same", "relative", "symlink"])
+def test_export_refuses_one_file_for_the_model_and_the_report(tmp_path, capsys, monkeypatch,
+                                                              spelling):
+    out = tmp_path / "model.onnx"
+    out.write_bytes(b"the old model")
+    monkeypatch.chdir(tmp_path)
+    report = {"same": str(out), "relative": "./sub/../model.onnx",
+              "symlink": str(tmp_path / "link.md")}[spelling]
+    (tmp_path / "sub").mkdir()
+    if spelling == "symlink":
+        os.symlink(out, report)
+    assert run("export", MODEL, "-o", str(out), "--report", report) == 2
+    err = capsys.readouterr().err
+    assert "are the same file" in err and "--report" in err and "Traceback" not in err
+    assert "rewriting" not in err  # refused before any work
+    assert out.read_bytes() == b"the old model"

@@ -52,6 +52,8 @@ WRAPPED = [
     ("torch.amp", "GradScaler._found_inf_per_device"),
     ("torch.nn.modules.batchnorm", "_BatchNorm"),
     ("torch.nn.modules.instancenorm", "_InstanceNorm"),
+    ("torch.nn.modules.conv", "_ConvNd"),
+    ("torch.nn.modules.conv", "_ConvTransposeNd"),
 ]
 
 def test_the_named_private_wrappers_do_what_they_say():

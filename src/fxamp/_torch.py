@@ -435,12 +435,17 @@ def spell_names(root: torch.nn.Module) -> int:
 import torch.utils.checkpoint as _checkpoint  # noqa: E402
 
 __all__ += ["op_schema", "overload_name", "checkpoint_impl",
-            "found_inf_per_device", "BATCH_NORM_BASE", "INSTANCE_NORM_BASE"]
+            "found_inf_per_device", "BATCH_NORM_BASE", "INSTANCE_NORM_BASE", "CONV_BASE",
+            "CONV_TRANSPOSE_BASE"]
 
 #: the private base classes of torch's norms (``nn.modules.batchnorm._BatchNorm``: the
 #: ``BatchNorm1d/2d/3d`` and their lazy and sync forms; ``instancenorm._InstanceNorm``)
 BATCH_NORM_BASE: type = torch.nn.modules.batchnorm._BatchNorm
 INSTANCE_NORM_BASE: type = torch.nn.modules.instancenorm._InstanceNorm
+#: the private base classes of torch's convolutions (``nn.modules.conv._ConvNd``: every
+#: ``Conv*d`` and ``ConvTranspose*d``; ``_ConvTransposeNd``: the transposed ones)
+CONV_BASE: type = torch.nn.modules.conv._ConvNd
+CONV_TRANSPOSE_BASE: type = torch.nn.modules.conv._ConvTransposeNd
 
 
 def op_schema(op: Any) -> Any:

@@ -3,7 +3,9 @@ which precision."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import Dict, Tuple
 
 from ..errors import FxampError
 from ..result import plan_of
@@ -11,9 +13,36 @@ from .factory import config_from_args, load_factory
 from .quiet import quiet
 
 
+def _same_outputs(args: argparse.Namespace) -> None:
+    """FxampError when two outputs (-o, --report, --model-explorer and its companion) name
+    one file, however spelled (relative, through a symlink): one would overwrite the other."""
+    named = [("-o", args.output), ("--report", args.report)]
+    if args.model_explorer:
+        from ..model_explorer import companion_path
+
+        named += [("--model-explorer", args.model_explorer),
+                  ("--model-explorer's companion", companion_path(args.model_explorer,
+                                                                 "actual"))]
+    seen: Dict[str, Tuple[str, str]] = {}
+    for option, path in named:
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        if real == os.path.realpath(os.devnull):
+            continue
+        if real in seen:
+            first, spelled = seen[real]
+            raise FxampError(f"{first} {spelled} and {option} {path} are the same file; one "
+                             "would overwrite the other; nothing was written. what to do: "
+                             f"give {option} another path")
+        seen[real] = (option, path)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Rewrite, export, report: every output is written only once all of it succeeded."""
     import time
+
+    _same_outputs(args)
 
     from .. import amp_rewrite
     from ..fileio import Staging

@@ -56,20 +56,54 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 1 if text else 0
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def _merged(own: Any, committed: Any) -> Any:
+    """The model's own ranges with the committed ones added: per node the larger maximum,
+    underflow and non-finite count (a node only one of them has is kept as it is)."""
+    from ..plan import RangeStats
+
+    merged = dict(own)
+    for name, c in (committed or {}).items():
+        o = merged.get(name)
+        merged[name] = c if o is None else RangeStats(
+            max(o.max_abs, c.max_abs), max(o.underflow, c.underflow),
+            max(o.nonfinite, c.nonfinite))
+    return merged
+
+
+def _checked_plan(args: argparse.Namespace, committed: Any) -> Any:
+    """The plan ``check`` compares: a deployment target's from the model's own example
+    (its calibration batch), the committed ``@range`` lines only as extra calibration;
+    any other target's with the committed ranges as its calibration (the CLI has no
+    batches)."""
     from .. import plan_of
+    from ..policy import is_deploy
+    from .factory import config_from_args
+
+    ranges = committed.ranges if committed is not None else None
+    if not is_deploy(config_from_args(args).policy.target):
+        return plan_of(rewrite_from_args(args, ranges))
+    own = plan_of(rewrite_from_args(args))
+    if not ranges:
+        return own
+    merged = _merged(own.ranges, ranges)
+    if merged == dict(own.ranges):
+        return own
+    return plan_of(rewrite_from_args(args, merged))
+
+
+def cmd_check(args: argparse.Namespace) -> int:
     from ..plan import diff
 
     if args.update:  # (ranges the file holds, from the Python API's calibration, are kept)
         kept = _load_plan("check", args.plan, quiet=True) if os.path.isfile(args.plan) else None
-        plan = plan_of(rewrite_from_args(args, kept.ranges if kept is not None else None))
+        plan = _checked_plan(args, kept)
         plan.save(args.plan)
         print(f"wrote {args.plan} ({len(plan.nodes)} nodes)")
         return 0
-    # the committed ranges are the calibration: the CLI has no batches, and the plan is
-    # checked for the decisions those ranges give (the model's own errors come first)
+    # the model's own errors come first; a deployment plan is made from the model's own
+    # example, the committed ranges only adding calibration
     committed = _load_plan("check", args.plan, quiet=True)
-    plan = plan_of(rewrite_from_args(args, committed.ranges if committed is not None else None))
+    plan = _checked_plan(args, committed)
     if committed is None:
         _load_plan("check", args.plan, "; create it with --update")
         return 2

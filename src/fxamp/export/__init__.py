@@ -12,12 +12,14 @@ from .errors import BackendUnavailableError, ExportError, NumericsError, Unknown
 from .layers import LayerPrecision
 from .onnx_export import export_onnx
 from .overflow import PlanOverflowError, run_true_fp16
+from .verify import ExporterNumbersError
 from .predict import SOURCES, Prediction, predict, predict_fp16
 from .report import SCHEMA, PrecisionReport
 from .trt_build import tensorrt_available
 
 __all__ = ["export_onnx", "precision_report", "check_numerics", "tensorrt_available",
            "PrecisionReport", "LayerPrecision", "ExportError", "BackendUnavailableError",
-           "NumericsError", "PlanOverflowError", "run_true_fp16", "SCHEMA", "predict",
+           "NumericsError", "PlanOverflowError", "ExporterNumbersError", "run_true_fp16",
+           "SCHEMA", "predict",
            "predict_fp16", "Prediction", "SOURCES", "Backend", "BACKEND_CHOICES",
            "get_backend", "UnknownBackendError"]

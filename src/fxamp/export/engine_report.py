@@ -140,12 +140,41 @@ def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "aut
     return report
 
 
+def _true_fp16(path: str, session: Any, inputs: Sequence[Any], refs: List[Any],
+               rows: List[Dict[str, Any]]) -> None:
+    """Add each row's true-FP16 result (``onnx.reference``, every op in its declared type):
+    ``true_fp16_max_abs`` and ``true_fp16_ok`` (within :data:`TRUE_FP16_RTOL` of the output's
+    scale); left out when the reference evaluator cannot run the file."""
+    import numpy as np
+    import onnx
+
+    from .overflow import run_true_fp16
+    from .reference import TRUE_FP16_RTOL
+
+    try:
+        got = run_true_fp16(onnx.load(path), feeds(session, inputs))
+    except Exception as err:  # noqa: BLE001 - an op onnx.reference lacks
+        log.info("no true-FP16 result: onnx.reference cannot run %s (%s)", path, err)
+        return
+    for row, out, ref in zip(rows, got, refs):
+        r = ref.detach().float().cpu().numpy()
+        o = np.asarray(out, dtype=np.float64)
+        if o.shape != r.shape:
+            continue
+        diff = float(np.abs(o - r).max()) if r.size else 0.0
+        finite = bool(np.isfinite(o).all())
+        row["true_fp16_max_abs"] = diff if finite else float("inf")
+        row["true_fp16_ok"] = finite and diff <= TRUE_FP16_RTOL * row["ref_max"]
+
+
 def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: float = 1e-2,
                    atol: float = 1e-2, raise_on_error: bool = True,
                    device: Optional[str] = None) -> List[Dict[str, Any]]:
     """Run the ONNX model in onnxruntime (default optimizations) and the FP32 PyTorch model
     on the same inputs; per output: max abs error, max relative error (|d| / (|ref| + atol)),
-    the largest |ref|, and ok = max abs error <= atol + rtol * max|ref|.
+    the largest |ref|, and ok = max abs error <= atol + rtol * max|ref|; and the file in
+    true FP16 (``onnx.reference``): ``true_fp16_max_abs``, ``true_fp16_ok`` (within
+    ``TRUE_FP16_RTOL`` of max|ref|). ``ok`` is the backend's result alone.
 
     Raises :class:`NumericsError` (an FxampError) when an output is over tolerance, unless
     ``raise_on_error`` is False.
@@ -185,6 +214,7 @@ def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: flo
                      "max_rel": float((diff / (np.abs(r) + atol)).max()) if diff.size else 0.0,
                      "ref_max": ref_max,
                      "ok": finite and max_abs <= atol + rtol * ref_max})
+    _true_fp16(path, session, inputs, refs, rows)
     bad = [row for row in rows if not row["ok"]]
     if bad and raise_on_error:
         text = "; ".join(f"{row['output']}: max abs error {row['max_abs']:.3g} > "

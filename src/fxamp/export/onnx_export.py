@@ -180,9 +180,21 @@ def _annotate(model: Any, gm: fx.GraphModule, mapping: Optional[Dict[str, str]])
         set_meta(node, MODULE, module)
 
 
+def _eval_reference(reference: Optional[torch.nn.Module]) -> Any:
+    """``reference`` called in eval mode without grad (None stays None)."""
+    if reference is None:
+        return None
+
+    def run(*inputs: Any) -> Any:
+        with training_flags(reference, False), torch.no_grad():
+            return reference(*inputs)
+    return run
+
+
 @shows(lambda gm, inputs, path, **k: f"ONNX export to {os.path.basename(path)}")
 def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
-                opset: Optional[int] = None, exporter: str = "auto") -> str:
+                opset: Optional[int] = None, exporter: str = "auto",
+                reference: Optional[torch.nn.Module] = None) -> str:
     """Export a model made by ``fxamp.amp_rewrite`` to ONNX; return ``path``.
 
     Before the file is written, the exported graph is run with onnxruntime and compared with
@@ -192,6 +204,9 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     FP16 initializers (the weight casts are constant-folded), FP32 islands stay FP32. The
     export is for inference: modules are put in eval mode for it (their flags are restored).
     ``exporter``: "auto" (dynamo, then TorchScript), "dynamo" or "torchscript".
+    ``reference``: the FP32 model the file is checked against (default: ``gm`` with its
+    casts made FP32, see :func:`fxamp.export.reference.fp32_reference`); the check never
+    runs an FP16 op in PyTorch.
     """
     try:
         import onnx
@@ -235,12 +250,14 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     # a traced graph (TorchScript) holds the branches the example took: check the file on a
     # second input too; torch.export's graph is checked the same way (cheap insurance)
     with _eval_mode(gm):
-        checked = check_export(model, gm, inputs, used)
+        checked, true_fp16 = check_export(model, gm, inputs, used,
+                                          _eval_reference(reference))
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, "fxamp.plan": plan.to_text(),
             "fxamp.folded_weight_casts": str(folded), "fxamp.restored_eps_adds": str(restored),
             "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed),
             "fxamp.checked_inputs": str(checked), "fxamp.folded_batchnorms": str(bn_folded),
-            "fxamp.removed_casts": str(casts_removed)}
+            "fxamp.removed_casts": str(casts_removed),
+            "fxamp.true_fp16_error": "-" if true_fp16 is None else f"{true_fp16:.3g}"}
     if error:
         meta["fxamp.dynamo_error"] = error
     for key, value in meta.items():

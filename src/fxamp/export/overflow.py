@@ -123,3 +123,57 @@ def first_nonfinite_node(proto: Any, feed: Dict[str, Any]) -> Optional[Any]:
         if all(finite(i) for i in node.input if i) and not all(finite(o) for o in node.output):
             return node
     return None
+
+
+def fp32_twin(proto: Any) -> Any:
+    """A copy of ONNX model ``proto`` computing in FP32 where it computes in FP16 or BF16:
+    initializers, constants, Casts and declared types widened."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    twin = type(proto)()
+    twin.CopyFrom(proto)
+    graph = twin.graph
+    for init in graph.initializer:
+        if init.data_type in (10, 16):
+            init.CopyFrom(numpy_helper.from_array(
+                numpy_helper.to_array(init).astype(np.float32), init.name))
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.name == "to" and node.op_type == "Cast" and attr.i in (10, 16):
+                attr.i = 1
+            if attr.type == attr.TENSOR and attr.t.data_type in (10, 16):
+                attr.t.CopyFrom(numpy_helper.from_array(
+                    numpy_helper.to_array(attr.t).astype(np.float32), attr.t.name))
+    for value in list(graph.input) + list(graph.output) + list(graph.value_info):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type in (10, 16):
+            value.type.tensor_type.elem_type = 1
+    return twin
+
+
+def first_divergent_node(proto: Any, feed: Dict[str, Any], rtol: float) -> Optional[Any]:
+    """The first ONNX node whose true-FP16 output differs from the same node of the file's
+    FP32 twin (:func:`fp32_twin`) by more than ``rtol`` of its scale, or None."""
+    import numpy as np
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        low = ReferenceEvaluator(proto).run(None, feed, intermediate=True)
+        wide = ReferenceEvaluator(fp32_twin(proto)).run(None, feed, intermediate=True)
+    except Exception:  # noqa: BLE001 - the culprit is a detail of the message
+        return None
+
+    def off(name: str) -> bool:
+        a, b = low.get(name), wide.get(name)
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                and a.dtype.kind == "f" and b.dtype.kind == "f" and a.shape == b.shape
+                and b.size):
+            return False
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        scale = float(np.abs(b[np.isfinite(b)]).max()) if np.isfinite(b).any() else 0.0
+        diff = np.abs(np.nan_to_num(a - b, nan=np.inf))
+        return bool((diff > rtol * max(scale, 1e-12)).any())
+    for node in proto.graph.node:
+        if not any(off(i) for i in node.input if i) and any(off(o) for o in node.output):
+            return node
+    return None

@@ -89,6 +89,13 @@ class PrecisionReport:
             worst = max(r["max_abs"] for r in self.numerics)
             line += (f"; numerics vs FP32 PyTorch: max abs error {worst:.3g}"
                      + (f", {len(bad)} output(s) over tolerance" if bad else ", within tolerance"))
+        true16 = [r for r in self.numerics if "true_fp16_max_abs" in r]
+        if true16:
+            worst16 = max(r["true_fp16_max_abs"] for r in true16)
+            wrong = [r for r in true16 if not r.get("true_fp16_ok", True)]
+            line += (f"; true FP16 (onnx.reference): max abs error {worst16:.3g}"
+                     + (f", {len(wrong)} output(s) over tolerance" if wrong
+                        else ", within tolerance"))
         return line
 
     # -- JSON ------------------------------------------------------------------------
@@ -128,9 +135,13 @@ class PrecisionReport:
 
         out = [f"**fxamp precision report** for `{self.model}`: {self.summary()}", ""]
         if self.numerics:
-            out += ["| output | max abs error | max rel error | ok |", "|---|---|---|---|"]
+            out += ["| output | max abs error | max rel error | ok | true FP16 max abs error "
+                    "| true FP16 ok |", "|---|---|---|---|---|---|"]
             out += [f"| {cell(r['output'])} | {r['max_abs']:.3g} | {r['max_rel']:.3g} | "
-                    f"{'yes' if r['ok'] else '**NO**'} |" for r in self.numerics]
+                    f"{'yes' if r['ok'] else '**NO**'} | "
+                    + (f"{r['true_fp16_max_abs']:.3g} | "
+                       f"{'yes' if r['true_fp16_ok'] else '**NO**'} |"
+                       if "true_fp16_max_abs" in r else "- | - |") for r in self.numerics]
             out.append("")
         out += ["| | onnx node | op | fx node | module | planned | exported | actual | note |",
                 "|---|---|---|---|---|---|---|---|---|"]
@@ -167,11 +178,15 @@ class PrecisionReport:
         numerics = ""
         if self.numerics:
             numerics = ("<h2>Numerics against the FP32 PyTorch model</h2><table><tr><th>output"
-                        "</th><th>max abs error</th><th>max rel error</th><th>ok</th></tr>"
+                        "</th><th>max abs error</th><th>max rel error</th><th>ok</th>"
+                        "<th>true FP16 max abs error</th><th>true FP16 ok</th></tr>"
                         + "".join(f"<tr><td>{esc(str(r['output']))}</td><td>{r['max_abs']:.3g}"
                                   f"</td><td>{r['max_rel']:.3g}</td><td>"
-                                  f"{'yes' if r['ok'] else 'NO'}</td></tr>"
-                                  for r in self.numerics) + "</table>")
+                                  f"{'yes' if r['ok'] else 'NO'}</td><td>"
+                                  + (f"{r['true_fp16_max_abs']:.3g}</td><td>"
+                                     f"{'yes' if r['true_fp16_ok'] else 'NO'}"
+                                     if "true_fp16_max_abs" in r else "-</td><td>-")
+                                  + "</td></tr>" for r in self.numerics) + "</table>")
         predicted = ""
         if self.predicted:
             predicted = ("<h2>Predicted fallbacks (not measured)</h2><table><tr><th>onnx node"

@@ -16,14 +16,16 @@ same way.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from .._torch import tree_leaves, tree_map
 
 import torch.fx as fx
 
-from .overflow import PlanOverflowError, find_overflow, first_nonfinite_node, run_true_fp16
+from .overflow import (PlanOverflowError, find_overflow, first_divergent_node,
+                       first_nonfinite_node, run_true_fp16)
+from .reference import TRUE_FP16_RTOL, fp32_reference, relative_error, tensor_outputs
 from .errors import ExportError
 
 log = logging.getLogger(__name__)
@@ -80,10 +82,64 @@ def _compare(got: List[Any], want: List[torch.Tensor]) -> Optional[Tuple[int, st
     return None
 
 
-def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: str) -> int:
-    """Run ``proto`` with onnxruntime and ``model`` with PyTorch on the example inputs, a
-    second input and (dynamic batch only) a double batch; raise ExportError when they
-    disagree or the file cannot be checked. Returns the number of inputs checked."""
+class ExporterNumbersError(ExportError):
+    """The ONNX exporter or its optimizer changed the numbers: the rewritten model agrees with
+    FP32, the file does not (never a tracing problem of torch.export's graph)."""
+
+
+def _run_rewritten(model: torch.nn.Module, case: Any) -> Optional[List[torch.Tensor]]:
+    """The rewritten model's own outputs in PyTorch (its FP16 ops and all), or None where
+    PyTorch cannot run them here (no FP16 CPU kernel)."""
+    try:
+        with torch.no_grad():
+            return tensor_outputs(model(*case))
+    except Exception as err:  # noqa: BLE001 - e.g. oneDNN has no FP16 LSTM on this CPU
+        log.info("the rewritten model does not run in PyTorch here (%s: %s): checked "
+                 "against FP32 only", type(err).__name__, str(err).splitlines()[:1])
+        return None
+
+
+def _mismatch(model: torch.nn.Module, case: Any, what: str, got: List[Any],
+              problem: Tuple[int, str], exporter: str) -> ExportError:
+    """The error for a file that disagrees with FP32 on ``case``: the plan's numbers (the
+    rewritten model overflows or disagrees too), the exporter's optimizer (torch.export's
+    graph holds no branch, so the exporter changed the numbers), or a traced branch."""
+    index, detail = problem
+    which = f"output {index}" if index >= 0 else "the outputs"
+    overflow = find_overflow(model, case) if isinstance(model, fx.GraphModule) else None
+    if overflow is not None:  # the plan's numbers, not the export, differ
+        return overflow.error(what)
+    own = _run_rewritten(model, case)
+    if own is not None and _compare(got, own) is None:
+        return PlanOverflowError(
+            f"the plan's precision changes the result on {what}: the rewritten model and its "
+            f"ONNX file agree, and both differ from FP32: {which}: {detail}. what to do: give "
+            "calibration_data like this input, keep the sensitive nodes in FP32 with a policy "
+            "override ('fp32:NODE'), or rewrite with target='tensorrt'")
+    if exporter != "torchscript":
+        return ExporterNumbersError(
+            f"the {exporter} ONNX exporter changed the numbers on {what}: {which}: {detail}, "
+            "while the rewritten model agrees with FP32 (torch.export's graph holds no "
+            "branch on tensor values, so this is the exporter's translation or its optimizer "
+            "(onnxscript), not tracing). what to do: export with exporter='torchscript', or "
+            "report it to torch.onnx with the model")
+    return ExportError(
+        f"the {exporter} exporter's graph does not compute what the model computes "
+        f"on {what}: {which}: {detail}. A tracing exporter records only the branch "
+        "the example input took (Python control flow on tensor values, e.g. "
+        "'if x.sum() > 0', in the model's forward); the file is not written. what to "
+        "do: write the branch as a tensor op (torch.where), or export the model's "
+        "traceable parts (its rewritten submodules) on their own")
+
+
+def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: str,
+                 reference: Optional[Callable[..., Any]] = None) -> Tuple[int, Optional[float]]:
+    """Run ``proto`` with onnxruntime and the FP32 reference (``reference``, default the
+    rewritten ``model`` with its casts made FP32: :func:`fp32_reference`) on the example
+    inputs, a second input and (dynamic batch only) a double batch; raise ExportError when
+    they disagree or the file cannot be checked; then the true-FP16 check
+    (:func:`check_true_fp16`). Returns (the number of inputs checked, the true-FP16
+    relative error, None when not measured)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -97,6 +153,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
     if proto.ByteSize() > 1_800_000_000:
         raise ExportError(f"the {exporter} exporter's graph is too large (> 1.8 GB) to check "
                           "against PyTorch in memory; what to do: export the model's parts")
+    ref = reference if reference is not None else fp32_reference(model)
     try:
         session = ort.InferenceSession(proto.SerializeToString(),
                                        providers=["CPUExecutionProvider"])
@@ -105,7 +162,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         if exporter != "torchscript":  # torch.export's graph is sound without the check
             log.warning("the exported graph was not run against PyTorch: onnxruntime on CPU "
                         "cannot load it (%s)", why)
-            return 0
+            return 0, check_true_fp16(proto, ref, inputs, _names(proto), model)
         raise ExportError(
             f"the {exporter} exporter traced the model, and the traced graph cannot be "
             f"checked against PyTorch: onnxruntime on CPU cannot load it ({why}); an unchecked "
@@ -128,7 +185,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
                 f"takes {len(leaves)} tensors: it cannot be checked against PyTorch, so it is "
                 "not written; what to do: pass the model's inputs as plain tensors")
         with torch.no_grad():
-            want = [t for t in tree_leaves(model(*case)) if isinstance(t, torch.Tensor)]
+            want = tensor_outputs(ref(*case))
         feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
         try:
             got = session.run(None, feed)
@@ -136,37 +193,33 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
             if exporter != "torchscript" and what != "the example input":
                 log.warning("the exported graph was checked on the example input only: "
                             "onnxruntime fails on %s (%s)", what, type(err).__name__)
-                return done
+                return done, check_true_fp16(proto, ref, inputs, names, model)
             raise ExportError(f"the {exporter} exporter's graph fails on {what} in "
                               f"onnxruntime ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}); what to do: "
                               "export with example inputs of the shapes it will get") from None
         problem = _compare(got, want)
         if problem is not None:
-            overflow = find_overflow(model, case) if isinstance(model, fx.GraphModule) else None
-            if overflow is not None:  # the plan's numbers, not the trace, differ
-                raise overflow.error(what)
-            index, detail = problem
-            which = f"output {index}" if index >= 0 else "the outputs"
-            raise ExportError(
-                f"the {exporter} exporter's graph does not compute what the model computes "
-                f"on {what}: {which}: {detail}. A tracing exporter records only the branch "
-                "the example input took (Python control flow on tensor values, e.g. "
-                "'if x.sum() > 0', in the model's forward); the file is not written. what to "
-                "do: write the branch as a tensor op (torch.where), or export the model's "
-                "traceable parts (its rewritten submodules) on their own")
-    check_true_fp16(proto, model, inputs, names)
-    log.info("checked the exported graph against PyTorch on %d inputs", len(cases))
-    return len(cases)
+            raise _mismatch(model, case, what, got, problem, exporter)
+    error = check_true_fp16(proto, ref, inputs, names, model)
+    log.info("checked the exported graph against FP32 on %d inputs", len(cases))
+    return len(cases), error
 
 
-def check_true_fp16(proto: Any, model: torch.nn.Module, inputs: tuple, names: List[str]) -> None:
+def _names(proto: Any) -> List[str]:
+    return [i.name for i in _graph_inputs(proto)]
+
+
+def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
+                    names: List[str], model: Optional[torch.nn.Module] = None
+                    ) -> Optional[float]:
     """Run ``proto`` on the example input with every op in its declared type
-    (``onnx.reference``); raise PlanOverflowError when it gives inf/NaN where the rewritten
-    model is finite, naming the ONNX node, its fx node and the fix. Skipped (logged) when the
-    reference evaluator cannot run the file."""
-    import numpy as np
-
+    (``onnx.reference``) and compare it with the FP32 ``reference``: an output that differs
+    by more than :data:`TRUE_FP16_RTOL` of its scale (or is inf/NaN where FP32 is finite)
+    is a PlanOverflowError naming the first ONNX node that goes wrong, its fx node and the
+    fix (the rewritten ``model``'s own overflow, where PyTorch runs it, names its node and
+    range first). Returns the largest relative error (None, logged, when the reference
+    evaluator cannot run the file)."""
     leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
     try:
@@ -174,23 +227,31 @@ def check_true_fp16(proto: Any, model: torch.nn.Module, inputs: tuple, names: Li
     except Exception as err:  # noqa: BLE001 - an op the reference evaluator lacks
         log.info("not checked in true FP16: onnx.reference cannot run it (%s: %s)",
                  type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-        return
+        return None
     with torch.no_grad():
-        want = [t for t in tree_leaves(model(*inputs)) if isinstance(t, torch.Tensor)]
-    bad = any(isinstance(g, np.ndarray) and g.dtype.kind == "f" and not np.isfinite(g).all()
-              and bool(torch.isfinite(w).all()) for g, w in zip(got, want))
-    if not bad:
-        return
-    node = first_nonfinite_node(proto, feed)
+        want = tensor_outputs(reference(*inputs))
+    errors = [relative_error(g, w) for g, w in zip(got, want)]
+    worst = max(errors, default=0.0)
+    if worst == worst and worst <= TRUE_FP16_RTOL:
+        return worst
+    overflow = find_overflow(model, inputs) if isinstance(model, fx.GraphModule) else None
+    if overflow is not None:
+        raise overflow.error("the example input")
+    nonfinite = worst == float("inf")
+    node = first_nonfinite_node(proto, feed) if nonfinite else \
+        first_divergent_node(proto, feed, TRUE_FP16_RTOL)
     label = node.name if node is not None else "?"
     fx_name = next((p.value for p in node.metadata_props if p.key == "fxamp.fx_node"),
                    None) if node is not None else None
     where = f"ONNX node {label!r} ({node.op_type}" if node is not None else "a node ("
     where += f", fx node {fx_name!r})" if fx_name else ")"
+    what = ("gives inf/NaN while its inputs are finite" if nonfinite else
+            f"is the first to differ from its FP32 value by more than {TRUE_FP16_RTOL:g} of "
+            f"its scale (the outputs differ by up to {worst:.3g} of theirs, tolerance "
+            f"{TRUE_FP16_RTOL:g})")
     raise PlanOverflowError(
-        f"the exported file overflows in true FP16 on the example input: {where} gives "
-        "inf/NaN while its inputs are finite (onnx.reference computes every op in its "
-        "declared type; onnxruntime's CPU provider runs FP16 nodes in FP32 and hides it). "
-        "what to do: keep it in FP32 with the policy override "
-        f"'fp32:{fx_name or label}', give calibration_data that reaches these values, or "
-        "rewrite with target='tensorrt'")
+        f"the exported file is wrong in true FP16 on the example input: {where} {what} "
+        "(onnx.reference computes every op in its declared type; onnxruntime's CPU provider "
+        "runs FP16 nodes in FP32 and hides it). what to do: keep it in FP32 with the policy "
+        f"override 'fp32:{fx_name or label}', give calibration_data that reaches these "
+        "values, or rewrite with target='tensorrt'")

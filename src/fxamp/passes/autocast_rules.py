@@ -31,7 +31,7 @@ from .. import overrides
 from . import observe
 from .manager import PassContext
 from .annotate_rule import AnnotateRule
-from .deploy import DeployRule
+from .deploy import DeployRule, RecurrentRule
 
 
 def module_path(node: fx.Node) -> str:
@@ -194,7 +194,8 @@ def make_rules(root: nn.Module, policy: Policy, scope: Optional[overrides.Scope]
     ctx = PassContext(policy, scope=scope)
     classes = ANNOTATE_RULES
     if is_deploy(policy.target):
-        classes = classes[:-1] + (DeployRule,)
+        at = classes.index(RuntimeRule)  # an RNN module is no opaque call in a deployment
+        classes = classes[:at] + (RecurrentRule,) + classes[at:-1] + (DeployRule,)
     return tuple(cls(root, ctx) for cls in classes)  # type: ignore[arg-type]
 
 

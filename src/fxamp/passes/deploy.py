@@ -65,6 +65,24 @@ def reduction_depth(args: tuple) -> Optional[int]:
     return int(math.prod(int(x.shape[d]) for d in dims)) if x.dim() else 1
 
 
+class RecurrentRule(AnnotateRule):
+    """A deployment plan's LSTM / GRU / RNN module: the low dtype, weights and all (ONNX
+    LSTM, GRU and RNN run in FP16 in the engines, as the ONNX tools write them), where a
+    training plan leaves the call to torch.autocast at run time."""
+
+    name = Rule.DEPLOY
+
+    def applies(self, node: fx.Node) -> bool:
+        return node.op == "call_module" and isinstance(
+            self.gm.get_submodule(str(node.target)), torch.nn.RNNBase)
+
+    def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
+        low, label = self.policy.compute, self.label(node)
+        return Decision(low, self.name, f"deployment plan for {self.policy.target}: a "
+                        f"recurrent layer in {dtype_name(low)} (ONNX {label[3:]}, weights "
+                        f"and state in {dtype_name(low)})", label)
+
+
 class DeployRule(AnnotateRule):
     """A deployment target's rule: the low dtype unless the engine or the op needs FP32."""
 

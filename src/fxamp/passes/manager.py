@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
@@ -32,6 +32,9 @@ class PassContext:
     policy: the frozen Policy. inputs: the graph's placeholder values (real or fake).
     calibration: calibration batches (placeholder tuples), a dict of RangeStats or None.
     ranges: the range statistics the ranges step collected (or was given).
+    inner: for a deployment target, the largest number each node computes inside (a norm's
+    sum of squares, a softmax's sum, a matmul's dot products) on the calibration inputs, and
+    its name (``passes/inner_values.py``).
     annotate: the pass list's annotate step (set by the PassManager from the step marked
     ``annotates``; the decision steps re-run it after a change).
     session: the annotate step's fake-tensor session (one per rewrite).
@@ -44,6 +47,7 @@ class PassContext:
     inputs: tuple = ()
     calibration: Any = None
     ranges: Optional[Dict[str, RangeStats]] = None
+    inner: Optional[Dict[str, Tuple[float, str]]] = None
     annotate: Optional[Callable[[fx.GraphModule, "PassContext"], PassResult]] = None
     session: Any = None
     state: Any = None

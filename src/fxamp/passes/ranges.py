@@ -14,7 +14,8 @@ underflow are reported (logged), not changed.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, Optional
+import math
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -27,6 +28,7 @@ from .. import ir
 from ..ir import Decision, Rule
 from ..policy import dtype_name, is_deploy
 from ..progress import track
+from .inner_values import inner_peak
 from .manager import PassContext
 from .rule import DecisionRule, rule_pass
 
@@ -39,15 +41,24 @@ DEPLOY_MARGIN = 8.0
 
 
 class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, tiny: float) -> None:
+    def __init__(self, gm: fx.GraphModule, tiny: float,
+                 inner: Optional[Dict[str, Tuple[float, str]]] = None) -> None:
         super().__init__(gm)
         self.tiny = tiny
         self.acc: Dict[str, list] = {}
+        self.inner = inner  # node -> (largest inner value, its name), when measured
         self.current: Optional[fx.Node] = None  # the node running (named when it fails)
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
         result = super().run_node(n)
+        if self.inner is not None and n.op in ("call_function", "call_method", "call_module"):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            peak = inner_peak(n, self.module, args, kwargs)
+            if peak is not None and math.isfinite(peak[0]):
+                old = self.inner.get(n.name)
+                if old is None or peak[0] > old[0]:
+                    self.inner[n.name] = peak
         leaves, _ = tree_flatten(result)
         floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if floats and n.op != "output":
@@ -104,10 +115,14 @@ def _run_batch(recorder: _Recorder, gm: fx.GraphModule, batch: tuple, count: int
 
 
 def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any], dtype: torch.dtype,
-                   example: Optional[tuple] = None) -> Dict[str, RangeStats]:
+                   example: Optional[tuple] = None,
+                   inner: Optional[Dict[str, Tuple[float, str]]] = None
+                   ) -> Dict[str, RangeStats]:
     """Run the FP32 graph on calibration batches and record each node's ranges; a batch
-    that does not fit, or no batch at all, is a :class:`CalibrationDataError`."""
-    recorder = _Recorder(gm, torch.finfo(dtype).tiny)
+    that does not fit, or no batch at all, is a :class:`CalibrationDataError`. ``inner``: a
+    dict filled with the largest number each node computes inside (see
+    :mod:`fxamp.passes.inner_values`), when given."""
+    recorder = _Recorder(gm, torch.finfo(dtype).tiny, inner)
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     count = 0
     with torch.no_grad(), reparametrize_module(gm, buffers, strict=False):
@@ -141,14 +156,21 @@ class RangesRule(DecisionRule):
 
     def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         super().__init__(gm, ctx)
+        self.deploy = is_deploy(self.policy.target)
         if ctx.ranges is None:
             data = ctx.calibration
+            inner: Optional[Dict[str, Tuple[float, str]]] = {} if self.deploy else None
             ctx.ranges = ({} if data is None else dict(data) if isinstance(data, dict)
                           else collect_ranges(gm, data, self.policy.compute,
-                                              tuple(ctx.inputs) if ctx.inputs else None))
+                                              tuple(ctx.inputs) if ctx.inputs else None,
+                                              inner))
+            if inner is not None and not isinstance(data, dict) and data is not None:
+                ctx.inner = inner
+        if self.deploy and ctx.inner is None:
+            ctx.inner = _example_inner(gm, ctx, self.policy.compute)
         self.stats = ctx.ranges
+        self.inner = ctx.inner or {}
         self.low = self.policy.compute
-        self.deploy = is_deploy(self.policy.target)
         self.margin = DEPLOY_MARGIN if self.deploy else MARGIN
         self.limit = torch.finfo(self.low).max / self.margin
         more = isinstance(ctx.calibration, list) and len(ctx.calibration) > 1
@@ -156,11 +178,13 @@ class RangesRule(DecisionRule):
                      "the example inputs and calibration data" if more else "the example inputs")
 
     def applies(self, node: fx.Node) -> bool:
-        return (ir.precision(node) is not None and node.name in self.stats
+        return (ir.precision(node) is not None
+                and (node.name in self.stats or node.name in self.inner)
                 and node.op not in ("placeholder", "get_attr"))
 
     def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
-        plan, s, low = ir.precision(node), self.stats[node.name], self.low
+        plan, low = ir.precision(node), self.low
+        s = self.stats.get(node.name, RangeStats(0.0, 0.0, 0))
         out_max, in_max = s.max_abs, _inputs_max(node, self.stats)
         if s.underflow > 0.5:
             log.warning("%s: %.0f%% of its non-zero values are below %s's smallest normal",
@@ -178,7 +202,30 @@ class RangesRule(DecisionRule):
             return {node: self.verdict(
                 torch.float32, f"a weight reaches {weight:.3g}, past {dtype_name(low)}'s max "
                 f"{torch.finfo(low).max:.6g} / {self.margin:g}")}
+        peak = self.inner.get(node.name)
+        if peak is not None and peak[0] > torch.finfo(low).max:
+            return {node: self.verdict(
+                torch.float32, f"{peak[1]} reaches {peak[0]:.3g} on {self.seen}, past "
+                f"{dtype_name(low)}'s max {torch.finfo(low).max:.6g}")}
         return {}
+
+
+def _example_inner(gm: fx.GraphModule, ctx: PassContext, dtype: torch.dtype
+                   ) -> Dict[str, Tuple[float, str]]:
+    """The inner values of a deployment plan given its ranges (a plan's ``@range`` lines):
+    measured on the example inputs when they are real tensors, else none."""
+    inputs = tuple(ctx.inputs or ())
+    leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+    if not inputs or any(t.device.type == "meta" or type(t) is not torch.Tensor
+                         for t in leaves):
+        return {}
+    inner: Dict[str, Tuple[float, str]] = {}
+    try:
+        collect_ranges(gm, [inputs], dtype, inputs, inner)
+    except Exception as err:  # noqa: BLE001 - the ranges given are the calibration
+        log.info("inner values not measured on the example inputs: %s", err)
+        return {}
+    return inner
 
 
 def _params_max(gm: fx.GraphModule, node: fx.Node) -> float:

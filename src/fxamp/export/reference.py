@@ -1,0 +1,101 @@
+"""The FP32 reference an exported file is checked against, and the true-FP16 error measure.
+
+:func:`fp32_reference` runs a model made by ``amp_rewrite`` with every low-precision cast
+made an FP32 one (an FP16 weight cast gives the FP32 master, an ``x.to(float16)`` gives
+``x`` in FP32): what the source model computes in FP32, with no FP16 kernel needed
+(PyTorch on CPU has none for some ops, e.g. oneDNN's LSTM on CPUs without FP16 support).
+A cast the model itself wrote (``x.half()``) is widened too.
+
+:func:`relative_error` is the measure of the true-FP16 check: the largest
+``|file - fp32|`` of an output divided by that output's largest ``|fp32|`` (its scale).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import torch
+import torch.fx as fx
+from .._torch import tree_leaves, tree_map
+
+from ..result import has_result
+from ..weight_cache import is_cast_node
+
+_LOW = (torch.float16, torch.bfloat16)
+_CALLS = ("call_function", "call_method", "call_module")
+
+#: the true-FP16 check's tolerance: an output may differ from FP32 by this much of its scale
+#: (its largest |value|); FP16 rounding of a sound plan gives ~1e-3, a wrong file ~1
+TRUE_FP16_RTOL = 0.05
+
+
+def _widen(value: Any) -> Any:
+    """``value`` with low dtypes and low-precision tensors made FP32, through plain tuples,
+    lists and dicts (fx's immutable ones become ordinary ones)."""
+    if isinstance(value, torch.dtype) and value in _LOW:
+        return torch.float32
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in _LOW else value
+    if isinstance(value, dict):
+        return {k: _widen(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_widen(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_widen(v) for v in value)
+    return tree_map(_widen_leaf, value)
+
+
+def _widen_leaf(value: Any) -> Any:
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype in _LOW else value
+
+
+class _Fp32Run(fx.Interpreter):
+    """A rewritten graph run with its low-precision casts made FP32."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op not in _CALLS:
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        if is_cast_node(n):  # an FP16 copy of an FP32 master weight: the master
+            return args[0]
+        args, kwargs = _widen(args), _widen(kwargs)
+        if n.op == "call_module":
+            sub = self.fetch_attr(str(n.target))
+            if isinstance(sub, fx.GraphModule) and has_result(sub):
+                return _widen(_Fp32Run(sub).run(*args, **kwargs))
+        return _widen(getattr(self, n.op)(n.target, args, kwargs))
+
+
+def fp32_reference(model: torch.nn.Module) -> Callable[..., Any]:
+    """A callable computing ``model``'s outputs in FP32: a graph made by ``amp_rewrite`` is
+    run with its casts widened (see the module doc), any other module as it is."""
+    if not isinstance(model, fx.GraphModule):
+        return model
+
+    def run(*inputs: Any) -> Any:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False), \
+                torch.autocast("cuda", enabled=False):
+            return _Fp32Run(model).run(*inputs)
+    return run
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """max |got - want| / max |want| (the output's scale; inf where ``got`` is inf/NaN and
+    ``want`` is finite, nan when the shapes differ)."""
+    g = torch.as_tensor(got).double()
+    w = want.detach().double().cpu() if isinstance(want, torch.Tensor) else \
+        torch.as_tensor(want).double()
+    if tuple(g.shape) != tuple(w.shape):
+        return float("nan")
+    if not w.numel():
+        return 0.0
+    finite = torch.isfinite(w)
+    if not bool(torch.isfinite(g[finite]).all()):
+        return float("inf")
+    scale = float(w[finite].abs().max()) if bool(finite.any()) else 0.0
+    diff = float((g[finite] - w[finite]).abs().max()) if bool(finite.any()) else 0.0
+    return diff / max(scale, 1e-12) if diff else 0.0
+
+
+def tensor_outputs(value: Any) -> List[torch.Tensor]:
+    """The tensors of a model's (nested) output, in order."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
