@@ -128,8 +128,9 @@ class Policy:
         reduction, a norm's eps, an op TensorRT has no FP16 kernel for), each with its
         reason (``passes/deploy.py``).
     overrides: per-node / per-module / per-op dtype overrides, later ones win.
-    output_dtype: dtype of the model's floating outputs (default FP32, like keep_io_types);
-        None keeps what the graph computes.
+    output_dtype: dtype of the floating outputs the plan made low precision (default FP32,
+        like keep_io_types; an output the model converts itself keeps its dtype); None keeps
+        what the graph computes.
     numerics: run the numerics passes (:data:`NUMERICS_RULES`: softmax, custom ops, norm eps,
         loss, joins). ``Policy.parse("numerics=off")`` turns all of them off and, unless an
         ``output=`` item is given, also sets ``output_dtype=None`` (``output=keep``): with both,

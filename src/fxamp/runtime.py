@@ -109,6 +109,24 @@ def fan_out(source: Any, dtype: torch.dtype, shared: Any, flat_linear: bool = Fa
     return _FanOut.apply(source, shared)
 
 
+def check_input_dtypes(values: Tuple[Any, ...], planned: Tuple[torch.dtype, ...],
+                       names: Tuple[str, ...]) -> None:
+    """A graph's first call: refuse an input the graph would cast to low precision but that
+    autocast would leave alone (integer, bool, complex or float64: the FP32 model and
+    autocast compute with it as it is, or raise), instead of converting it silently."""
+    for value, want, name in zip(values, planned, names):
+        if not isinstance(value, torch.Tensor) or value.dtype == want or eligible(value):
+            continue
+        from .errors import InputDtypeError
+
+        raise InputDtypeError(
+            f"input {name!r} is a {value.dtype} tensor; the rewrite was planned for a {want} "
+            f"input here and would convert it, where the FP32 model and torch.autocast "
+            f"compute with a {value.dtype} tensor as it is (autocast casts only float16, "
+            f"bfloat16 and float32 tensors). what to do: pass {name} as {want} "
+            f"({name}.to({want})), or rewrite with example inputs of the dtypes you call with")
+
+
 def has_call_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` runs any hook of its own."""
     return any(getattr(module, kind, None) for kind in CALL_HOOKS)
