@@ -8,6 +8,7 @@ the original model. Opaque calls run under ``torch.autocast`` (``rule="runtime"`
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Dict, Optional, Tuple
 
@@ -17,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._torch import graph_codegen
-from ..policy import Policy, dtype_name
+from ..policy import Policy, dtype_name, is_deploy
 from .. import runtime, weight_cache
 from ..program import Program
 from ..runtime import has_call_hooks, is_grad_mode_node
@@ -25,8 +26,10 @@ from . import PassResult
 from .. import ir, ops
 from ..ir import Rule
 from .manager import PassContext
+from .ranges import DEPLOY_MARGIN, MARGIN
 
 log = logging.getLogger(__name__)
+_GRAPHS = itertools.count(1)  # a token per built graph (the range guard's warn-once key)
 
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
@@ -274,6 +277,20 @@ def _converts_itself(node: fx.Node) -> bool:
     return bool(dtypes) and dtypes[0] != torch.float32
 
 
+def _guarded(src: fx.GraphModule, ctx: PassContext) -> Dict[fx.Node, Tuple[float, float]]:
+    """The nodes the policy ``guard=on`` checks at run time, with (limit, largest value
+    seen): those planned low precision whose range the ranges rule measured."""
+    low, stats = ctx.policy.compute, ctx.ranges or {}
+    limit = torch.finfo(low).max / (DEPLOY_MARGIN if is_deploy(ctx.policy.target) else MARGIN)
+    out = {}
+    for node in src.graph.nodes:
+        plan, record = ir.precision(node), ir.get(node)
+        if node.name in stats and plan is not None and plan.dtype == low \
+                and record.value == "tensor":
+            out[node] = (limit, stats[node.name].max_abs)
+    return out
+
+
 def _check_inputs(graph: fx.Graph, src: fx.GraphModule) -> None:
     """Make the graph's first call refuse an input it would cast but autocast would not
     (``runtime.check_input_dtypes``): the placeholders cast to a low dtype."""
@@ -338,8 +355,16 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
     pending = [n for n in src.graph.nodes
                if n.op == "placeholder" and ir.get(n).layout == "channels_last"]
     last_input = [n for n in src.graph.nodes if n.op == "placeholder"][-1] if pending else None
+    guarded = _guarded(src, ctx) if policy.guard else {}
+    token = next(_GRAPHS)  # (the guard warns once per graph)
     for node in src.graph.nodes:
         builder.env[node] = builder.copy(node)
+        if node in guarded:  # (policy guard=on: the value checked against its range)
+            limit, seen = guarded[node]
+            builder.graph.create_node("call_function", runtime.range_guard,
+                                      (builder.env[node], limit, node.name, seen,
+                                       token), {},
+                                      builder.name(f"{node.name}_guard"))
         if builder.env[node].name != node.name:
             raise RuntimeError(f"fxamp internal error: node {node.name!r} was renamed "
                                f"{builder.env[node].name!r}")
