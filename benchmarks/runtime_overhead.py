@@ -13,6 +13,9 @@ fxamp not in place, fxamp in place; one model's FP32 Parameters for all) this pr
   ``zero_grad(set_to_none=True)``, minus autocast's (the model, its gradients' absence and the
   optimizer state are the same for all), per parameter.
 
+``fxamp guard=on`` is the opt-in range guard (a plan calibrated on the example input, every
+low-precision node with a range checked per call): its cost, not a default.
+
     python benchmarks/runtime_overhead.py [--layers 4] [--d 256] [--vocab 50257] [--seq 32]
         [--rounds 15] [--steps 5] [--docs]
 """
@@ -55,7 +58,10 @@ def _variants(model: torch.nn.Module, x: torch.Tensor, only: str = "") -> Dict[s
                                                  inplace=True)
     if only in ("", "fxamp"):
         out["fxamp"] = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu")
-    order = ("fp32", "autocast", "fxamp", "fxamp inplace")
+    if only in ("", "fxamp guard=on"):  # (the opt-in range guard: calibrated on the example)
+        out["fxamp guard=on"] = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu",
+                                                  policy="guard=on", calibration_data=[(x,)])
+    order = ("fp32", "autocast", "fxamp", "fxamp inplace", "fxamp guard=on")
     return {k: out[k] for k in order if k in out and (not only or k == only)}
 
 

@@ -93,3 +93,15 @@ def test_export_peers_runs_fxamp_and_skips_peers_that_are_not_installed():
     assert "trap: onnxconverter-common skipped: not installed" in out
     assert "| trap | fxamp tensorrt | yes | yes |" in out
     assert "| trap | yes (every peer fails) |" not in out  # no peer ran: nothing compared
+
+
+def test_runtime_overhead_prints_every_variant_and_fxamp_holds_nothing_between_steps():
+    out = _run("benchmarks/runtime_overhead.py", "--layers", "1", "--d", "32", "--vocab", "64",
+               "--seq", "8", "--rounds", "1", "--steps", "1")
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "---" not in line
+            and not line.startswith("| variant")}
+    assert set(rows) == {"fp32", "autocast", "fxamp", "fxamp inplace", "fxamp guard=on"}, out
+    for name in ("fxamp", "fxamp inplace"):
+        assert rows[name][-1] == "0.00", out  # extra bytes held per parameter
+        assert float(rows[name][-2]) <= 1.3, out  # Python calls per forward / fp32's

@@ -44,6 +44,11 @@ class InputShapeError(FxampError, ValueError):
     exported static; the message names the input, the dimension and ``dynamic_shapes=``."""
 
 
+class InputDtypeError(FxampError, TypeError):
+    """A call's input has a dtype the rewrite would have to convert silently (an integer,
+    bool or float64 tensor where the example had a low- or single-precision float)."""
+
+
 class ExampleInputError(FxampError, ValueError):
     """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
 

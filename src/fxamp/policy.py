@@ -39,7 +39,8 @@ DEPLOY_TARGETS = ("tensorrt",)
 TARGETS = TRAINING_TARGETS + DEPLOY_TARGETS
 #: the autocast device whose tables (follow / promote semantics) and runtime a target uses
 _AUTOCAST_DEVICE = {"tensorrt": "cuda"}
-_KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement", "weights")
+_KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement", "weights",
+         "guard")
 #: how weights reach low precision: see Policy.weights
 WEIGHT_MODES = ("cast", "o2")
 #: older spellings that parse as another mode
@@ -128,8 +129,9 @@ class Policy:
         reduction, a norm's eps, an op TensorRT has no FP16 kernel for), each with its
         reason (``passes/deploy.py``).
     overrides: per-node / per-module / per-op dtype overrides, later ones win.
-    output_dtype: dtype of the model's floating outputs (default FP32, like keep_io_types);
-        None keeps what the graph computes.
+    output_dtype: dtype of the floating outputs the plan made low precision (default FP32,
+        like keep_io_types; an output the model converts itself keeps its dtype); None keeps
+        what the graph computes.
     numerics: run the numerics passes (:data:`NUMERICS_RULES`: softmax, custom ops, norm eps,
         loss, joins). ``Policy.parse("numerics=off")`` turns all of them off and, unless an
         ``output=`` item is given, also sets ``output_dtype=None`` (``output=keep``): with both,
@@ -138,6 +140,11 @@ class Policy:
     rules_off: numerics rules switched off one at a time (``off:joins``); nothing else
         changes (the output dtype neither). A rule runs when ``numerics`` is on and it is
         not in ``rules_off`` (:meth:`runs`).
+    guard: (opt-in, off by default) a plan with ranges (calibration data, or any
+        deployment plan) checks at run time each low-precision node whose range was
+        measured: the first value past the limit the ranges rule kept it under (the low
+        dtype's max / 2, / 8 for a deployment target) logs one warning naming the node and
+        the value. Costs one reduction and one device sync per such node per call.
     channels_last: run 2-D convolutions in NHWC: the weights of the graph's 4-D convs are
         kept in channels_last memory format (in place: same Parameter objects, shared with
         the model) and the graph's 4-D floating inputs are made channels_last on entry.
@@ -160,6 +167,7 @@ class Policy:
     numerics: bool = True
     rules_off: FrozenSet[str] = frozenset()
     channels_last: bool = False
+    guard: bool = False
     placement: bool = True
     weights: str = "cast"
 
@@ -208,6 +216,10 @@ class Policy:
                     output_given = True
                     policy = replace(policy, output_dtype=None if value in ("keep", "-")
                                      else parse_dtype(value))
+                elif key == "guard":
+                    if value.lower() not in _ON + _OFF:
+                        raise PolicyError(f"guard takes on or off, got {value!r}")
+                    policy = replace(policy, guard=value.lower() in _ON)
                 elif key == "channels_last":
                     if value.lower() not in _ON + _OFF:
                         raise PolicyError(f"channels_last takes on or off, got {value!r}")
@@ -259,6 +271,8 @@ class Policy:
             parts.extend(f"off:{rule}" for rule in NUMERICS_RULES if rule in self.rules_off)
         if self.channels_last:
             parts.append("channels_last=on")
+        if self.guard:
+            parts.append("guard=on")
         if not self.placement:
             parts.append("placement=off")
         if self.weights != "cast":

@@ -109,6 +109,45 @@ def fan_out(source: Any, dtype: torch.dtype, shared: Any, flat_linear: bool = Fa
     return _FanOut.apply(source, shared)
 
 
+def check_input_dtypes(values: Tuple[Any, ...], planned: Tuple[torch.dtype, ...],
+                       names: Tuple[str, ...]) -> None:
+    """A graph's first call: refuse an input the graph would cast to low precision but that
+    autocast would leave alone (integer, bool, complex or float64: the FP32 model and
+    autocast compute with it as it is, or raise), instead of converting it silently."""
+    for value, want, name in zip(values, planned, names):
+        if not isinstance(value, torch.Tensor) or value.dtype == want or eligible(value):
+            continue
+        from .errors import InputDtypeError
+
+        raise InputDtypeError(
+            f"input {name!r} is a {value.dtype} tensor; the rewrite was planned for a {want} "
+            f"input here and would convert it, where the FP32 model and torch.autocast "
+            f"compute with a {value.dtype} tensor as it is (autocast casts only float16, "
+            f"bfloat16 and float32 tensors). what to do: pass {name} as {want} "
+            f"({name}.to({want})), or rewrite with example inputs of the dtypes you call with")
+
+
+_RANGE_WARNED: set = set()
+
+
+def range_guard(value: Any, limit: float, name: str, seen: float, graph: int) -> None:
+    """The policy ``guard=on``: after node ``name`` (planned low precision because its values
+    stayed under ``limit`` on the calibration inputs, largest ``seen``), warn when a call's
+    value passes ``limit`` (an inf or NaN too): once per rewritten graph (``graph``: its
+    token), naming the first node past its limit."""
+    if graph in _RANGE_WARNED or not isinstance(value, torch.Tensor) or \
+            not value.is_floating_point() or value.numel() == 0:
+        return
+    peak = float(value.detach().abs().amax())
+    if peak <= limit:
+        return
+    _RANGE_WARNED.add(graph)
+    log.warning("node %s reached %.4g on this call, past %.4g, the limit its calibration "
+                "range (largest %.4g) stayed under when it was planned %s: its low-precision "
+                "values may overflow; what to do: calibrate with inputs like these "
+                "(calibration_data=...) and rewrite", name, peak, limit, seen, value.dtype)
+
+
 def has_call_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` runs any hook of its own."""
     return any(getattr(module, kind, None) for kind in CALL_HOOKS)

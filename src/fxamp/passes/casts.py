@@ -8,6 +8,7 @@ the original model. Opaque calls run under ``torch.autocast`` (``rule="runtime"`
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any, Dict, Optional, Tuple
 
@@ -17,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._torch import graph_codegen
-from ..policy import Policy, dtype_name
+from ..policy import Policy, dtype_name, is_deploy
 from .. import runtime, weight_cache
 from ..program import Program
 from ..runtime import has_call_hooks, is_grad_mode_node
@@ -25,8 +26,10 @@ from . import PassResult
 from .. import ir, ops
 from ..ir import Rule
 from .manager import PassContext
+from .ranges import DEPLOY_MARGIN, MARGIN
 
 log = logging.getLogger(__name__)
+_GRAPHS = itertools.count(1)  # a token per built graph (the range guard's warn-once key)
 
 
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
@@ -249,9 +252,60 @@ class _Builder:
 
         def transform(arg: fx.Node) -> fx.Node:
             value = self.env[arg]
-            return value if out_dtype is None else self.cast(value, arg, out_dtype)
+            if out_dtype is None or _converts_itself(arg):
+                return value  # (an output the model converts keeps the model's dtype)
+            return self.cast(value, arg, out_dtype)
         args = fx.node.map_arg(node.args, transform)
         return self.graph.create_node("output", "output", args, {}, node.name, node.type)
+
+
+_CONVERSIONS = {"half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+def _converts_itself(node: fx.Node) -> bool:
+    """Whether ``node`` is the model's own conversion of a value to a dtype other than
+    float32 (``y.half()``, ``y.to(torch.float8_e4m3fn)``, ``aten._to_copy(dtype=...)``):
+    its output keeps that dtype under ``output=fp32``, as in the FP32 model."""
+    if node.op not in ("call_method", "call_function") or ir.is_cast(node):
+        return False
+    name = ops.name(node)
+    if name in _CONVERSIONS and node.op == "call_method":
+        return True
+    if name not in ("to", "type", "_to_copy"):
+        return False
+    dtypes = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, torch.dtype)]
+    return bool(dtypes) and dtypes[0] != torch.float32
+
+
+def _guarded(src: fx.GraphModule, ctx: PassContext) -> Dict[fx.Node, Tuple[float, float]]:
+    """The nodes the policy ``guard=on`` checks at run time, with (limit, largest value
+    seen): those planned low precision whose range the ranges rule measured."""
+    low, stats = ctx.policy.compute, ctx.ranges or {}
+    limit = torch.finfo(low).max / (DEPLOY_MARGIN if is_deploy(ctx.policy.target) else MARGIN)
+    out = {}
+    for node in src.graph.nodes:
+        plan, record = ir.precision(node), ir.get(node)
+        if node.name in stats and plan is not None and plan.dtype == low \
+                and record.value == "tensor":
+            out[node] = (limit, stats[node.name].max_abs)
+    return out
+
+
+def _check_inputs(graph: fx.Graph, src: fx.GraphModule) -> None:
+    """Make the graph's first call refuse an input it would cast but autocast would not
+    (``runtime.check_input_dtypes``): the placeholders cast to a low dtype."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    planned = {n.name: ir.precision(n) for n in src.graph.nodes if n.op == "placeholder"}
+    cast = [p for p in inputs if planned.get(p.name) is not None
+            and planned[p.name].dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and ir.get(next(n for n in src.graph.nodes if n.name == p.name)).value == "tensor"
+            and any(ir.is_cast(u) and u.op == "call_method" for u in p.users)]
+    if not cast:
+        return
+    with graph.inserting_after(inputs[-1]):
+        graph.create_node("call_function", runtime.check_input_dtypes,
+                          (tuple(cast), tuple(planned[p.name].dtype for p in cast),
+                           tuple(str(p.target) for p in cast)), {}, "fxamp_check_inputs")
 
 
 def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
@@ -301,8 +355,16 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
     pending = [n for n in src.graph.nodes
                if n.op == "placeholder" and ir.get(n).layout == "channels_last"]
     last_input = [n for n in src.graph.nodes if n.op == "placeholder"][-1] if pending else None
+    guarded = _guarded(src, ctx) if policy.guard else {}
+    token = next(_GRAPHS)  # (the guard warns once per graph)
     for node in src.graph.nodes:
         builder.env[node] = builder.copy(node)
+        if node in guarded:  # (policy guard=on: the value checked against its range)
+            limit, seen = guarded[node]
+            builder.graph.create_node("call_function", runtime.range_guard,
+                                      (builder.env[node], limit, node.name, seen,
+                                       token), {},
+                                      builder.name(f"{node.name}_guard"))
         if builder.env[node].name != node.name:
             raise RuntimeError(f"fxamp internal error: node {node.name!r} was renamed "
                                f"{builder.env[node].name!r}")
@@ -310,6 +372,7 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
             for placeholder in pending:
                 builder.env[placeholder] = builder.channels_last(builder.env[placeholder])
     _fan_out(builder.graph, src)
+    _check_inputs(builder.graph, src)
     builder.graph.set_codegen(graph_codegen(src.graph))
     if builder.cache_node is not None:
         setattr(src, weight_cache.ATTR, builder.cache)  # GraphModule() copies it from src
