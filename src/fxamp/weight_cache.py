@@ -111,6 +111,12 @@ def _key(p: torch.Tensor) -> tuple:
     return (id(p), p._version, p.data_ptr(), p.dtype, p.device, tuple(p.shape), p.stride())
 
 
+def _allocated(p: torch.Tensor) -> bool:
+    """Whether ``p``'s memory is there to be read (FSDP2 frees an unsharded Parameter's
+    storage between all-gathers: ``resize_(0)``)."""
+    return p.numel() == 0 or p.untyped_storage().nbytes() > 0
+
+
 def _cacheable(p: Any) -> bool:
     if type(p) not in _PLAIN or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False  # (compiling before is_inference: dynamo cannot trace that)
@@ -235,8 +241,11 @@ class WeightCache(nn.Module):
         optimizer just stepped on them: a fused step bumps no version counter), one
         ``torch._foreach_copy_`` per dtype and device; a copy is overwritten in place only
         when nothing else holds it (no autograd graph saved it, no caller kept it), else
-        written into a new tensor. The number of weights cast."""
+        written into a new tensor. A weight whose memory is freed (FSDP2 between forwards)
+        is marked stale instead: the next forward casts it. The number of weights cast or
+        marked."""
         groups: Dict[tuple, List[_Slot]] = {}
+        n = 0
         for slot in self.slots:
             p = slot.param
             if p is None or not _cacheable(p):
@@ -244,8 +253,14 @@ class WeightCache(nn.Module):
             if (only_stale and slot.fresh(self.mode == "o2")
                     and (owned is None or id(p) not in owned)):
                 continue
+            if not _allocated(p):
+                # its memory is freed (FSDP2 between all-gathers, which keep the version
+                # counter and often the address): the next forward casts it
+                slot.key = None
+                n += 1
+                continue
             groups.setdefault((slot.dtype, p.device), []).append(slot)
-        n = 0
+        marked = n
         # copies are normal tensors (usable in training) even when made under inference_mode;
         # inference_mode(False) turns grad mode on, so no_grad comes inside it
         with torch.inference_mode(False), torch.no_grad():
@@ -264,7 +279,7 @@ class WeightCache(nn.Module):
                     s.copy, s.key, s.version, s.new = dst, _key(s.param), dst._version, True
                     s.steps, s.with_grad = steps(s.param), False
                 n += len(group)
-        self.casts += n
+        self.casts += n - marked
         return n
 
     def get(self, index: int, param: torch.Tensor, grad: bool = False) -> torch.Tensor:

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 def refresh_weights(gm: nn.Module) -> int:
     """Re-cast every low-precision weight copy ``gm`` keeps, after a write fxamp cannot see
     (an in-place change through ``.data`` between forwards without grad and without an
-    optimizer step); the number of weights cast (0 when ``gm`` keeps no copies)."""
+    optimizer step, a state-dict load); the number of weights cast, or marked for the next
+    forward to cast where their memory is freed (FSDP2 between all-gathers); 0 when ``gm``
+    keeps no copies. ``gm`` may be a model rewritten in place."""
     return sum(cache.refresh(only_stale=False) for cache in caches(gm))
 
 
