@@ -44,6 +44,12 @@ class InputShapeError(FxampError, ValueError):
     exported static; the message names the input, the dimension and ``dynamic_shapes=``."""
 
 
+class CallStructureError(FxampError, TypeError):
+    """A rewritten model was called with another structure than its example: an argument
+    that was a tensor is None or left out, or the other way round; the message names the
+    argument, what the example had and the ``example_kwargs`` to rewrite with."""
+
+
 class ExampleInputError(FxampError, ValueError):
     """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
 
