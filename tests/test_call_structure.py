@@ -137,3 +137,15 @@ def test_the_check_costs_at_most_two_python_calls_and_no_binding_once_a_form_is_
     checked = [_calls(form) for form in forms]  # (another form: bound on its first call)
     gm.__dict__.pop("fxamp_calls")  # (the check off)
     assert all(c - _calls(form) <= 2 for c, form in zip(checked, forms))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_keeps_the_call_structure_check(how):
+    import pickle
+
+    _, model = _models()
+    gm = _rewrite(model, ("fx", False), kwargs={"mask": MASK})
+    other = copy.deepcopy(gm) if how == "deepcopy" else pickle.loads(pickle.dumps(gm))
+    assert torch.equal(other(X, MASK), gm(X, MASK))
+    with pytest.raises(CallStructureError, match="'mask' left out"):
+        other(X)

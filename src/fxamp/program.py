@@ -20,6 +20,7 @@ is cast in the graph, as autocast casts it), no process-wide state.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any, Callable, Tuple
@@ -111,6 +112,14 @@ class Program(fx.GraphModule):
         cls = type(self)
         cls.forward = _owned(cls.forward)  # type: ignore[method-assign]
         return code
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """``GraphModule``'s copy (which keeps only the attributes the graph reads), with
+        the example's call structure."""
+        res = super().__deepcopy__(memo)
+        if CALLS in self.__dict__:
+            res.__dict__[CALLS] = copy.deepcopy(self.__dict__[CALLS], memo)
+        return res
 
     def __reduce__(self) -> Tuple[Any, ...]:
         """Pickled like a GraphModule (its code, re-traced on load), loaded as a Program."""
