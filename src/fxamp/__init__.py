@@ -1,7 +1,8 @@
 """fxamp: explicit, checkable mixed precision for PyTorch models via torch.fx."""
 from ._version import __version__
-from .errors import (ExampleInputError, FxampError, InputShapeError,  # noqa: E402
-                     PlanFormatError, PolicyError, TraceError, UnsupportedModelError)
+from .errors import (CallStructureError, ExampleInputError, FxampError,  # noqa: E402
+                     InputShapeError, PlanFormatError, PolicyError, TraceError,
+                     UnsupportedModelError)
 from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
@@ -18,6 +19,7 @@ __all__ = [
     "search", "bisect_baseline", "SearchResult",
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
-    "PlanFormatError", "ExampleInputError", "InputShapeError", "audit", "Finding", "train",
+    "PlanFormatError", "ExampleInputError", "InputShapeError", "CallStructureError", "audit",
+    "Finding", "train",
     "RewriteConfig", "config_of", "weight_cache_bytes", "rewritten",
 ]

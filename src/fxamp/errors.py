@@ -49,6 +49,12 @@ class InputDtypeError(FxampError, TypeError):
     bool or float64 tensor where the example had a low- or single-precision float)."""
 
 
+class CallStructureError(FxampError, TypeError):
+    """A rewritten model was called with another structure than its example: an argument
+    that was a tensor is None or left out, or the other way round; the message names the
+    argument, what the example had and the ``example_kwargs`` to rewrite with."""
+
+
 class ExampleInputError(FxampError, ValueError):
     """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
 

@@ -7,15 +7,20 @@ A call of a Program runs, in this order and on every exit path:
    modules, Parameters, buffers, training flags and dtypes against what the graphs were built
    on, and the hooks registered since on modules the graphs run as ops (every graph part:
    checkpoint regions included). While nothing changed this is a few C-level comparisons;
-2. every ``torch.autocast`` around the call turned off (the plan says each node's dtype, the
+2. the call structure check (:mod:`fxamp.frontends.calls`, kept in the result): the
+   arguments' types and keyword names against the call forms seen to have the example's
+   structure (tensor, None or left out per argument). While they match this is one C-level
+   tuple and set lookup; another structure is refused naming the argument;
+3. every ``torch.autocast`` around the call turned off (the plan says each node's dtype, the
    casts are explicit), and turned back on in a ``finally``, also when the graph raises;
-3. the graph (the generated ``forward``).
+4. the graph (the generated ``forward``).
 
 Nothing else runs per call: no per-call copy of flags or tensors, no weight cache (each weight
 is cast in the graph, as autocast casts it), no process-wide state.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any, Callable, Tuple
@@ -34,6 +39,12 @@ _COMPILING = torch.compiler.is_compiling
 _WARNED: list = []
 #: the attribute the rewrite's result is kept under (``fxamp.result.ATTR``)
 RESULT = "fxamp_result"
+
+
+def call_key(args: tuple, kwargs: dict) -> tuple:
+    """A call's key for the call structure check: its arguments' types and keyword names
+    (the expression :func:`_owned` computes inline)."""
+    return (*map(type, args), *kwargs, *map(type, kwargs.values()))
 
 
 def _note_outer_autocast(was: Tuple[str, ...]) -> None:
@@ -55,10 +66,14 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(graph_forward)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         own = self.__dict__
-        guard = own[RESULT].structure if RESULT in own else None
-        if guard is not None and not _COMPILING() and (guard.key is None
-                                                       or guard.key != guard.now()):
-            guard.check()  # (something changed: followed, re-planned or refused)
+        result = own[RESULT] if RESULT in own else None
+        if result is not None and not _COMPILING():
+            guard, calls = result.structure, result.calls
+            if guard is not None and (guard.key is None or guard.key != guard.now()):
+                guard.check()  # (something changed: followed, re-planned or refused)
+            if calls is not None and (*map(type, args), *kwargs,
+                                      *map(type, kwargs.values())) not in calls.direct:
+                args, kwargs = calls.admit(args, kwargs)  # (refused, or made the graph's)
         was = tuple(filter(_ENABLED, DEVICES))
         if not was:
             return graph_forward(self, *args, **kwargs)
@@ -95,6 +110,14 @@ class Program(fx.GraphModule):
         cls = type(self)
         cls.forward = _owned(cls.forward)  # type: ignore[method-assign]
         return code
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """``GraphModule``'s copy (which keeps only the attributes the graph reads), with
+        the rewrite's result (its plan, its structure and call checks, for the copy)."""
+        res = super().__deepcopy__(memo)
+        if RESULT in self.__dict__:
+            res.__dict__[RESULT] = copy.deepcopy(self.__dict__[RESULT], memo)
+        return res
 
     def __reduce__(self) -> Tuple[Any, ...]:
         """Pickled like a GraphModule (its code, re-traced on load), loaded as a Program."""

@@ -19,7 +19,8 @@ ATTR = "fxamp_result"
 class Rewritten:
     """A rewrite's result: the plan it used, its policy, the label of the model it was made
     from (``nn.Linear``, ``MyNet``), for the top-level rewrite its config, and the
-    :class:`~fxamp.structure.Structure` its program checks on each call."""
+    :class:`~fxamp.structure.Structure` and the call structure its program checks on each
+    call."""
 
     plan: Plan
     policy: Policy
@@ -27,6 +28,8 @@ class Rewritten:
     config: Optional[RewriteConfig] = None
     #: what the graphs read of the model, checked on each call (``fxamp.structure``)
     structure: Any = field(default=None, compare=False, repr=False)
+    #: the example's call structure, checked on each call (``fxamp.frontends.calls``)
+    calls: Any = field(default=None, compare=False, repr=False)
 
     def replace(self, **changes: Any) -> "Rewritten":
         """A copy with ``changes`` (the result itself is never changed)."""

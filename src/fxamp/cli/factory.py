@@ -248,8 +248,26 @@ def plan_only(args: argparse.Namespace, run: Callable[[torch.nn.Module, tuple], 
                 f"{_size(total)}, too many to try)") from err
         log.info("the model does not run on meta tensors (%s): planning on real random "
                  "inputs", _cause(err))
-        return run(model, tuple(random_input(s) for s in shapes))
-    return run(meta_copy(model), inputs)
+        return _on_shapes(args, run, model, tuple(random_input(s) for s in shapes))
+    return _on_shapes(args, run, meta_copy(model), inputs)
+
+
+def _on_shapes(args: argparse.Namespace, run: Callable[[torch.nn.Module, tuple], Any],
+               model: torch.nn.Module, inputs: tuple) -> Any:
+    """``run(model, inputs)`` on the random FP32 inputs of --input-shape: a model that
+    fails on them (token ids, a mask, several inputs of other kinds) is a FactoryError
+    whose advice is the command's, not the Python API's."""
+    from ..errors import ExampleInputError
+
+    try:
+        return run(model, inputs)
+    except ExampleInputError as err:
+        cause = str(err).split("\n  what to do:", 1)[0]
+        raise FactoryError(
+            f"{cause}\n  what to do: --input-shape gives the model random FP32 tensors of "
+            f"those shapes; for inputs of another kind (token ids, masks, keyword arguments) "
+            f"make {args.factory} return (model, example_inputs) with inputs the model takes, "
+            "and leave out --input-shape") from err
 
 
 def input_bytes(shape: Sequence[int]) -> int:

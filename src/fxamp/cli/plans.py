@@ -3,6 +3,7 @@ compared with another plan file or with the committed one."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from typing import Any, Optional
@@ -15,7 +16,11 @@ from .factory import rewrite_from_args
 def cmd_plan(args: argparse.Namespace) -> int:
     from .. import plan_of
 
-    gm = rewrite_from_args(args)
+    if args.output:
+        gm = rewrite_from_args(args)
+    else:  # stdout is the plan alone: what the model's code prints goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            gm = rewrite_from_args(args)
     text = plan_of(gm).to_text()
     if args.output:
         atomic_write_text(args.output, text)

@@ -31,7 +31,7 @@ from .._torch import PYTREE_REGISTER, tree_map
 
 from ..errors import TraceError
 from ..progress import shows
-from . import checkpointing
+from . import calls, checkpointing
 from .checkpoint_regions import outline
 from .common import (PACKED_ADVICE, as_tuple, packed_sequence_failure, training_flags,
                      warn_mode_only, warn_one_mode)
@@ -345,4 +345,5 @@ class AtenFrontend:
         gm.register_forward_pre_hook(ShapeCheck(traced.graph_module, model, args, kwargs),
                                      with_kwargs=True)
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
+        calls.attach(gm, model, args, kwargs)
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .._torch import patched
 from ..errors import TraceError, is_library_file, short_path
-from . import buffer_writes, checkpointing, grad_mode, stacks
+from . import buffer_writes, calls, checkpointing, grad_mode, stacks
 from .checkpoint_regions import outline
 from ..runtime import has_call_hooks
 from .base import Request, Traced
@@ -243,6 +243,7 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                     buffer_writes.recording(tracer, model, proxied), \
                     buffer_writes.guarding(buffers):
                 graph = tracer.trace(model, concrete_args={n: None for n in absent} or None)
+            _own_names(graph, absent)
         except buffer_writes.BufferUpdated as updated:
             if updated.target in proxied:  # (cannot happen: a Proxy is no buffer)
                 raise
@@ -259,6 +260,15 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                 advice) from exc
         buffer_writes.snapshot_reads(graph)
         return graph
+
+
+def _own_names(graph: fx.Graph, absent: FrozenSet[str]) -> None:
+    """Give the placeholders fx made for the arguments traced as None (``mask_1``) the
+    forward's own names, so the graph's forward takes ``mask=`` like the model's."""
+    for node in graph.find_nodes(op="placeholder"):
+        name = str(node.target)
+        if name.endswith("_1") and name[:-2] in absent:
+            node.target = name[:-2]
 
 
 def trace_error(problem: str, exc: BaseException, model: nn.Module, fix: str) -> TraceError:
@@ -292,15 +302,17 @@ def failing_module(exc: BaseException, model: nn.Module) -> str:
 
 
 def absent_defaults(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> FrozenSet[str]:
-    """The forward's parameters that default to None and are not in the example."""
+    """The forward's parameters the example gives as None or leaves out where they default
+    to None: they are traced as None."""
     try:
         signature = inspect.signature(model.forward)
         bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return frozenset()
     return frozenset(name for name, p in signature.parameters.items()
-                     if p.default is None and name not in bound.arguments
-                     and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                     and (bound.arguments[name] is None if name in bound.arguments
+                          else p.default is None))
 
 
 def fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
@@ -339,6 +351,7 @@ class FxFrontend:
     def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
                kwargs: Dict[str, Any]) -> None:
         outline(gm)  # checkpoint regions run under torch.utils.checkpoint again
+        calls.attach(gm, model, args, kwargs)
 
 
 #: partial tracing gives up after this many untraceable submodules

@@ -69,7 +69,7 @@ class InplaceForward:
                  replan: Optional[Replan] = None,
                  pairs: Optional[List[Tuple[nn.Module, nn.Module]]] = None) -> None:
         self.model = model
-        self.names = names  # the keyword arguments the rewritten forward takes (None: any)
+        self.names = names  # the keyword arguments the model's forward takes (None: any)
         self.cls = type(model)
         self.replan = replan
         # a rewritten module without a structure check of its own (an eager root): its
@@ -86,11 +86,10 @@ class InplaceForward:
         if self.names is not None and not self.names.issuperset(kwargs):
             unseen = sorted(set(kwargs) - self.names)
             raise FxampError(
-                f"{type(model).__name__} was called with keyword arguments its rewrite did "
-                f"not see: {', '.join(unseen)} (the rewritten forward takes "
-                f"{', '.join(sorted(self.names)) or 'none'}); what to do: rewrite with "
-                "example_kwargs holding every argument the calls pass (e.g. "
-                "amp_rewrite(model, example_kwargs=dict(batch), inplace=True))")
+                f"{type(model).__name__} was called with keyword arguments its forward "
+                f"does not take: {', '.join(unseen)} ({self.cls.__name__}.forward takes "
+                f"{', '.join(sorted(self.names)) or 'none'} by keyword); what to do: call "
+                "it with the forward's own argument names")
         if self.theirs:
             flags = tuple(map(_TRAINING, self.theirs))
             if flags != self.flags:
@@ -106,10 +105,11 @@ class InplaceForward:
         return gm(*args, **kwargs)
 
 
-def _keywords(gm: nn.Module) -> Optional[FrozenSet[str]]:
-    """The names the rewritten forward takes as keywords (None when it takes any)."""
+def _keywords(forward: Callable[..., Any]) -> Optional[FrozenSet[str]]:
+    """The names ``forward`` takes as keywords (None when it takes any). The model's own:
+    the rewritten module checks a call's structure against its example itself."""
     try:
-        params = inspect.signature(gm.forward).parameters.values()
+        params = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
         return None
     if any(p.kind is p.VAR_KEYWORD for p in params):
@@ -133,9 +133,10 @@ def install(model: nn.Module, gm: nn.Module, replan: Optional[Replan] = None) ->
         if theirs and mine:  # the root's hooks run on the model itself, not twice
             for key in list(theirs):
                 mine.pop(key, None)
+    names = _keywords(model.forward)
     model.__dict__[ATTR] = gm
     structure = getattr(result_of(gm), "structure", None) if has_result(gm) else None
-    forward = InplaceForward(model, _keywords(gm), replan,
+    forward = InplaceForward(model, names, replan,
                              None if structure is not None else mirrors(gm, model))
     try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
         forward.__signature__ = inspect.signature(gm.forward)  # type: ignore[attr-defined]

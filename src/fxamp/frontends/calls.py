@@ -1,0 +1,142 @@
+"""The call structure a rewritten graph was traced for, checked on each call.
+
+A graph is traced for one structure of the forward's arguments: which are tensors, which
+are None and which are left out (a ``mask is not None`` branch is taken or not, a
+placeholder exists or not). :class:`CallStructure` keeps the example's, by the model's own
+parameter names. The Program's entry (``fxamp/program.py``) compares a key of each call (the
+arguments' types and keyword names: C-level, no Python call) with the keys already seen to
+fit; only a new key reaches :meth:`CallStructure.admit`, which binds the call to the model's
+forward and
+
+- refuses another structure with :class:`~fxamp.errors.CallStructureError`, naming the
+  argument, what the example had and the example to rewrite with;
+- passes a call of the example's form on (its key is remembered: the next such call costs
+  the key alone);
+- gives the graph a call of the same structure in another form (a keyword given
+  positionally, a None default given or left out) as the graph's positional inputs (bound
+  on each such call).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Dict, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..errors import CallStructureError
+from ..program import call_key
+from ..result import result_of, set_result
+
+log = logging.getLogger(__name__)
+
+#: the kinds of an argument that change what a graph traces
+TENSOR, NONE, VALUE = "tensor", "none", "value"
+_MISSING = object()
+_NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+          inspect.Parameter.KEYWORD_ONLY)
+
+
+def kind(value: Any) -> str:
+    """What a graph sees of an argument: a tensor, None or another value."""
+    if isinstance(value, torch.Tensor):
+        return TENSOR
+    return NONE if value is None else VALUE
+
+
+def _described(value: Any, given: bool) -> str:
+    """An argument as a message names it."""
+    if not given:
+        return "left out" + (" (None by default)" if value is None else "")
+    if isinstance(value, torch.Tensor):
+        return f"a tensor ({str(value.dtype).replace('torch.', '')}, {tuple(value.shape)})"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+class CallStructure:
+    """The example's structure by the model's forward parameters, and the call keys seen to
+    have it (see the module docstring)."""
+
+    def __init__(self, signature: inspect.Signature, model_name: str, args: tuple,
+                 kwargs: Dict[str, Any], graph: inspect.Signature) -> None:
+        self.signature = signature
+        self.graph = graph  # the graph's forward
+        self.model_name = model_name
+        bound = signature.bind(*args, **kwargs)
+        self.example = {name: (self._value(bound, name), name in bound.arguments)
+                        for name, p in signature.parameters.items() if p.kind in _NAMED}
+        self.form = (len(args), frozenset(kwargs))
+        # the graph's forward parameters, when each is one of the model's (else calls in
+        # another form than the example's go to the graph as they are)
+        targets = list(graph.parameters)
+        self.targets = targets if targets and set(targets) <= set(self.example) else None
+        self.direct: Set[Tuple[Any, ...]] = {call_key(args, kwargs)}
+
+    def _value(self, bound: inspect.BoundArguments, name: str) -> Any:
+        if name in bound.arguments:
+            return bound.arguments[name]
+        default = self.signature.parameters[name].default
+        return None if default is inspect.Parameter.empty else default
+
+    def admit(self, args: tuple, kwargs: Dict[str, Any]) -> Tuple[tuple, Dict[str, Any]]:
+        """The call as the graph takes it; raises CallStructureError for another structure
+        (a call the forward cannot bind goes on as it is: the graph raises Python's
+        TypeError)."""
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:
+            return args, kwargs
+        for name, (example, given) in self.example.items():
+            value = self._value(bound, name)
+            if kind(value) != kind(example):
+                self._refuse(name, example, given, value, name in bound.arguments)
+        if self.targets is None:
+            if (len(args), frozenset(kwargs)) == self.form:
+                self.direct.add(call_key(args, kwargs))
+            return args, kwargs
+        values = tuple(self._value(bound, name) for name in self.targets)
+        if self._binds_alike(args, kwargs, values):  # (as the graph's forward takes it)
+            self.direct.add(call_key(args, kwargs))
+            return args, kwargs
+        return values, {}
+
+    def _binds_alike(self, args: tuple, kwargs: Dict[str, Any], values: tuple) -> bool:
+        """Whether the graph's forward binds the call to ``values`` itself (the binding
+        depends on the call's key alone: the key can skip this check from now on)."""
+        try:
+            bound = self.graph.bind(*args, **kwargs)
+        except TypeError:
+            return False
+        bound.apply_defaults()
+        return all(bound.arguments.get(name, _MISSING) is value
+                   for name, value in zip(self.targets or (), values))
+
+    def _refuse(self, name: str, example: Any, given: bool, value: Any,
+                passed: bool) -> None:
+        if isinstance(value, torch.Tensor):
+            shown = (f"example_kwargs={{{name!r}: <a {str(value.dtype).replace('torch.', '')}"
+                     f" tensor shaped like the calls' {tuple(value.shape)}>}}")
+        else:
+            shown = (f"example_kwargs={{{name!r}: None}}, or leave {name!r} out of the "
+                     "example")
+        raise CallStructureError(
+            f"{self.model_name} was called with {name!r} {_described(value, passed)}; its "
+            f"rewrite's example had {name!r} {_described(example, given)}. The rewritten "
+            f"graph is traced for the example's structure (which arguments are tensors, None "
+            f"or left out) and runs that one alone\n  what to do: rewrite with an example of "
+            f"the structure you call with: amp_rewrite(model, example_inputs, {shown}); for "
+            "calls of both structures, rewrite a copy of the model for each")
+
+
+def attach(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+    """Keep the example's :class:`CallStructure` on the rewritten module ``gm`` (a
+    Program) for its entry check; nothing when the model's forward cannot be read."""
+    try:
+        signature = inspect.signature(model.forward)
+        structure = CallStructure(signature, type(model).__name__, tuple(args),
+                                  dict(kwargs), inspect.signature(gm.forward))
+    except (TypeError, ValueError) as err:
+        log.debug("%s: call structure not checked: %s", type(model).__name__, err)
+        return
+    set_result(gm, result_of(gm).replace(calls=structure))

@@ -1,0 +1,152 @@
+"""A call whose structure (which arguments are tensors, None or left out) differs from the
+example's is refused with one CallStructureError naming the argument, what the example had
+and the example to give; a call of the example's structure in another form (by keyword,
+positionally, a None default given or left out) computes like autocast on the model, on the
+fx and export front ends and in place (fxamp/frontends/calls.py)."""
+from __future__ import annotations
+
+import copy
+import cProfile
+import inspect
+import pstats
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from fxamp.errors import CallStructureError
+
+BF16 = torch.bfloat16
+X = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+MASK = torch.rand(2, 3, generator=torch.Generator().manual_seed(1))
+#: (front end, inplace)
+MODES = [("fx", False), ("export", False), ("fx", True), ("export", True)]
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor = None) -> torch.Tensor:
+        y = self.lin(x)
+        if mask is not None:
+            y = y * mask.unsqueeze(-1)
+        return y
+
+
+def _models():
+    torch.manual_seed(0)
+    ref = Masked()
+    return ref, copy.deepcopy(ref)
+
+
+def _rewrite(model, mode, args=(X,), kwargs=None):
+    frontend, inplace = mode
+    return fxamp.amp_rewrite(model, args, example_kwargs=kwargs, dtype=BF16, target="cpu",
+                             frontend=frontend, inplace=inplace)
+
+
+def _autocast(ref, *args, **kwargs):
+    with torch.autocast("cpu", dtype=BF16):
+        return ref(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{'-inplace' * m[1]}")
+@pytest.mark.parametrize("example, call, had, got", [
+    ({"mask": MASK}, ((X,), {}), "a tensor", "left out"),
+    ({"mask": MASK}, ((X,), {"mask": None}), "a tensor", "None"),
+    ({}, ((X, MASK), {}), "left out", "a tensor"),
+    ({}, ((X,), {"mask": MASK}), "left out", "a tensor"),
+    ({"mask": None}, ((X,), {"mask": MASK}), "None", "a tensor"),
+], ids=["tensor-then-absent", "tensor-then-None", "absent-then-positional",
+        "absent-then-keyword", "None-then-tensor"])
+def test_a_call_of_another_structure_is_refused_naming_the_argument(mode, example, call,
+                                                                    had, got):
+    _, model = _models()
+    gm = _rewrite(model, mode, kwargs=example)
+    args, kwargs = call
+    with pytest.raises(CallStructureError) as err:
+        gm(*args, **kwargs)
+    text = str(err.value)
+    assert f"called with 'mask' {got}" in text
+    assert f"example had 'mask' {had}" in text
+    assert "example_kwargs={'mask': " in text and "what to do" in text
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{'-inplace' * m[1]}")
+@pytest.mark.parametrize("example, call", [
+    ((), ((X,), {"mask": None})),  # the example's None default, given by keyword
+    ((), ((X, None), {})),
+    ({"mask": None}, ((X,), {})),  # None given in the example, left out in the call
+    ({"mask": None}, ((X,), {"mask": None})),
+    ({"mask": MASK}, ((X, MASK), {})),  # a keyword of the example, given positionally
+    ({"mask": MASK}, ((X,), {"mask": MASK})),
+], ids=["absent-None-keyword", "absent-None-positional", "None-absent", "None-None",
+        "keyword-positional", "keyword-keyword"])
+def test_a_call_of_the_examples_structure_computes_like_autocast(mode, example, call):
+    ref, model = _models()
+    gm = _rewrite(model, mode, kwargs=example or None)
+    args, kwargs = call
+    got = gm(*args, **kwargs)
+    assert torch.equal(got, _autocast(ref, *args, **kwargs))
+    assert torch.equal(gm(*args, **kwargs), got)  # (the second call: the remembered key)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_example_kwargs_none_is_traced_as_none_not_as_a_tensor(frontend):
+    ref, model = _models()
+    gm = _rewrite(model, (frontend, False), kwargs={"mask": None})
+    assert "unsqueeze" not in gm.code
+    assert torch.equal(gm(X), _autocast(ref, X))
+
+
+def test_the_fx_graph_takes_the_models_own_argument_names():
+    _, model = _models()
+    gm = _rewrite(model, ("fx", False))
+    assert list(inspect.signature(gm.forward).parameters) == ["x", "mask"]
+    assert "mask_1 =" not in gm.code.split("\n", 3)[2]  # (the signature line)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_an_unknown_keyword_in_place_names_the_models_arguments_only(frontend):
+    _, model = _models()
+    _rewrite(model, (frontend, True))
+    with pytest.raises(fxamp.FxampError) as err:
+        model(X, maks=MASK)
+    text = str(err.value)
+    assert "maks" in text and "Masked.forward takes mask, x by keyword" in text
+    assert "mask_1" not in text
+
+
+def _calls(fn) -> int:
+    fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    return pstats.Stats(prof).total_calls
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_the_check_costs_at_most_two_python_calls_and_no_binding_once_a_form_is_seen(frontend):
+    _, model = _models()
+    gm = _rewrite(model, (frontend, False), kwargs={"mask": MASK})
+    forms = (lambda: gm(X, mask=MASK), lambda: gm(X, MASK))  # (the example's; another)
+    checked = [_calls(form) for form in forms]  # (another form: bound on its first call)
+    result = gm.__dict__["fxamp_result"]
+    gm.__dict__["fxamp_result"] = result.replace(calls=None)  # (the check off)
+    assert all(c - _calls(form) <= 2 for c, form in zip(checked, forms))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_keeps_the_call_structure_check(how):
+    import pickle
+
+    _, model = _models()
+    gm = _rewrite(model, ("fx", False), kwargs={"mask": MASK})
+    other = copy.deepcopy(gm) if how == "deepcopy" else pickle.loads(pickle.dumps(gm))
+    assert torch.equal(other(X, MASK), gm(X, MASK))
+    with pytest.raises(CallStructureError, match="'mask' left out"):
+        other(X)
