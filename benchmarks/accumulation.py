@@ -1,8 +1,8 @@
 """What never-stale weight copies cost: a gradient-accumulation window (K micro-batches,
 then one fused AdamW step) and a forward without grad, per variant: torch.autocast, fxamp
-default (``weights=cached``: a forward with grad casts every weight, as autocast does; a
-forward without grad reuses the copies until an optimizer steps on the weights), fxamp
-``weights=cast`` and ``weights=o2`` (the attached optimizer's step casts; micro-batches reuse).
+default (``weights=cast``: every forward casts every weight, as autocast does, nothing kept
+between steps), fxamp ``weights=cast`` spelled out and ``weights=o2`` (the attached optimizer's
+step casts; micro-batches reuse).
 
     python benchmarks/accumulation.py [--micro 4] [--rounds 5] [--docs]
 
@@ -32,7 +32,7 @@ def _variants(model: torch.nn.Module, idx: torch.Tensor) -> Dict[str, tuple]:
     for policy in (None, "weights=cast", "weights=o2"):
         m = copy.deepcopy(model)
         gm = fxamp.amp_rewrite(m, (idx,), dtype=BF16, target="cpu", policy=policy)
-        out[f"fxamp {policy or 'default'}"] = (gm, policy or "weights=cached")
+        out[f"fxamp {policy or 'default'}"] = (gm, policy or "weights=cast")
     return out
 
 

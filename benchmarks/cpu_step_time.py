@@ -8,8 +8,9 @@ Variants, all on one model's FP32 Parameters except the limit and o2 (its own co
   small batch on CPU);
 - ``limit``: ``copy.deepcopy(model).to(bf16)`` (inputs cast once outside the step): zero casts,
   no FP32 islands, the fastest a mixed-precision rewrite could get;
-- ``fxamp``: ``amp_rewrite`` default (``weights=cached``: weight copies kept between forwards);
-- ``fxamp cast``: policy ``weights=cast`` (every weight cast on every forward, in the graph);
+- ``fxamp``: ``amp_rewrite`` default (``weights=cast``: every weight cast on every forward, in
+  the graph, as autocast casts it);
+- ``fxamp cast``: policy ``weights=cast`` spelled out (the same as the default);
 - ``fxamp o2``: policy ``weights=o2`` + ``fxamp.train.attach_optimizer`` (the optimizer step
   writes the bf16 copies);
 - ``fxamp channels_last`` (``--channels-last``): policy ``channels_last=on`` on its own copy.

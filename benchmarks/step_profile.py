@@ -1,7 +1,7 @@
 """Where one training step's time goes: self CPU time per ATen op, per phase, per variant.
 
 Profiles one model's steps (torch profiler, CPU) for the limit (the model in bf16), both
-autocast settings and fxamp (``weights=cached`` / ``cast`` / ``o2``) and prints, per variant:
+autocast settings and fxamp (the default ``weights=cast`` / ``o2``) and prints, per variant:
 wall time of forward / loss / backward / optimizer step, the self CPU time of the ATen ops in
 each phase (the rest of a phase's time is Python and dispatch outside ATen: the GraphModule's
 code, fxamp's weight-cache checks, autograd Functions written in Python), the tensors cast
