@@ -9,7 +9,7 @@ made the FP16 weight and parameters, and through the zero bias the exporter buil
 without one: see :class:`fxamp.export.constants.Constants`), then rounded once to the Conv's
 weight dtype. It runs on the exporter's unoptimised graph, before the optimizer's own fusion
 (which would fold into the already-rounded FP16 weight). Only the ONNX file changes; the
-plan's decisions are the same (the BatchNorm's plan line maps to the Conv).
+plan's decisions are the same (the folded Conv keeps its own plan line).
 """
 from __future__ import annotations
 

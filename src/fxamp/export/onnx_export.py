@@ -273,11 +273,11 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
         checked, true_fp16 = check_export(model, gm, inputs, used,
                                           _eval_reference(reference))
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, "fxamp.plan": plan.to_text(),
-            "fxamp.folded_weight_casts": str(folded), "fxamp.restored_eps_adds": str(restored),
+            "fxamp.folded_weight_casts": str(folded + constants),
+            "fxamp.restored_eps_adds": str(restored),
             "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed),
             "fxamp.checked_inputs": str(checked), "fxamp.folded_batchnorms": str(bn_folded),
             "fxamp.removed_casts": str(casts_removed),
-            "fxamp.folded_constants": str(constants),
             "fxamp.true_fp16_error": "-" if true_fp16 is None else f"{true_fp16:.3g}"}
     if error:
         meta["fxamp.dynamo_error"] = error
