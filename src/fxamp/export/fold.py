@@ -4,35 +4,22 @@ Conv before it.
 An inference BatchNorm is an affine map per channel, ``y = (x - mean) * s + beta`` with
 ``s = gamma / sqrt(var + eps)``; after a Conv it folds into the Conv's weight and bias
 (``W' = W * s``, ``b' = (b - mean) * s + beta``), as every ONNX deployment tool's file has
-it. The fold is computed in FP64 from the FP32 master values (looking through the Cast that
-made an FP16 weight), then rounded once to the Conv's weight dtype. Only the ONNX file
-changes; the plan's decisions are the same (the BatchNorm's plan line maps to the Conv).
+it. The fold is computed in FP32 from the FP32 master values (looking through the Casts that
+made the FP16 weight and parameters, and through the zero bias the exporter builds for a Conv
+without one: see :class:`fxamp.export.constants.Constants`), then rounded once to the Conv's
+weight dtype. It runs on the exporter's unoptimised graph, before the optimizer's own fusion
+(which would fold into the already-rounded FP16 weight). Only the ONNX file changes; the
+plan's decisions are the same (the folded Conv keeps its own plan line).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
+from .constants import FLOATS, Constants, drop_dead
 from .repairs import NOTE, astype, get_meta, set_meta
 
 log = logging.getLogger(__name__)
-
-_FLOATS = (1, 10, 16)
-
-
-def _constant(name: str, inits: Dict[str, Any], producers: Dict[str, Any]
-              ) -> Optional[Tuple[Any, int]]:
-    """(FP64 value, ONNX dtype it has in the graph) of an initializer, or of a Cast of one."""
-    from onnx import numpy_helper
-
-    if name in inits:
-        init = inits[name]
-        return numpy_helper.to_array(init).astype("float64"), init.data_type
-    node = producers.get(name)
-    if node is not None and node.op_type == "Cast" and node.input[0] in inits:
-        to = next(a.i for a in node.attribute if a.name == "to")
-        return numpy_helper.to_array(inits[node.input[0]]).astype("float64"), to
-    return None
 
 
 def fold_batchnorm(model: Any) -> int:
@@ -42,8 +29,8 @@ def fold_batchnorm(model: Any) -> int:
     from onnx import numpy_helper
 
     graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    producers = {o: n for n in graph.node for o in n.output}
+    consts = Constants(model)
+    producers = consts.producers
     readers: Dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
@@ -51,32 +38,30 @@ def fold_batchnorm(model: Any) -> int:
     outputs = {o.name for o in graph.output}
     dropped = set()
     folded = 0
-    for bn in list(graph.node):
+    nodes = list(graph.node)  # (held: the ids below stay theirs)
+    for bn in nodes:
         if bn.op_type != "BatchNormalization" or len(bn.output) != 1 or len(bn.input) != 5:
             continue
         conv = producers.get(bn.input[0])
         if (conv is None or conv.op_type != "Conv" or readers.get(conv.output[0], 0) != 1
                 or conv.output[0] in outputs):
             continue
-        values = [_constant(n, inits, producers) for n in list(bn.input[1:]) + [conv.input[1]]]
-        bias = _constant(conv.input[2], inits, producers) if len(conv.input) > 2 and \
-            conv.input[2] else None
-        if any(v is None for v in values) or (len(conv.input) > 2 and conv.input[2]
-                                              and bias is None):
+        values = [consts.value(n) for n in list(bn.input[1:]) + [conv.input[1]]]
+        has_bias = len(conv.input) > 2 and bool(conv.input[2])
+        bias = consts.value(conv.input[2]) if has_bias else None
+        if any(v is None for v in values) or (has_bias and bias is None):
             continue
         (gamma, _), (beta, _), (mean, _), (var, _), (weight, wtype) = values  # type: ignore
-        if wtype not in _FLOATS:
+        if wtype not in FLOATS or any(v[0].dtype != np.float32 for v in values):  # type: ignore
             continue
-        eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+        eps = np.float32(next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5))
         scale = gamma / np.sqrt(var + eps)
         new_w = weight * scale.reshape((-1,) + (1,) * (weight.ndim - 1))
-        old_b = bias[0] if bias is not None else np.zeros_like(mean)
+        old_b = bias[0].astype(np.float32) if bias is not None else np.zeros_like(mean)
         new_b = (old_b - mean) * scale + beta
         w_name, b_name = f"{conv.name}_fxamp_folded_w", f"{conv.name}_fxamp_folded_b"
-        graph.initializer.append(numpy_helper.from_array(
-            astype(new_w.astype(np.float32), wtype), w_name))
-        graph.initializer.append(numpy_helper.from_array(
-            astype(new_b.astype(np.float32), wtype), b_name))
+        graph.initializer.append(numpy_helper.from_array(astype(new_w, wtype), w_name))
+        graph.initializer.append(numpy_helper.from_array(astype(new_b, wtype), b_name))
         del conv.input[1:]
         conv.input.extend([w_name, b_name])
         conv.output[0] = bn.output[0]
@@ -85,27 +70,24 @@ def fold_batchnorm(model: Any) -> int:
         dropped.add(id(bn))
         folded += 1
     if folded:
-        keep = [n for n in graph.node if id(n) not in dropped]
+        keep = [n for n in nodes if id(n) not in dropped]
         del graph.node[:]
         graph.node.extend(keep)
-        _drop_dead(model)
+        _drop_unread(model)
     return folded
 
 
-def _drop_dead(model: Any) -> None:
-    """Remove Cast nodes and initializers nothing reads any more."""
+def _drop_unread(model: Any) -> None:
+    """Remove the nodes nothing reads any more (the old weight's Casts, the zero bias the
+    exporter built: ONNX ops of the default domain have no side effects)."""
     graph = model.graph
     outputs = {o.name for o in graph.output}
     while True:
-        used = {i for n in graph.node for i in n.input} | outputs
-        dead = [n for n in graph.node if n.op_type == "Cast" and not set(n.output) & used]
-        if not dead:
+        nodes = list(graph.node)
+        used = {i for n in nodes for i in n.input} | outputs
+        keep = [n for n in nodes if n.domain not in ("", "ai.onnx") or set(n.output) & used]
+        if len(keep) == len(nodes):
             break
-        ids = {id(n) for n in dead}
-        keep = [n for n in graph.node if id(n) not in ids]
         del graph.node[:]
         graph.node.extend(keep)
-    used = {i for n in graph.node for i in n.input} | outputs
-    alive = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(alive)
+    drop_dead(model)

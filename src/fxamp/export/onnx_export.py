@@ -5,9 +5,11 @@ runs first; if it fails the TorchScript exporter (``dynamo=False``) is tried. Wh
 file is stored in the model's ``metadata_props`` ("fxamp.exporter"), with the plan's text
 ("fxamp.plan") so a report can be made from the file alone.
 
-The post-processing is in :mod:`fxamp.export.fold` (BatchNorm folded into its Conv),
-:mod:`fxamp.export.repairs` (weight casts, lost eps, type repair, eps, provenance) and
-:mod:`fxamp.export.cast_pairs` (Casts only at real precision boundaries).
+The dynamo exporter's graph is taken unoptimised: fxamp folds BatchNorm into its Conv
+(:mod:`fxamp.export.fold`) and the constant subgraphs (:mod:`fxamp.export.constants`) from the
+FP32 values, rounding each weight once, then runs onnxscript's optimizer. The rest of the
+post-processing is in :mod:`fxamp.export.repairs` (weight casts, lost eps, type repair, eps,
+provenance) and :mod:`fxamp.export.cast_pairs` (Casts only at real precision boundaries).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from ..frontends.common import as_tuple
 from .repairs import (FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
                       restore_tiny_adds, set_meta)
 from .cast_pairs import simplify_casts
+from .constants import fold_constants
 from .fold import fold_batchnorm
 from .errors import ExportError
 from .verify import check_export
@@ -84,7 +87,9 @@ def _fx_names(ep: Any, gm: fx.GraphModule) -> Dict[str, str]:
 
 def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
                    opset: Optional[int]) -> Tuple[Any, Dict[str, str], Any]:
-    kwargs: Dict[str, Any] = {"dynamo": True, "verbose": False}
+    """The dynamo exporter's graph, unoptimised (:func:`_fold_and_optimize` runs the
+    optimizer once fxamp has folded the constants from their FP32 values)."""
+    kwargs: Dict[str, Any] = {"dynamo": True, "verbose": False, "optimize": False}
     if opset is not None:
         kwargs["opset_version"] = opset
     with contextlib.redirect_stdout(io.StringIO()):
@@ -109,6 +114,21 @@ def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int])
 
 
 # -- post-processing -------------------------------------------------------------------
+def _fold_and_optimize(model: Any, exporter: str) -> Tuple[Any, int, int]:
+    """BatchNorm and the constant subgraphs folded from the FP32 values (each weight rounded
+    once), then, for the dynamo exporter's graph, onnxscript's optimizer (the one
+    ``torch.onnx.export`` runs by default) and a second fold of what it leaves. Returns the
+    model, the BatchNorms and the constant values folded."""
+    bn_folded = fold_batchnorm(model)
+    if exporter != "dynamo":
+        return model, bn_folded, 0
+    import onnxscript.optimizer
+
+    constants = fold_constants(model)
+    model = onnxscript.optimizer.optimize(model)
+    return model, bn_folded, constants + fold_constants(model)
+
+
 def _fx_node_of(node: Any, mapping: Optional[Dict[str, str]]) -> Optional[str]:
     if mapping is None:
         return None
@@ -240,7 +260,7 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
             except Exception as err:  # noqa: BLE001
                 raise ExportError(f"both ONNX exporters failed; dynamo: {error or '-'}; "
                                   f"torchscript: {type(err).__name__}: {err}") from err
-    bn_folded = fold_batchnorm(model)  # (from the FP32 values, before the weight casts)
+    model, bn_folded, constants = _fold_and_optimize(model, used)
     folded = fold_weight_casts(model)
     restored = restore_tiny_adds(model, ep) if ep is not None else 0
     repaired = repair_types(model)
@@ -253,7 +273,8 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
         checked, true_fp16 = check_export(model, gm, inputs, used,
                                           _eval_reference(reference))
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, "fxamp.plan": plan.to_text(),
-            "fxamp.folded_weight_casts": str(folded), "fxamp.restored_eps_adds": str(restored),
+            "fxamp.folded_weight_casts": str(folded + constants),
+            "fxamp.restored_eps_adds": str(restored),
             "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed),
             "fxamp.checked_inputs": str(checked), "fxamp.folded_batchnorms": str(bn_folded),
             "fxamp.removed_casts": str(casts_removed),

@@ -4,7 +4,8 @@ After export fxamp post-processes the graph (counts in metadata_props "fxamp.*")
 
 * weight casts: onnxscript folds constants only up to 8192 elements, so a real weight stays an
   FP32 initializer behind a runtime Cast; fxamp folds ``Cast(initializer)`` into an FP16
-  initializer ("fxamp.folded_weight_casts").
+  initializer ("fxamp.folded_weight_casts", with the constant subgraphs
+  :mod:`fxamp.export.constants` folded first).
 * lost eps: onnxscript's ``x + 0 -> x`` rule matches constants with abs_tol=1e-8, so a
   hand-written norm's ``+ 1e-12`` is deleted even in FP32 (a zero row then gives NaN); fxamp
   puts the Add back ("fxamp.restored_eps_adds").
