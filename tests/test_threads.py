@@ -332,4 +332,4 @@ print([a is b for a, b in zip(before, after_import)],
 def test_import_fxamp_patches_nothing():
     out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True,
                          text=True, timeout=120, check=True).stdout.strip().splitlines()[-1]
-    assert out == str([True] * 8) + " " + str([True] * 8)
+    assert out == str([True] * 9) + " " + str([True] * 9)
