@@ -375,3 +375,26 @@ def test_eval_threads_next_to_a_fused_adamw_trainer_see_the_trained_weights():
             t.join()
         want = _autocast_out(model, x).float()
         assert all(torch.equal(o, want) for o in outs)
+
+
+def test_nested_modules_cost_linear_attribute_lookups_per_call():
+    class Level(nn.Module):
+        def __init__(self, depth: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.child = Level(depth - 1) if depth > 1 else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.lin(x)
+            return self.child(x) if self.child is not None else x
+
+    model, x = Level(60), torch.randn(2, 4)
+    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm(x)
+    prof = cProfile.Profile()
+    prof.enable()
+    gm(x)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    lookups = sum(v[1] for k, v in stats.items() if k[2] == "__getattr__")
+    assert lookups <= 4 * 60  # a path read once per level (a chain from self: ~60 * 60 / 2)
