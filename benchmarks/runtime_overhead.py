@@ -5,7 +5,8 @@ step. Per variant (the FP32 model, the same model under ``torch.autocast("cpu", 
 fxamp not in place, fxamp in place; one model's FP32 Parameters for all) this prints:
 
 - process CPU time per call (``time.process_time``, 1 torch thread): a forward without grad
-  and a training step (zero_grad + forward + FP32 cross-entropy + backward + AdamW step);
+  (its logits as FP32, which fxamp's default ``output=fp32`` returns and autocast's bf16
+  logits are cast to) and a training step (zero_grad + forward + FP32 cross-entropy + backward + AdamW step);
   variants run interleaved, each round every variant ``--steps`` times, medians over rounds,
   and the ratio to autocast per round (median);
 - Python function calls of one training forward (cProfile's count, builtins included);
@@ -147,8 +148,8 @@ def main() -> None:
         opt.step()
 
     def forward(name: str) -> None:
-        with torch.no_grad():
-            variants[name](x)
+        with torch.no_grad():  # (logits as FP32 for all: fxamp's output=fp32 default)
+            variants[name](x).float()
 
     for name in variants:  # warm up (first calls, optimizer state)
         step(name)
