@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from ._torch import SET_GRAD as _SET_GRAD, tree_flatten, tree_map
+from .errors import InputDtypeError
 
 #: a module's hook dicts that run when it is called
 CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
@@ -117,8 +118,6 @@ def check_input_dtypes(values: Tuple[Any, ...], planned: Tuple[torch.dtype, ...]
     for value, want, name in zip(values, planned, names):
         if not isinstance(value, torch.Tensor) or value.dtype == want or eligible(value):
             continue
-        from .errors import InputDtypeError
-
         raise InputDtypeError(
             f"input {name!r} is a {value.dtype} tensor; the rewrite was planned for a {want} "
             f"input here and would convert it, where the FP32 model and torch.autocast "

@@ -253,12 +253,12 @@ def share_modules(gm: nn.Module, model: nn.Module) -> int:
     return shared
 
 
-def mirrors(gm: nn.Module, model: nn.Module) -> List[Tuple[nn.Module, nn.Module]]:
-    """(module of ``gm``, the model's module at its path) for each module the rewrite made
-    that stands for one of the model's (``gm`` itself first)."""
+def mirrors(gm: nn.Module, model: nn.Module) -> List[Tuple[str, nn.Module, nn.Module]]:
+    """(path, module of ``gm``, the model's module at that path) for each module the rewrite
+    made that stands for one of the model's (``gm`` itself first)."""
     originals = dict(model.named_modules())
     own = {id(m) for m in originals.values()}
-    return [(m, originals[path]) for path, m in gm.named_modules()
+    return [(path, m, originals[path]) for path, m in gm.named_modules()
             if id(m) not in own and path in originals]
 
 
@@ -268,12 +268,7 @@ def resync(model: nn.Module, gm: nn.Module, inplace: bool,
     the same paths since ``before`` (its recorded detail; all of them when None) and, in
     place, the model's training flags: run when the structure key changed. A tensor swapped
     on ``gm``'s own container (``torch.func.functional_call(gm, ...)``) is left alone."""
-    originals = dict(model.named_modules())
-    own = {id(m) for m in originals.values()}
-    for path, mine in gm.named_modules():
-        theirs = originals.get(path)
-        if theirs is None or id(mine) in own:
-            continue
+    for path, mine, theirs in mirrors(gm, model):
         if inplace:
             mine.training = theirs.training
         old = before.get(path) if before is not None else None

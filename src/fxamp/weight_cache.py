@@ -63,12 +63,6 @@ ATTR = "fxamp_weight_cache"  # the submodule name in the rewritten GraphModule
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
-def steps(param: torch.Tensor) -> int:
-    """The optimizer step count a copy is cast at: always 0 (no global optimizer hook is
-    installed; ``weights=o2``'s attached optimizer re-casts its copies after each step)."""
-    return 0
-
-
 class _CastBack(torch.autograd.Function):
     """Forward: the cached low-precision copy. Backward: the gradient cast to the master's
     dtype (what ``Tensor.to``'s backward returns), on CPU written into the slot's FP32
@@ -129,7 +123,7 @@ def _cacheable(p: Any) -> bool:
 
 class _Slot:
     __slots__ = ("param", "dtype", "key", "copy", "grad_copy", "version", "new", "grad_buf",
-                 "steps", "with_grad", "__weakref__")
+                 "with_grad", "__weakref__")
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.param: Optional[torch.Tensor] = None
@@ -140,16 +134,15 @@ class _Slot:
         self.version = 0  # the copy's own version counter when it was made
         self.new = False  # cast by a refresh and not served yet (not counted as a hit)
         self.grad_buf: Optional[torch.Tensor] = None  # CPU: last FP32 gradient's memory
-        self.steps = -1  # the optimizer step count when the copy was cast
         self.with_grad = False  # cast by a forward with grad
 
     def fresh(self, reuse_grad_copy: bool) -> bool:
         """Whether the copy may serve again: the same Parameter, unchanged as far as its
-        version counter, storage and the optimizer step count tell; a copy cast with
-        grad only when ``reuse_grad_copy`` (``weights=o2``)."""
+        version counter and storage tell (the attached optimizer re-casts what it steps
+        on); a copy cast with grad only when ``reuse_grad_copy`` (``weights=o2``)."""
         p, copy = self.param, self.copy
         return (p is not None and copy is not None and self.key == _key(p)
-                and copy._version == self.version and self.steps == steps(p)
+                and copy._version == self.version
                 and (reuse_grad_copy or not self.with_grad))
 
     def upcast(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -277,7 +270,7 @@ class WeightCache(nn.Module):
                 _torch.foreach_copy_(dsts, [s.param for s in group])
                 for s, dst in zip(group, dsts):
                     s.copy, s.key, s.version, s.new = dst, _key(s.param), dst._version, True
-                    s.steps, s.with_grad = steps(s.param), False
+                    s.with_grad = False
                 n += len(group)
         self.casts += n - marked
         return n
@@ -336,7 +329,7 @@ class WeightCache(nn.Module):
             slot.grad_copy = param.to(dtype)
             slot.copy = slot.grad_copy.detach()
         slot.key, slot.version, slot.new = key, slot.copy._version, True
-        slot.steps, slot.with_grad = steps(param), True
+        slot.with_grad = True
         self.casts += 1
 
     def __deepcopy__(self, memo: dict) -> "WeightCache":

@@ -137,7 +137,8 @@ def install(model: nn.Module, gm: nn.Module, replan: Optional[Replan] = None) ->
     model.__dict__[ATTR] = gm
     structure = getattr(result_of(gm), "structure", None) if has_result(gm) else None
     forward = InplaceForward(model, names, replan,
-                             None if structure is not None else mirrors(gm, model))
+                             None if structure is not None
+                             else [(mine, theirs) for _, mine, theirs in mirrors(gm, model)])
     try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
         forward.__signature__ = inspect.signature(gm.forward)  # type: ignore[attr-defined]
     except (TypeError, ValueError):

@@ -57,12 +57,12 @@ def check_example_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
                       if isinstance(t, torch.Tensor)} | {"cpu"})
     device = next((d for d in devices if d != "cpu"), "cpu")
     try:
-        _run(model, args, kwargs, False, _autocast_off(devices))
+        _run(model, args, kwargs, False, AutocastOff(devices))
         return None
     except Exception as exc:  # noqa: BLE001 - the model's own failure, reported as such
         first = exc
     for grad, autocast in ((False, torch.autocast(device, dtype=low)),
-                           (True, _autocast_off(devices))):
+                           (True, AutocastOff(devices))):
         try:
             _run(model, args, kwargs, grad, autocast)
             return None
@@ -93,8 +93,9 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-class _autocast_off:
-    """Autocast disabled on every device type the inputs use (the FP32 model)."""
+class AutocastOff:
+    """Autocast disabled on each of ``devices`` for the block (the FP32 model's run, an
+    in-place model planned again inside a call); restored on every exit path."""
 
     def __init__(self, devices: list) -> None:
         self.contexts = [torch.autocast(d, enabled=False) for d in devices

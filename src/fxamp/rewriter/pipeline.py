@@ -17,6 +17,7 @@ from ..ir import fix
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
+from ..program import DEVICES
 from ..result import Rewritten, has_result, plan_of, result_of, set_result
 from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
@@ -29,7 +30,7 @@ from ..frontends.hooks import check_global_hooks, copy_root_hooks
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, uninstalled
-from .inputs import check_example_inputs
+from .inputs import AutocastOff, check_example_inputs
 from .pass_list import pass_list, plan_lines, plan_nodes
 from .state_dict import complete_state
 
@@ -200,16 +201,9 @@ def _replan(model: nn.Module, args: tuple, kwargs: Dict[str, Any], why: str) -> 
                                     ) from None
     if kwargs or config.example_kwargs:
         config = config.replace(example_kwargs=dict(kwargs) or None)
-    devices = [d for d in ("cpu", "cuda", "xpu", "mps")
-               if torch.amp.is_autocast_available(d) and torch.is_autocast_enabled(d)]
-    for d in devices:
-        torch.set_autocast_enabled(d, False)
-    try:
-        with torch.inference_mode(False), torch.enable_grad(), uninstalled(model):
-            gm = _rewrite_top(model, args, config)
-    finally:
-        for d in devices:
-            torch.set_autocast_enabled(d, True)
+    with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
+            uninstalled(model):
+        gm = _rewrite_top(model, args, config)
     reinstall(model, gm, _replan)
     return gm
 
