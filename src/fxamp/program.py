@@ -28,6 +28,8 @@ from typing import Any, Callable, Tuple
 import torch
 import torch.fx as fx
 
+from .runtime import own_autocast_depth
+
 log = logging.getLogger(__name__)
 
 #: the device types autocast knows on this torch (checked once)
@@ -49,8 +51,6 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
 
 def _note_outer_autocast(was: Tuple[str, ...]) -> None:
     """Log once per process that a rewritten model ran under the user's autocast."""
-    from .runtime import own_autocast_depth
-
     if not _WARNED and not own_autocast_depth() and not _COMPILING():
         _WARNED.append(True)
         log.warning("a rewritten model was called under torch.autocast(%s): autocast is "
@@ -167,8 +167,3 @@ def _load(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Program:
     for key, value in gm.__dict__.items():
         program.__dict__.setdefault(key, value)
     return program
-
-
-def is_program(module: Any) -> bool:
-    """Whether ``module`` is a rewritten graph (a :class:`Program`)."""
-    return isinstance(module, Program)
