@@ -98,24 +98,55 @@ class _Cycle:
         self.me = self
 
 
+_FRESH_PROCESS = r"""
+import gc, threading, weakref
+import torch, torch.nn as nn
+import fxamp
+from fxamp.rewriter.gc_scope import young_objects_only
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+
+assert gc.get_freeze_count() == 0 and threading.active_count() == 1
+with young_objects_only():
+    frozen = gc.get_freeze_count()
+    assert frozen > 0, "the objects that existed are in the permanent generation"
+    with young_objects_only():  # nested: the outer one keeps its freeze (the count may
+        # only drop, by frozen objects freed meanwhile: nothing more is frozen)
+        assert 0 < gc.get_freeze_count() <= frozen
+    ref = weakref.ref(Cycle())  # garbage made inside the block
+    gc.collect()
+    assert ref() is None, "garbage made inside the block is collected"
+assert gc.get_freeze_count() == 0, "unfrozen after the block"
+fxamp.amp_rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), dtype=torch.bfloat16, target="cpu")
+assert gc.get_freeze_count() == 0, "amp_rewrite froze and unfroze"
+print("ok")
+"""
+
+
 def test_gc_scope_collects_new_garbage_and_unfreezes():
+    # a fresh interpreter: a thread an earlier test left running would turn the scope off
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_gc_scope_stands_aside_while_another_thread_runs():
+    import threading
     if gc.get_freeze_count():
         pytest.skip("this process froze objects itself")
-    before = gc.get_freeze_count()
-    with young_objects_only():
-        frozen = gc.get_freeze_count()
-        assert frozen > 0  # the objects that existed are in the permanent generation
-        with young_objects_only():  # nested: the outer one keeps its freeze (the count
-            # may only drop, by frozen objects freed meanwhile: nothing more is frozen)
-            assert 0 < gc.get_freeze_count() <= frozen
-        import weakref
-        ref = weakref.ref(_Cycle())  # garbage made inside the block
-        gc.collect()
-        assert ref() is None
-    assert gc.get_freeze_count() == before == 0
-    fxamp.amp_rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), dtype=torch.bfloat16,
-                      target="cpu")
-    assert gc.get_freeze_count() == 0  # amp_rewrite froze and unfroze
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, name="a-user-thread")
+    other.start()
+    try:
+        with young_objects_only():
+            assert gc.get_freeze_count() == 0  # freezing would hold back its garbage
+    finally:
+        stop.set()
+        other.join()
 
 
 @pytest.mark.slow
