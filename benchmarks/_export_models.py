@@ -104,6 +104,151 @@ def numerics_trap() -> Example:
     return NumericsTrap().eval(), (x,), (y,)
 
 
+def efficientnet_b0() -> Example:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("efficientnet_b0", pretrained=False, num_classes=10).eval()
+    return model, (torch.randn(1, 3, 64, 64),), (torch.randn(1, 3, 64, 64),)
+
+
+def mobilenetv3() -> Example:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_100", pretrained=False, num_classes=10).eval()
+    return model, (torch.randn(1, 3, 64, 64),), (torch.randn(1, 3, 64, 64),)
+
+
+def swin_half() -> Example:
+    """A half-width, two-stage Swin (window attention, relative position bias, patch merge)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, img_size=64,
+                              embed_dim=48, depths=(2, 2), num_heads=(2, 4), window_size=4,
+                              num_classes=10).eval()
+    return model, (torch.randn(1, 3, 64, 64),), (torch.randn(1, 3, 64, 64),)
+
+
+class Hidden(nn.Module):
+    """A Hugging Face encoder whose forward returns its last hidden state alone."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, return_dict=False)[0]
+
+
+def _t5_encoder(ff_scale: float) -> Example:
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    cfg = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=512,
+                   attn_implementation="eager")
+    model = T5EncoderModel(cfg)
+    with torch.no_grad():  # a trained T5's feed-forward outputs grow the residual stream
+        for block in model.encoder.block:
+            block.layer[-1].DenseReluDense.wo.weight.mul_(ff_scale)
+    return (Hidden(model).eval(), (torch.randint(0, 512, (1, 16)),),
+            (torch.randint(0, 512, (1, 16)),))
+
+
+def t5_encoder() -> Example:
+    """A 2-layer T5 encoder at its initial weight scale (RMSNorm, relative attention bias)."""
+    return _t5_encoder(1.0)
+
+
+def t5_encoder_large() -> Example:
+    """The same encoder with feed-forward outputs scaled by 300: the residual stream passes
+    FP16's max / 8, as a trained T5's does."""
+    return _t5_encoder(300.0)
+
+
+class Recurrent(nn.Module):
+    """A 2-layer LSTM and a GRU over a sequence, classified from the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(32, 32, batch_first=True)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(x)
+        h, _ = self.gru(h)
+        return self.head(h[:, -1])
+
+
+def lstm_gru() -> Example:
+    torch.manual_seed(0)
+    return Recurrent().eval(), (torch.randn(2, 10, 16),), (torch.randn(2, 10, 16),)
+
+
+def _block(cin: int, cout: int) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1, bias=False),
+                         nn.BatchNorm2d(cout), nn.ReLU())
+
+
+class UNet(nn.Module):
+    """A two-level UNet: Conv-BN-ReLU blocks, max-pool down, transposed-conv up, skip concat."""
+
+    def __init__(self, w: int = 16) -> None:
+        super().__init__()
+        self.d1, self.d2, self.mid = _block(3, w), _block(w, 2 * w), _block(2 * w, 4 * w)
+        self.pool = nn.MaxPool2d(2)
+        self.u2 = nn.ConvTranspose2d(4 * w, 2 * w, 2, stride=2)
+        self.b2 = _block(4 * w, 2 * w)
+        self.u1 = nn.ConvTranspose2d(2 * w, w, 2, stride=2)
+        self.b1 = _block(2 * w, w)
+        self.out = nn.Conv2d(w, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.d1(x)
+        b = self.d2(self.pool(a))
+        m = self.mid(self.pool(b))
+        b = self.b2(torch.cat([self.u2(m), b], 1))
+        return self.out(self.b1(torch.cat([self.u1(b), a], 1)))
+
+
+def unet() -> Example:
+    torch.manual_seed(0)
+    model = UNet()
+    with torch.no_grad():  # trained-like BatchNorm statistics, so the fold changes weights
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+    return model.eval(), (torch.randn(1, 3, 64, 64),), (torch.randn(1, 3, 64, 64),)
+
+
+class LargeEmbeddingNorm(nn.Module):
+    """Every activation under FP16's max / 8, but the LayerNorm's squared deviations pass it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(100, 64)
+        self.pos = nn.Parameter(torch.randn(16, 64))
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm((self.tok(ids) + self.pos) * 1e3))
+
+
+def norm_large() -> Example:
+    torch.manual_seed(0)
+    return (LargeEmbeddingNorm().eval(), (torch.randint(0, 100, (2, 16)),),
+            (torch.randint(0, 100, (2, 16)),))
+
+
 MODELS: Dict[str, Callable[[], Example]] = {
     "resnet18": resnet18, "vit_tiny": vit_tiny, "gpt2_tiny": gpt2_tiny, "bert_tiny": bert_tiny,
-    "act_1e5": activations_1e5, "trap": numerics_trap}
+    "act_1e5": activations_1e5, "trap": numerics_trap, "efficientnet_b0": efficientnet_b0,
+    "mobilenetv3": mobilenetv3, "swin_half": swin_half, "t5_enc": t5_encoder,
+    "t5_enc_x300": t5_encoder_large, "lstm_gru": lstm_gru, "unet": unet,
+    "norm_large": norm_large}

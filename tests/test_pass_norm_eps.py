@@ -130,3 +130,60 @@ def test_norm_modules_are_probed_and_fenced_only_where_the_kernel_loses_eps():
     with torch.autocast("cpu", dtype=torch.float16):
         assert not torch.isfinite(model(x)).all()
     assert torch.isfinite(gm(x)).all()
+
+
+# -- deployment plans: the eps is judged on the statistic's values seen -----------------
+def _deploy(model, x, calibration=None):
+    return fxamp.amp_rewrite(model, (x,), target="tensorrt", calibration_data=calibration)
+
+
+def _norm_eps_nodes(gm):
+    return sorted(n for n, p in fxamp.plan_of(gm).nodes.items() if p.rule == "norm_eps")
+
+
+@pytest.mark.parametrize("form", ["rsqrt", "mean_var"])
+def test_a_deployment_plan_keeps_a_tiny_eps_norm_in_fp16_where_its_statistic_is_large(
+        form, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from fxamp.export import export_onnx, run_true_fp16
+    from fxamp.export.reference import relative_error
+
+    torch.manual_seed(0)
+    model, x = HandRMS(eps=1e-6, form=form).eval(), torch.randn(4, 8)
+    assert _norm_eps_nodes(_rewrite(model, x))  # a training plan fences it (any input)
+    gm = _deploy(model, x)
+    assert _norm_eps_nodes(gm) == []  # the variance seen is ~1: the eps changes nothing
+    assert all(p.dtype == torch.float16 for n, p in fxamp.plan_of(gm).nodes.items()
+               if n in ("pow_1", "mean", "add", "rsqrt"))
+    path = export_onnx(gm, (x,), str(tmp_path / "n.onnx"))  # right in true FP16
+    proto = onnx.load(path)
+    feed = {proto.graph.input[0].name: torch.randn(4, 8).numpy()}
+    with torch.no_grad():
+        want = model(torch.from_numpy(feed[proto.graph.input[0].name]))
+    assert relative_error(run_true_fp16(proto, feed)[0], want) < 1e-2
+
+
+def test_a_deployment_plan_fences_the_norm_where_the_statistic_seen_gets_small():
+    torch.manual_seed(0)
+    model = HandRMS(eps=1e-6)
+    x = torch.randn(4, 8)
+    assert _norm_eps_nodes(_deploy(model, x)) == []
+    quiet = x.clone()
+    quiet[1] = 1e-3  # a calibration batch with a row whose mean square is ~1e-6
+    gm = _deploy(model, x, calibration=[(quiet,)])
+    fenced = _norm_eps_nodes(gm)
+    assert fenced and all(fxamp.plan_of(gm).nodes[n].dtype == torch.float32 for n in fenced)
+    reason = fxamp.plan_of(gm).nodes[fenced[0]].reason
+    seen = float(reason.split("gets down to ")[1].split()[0])
+    assert "eps=1e-06" in reason and 0 < seen < 1e-4, reason
+
+
+def test_eps_matters_where_it_changes_the_statistic_past_fp16s_rounding():
+    from fxamp.passes.norm_eps import eps_matters
+
+    fp16 = torch.float16
+    assert not eps_matters(1e-6, 1.0, fp16)
+    assert not eps_matters(1e-6, 2e-3, fp16)  # 1e-6 / 2e-3 = 5e-4: under fp16's eps
+    assert eps_matters(1e-6, 5e-4, fp16)  # 2e-3 of the statistic
+    assert eps_matters(1e-12, 1e-5, fp16)  # under fp16's smallest normal
+    assert eps_matters(1e-12, 0.0, fp16)  # a constant row

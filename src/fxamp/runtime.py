@@ -170,8 +170,10 @@ def cast_tree(value: Any, dtype: torch.dtype) -> Any:
 
 def call_with_params(module: nn.Module, params: Dict[str, torch.Tensor], *args: Any,
                      **kwargs: Any) -> Any:
-    """Call ``module`` with some of its parameters replaced (e.g. by their FP16 casts)."""
-    return torch.func.functional_call(module, params, args, kwargs, strict=False)
+    """Call ``module`` with some of its parameters replaced (e.g. by their FP16 casts).
+    (``params`` copied: an fx Interpreter, as torch.export runs, passes an immutable dict,
+    which ``functional_call`` would update.)"""
+    return torch.func.functional_call(module, dict(params), args, kwargs, strict=False)
 
 
 def device_type(args: Any) -> str:

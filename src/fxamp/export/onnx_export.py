@@ -37,6 +37,7 @@ from .constants import fold_constants
 from .fold import fold_batchnorm
 from .errors import ExportError
 from .verify import check_export
+from .weight_view import low_weights_view, restore_weight_casts
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +89,20 @@ def _fx_names(ep: Any, gm: fx.GraphModule) -> Dict[str, str]:
 def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
                    opset: Optional[int]) -> Tuple[Any, Dict[str, str], Any]:
     """The dynamo exporter's graph, unoptimised (:func:`_fold_and_optimize` runs the
-    optimizer once fxamp has folded the constants from their FP32 values)."""
+    optimizer once fxamp has folded the constants from their FP32 values). The exporter is
+    given the graph with its weights cast already (:mod:`.weight_view`: half the ops to
+    trace on a CNN); the file is what the casting graph exports to."""
     kwargs: Dict[str, Any] = {"dynamo": True, "verbose": False, "optimize": False}
     if opset is not None:
         kwargs["opset_version"] = opset
+    view, sources = low_weights_view(gm) if isinstance(gm, fx.GraphModule) else (gm, {})
     with contextlib.redirect_stdout(io.StringIO()):
-        program = torch.onnx.export(gm, inputs, **kwargs)
-    mapping = (_fx_names(program.exported_program, gm) if isinstance(gm, fx.GraphModule)
+        program = torch.onnx.export(view, inputs, **kwargs)
+    proto = program.model_proto
+    restore_weight_casts(proto, sources)
+    mapping = (_fx_names(program.exported_program, view) if isinstance(gm, fx.GraphModule)
                else {})
-    return program.model_proto, mapping, program.exported_program
+    return proto, mapping, program.exported_program
 
 
 def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]) -> Any:

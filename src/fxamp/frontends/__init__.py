@@ -46,15 +46,16 @@ assert all(name in REGISTRY for names in FRONTEND_ORDER.values() for name in nam
 
 def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
                   state: Optional[ModelState] = None, dynamic_shapes: Any = None,
-                  whole_graph: bool = False) -> Capture:
+                  whole_graph: bool = False, inference: bool = False) -> Capture:
     """What the first front end (in the order ``frontend`` asks for) that takes ``model``
     gives: a :class:`Traced` graph, or :class:`Children` to rewrite one by one.
     ``whole_graph``: only front ends giving one graph of the whole model (calibration,
     decisions fixed by node name). ``state`` (the model's snapshot) is restored after each
-    front end that fails; ``dynamic_shapes`` goes to torch.export. When none takes it:
+    front end that fails; ``dynamic_shapes`` goes to torch.export. ``inference``: the
+    eval-mode graph alone (one trace, not one per mode). When none takes it:
     the one front end's TraceError, or one naming each front end's failure."""
     request = Request(tuple(args), dict(kwargs), frontend, state or ModelState(model),
-                      dynamic_shapes)
+                      dynamic_shapes, inference=inference)
     order: List[Frontend] = [REGISTRY[name] for name in FRONTEND_ORDER[frontend]]
     if whole_graph:
         order = [fe for fe in order if fe.graph]

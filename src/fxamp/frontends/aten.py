@@ -246,7 +246,8 @@ def _export_in_mode(model: nn.Module, train: bool, args: tuple, kwargs: Dict[str
 
 
 def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-                 frontend: str = "export", dynamic_shapes: Any = None) -> fx.GraphModule:
+                 frontend: str = "export", dynamic_shapes: Any = None,
+                 inference: bool = False) -> fx.GraphModule:
     """Export ``model`` (non-strict) and return its unlifted GraphModule, following
     ``train()`` / ``eval()``; raise TraceError naming the line that stops torch.export.
 
@@ -257,9 +258,12 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
     in its current mode. Otherwise the train-mode graph, exported with those dynamic shapes,
     is the base, and the eval-mode graph, exported with static shapes (it is only compared
     with the base: 2-4x cheaper), supplies the constants that follow the mode. Only where
-    they do not align is a mode exported again (with the dynamic shapes)."""
+    they do not align is a mode exported again (with the dynamic shapes). ``inference``:
+    the eval-mode graph alone, exported once."""
     args, kwargs = plain_containers((tuple(args), dict(kwargs)))
     mode = model.training
+    if inference:  # (the eval-mode graph alone)
+        return _export_in_mode(model, False, args, kwargs, frontend, dynamic_shapes)
     if not reads_training(model):
         return _export_in_mode(model, mode, args, kwargs, frontend, dynamic_shapes)
     try:
@@ -322,7 +326,7 @@ class AtenFrontend:
         _refuse_hooks_in_export(model)
         with without_root_hooks(model):
             gm = export_trace(model, request.args, request.kwargs, request.asked,
-                              request.dynamic_shapes)
+                              request.dynamic_shapes, request.inference)
         checkpointing.warn_unseen(model, gm.graph)
         if request.errors:
             log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)

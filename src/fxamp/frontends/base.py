@@ -71,8 +71,8 @@ Capture = Union[Traced, Children]
 class Request:
     """One capture of a model: the call (``args``, ``kwargs``), the ``frontend=`` the user
     asked for (it shapes the advice in errors), torch.export's ``dynamic_shapes``, the
-    model's snapshot (restored after each front end that fails) and the errors of the front
-    ends tried so far, by name."""
+    model's snapshot (restored after each front end that fails), the errors of the front
+    ends tried so far, by name, and whether only the eval-mode graph is wanted."""
 
     args: tuple
     kwargs: Dict[str, Any]
@@ -80,6 +80,8 @@ class Request:
     state: ModelState
     dynamic_shapes: Any = None
     errors: Dict[str, TraceError] = field(default_factory=dict)
+    #: capture the eval-mode graph alone (a deployment plan: the file is for inference)
+    inference: bool = False
 
 
 class Frontend(Protocol):

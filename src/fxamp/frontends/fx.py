@@ -177,7 +177,7 @@ def _traced_by_fx(module: nn.Module) -> bool:
 
 
 def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
-          absent: FrozenSet[str] = frozenset()) -> fx.GraphModule:
+          absent: FrozenSet[str] = frozenset(), inference: bool = False) -> fx.GraphModule:
     """Trace ``model`` with torch.fx; raise TraceError naming the line and the way out.
 
     A model whose traced code may read ``training`` (:func:`.modes.reads_training`) is
@@ -187,13 +187,17 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
     ``frontend`` is the front end the user asked for (it shapes the advice in errors).
     ``absent``: forward parameters defaulting to None that the example leaves out; they are
     traced as None (``concrete_args``: a ``mask is not None`` branch is not taken), and the
-    graph asserts they stay None.
+    graph asserts they stay None. ``inference``: the eval-mode graph alone, traced once.
     """
     from .state import ModelState
 
     before = set(vars(model))
     state = ModelState(model)  # forward ran on Proxies: put caches and counters back
     try:
+        if inference:
+            with training_flags(model, False):
+                graph = _trace_graph(model, frozenset(leaves), frontend, absent)
+            return fx.GraphModule(model, graph, type(model).__name__)
         return _trace_both_modes(model, frozenset(leaves), frontend, absent)
     finally:  # fx stores tensor constants on the traced root: keep the user's model clean
         for name in set(vars(model)) - before:
@@ -334,7 +338,8 @@ class FxFrontend:
 
     def capture(self, model: nn.Module, request: Request) -> Traced:
         gm = trace(model, (), request.asked, absent_defaults(model, request.args,
-                                                             request.kwargs))
+                                                             request.kwargs),
+                   request.inference)
         checkpointing.warn_unseen(model, gm.graph)
         return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), [])
 
@@ -359,7 +364,8 @@ MAX_RUNTIME_LEAVES = 32
 
 
 def _partial_trace(model: nn.Module, error: TraceError, state: Any,
-                   absent: FrozenSet[str] = frozenset()) -> Tuple[fx.GraphModule, List[str]]:
+                   absent: FrozenSet[str] = frozenset(), inference: bool = False
+                   ) -> Tuple[fx.GraphModule, List[str]]:
     """fx tracing with each submodule that fails kept as a call (run under autocast)."""
     leaves: List[str] = []
     while True:
@@ -368,7 +374,7 @@ def _partial_trace(model: nn.Module, error: TraceError, state: Any,
             raise error
         leaves.append(path)
         try:
-            return trace(model, leaves, "auto", absent), leaves
+            return trace(model, leaves, "auto", absent, inference), leaves
         except TraceError as err:
             error = err
             state.restore()
@@ -388,7 +394,8 @@ class PartialFrontend(FxFrontend):
             raise TraceError("partial tracing starts from the fx front end's error; what "
                              "to do: ask for frontend='auto'")
         gm, leaves = _partial_trace(model, error, request.state,
-                                    absent_defaults(model, request.args, request.kwargs))
+                                    absent_defaults(model, request.args, request.kwargs),
+                                    request.inference)
         log.info("%s: torch.fx and torch.export fail; traced around %s",
                  type(model).__name__, ", ".join(leaves))
         return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), leaves)

@@ -35,6 +35,8 @@ class PassContext:
     inner: for a deployment target, the largest number each node computes inside (a norm's
     sum of squares, a softmax's sum, a matmul's dot products) on the calibration inputs, and
     its name (``passes/inner_values.py``).
+    smallest: for a deployment target whose calibration batches were run, the smallest
+    magnitude of each node's output (``passes/norm_eps.py`` reads a variance's).
     annotate: the pass list's annotate step (set by the PassManager from the step marked
     ``annotates``; the decision steps re-run it after a change).
     session: the annotate step's fake-tensor session (one per rewrite).
@@ -48,6 +50,7 @@ class PassContext:
     calibration: Any = None
     ranges: Optional[Dict[str, RangeStats]] = None
     inner: Optional[Dict[str, Tuple[float, str]]] = None
+    smallest: Optional[Dict[str, float]] = None
     annotate: Optional[Callable[[fx.GraphModule, "PassContext"], PassResult]] = None
     session: Any = None
     state: Any = None

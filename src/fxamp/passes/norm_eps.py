@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from .. import ir, ops
 from .._torch import BATCH_NORM_BASE, INSTANCE_NORM_BASE, unset_fake_temporarily
 from ..ir import Decision, Rule
-from ..policy import Policy, dtype_name
+from ..policy import Policy, dtype_name, is_deploy
 from . import fetch_attr
+from .manager import PassContext
+from .ranges import measure
 from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
@@ -91,10 +93,20 @@ def _normalise_chain(add: fx.Node) -> List[fx.Node]:
     return chain
 
 
-def _hand_written(gm: fx.GraphModule, policy: Policy, node: fx.Node
-                  ) -> Dict[fx.Node, Decision]:
+def eps_matters(eps: float, smallest: float, dtype: torch.dtype) -> bool:
+    """Whether adding ``eps`` to a statistic whose smallest value is ``smallest`` changes
+    it by more than ``dtype``'s rounding, or the statistic itself falls under ``dtype``'s
+    smallest normal (0 * inf on a constant row): then the eps is lost in ``dtype``."""
+    info = torch.finfo(dtype)
+    return smallest < max(info.tiny, eps / info.eps)
+
+
+def _hand_written(gm: fx.GraphModule, policy: Policy, node: fx.Node,
+                  smallest: Optional[Dict[str, float]] = None) -> Dict[fx.Node, Decision]:
     """An eps addition of a hand-written norm planned in the low dtype: its statistics,
-    the sum, the root and the normalising op in fp32."""
+    the sum, the root and the normalising op in fp32. ``smallest`` (a deployment plan's
+    measured smallest magnitudes): only where the statistic seen gets small enough for
+    the eps to count."""
     tiny = torch.finfo(policy.compute).tiny
     if not ops.is_call(node, ops.ADDS, ("add",)) or len(node.args) < 2 \
             or not _is_low(node, policy):
@@ -106,9 +118,18 @@ def _hand_written(gm: fx.GraphModule, policy: Policy, node: fx.Node
         stats = _stats_chain(stat_arg)
         if not stats:
             continue
+        low = dtype_name(policy.compute)
+        seen = None if smallest is None else smallest.get(stat_arg.name)
+        if seen is not None and not eps_matters(eps, seen, policy.compute):
+            log.info("%s: eps=%g is below %s's smallest normal, but the statistic it is "
+                     "added to is at least %.3g on the inputs seen: left in %s", node.name,
+                     eps, low, seen, low)
+            return {}
+        where = ("" if seen is None else f"; its statistic gets down to {seen:.3g} on the "
+                 "inputs seen")
         d = Decision(torch.float32, Rule.NORM_EPS,
-                     f"eps={eps:g} added in {dtype_name(policy.compute)} is lost (below its "
-                     f"smallest normal {tiny:.2g}): this norm's statistics run in fp32")
+                     f"eps={eps:g} added in {low} is lost (below its smallest normal "
+                     f"{tiny:.2g}){where}: this norm's statistics run in fp32")
         return {member: d for member in stats + [node] + _normalise_chain(node)}
     return {}
 
@@ -226,11 +247,18 @@ class NormEpsRule(DecisionRule):
 
     name = Rule.NORM_EPS
 
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        super().__init__(gm, ctx)
+        self.smallest: Optional[Dict[str, float]] = None
+        if is_deploy(self.policy.target):  # judged on the values seen (ranges.measure)
+            measure(gm, ctx)
+            self.smallest = ctx.smallest
+
     def applies(self, node: fx.Node) -> bool:
         return _is_low(node, self.policy)
 
     def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
-        return {**_hand_written(self.gm, self.policy, node),
+        return {**_hand_written(self.gm, self.policy, node, self.smallest),
                 **_kernel(self.gm, self.policy, node)}
 
 

@@ -42,11 +42,13 @@ DEPLOY_MARGIN = 8.0
 
 class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, tiny: float,
-                 inner: Optional[Dict[str, Tuple[float, str]]] = None) -> None:
+                 inner: Optional[Dict[str, Tuple[float, str]]] = None,
+                 smallest: Optional[Dict[str, float]] = None) -> None:
         super().__init__(gm)
         self.tiny = tiny
         self.acc: Dict[str, list] = {}
         self.inner = inner  # node -> (largest inner value, its name), when measured
+        self.smallest = smallest  # node -> smallest magnitude of its output, when measured
         self.current: Optional[fx.Node] = None  # the node running (named when it fails)
 
     def run_node(self, n: fx.Node) -> Any:
@@ -70,6 +72,9 @@ class _Recorder(fx.Interpreter):
                 mags = t[finite].abs()
                 if mags.numel():
                     acc[0] = max(acc[0], float(mags.max()))
+                    if self.smallest is not None:
+                        low = float(mags.min())
+                        self.smallest[n.name] = min(self.smallest.get(n.name, low), low)
                 nonzero = mags[mags > 0]
                 acc[2] += nonzero.numel()
                 acc[1] += int((nonzero < self.tiny).sum())
@@ -116,13 +121,14 @@ def _run_batch(recorder: _Recorder, gm: fx.GraphModule, batch: tuple, count: int
 
 def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any], dtype: torch.dtype,
                    example: Optional[tuple] = None,
-                   inner: Optional[Dict[str, Tuple[float, str]]] = None
-                   ) -> Dict[str, RangeStats]:
+                   inner: Optional[Dict[str, Tuple[float, str]]] = None,
+                   smallest: Optional[Dict[str, float]] = None) -> Dict[str, RangeStats]:
     """Run the FP32 graph on calibration batches and record each node's ranges; a batch
     that does not fit, or no batch at all, is a :class:`CalibrationDataError`. ``inner``: a
     dict filled with the largest number each node computes inside (see
-    :mod:`fxamp.passes.inner_values`), when given."""
-    recorder = _Recorder(gm, torch.finfo(dtype).tiny, inner)
+    :mod:`fxamp.passes.inner_values`), when given; ``smallest``: one filled with the
+    smallest magnitude of each node's output (a variance's smallest value)."""
+    recorder = _Recorder(gm, torch.finfo(dtype).tiny, inner, smallest)
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     count = 0
     with torch.no_grad(), reparametrize_module(gm, buffers, strict=False):
@@ -157,18 +163,8 @@ class RangesRule(DecisionRule):
     def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         super().__init__(gm, ctx)
         self.deploy = is_deploy(self.policy.target)
-        if ctx.ranges is None:
-            data = ctx.calibration
-            inner: Optional[Dict[str, Tuple[float, str]]] = {} if self.deploy else None
-            ctx.ranges = ({} if data is None else dict(data) if isinstance(data, dict)
-                          else collect_ranges(gm, data, self.policy.compute,
-                                              tuple(ctx.inputs) if ctx.inputs else None,
-                                              inner))
-            if inner is not None and not isinstance(data, dict) and data is not None:
-                ctx.inner = inner
-        if self.deploy and ctx.inner is None:
-            ctx.inner = _example_inner(gm, ctx, self.policy.compute)
-        self.stats = ctx.ranges
+        measure(gm, ctx)
+        self.stats = ctx.ranges or {}
         self.inner = ctx.inner or {}
         self.low = self.policy.compute
         self.margin = DEPLOY_MARGIN if self.deploy else MARGIN
@@ -210,22 +206,44 @@ class RangesRule(DecisionRule):
         return {}
 
 
+def measure(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """The statistics the range-based rules read, collected once per rewrite: ``ctx.ranges``
+    (given, or from ``ctx.calibration``); for a deployment target also ``ctx.inner`` (the
+    numbers each node computes inside) and, where batches were run, ``ctx.smallest`` (the
+    smallest magnitude of each node's output)."""
+    deploy = is_deploy(ctx.policy.target)
+    if ctx.ranges is None:
+        data = ctx.calibration
+        inner: Optional[Dict[str, Tuple[float, str]]] = {} if deploy else None
+        smallest: Optional[Dict[str, float]] = {} if deploy else None
+        ctx.ranges = ({} if data is None else dict(data) if isinstance(data, dict)
+                      else collect_ranges(gm, data, ctx.policy.compute,
+                                          tuple(ctx.inputs) if ctx.inputs else None,
+                                          inner, smallest))
+        if inner is not None and not isinstance(data, dict) and data is not None:
+            ctx.inner, ctx.smallest = inner, smallest
+    if deploy and ctx.inner is None:
+        ctx.inner, ctx.smallest = _example_inner(gm, ctx, ctx.policy.compute)
+
+
 def _example_inner(gm: fx.GraphModule, ctx: PassContext, dtype: torch.dtype
-                   ) -> Dict[str, Tuple[float, str]]:
-    """The inner values of a deployment plan given its ranges (a plan's ``@range`` lines):
-    measured on the example inputs when they are real tensors, else none."""
+                   ) -> Tuple[Dict[str, Tuple[float, str]], Optional[Dict[str, float]]]:
+    """The inner values and smallest magnitudes of a deployment plan given its ranges (a
+    plan's ``@range`` lines): measured on the example inputs when they are real tensors,
+    else none."""
     inputs = tuple(ctx.inputs or ())
     leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
     if not inputs or any(t.device.type == "meta" or type(t) is not torch.Tensor
                          for t in leaves):
-        return {}
+        return {}, None
     inner: Dict[str, Tuple[float, str]] = {}
+    smallest: Dict[str, float] = {}
     try:
-        collect_ranges(gm, [inputs], dtype, inputs, inner)
+        collect_ranges(gm, [inputs], dtype, inputs, inner, smallest)
     except Exception as err:  # noqa: BLE001 - the ranges given are the calibration
         log.info("inner values not measured on the example inputs: %s", err)
-        return {}
-    return inner
+        return {}, None
+    return inner, smallest
 
 
 def _params_max(gm: fx.GraphModule, node: fx.Node) -> float:

@@ -27,6 +27,7 @@ from ..frontends.common import as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
+from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, uninstalled
@@ -329,11 +330,16 @@ class Rewrite:
     def capture(self) -> None:
         """The front end's capture; untraceable leaves rewritten on their own."""
         pol, calibration = self.config.policy, self.config.calibration
+        if is_deploy(pol.target) and self.model.training and reads_training(self.model):
+            log.warning("%s is in train mode: a deployment plan (target=%s) is made from its "
+                        "eval-mode graph, which the rewritten model computes in either mode",
+                        type(self.model).__name__, pol.target)
         try:  # decisions fixed by node name and calibration need one graph of the model
             self.captured = capture_model(
                 self.model, self.example, self.kwargs, self.config.frontend, self.state,
                 self.config.dynamic_shapes,
-                whole_graph=_needs_graph(self.fixed, calibration) or is_deploy(pol.target))
+                whole_graph=_needs_graph(self.fixed, calibration) or is_deploy(pol.target),
+                inference=is_deploy(pol.target))
         except TraceError:
             self.state.restore()
             raise
