@@ -246,9 +246,46 @@ def norm_large() -> Example:
             (torch.randint(0, 100, (2, 16)),))
 
 
+def convnext_atto() -> Example:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("convnext_atto", pretrained=False, num_classes=10).eval()
+    return model, (torch.randn(1, 3, 64, 64),), (torch.randn(1, 3, 64, 64),)
+
+
+class MaskedEncoder(nn.Module):
+    """A Hugging Face encoder called with token ids and a padding mask; its logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask, return_dict=False)[0]
+
+
+def distilbert_padded() -> Example:
+    """A 2-layer DistilBERT classifier on a padded batch (the mask's large negative fill)."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = DistilBertConfig(n_layers=2, dim=64, n_heads=4, hidden_dim=128, vocab_size=512,
+                           max_position_embeddings=32, attn_implementation="eager")
+    model = MaskedEncoder(DistilBertForSequenceClassification(cfg)).eval()
+
+    def batch() -> tuple:
+        ids = torch.randint(0, 512, (2, 16))
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 10:] = 0  # the second sequence is padded
+        return ids, mask
+    return model, batch(), batch()
+
+
 MODELS: Dict[str, Callable[[], Example]] = {
     "resnet18": resnet18, "vit_tiny": vit_tiny, "gpt2_tiny": gpt2_tiny, "bert_tiny": bert_tiny,
     "act_1e5": activations_1e5, "trap": numerics_trap, "efficientnet_b0": efficientnet_b0,
     "mobilenetv3": mobilenetv3, "swin_half": swin_half, "t5_enc": t5_encoder,
     "t5_enc_x300": t5_encoder_large, "lstm_gru": lstm_gru, "unet": unet,
-    "norm_large": norm_large}
+    "norm_large": norm_large, "convnext_atto": convnext_atto,
+    "distilbert_pad": distilbert_padded}

@@ -134,3 +134,33 @@ def test_cli_export_target_tensorrt_writes_the_deployment_plan(tmp_path, monkeyp
     meta = {p.key: p.value for p in onnx.load("m.onnx").metadata_props}
     assert "policy: compute=fp16,target=tensorrt" in meta["fxamp.plan"]
     assert " deploy " in meta["fxamp.plan"]
+
+
+class DropoutNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_deployment_plan_is_the_eval_mode_graph_and_a_train_mode_model_is_told(
+        frontend, caplog):
+    import logging
+
+    torch.manual_seed(0)
+    model, x = DropoutNet(), torch.randn(16, 8)
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        gm = fxamp.amp_rewrite(model, (x,), target="tensorrt", frontend=frontend)
+    assert any("traced in eval mode once" in r.getMessage() for r in caplog.records)
+    with torch.no_grad():
+        want = model.eval()(x)
+        got = gm.eval()(x)
+    assert (got - want).abs().max() < 1e-2 * want.abs().max()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        fxamp.amp_rewrite(model.eval(), (x,), target="tensorrt", frontend=frontend)
+    assert not any("traced in eval mode" in r.getMessage() for r in caplog.records)

@@ -188,3 +188,38 @@ def test_modelopt_autocast_gives_nan_in_true_fp16_where_the_deployment_plan_is_r
     assert not np.isfinite(run_true_fp16(peer, {peer.graph.input[0].name: x.numpy()})[0]).all()
     got = run_true_fp16(ours, {name: x.numpy()})[0]
     assert np.abs(got - model(x).numpy()).max() < 1e-2
+
+
+class EpsSoftmaxSum(nn.Module):
+    """A hand-written norm with ``+ 1e-12``, a hand-written softmax and a sum past FP16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 64)
+
+    def forward(self, x):
+        z = x - x.mean(-1, keepdim=True)
+        z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-12)
+        h = self.proj(z) * 4.0
+        p = torch.exp(h) / torch.exp(h).sum(-1, keepdim=True)
+        return p, (h * 1e3).sum(-1)  # the sum passes 65504
+
+
+@pytest.mark.parametrize("target", ["cuda", "tensorrt"])
+def test_what_the_cuda_plan_exports_the_tensorrt_plan_exports(tmp_path, target):
+    from fxamp.export import run_true_fp16
+    from fxamp.export.reference import relative_error
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    x[0] = 0.5  # a constant row: its centred values are 0
+    model = EpsSoftmaxSum().eval()
+    path = export_onnx(fxamp.amp_rewrite(model, (x,), target=target), (x,),
+                       str(tmp_path / f"{target}.onnx"))
+    proto = onnx.load(path)
+    y = torch.randn(4, 16)
+    y[2] = -1.0
+    got = run_true_fp16(proto, {proto.graph.input[0].name: y.numpy()})
+    with torch.no_grad():
+        want = model(y)
+    assert all(relative_error(g, w) < 1e-2 for g, w in zip(got, want))

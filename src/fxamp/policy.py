@@ -143,7 +143,7 @@ class Policy:
     guard: (opt-in, off by default) a plan with ranges (calibration data, or any
         deployment plan) checks at run time each low-precision node whose range was
         measured: the first value past the limit the ranges rule kept it under (the low
-        dtype's max / 2, / 8 for a deployment target) logs one warning naming the node and
+        dtype's max / 2, / 128 for a deployment target) logs one warning naming the node and
         the value. Costs one reduction and one device sync per such node per call.
     channels_last: run 2-D convolutions in NHWC: the weights of the graph's 4-D convs are
         kept in channels_last memory format (in place: same Parameter objects, shared with

@@ -10,6 +10,12 @@ Norm modules and ``F.*`` norm functions hand eps to a kernel as a double; most k
 accumulate in FP32 and keep it. The pass probes the installed kernel with a constant input in
 the low dtype and fences the norm in FP32 only where the result is not finite (seen:
 InstanceNorm in fp16). The audit reports every tiny eps either way.
+
+A deployment plan (``target="tensorrt"``) judges a hand-written norm on the values seen (the
+example and calibration inputs, :func:`fxamp.passes.ranges.measure`): its eps is lost only
+where the statistic it is added to gets small enough for the eps to count
+(:func:`eps_matters`); elsewhere the statistics stay FP16, as the ONNX tools write them. A
+training plan fences it whatever the inputs (a batch later in training may be constant).
 """
 from __future__ import annotations
 

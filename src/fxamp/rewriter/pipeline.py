@@ -331,9 +331,10 @@ class Rewrite:
         """The front end's capture; untraceable leaves rewritten on their own."""
         pol, calibration = self.config.policy, self.config.calibration
         if is_deploy(pol.target) and self.model.training and reads_training(self.model):
-            log.warning("%s is in train mode: a deployment plan (target=%s) is made from its "
-                        "eval-mode graph, which the rewritten model computes in either mode",
-                        type(self.model).__name__, pol.target)
+            log.warning("%s is in train mode: a deployment plan (target=%s) is traced in eval "
+                        "mode once, so where the traced code reads `training` the rewritten "
+                        "model keeps the eval-mode branch in either mode (export_onnx exports "
+                        "in eval mode)", type(self.model).__name__, pol.target)
         try:  # decisions fixed by node name and calibration need one graph of the model
             self.captured = capture_model(
                 self.model, self.example, self.kwargs, self.config.frontend, self.state,
