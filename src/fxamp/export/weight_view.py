@@ -93,17 +93,21 @@ def low_weights_view(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[str, torc
     return view, sources
 
 
-def _rename_inputs(graph: Any, old: str, new: str) -> None:
-    """Every read of ``old`` in ``graph`` and its subgraphs made a read of ``new``."""
+def _rename_inputs(graph: Any, renames: Dict[str, str]) -> None:
+    """Every read of a name in ``renames`` in ``graph`` and its subgraphs made a read of
+    its new name."""
     for node in graph.node:
         for i, name in enumerate(node.input):
-            if name == old:
-                node.input[i] = new
+            if name in renames:
+                node.input[i] = renames[name]
         for attr in node.attribute:
             if attr.g is not None and attr.g.node:
-                _rename_inputs(attr.g, old, new)
+                _rename_inputs(attr.g, renames)
             for sub in attr.graphs:
-                _rename_inputs(sub, old, new)
+                _rename_inputs(sub, renames)
+    for out in graph.output:
+        if out.name in renames:
+            out.name = renames[out.name]
 
 
 def restore_weight_casts(model: Any, sources: Dict[str, torch.Tensor]) -> int:
@@ -115,20 +119,18 @@ def restore_weight_casts(model: Any, sources: Dict[str, torch.Tensor]) -> int:
     graph = model.graph
     low_types = set(_ONNX_TYPE.values())
     casts = []
+    renames: Dict[str, str] = {}
     for init in graph.initializer:
         source = sources.get(init.name)
         if source is None or init.data_type not in low_types:
             continue
         name, to = init.name, init.data_type
         init.CopyFrom(numpy_helper.from_array(source.cpu().numpy(), name))
-        low = name + SUFFIX
-        _rename_inputs(graph, name, low)
-        for out in graph.output:
-            if out.name == name:
-                out.name = low
+        low = renames[name] = name + SUFFIX
         casts.append(helper.make_node("Cast", [name], [low], to=to, name=f"{name}_cast"))
         graph.value_info.append(helper.make_tensor_value_info(low, to, list(source.shape)))
     if casts:
+        _rename_inputs(graph, renames)
         nodes = casts + list(graph.node)
         del graph.node[:]
         graph.node.extend(nodes)
