@@ -8,6 +8,9 @@ from typing import List  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # (pytest -n 2: one torch thread per worker, so
+    torch.set_num_threads(1)               # two workers do not oversubscribe two cores)
+
 #: a test module that imports one of these at import time builds model-zoo models
 _ZOO_LIBRARIES = ("transformers", "timm")
 
