@@ -227,17 +227,20 @@ def unet() -> Example:
 
 
 class LargeEmbeddingNorm(nn.Module):
-    """Every activation under FP16's max / 8, but the LayerNorm's squared deviations pass it."""
+    """A LayerNorm over a scaled embedding sum: at ``scale=1e3`` the activations reach ~5000
+    (every one under FP16's max / 8); at 80 they stay under a deployment plan's limit (512),
+    while the LayerNorm's squared deviations still pass FP16's max."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 1e3) -> None:
         super().__init__()
+        self.scale = scale
         self.tok = nn.Embedding(100, 64)
         self.pos = nn.Parameter(torch.randn(16, 64))
         self.norm = nn.LayerNorm(64)
         self.head = nn.Linear(64, 10)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm((self.tok(ids) + self.pos) * 1e3))
+        return self.head(self.norm((self.tok(ids) + self.pos) * self.scale))
 
 
 def norm_large() -> Example:

@@ -1,9 +1,11 @@
 """A deployment plan judges the numbers a node computes inside (a norm's sum of squares),
 and the exported file is checked as a file: onnx.reference in its declared types against
 the FP32 model, never PyTorch running FP16 ops on the CPU."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-import torch.nn as nn
 
 import fxamp
 from fxamp.export import export_onnx, precision_report, run_true_fp16
@@ -12,28 +14,14 @@ from fxamp.export.reference import TRUE_FP16_RTOL, fp32_reference, relative_erro
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
-
-
-class LargeEmbeddingNorm(nn.Module):
-    """Every activation under a deployment plan's limit (65504 / 128 = 512), but the
-    LayerNorm's squared deviations pass 65504."""
-
-    SCALE = 80.0
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(100, 64)
-        self.pos = nn.Parameter(torch.randn(16, 64))
-        self.norm = nn.LayerNorm(64)
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, ids):
-        return self.head(self.norm((self.tok(ids) + self.pos) * self.SCALE))
+# the models benchmarks/export_peers.py compares with the peers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _export_models import LargeEmbeddingNorm, Recurrent  # noqa: E402
 
 
 def _large():
     torch.manual_seed(0)
-    return LargeEmbeddingNorm().eval(), (torch.randint(0, 100, (2, 16)),)
+    return LargeEmbeddingNorm(scale=80.0).eval(), (torch.randint(0, 100, (2, 16)),)
 
 
 def _feed(path, inputs):
@@ -47,7 +35,7 @@ def test_a_norm_whose_sum_of_squares_passes_fp16_is_planned_fp32_naming_the_valu
     model, x = _large()
     plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt"))
     with torch.no_grad():
-        h = ((model.tok(x[0]) + model.pos) * model.SCALE).double()
+        h = ((model.tok(x[0]) + model.pos) * model.scale).double()
         want = float((h - h.mean(-1, keepdim=True)).pow(2).sum(-1).max())
     assert max(plan.ranges[n].max_abs for n in ("add", "mul")) < 65504 / 128
     norm = plan.nodes["norm"]
@@ -102,19 +90,6 @@ def test_the_fp32_reference_of_a_rewritten_model_is_the_fp32_model_bit_for_bit()
         want = model(*x)
     got = fp32_reference(gm)(*x)
     assert got.dtype == torch.float32 and torch.equal(got, want)
-
-
-class Recurrent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(16, 32, num_layers=2, batch_first=True)
-        self.gru = nn.GRU(32, 32, batch_first=True)
-        self.head = nn.Linear(32, 5)
-
-    def forward(self, x):
-        h, _ = self.lstm(x)
-        h, _ = self.gru(h)
-        return self.head(h[:, -1])
 
 
 @pytest.mark.parametrize("frontend", ["fx", "export"])

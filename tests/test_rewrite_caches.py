@@ -136,14 +136,13 @@ def test_gc_scope_collects_new_garbage_and_unfreezes():
 
 def test_gc_scope_stands_aside_while_another_thread_runs():
     import threading
-    if gc.get_freeze_count():
-        pytest.skip("this process froze objects itself")
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, name="a-user-thread")
     other.start()
     try:
-        with young_objects_only():
-            assert gc.get_freeze_count() == 0  # freezing would hold back its garbage
+        before = gc.get_freeze_count()
+        with young_objects_only():  # nothing frozen: freezing would hold back its garbage
+            assert gc.get_freeze_count() <= before
     finally:
         stop.set()
         other.join()

@@ -23,16 +23,12 @@ import torch.nn as nn
 
 from .. import ir
 from .._torch import graph_codegen
+from ..passes import fetch_attr
 
 #: ONNX element types of the low dtypes a plan casts weights to
 _ONNX_TYPE = {torch.float16: 10, torch.bfloat16: 16}
 #: the suffix of the value a restored ``Cast`` writes
 SUFFIX = "__fxamp_low"
-
-
-def _attr(gm: fx.GraphModule, qualname: str) -> Any:
-    module, _, name = qualname.rpartition(".")
-    return getattr(gm.get_submodule(module) if module else gm, name, None)
 
 
 def _only_cast_to(node: fx.Node) -> Any:
@@ -62,7 +58,7 @@ def low_weights_view(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[str, torc
     root: Dict[str, Any] = {}
     sources: Dict[str, torch.Tensor] = {}
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"
-              or n.op == "get_attr" and isinstance(_attr(gm, str(n.target)), nn.Module)}
+              or n.op == "get_attr" and isinstance(fetch_attr(gm, str(n.target)), nn.Module)}
     for node in gm.graph.nodes:
         if node in env:  # a cast the view dropped
             continue
@@ -72,7 +68,7 @@ def low_weights_view(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[str, torc
             root[str(node.target)] = gm.get_submodule(str(node.target))
         elif node.op == "get_attr":
             target = str(node.target)
-            value = _attr(gm, target)
+            value = fetch_attr(gm, target)
             dtype = _only_cast_to(node) if isinstance(value, torch.Tensor) else None
             if dtype is None or value.dtype not in (torch.float32, torch.float64) \
                     or _inside(target, called):

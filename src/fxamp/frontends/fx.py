@@ -194,11 +194,7 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
     before = set(vars(model))
     state = ModelState(model)  # forward ran on Proxies: put caches and counters back
     try:
-        if inference:
-            with training_flags(model, False):
-                graph = _trace_graph(model, frozenset(leaves), frontend, absent)
-            return fx.GraphModule(model, graph, type(model).__name__)
-        return _trace_both_modes(model, frozenset(leaves), frontend, absent)
+        return _trace_modes(model, frozenset(leaves), frontend, absent, inference)
     finally:  # fx stores tensor constants on the traced root: keep the user's model clean
         for name in set(vars(model)) - before:
             if name.startswith(_CONSTANT):
@@ -206,10 +202,14 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
         state.restore()
 
 
-def _trace_both_modes(model: nn.Module, leaves: FrozenSet[str], frontend: str,
-                      absent: FrozenSet[str] = frozenset()) -> fx.GraphModule:
-    graph = _trace_graph(model, leaves, frontend, absent)
-    if reads_training(model, _traced_by_fx):
+def _trace_modes(model: nn.Module, leaves: FrozenSet[str], frontend: str,
+                 absent: FrozenSet[str] = frozenset(), inference: bool = False
+                 ) -> fx.GraphModule:
+    """The graph of ``model`` following its mode (both modes traced where its code may read
+    ``training``); ``inference``: the eval-mode graph alone, traced once."""
+    with training_flags(model, False) if inference else contextlib.nullcontext():
+        graph = _trace_graph(model, leaves, frontend, absent)
+    if not inference and reads_training(model, _traced_by_fx):
         mode = model.training
         with training_flags(model, not mode):  # (fails: fx does not take the model, so
             other = _trace_graph(model, leaves, frontend,  # auto tries export's two modes)
