@@ -1,8 +1,10 @@
-"""A call whose structure (which arguments are tensors, None or left out) differs from the
-example's is refused with one CallStructureError naming the argument, what the example had
-and the example to give; a call of the example's structure in another form (by keyword,
+"""A call whose structure (which arguments are tensors, None or left out, the keywords a
+``**kwargs`` takes, and on the export front end the Python values the graph holds) differs
+from the example's is refused by a returned module with one CallStructureError naming the
+argument, what the example had and the example to give; in place it is planned on that call
+and computes like autocast. A call of the example's structure in another form (by keyword,
 positionally, a None default given or left out) computes like autocast on the model, on the
-fx and export front ends and in place (fxamp/frontends/calls.py)."""
+fx and export front ends and in place (fxamp/frontends/calls.py, rewriter/inplace.py)."""
 from __future__ import annotations
 
 import copy
@@ -53,8 +55,8 @@ def _autocast(ref, *args, **kwargs):
         return ref(*args, **kwargs)
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{'-inplace' * m[1]}")
-@pytest.mark.parametrize("example, call, had, got", [
+#: the structures a call can differ from its example's in
+STRUCTURES = pytest.mark.parametrize("example, call, had, got", [
     ({"mask": MASK}, ((X,), {}), "a tensor", "left out"),
     ({"mask": MASK}, ((X,), {"mask": None}), "a tensor", "None"),
     ({}, ((X, MASK), {}), "left out", "a tensor"),
@@ -62,6 +64,10 @@ def _autocast(ref, *args, **kwargs):
     ({"mask": None}, ((X,), {"mask": MASK}), "None", "a tensor"),
 ], ids=["tensor-then-absent", "tensor-then-None", "absent-then-positional",
         "absent-then-keyword", "None-then-tensor"])
+
+
+@pytest.mark.parametrize("mode", MODES[:2], ids=lambda m: m[0])
+@STRUCTURES
 def test_a_call_of_another_structure_is_refused_naming_the_argument(mode, example, call,
                                                                     had, got):
     _, model = _models()
@@ -73,6 +79,75 @@ def test_a_call_of_another_structure_is_refused_naming_the_argument(mode, exampl
     assert f"called with 'mask' {got}" in text
     assert f"example had 'mask' {had}" in text
     assert "example_kwargs={'mask': " in text and "what to do" in text
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+@STRUCTURES
+def test_in_place_a_call_of_another_structure_is_planned_on_that_call(frontend, example, call,
+                                                                       had, got):
+    ref, model = _models()
+    _rewrite(model, (frontend, True), kwargs=example)
+    first = fxamp.rewritten(model)
+    args, kwargs = call
+    assert torch.equal(model(*args, **kwargs), _autocast(ref, *args, **kwargs))
+    assert torch.equal(model(*args, **kwargs), _autocast(ref, *args, **kwargs))
+    assert fxamp.rewritten(model) is first  # (the example's graph stays the first one)
+    assert torch.equal(model(X, **example), _autocast(ref, X, **example))
+
+
+class Kwargs(nn.Module):
+    """A forward with ``**kwargs`` read by the loss, as HF models take num_items_in_batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        y = self.lin(x).float().pow(2).sum()
+        n = kwargs.get("num_items_in_batch")
+        return y / n if n is not None else y / x.numel()
+
+
+@pytest.mark.parametrize("frontend", ["export"])  # (fx traces **kwargs as one proxy)
+def test_a_keyword_a_var_keyword_takes_is_never_dropped(frontend):
+    torch.manual_seed(0)
+    ref = Kwargs()
+    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (X,), dtype=BF16, target="cpu",
+                           frontend=frontend)
+    n = torch.tensor(7.0)
+    with pytest.raises(CallStructureError, match="'num_items_in_batch' a tensor"):
+        gm(X, num_items_in_batch=n)
+    model = copy.deepcopy(ref)
+    _rewrite(model, (frontend, True))
+    assert torch.equal(model(X, num_items_in_batch=n), _autocast(ref, X, num_items_in_batch=n))
+    assert torch.equal(model(X), _autocast(ref, X))
+
+
+class Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, double: bool = False) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2 if double else y
+
+
+def test_export_a_python_value_other_than_the_examples_is_refused_or_planned():
+    """torch.export holds the example's Python values as constants: another value is another
+    structure (a returned module refuses it by name; in place it gets its own graph)."""
+    torch.manual_seed(0)
+    ref = Flagged()
+    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (X,), example_kwargs={"double": False},
+                           dtype=BF16, target="cpu", frontend="export")
+    assert torch.equal(gm(X, double=False), _autocast(ref, X, double=False))
+    with pytest.raises(CallStructureError, match="'double' = True"):
+        gm(X, double=True)
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, (X,), example_kwargs={"double": False}, dtype=BF16,
+                      target="cpu", frontend="export", inplace=True)
+    for flag in (True, False, True):
+        assert torch.equal(model(X, double=flag), _autocast(ref, X, double=flag))
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: f"{m[0]}{'-inplace' * m[1]}")

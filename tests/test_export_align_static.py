@@ -54,10 +54,11 @@ def test_train_mode_model_follows_eval_without_the_one_mode_warning(caplog):
     torch.manual_seed(0)
     model = TokenModel().train()
     ids = torch.randint(0, 50, (2, 8))
-    with caplog.at_level("WARNING", logger="fxamp"):
+    with caplog.at_level("INFO", logger="fxamp"):
         gm = fxamp.amp_rewrite(model, (ids,), dtype=torch.bfloat16, target="cpu",
                                frontend="export")
     assert "differently in train and eval mode" not in caplog.text
+    assert fxamp.rewritten(gm) is gm and gm.fxamp_result.mode is None  # (both modes)
     gm.eval()
     model.eval()
     with torch.no_grad():

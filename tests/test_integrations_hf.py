@@ -70,12 +70,21 @@ def test_eval_and_train_modes_reach_the_rewritten_graph():
         assert torch.equal(got, want), mode  # dropout off in eval, on in train
 
 
-def test_a_call_with_arguments_the_rewrite_did_not_see_is_refused():
-    model = _bert()
+def test_a_call_with_arguments_the_rewrite_did_not_see_is_planned_on_that_call():
+    """In place, a call with arguments the example did not have gets a graph of its own
+    (autocast's numbers); the module amp_rewrite returns refuses it by name."""
+    ref = _bert().eval()
     batch = transformers.default_data_collator(_data(4))
-    fxamp.amp_rewrite(model, (batch["input_ids"],), dtype=BF16, target="cpu", inplace=True)
+    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (batch["input_ids"],), dtype=BF16,
+                           target="cpu")
     with pytest.raises(fxamp.FxampError, match="called with .attention_mask. a tensor.*example had .attention_mask. left out"):
-        model(**batch)
+        gm(**batch)
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, (batch["input_ids"],), dtype=BF16, target="cpu", inplace=True)
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref(**batch)
+    got = model(**batch)
+    assert torch.equal(got.loss, want.loss) and torch.equal(got.logits, want.logits)
 
 
 def _trainer(model, tmp_path, bf16: bool):
@@ -172,3 +181,38 @@ def test_a_plain_peft_lora_model_trains_like_autocast(caplog):
         runs.append((losses, [p.detach().clone() for p in m.parameters()]))
     assert runs[0][0] == runs[1][0] and runs[1][0][-1] < runs[1][0][0]
     assert all(torch.equal(p, q) for p, q in zip(runs[0][1], runs[1][1]))
+
+
+def _clm_data(n: int = 16):
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 100, (n, 12), generator=g)
+    return [{"input_ids": ids[i], "labels": ids[i].clone()} for i in range(n)]
+
+
+@pytest.mark.slow
+def test_gpt2_trainer_with_no_example_gives_trainer_bf16_losses_num_items_in_batch(tmp_path):
+    """The Trainer sets use_cache=False and passes num_items_in_batch on every training call
+    (the loss is its sum over the label tokens divided by it): an in-place rewrite with no
+    example inputs plans the model on the Trainer's first call with every keyword it passes,
+    and the losses, eval loss and weights equal Trainer(bf16=True) from step 0."""
+    ref = _gpt2().train()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    runs = []
+    for m, bf16 in ((model, False), (ref, True)):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(bf16)), per_device_train_batch_size=4,
+            per_device_eval_batch_size=4, max_steps=3, learning_rate=5e-3, logging_steps=1,
+            report_to=[], use_cpu=True, bf16=bf16, save_strategy="no", seed=3,
+            dataloader_num_workers=0, disable_tqdm=True, gradient_accumulation_steps=2)
+        trainer = transformers.Trainer(model=m, args=args, train_dataset=_clm_data(),
+                                       eval_dataset=_clm_data(8))
+        trainer.train()
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        runs.append((losses, trainer.evaluate()["eval_loss"]))
+    (losses, eval_loss), (ref_losses, ref_eval) = runs
+    assert len(losses) == 3 and losses == ref_losses and ref_losses[-1] != ref_losses[0]
+    assert eval_loss == ref_eval
+    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), k

@@ -1,8 +1,8 @@
 """fxamp: explicit, checkable mixed precision for PyTorch models via torch.fx."""
 from ._version import __version__
 from .errors import (CallStructureError, ExampleInputError, FxampError,  # noqa: E402
-                     InputShapeError, PlanFormatError, PolicyError, TraceError,
-                     UnsupportedModelError)
+                     InputShapeError, ModeError, NotPlannedError, PlanFormatError,
+                     PolicyError, TraceError, UnsupportedModelError)
 from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
@@ -19,7 +19,8 @@ __all__ = [
     "search", "bisect_baseline", "SearchResult",
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
-    "PlanFormatError", "ExampleInputError", "InputShapeError", "CallStructureError", "audit",
+    "PlanFormatError", "ExampleInputError", "InputShapeError", "CallStructureError", "ModeError",
+    "NotPlannedError", "audit",
     "Finding", "train",
     "RewriteConfig", "config_of", "weight_cache_bytes", "rewritten",
 ]

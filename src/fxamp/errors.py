@@ -55,6 +55,16 @@ class CallStructureError(FxampError, TypeError):
     argument, what the example had and the ``example_kwargs`` to rewrite with."""
 
 
+class ModeError(FxampError, RuntimeError):
+    """A rewritten module was called in a training mode its graph was not traced for (its
+    train and eval traces differ and only one could be kept)."""
+
+
+class NotPlannedError(FxampError):
+    """A model rewritten in place without example inputs was asked for its plan before its
+    first call planned it."""
+
+
 class ExampleInputError(FxampError, ValueError):
     """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
 

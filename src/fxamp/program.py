@@ -11,9 +11,11 @@ A call of a Program runs, in this order and on every exit path:
    arguments' types and keyword names against the call forms seen to have the example's
    structure (tensor, None or left out per argument). While they match this is one C-level
    tuple and set lookup; another structure is refused naming the argument;
-3. every ``torch.autocast`` around the call turned off (the plan says each node's dtype, the
+3. the mode check: a graph traced for one training mode only (its model traces differently
+   in train and eval mode) refuses a call in the other with ``ModeError``;
+4. every ``torch.autocast`` around the call turned off (the plan says each node's dtype, the
    casts are explicit), and turned back on in a ``finally``, also when the graph raises;
-4. the graph (the generated ``forward``).
+5. the graph (the generated ``forward``).
 
 Nothing else runs per call: no per-call copy of flags or tensors, no weight cache (each weight
 is cast in the graph, as autocast casts it), no process-wide state.
@@ -28,6 +30,7 @@ from typing import Any, Callable, Tuple
 import torch
 import torch.fx as fx
 
+from .errors import ModeError
 from .runtime import own_autocast_depth
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,18 @@ def _note_outer_autocast(was: Tuple[str, ...]) -> None:
                     "used around it", ", ".join(was))
 
 
+def _refuse_mode(program: Any, mode: bool) -> None:
+    """A call in the mode ``program``'s graph was not traced for: refused by name."""
+    have, other = ("train", "eval") if mode else ("eval", "train")
+    raise ModeError(
+        f"{type(program).__name__} was called in {other} mode, but its model traces "
+        f"differently in train and eval mode and its rewritten graph is for {have} mode only "
+        f"(it never runs a graph traced for another mode). what to do: rewrite with "
+        f"inplace=True, which plans each mode on its first call in it; or rewrite a copy in "
+        f"{other} mode for those calls: amp_rewrite(copy.deepcopy(model)."
+        f"{'train' if other == 'train' else 'eval'}(), ...)")
+
+
 def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
     """``graph_forward`` (the generated code) behind the structure check and the autocast
     switch, restored in ``finally``."""
@@ -74,6 +89,8 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
             if calls is not None and (*map(type, args), *kwargs,
                                       *map(type, kwargs.values())) not in calls.direct:
                 args, kwargs = calls.admit(args, kwargs)  # (refused, or made the graph's)
+            if result.mode is not None and self.training is not result.mode:
+                _refuse_mode(self, result.mode)
         was = tuple(filter(_ENABLED, DEVICES))
         if not was:
             return graph_forward(self, *args, **kwargs)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .config import RewriteConfig
-from .errors import FxampError
+from .errors import FxampError, NotPlannedError
 from .plan import Plan
 from .policy import Policy
 
@@ -30,10 +30,23 @@ class Rewritten:
     structure: Any = field(default=None, compare=False, repr=False)
     #: the example's call structure, checked on each call (``fxamp.frontends.calls``)
     calls: Any = field(default=None, compare=False, repr=False)
+    #: the training mode the graph was traced for: None when it follows the mode (both
+    #: modes trace alike, or their difference became reads of ``training``), True / False
+    #: when only that mode's graph could be kept; a call in the other mode never runs it
+    mode: Optional[bool] = field(default=None, compare=False)
 
     def replace(self, **changes: Any) -> "Rewritten":
         """A copy with ``changes`` (the result itself is never changed)."""
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What an in-place rewrite without example inputs leaves on the model until its first
+    call plans it: the config the plan will be made with."""
+
+    config: RewriteConfig
+    source: str = ""
 
 
 def has_result(module: object) -> bool:
@@ -44,6 +57,12 @@ def has_result(module: object) -> bool:
 def result_of(module: object) -> Rewritten:
     """The :class:`Rewritten` ``module`` holds; FxampError when amp_rewrite did not make it."""
     value = getattr(module, ATTR, None)
+    if isinstance(value, Pending):
+        raise NotPlannedError(
+            f"{value.source or type(module).__name__} was rewritten in place without example "
+            "inputs: it is planned on its first call, and nothing has run yet. what to do: "
+            "call the model once (a forward on a real batch), then read its plan; or pass "
+            "example_inputs to amp_rewrite to plan it ahead of time")
     if not isinstance(value, Rewritten):
         raise FxampError(f"{type(module).__name__} was not made by fxamp.amp_rewrite; what "
                          "to do: call fxamp.amp_rewrite(model, example_inputs) first")
@@ -62,6 +81,9 @@ def plan_of(module: object) -> Plan:
 
 def config_of(module: object) -> RewriteConfig:
     """The RewriteConfig ``module`` was made with by ``amp_rewrite`` (FxampError if none)."""
+    pending = getattr(module, ATTR, None)
+    if isinstance(pending, Pending):
+        return pending.config
     config = result_of(module).config
     if config is None:
         raise FxampError(f"{type(module).__name__} is a nested part of a rewrite; what to do: "

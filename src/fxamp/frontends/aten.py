@@ -272,14 +272,14 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
         if mode:
             raise  # the model's own mode: its error is the one raised
         only = _export_in_mode(model, False, args, kwargs, frontend, dynamic_shapes)
-        warn_mode_only(model, False, err, "exports")
+        warn_mode_only(model, only, False, err, "exports")
         return only
     try:
         other = _export_in_mode(model, False, args, kwargs, frontend, STATIC)
     except TraceError as err:
         if not mode:  # an eval-mode model that exports in train mode only
             raise
-        warn_mode_only(model, True, err, "exports")
+        warn_mode_only(model, base, True, err, "exports")
         return base
     aligned = align(base.graph, other.graph, (base, other))
     if aligned is None and not mode:
@@ -288,10 +288,10 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
         other = _export_in_mode(model, False, args, kwargs, frontend, dynamic_shapes)
         aligned = align(base.graph, other.graph, (base, other))
         if aligned is None:
-            warn_one_mode(model, "exports")
+            warn_one_mode(model, other, False, "exports")
             return other
     if aligned is None:
-        warn_one_mode(model, "exports")
+        warn_one_mode(model, base, True, "exports")
         return base
     follow_mode(base.graph, aligned, keep_train=True, flag_of=root_flag)
     checkpointing.share_modes(checkpointing.aligned_pairs(aligned, True))
@@ -349,5 +349,5 @@ class AtenFrontend:
         gm.register_forward_pre_hook(ShapeCheck(traced.graph_module, model, args, kwargs),
                                      with_kwargs=True)
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
-        calls.attach(gm, model, args, kwargs)
+        calls.attach(gm, model, args, kwargs, values=True)
 

@@ -18,6 +18,7 @@ forward and
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from typing import Any, Dict, Set, Tuple
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 #: the kinds of an argument that change what a graph traces
 TENSOR, NONE, VALUE = "tensor", "none", "value"
 _MISSING = object()
+#: Python values torch.export specialises a graph on
+_SCALARS = (bool, int, float, str)
 _NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
           inspect.Parameter.KEYWORD_ONLY)
 
@@ -59,19 +62,46 @@ class CallStructure:
     have it (see the module docstring)."""
 
     def __init__(self, signature: inspect.Signature, model_name: str, args: tuple,
-                 kwargs: Dict[str, Any], graph: inspect.Signature) -> None:
+                 kwargs: Dict[str, Any], graph: inspect.Signature,
+                 values: bool = False) -> None:
         self.signature = signature
         self.graph = graph  # the graph's forward
         self.model_name = model_name
         bound = signature.bind(*args, **kwargs)
         self.example = {name: (self._value(bound, name), name in bound.arguments)
                         for name, p in signature.parameters.items() if p.kind in _NAMED}
+        # the keywords a ``**kwargs`` parameter took (num_items_in_batch, say): each is part
+        # of the structure like a named argument
+        self.var_keyword = next((name for name, p in signature.parameters.items()
+                                 if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+        self.extra = dict(bound.arguments.get(self.var_keyword, {})) if self.var_keyword \
+            else {}
+        # ``values``: the graph holds the example's Python scalars as constants (torch.export
+        # specialises them): a call with another value is another structure
+        self.scalars = {name: value for name, value in self._named(bound).items()
+                        if type(value) in _SCALARS} if values else {}
         self.form = (len(args), frozenset(kwargs))
         # the graph's forward parameters, when each is one of the model's (else calls in
         # another form than the example's go to the graph as they are)
         targets = list(graph.parameters)
         self.targets = targets if targets and set(targets) <= set(self.example) else None
-        self.direct: Set[Tuple[Any, ...]] = {call_key(args, kwargs)}
+        # (a call's key holds types alone: with scalars to compare, every call is admitted)
+        self.direct: Set[Tuple[Any, ...]] = set() if self.scalars else {call_key(args, kwargs)}
+
+    def __deepcopy__(self, memo: dict) -> "CallStructure":
+        """A copy sharing the example's values (only their kinds and descriptions are read;
+        an activation a block was first called with is no graph leaf to copy)."""
+        new = copy.copy(self)
+        new.direct = set(self.direct)
+        memo[id(self)] = new
+        return new
+
+    def _named(self, bound: inspect.BoundArguments) -> Dict[str, Any]:
+        """The call's values by name: the named parameters and the ``**kwargs`` keywords."""
+        values = {name: self._value(bound, name) for name in self.example}
+        if self.var_keyword:
+            values.update(bound.arguments.get(self.var_keyword, {}))
+        return values
 
     def _value(self, bound: inspect.BoundArguments, name: str) -> Any:
         if name in bound.arguments:
@@ -91,13 +121,28 @@ class CallStructure:
             value = self._value(bound, name)
             if kind(value) != kind(example):
                 self._refuse(name, example, given, value, name in bound.arguments)
+        if self.var_keyword:
+            extra = bound.arguments.get(self.var_keyword, {})
+            for name in sorted(set(extra) | set(self.extra)):
+                value, example = extra.get(name), self.extra.get(name)
+                if name not in extra or name not in self.extra \
+                        or kind(value) != kind(example):
+                    self._refuse(name, example, name in self.extra, value, name in extra)
+        if self.scalars:
+            named = self._named(bound)
+            for name, example in self.scalars.items():
+                value = named.get(name, _MISSING)
+                if type(value) is not type(example) or value != example:
+                    self._refuse_value(name, example, value)
+        direct = not self.scalars
         if self.targets is None:
-            if (len(args), frozenset(kwargs)) == self.form:
+            if direct and (len(args), frozenset(kwargs)) == self.form:
                 self.direct.add(call_key(args, kwargs))
             return args, kwargs
         values = tuple(self._value(bound, name) for name in self.targets)
         if self._binds_alike(args, kwargs, values):  # (as the graph's forward takes it)
-            self.direct.add(call_key(args, kwargs))
+            if direct:
+                self.direct.add(call_key(args, kwargs))
             return args, kwargs
         return values, {}
 
@@ -111,6 +156,14 @@ class CallStructure:
         bound.apply_defaults()
         return all(bound.arguments.get(name, _MISSING) is value
                    for name, value in zip(self.targets or (), values))
+
+    def _refuse_value(self, name: str, example: Any, value: Any) -> None:
+        raise CallStructureError(
+            f"{self.model_name} was called with {name!r} = {_shown(value)}; its rewrite's "
+            f"example had {name!r} = {example!r}. torch.export took the model and holds the "
+            f"example's Python values as constants, so its graph runs that value alone\n  "
+            f"what to do: rewrite with inplace=True (each value is planned on its first "
+            f"call), or with an example that has {name!r} = {_shown(value)} for those calls")
 
     def _refuse(self, name: str, example: Any, given: bool, value: Any,
                 passed: bool) -> None:
@@ -129,13 +182,27 @@ class CallStructure:
             "calls of both structures, rewrite a copy of the model for each")
 
 
-def attach(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+def _shown(value: Any) -> str:
+    return "left out" if value is _MISSING else repr(value)
+
+
+def attach(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
+           values: bool = False) -> None:
     """Keep the example's :class:`CallStructure` on the rewritten module ``gm`` (a
-    Program) for its entry check; nothing when the model's forward cannot be read."""
+    Program) for its entry check; nothing when the model's forward cannot be read.
+
+    Args:
+        gm: the rewritten module.
+        model: the model it was made from (its forward's parameters name the arguments).
+        args: the example's positional arguments.
+        kwargs: the example's keyword arguments.
+        values: the graph holds the example's Python scalars (bool, int, float, str) as
+            constants (torch.export specialises them): a call with another value is refused.
+    """
     try:
         signature = inspect.signature(model.forward)
         structure = CallStructure(signature, type(model).__name__, tuple(args),
-                                  dict(kwargs), inspect.signature(gm.forward))
+                                  dict(kwargs), inspect.signature(gm.forward), values)
     except (TypeError, ValueError) as err:
         log.debug("%s: call structure not checked: %s", type(model).__name__, err)
         return

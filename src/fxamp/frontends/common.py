@@ -40,18 +40,32 @@ def training_flags(model: nn.Module, mode: Optional[bool] = None) -> Iterator[No
             module.training = flag
 
 
-def warn_one_mode(model: nn.Module, how: str = "traces") -> None:
-    """The graphs of the two modes differ beyond constants: the current mode is kept."""
-    log.warning("%s %s differently in train and eval mode: the rewritten graph keeps the "
-                "%s-mode behaviour; rewrite again after switching modes",
-                type(model).__name__, how, "train" if model.training else "eval")
+#: ``GraphModule.meta`` key of a captured graph that holds one training mode only (True:
+#: train, False: eval): its two modes trace differently and only this one was kept
+MODE = "fxamp_mode"
 
 
-def warn_mode_only(model: nn.Module, mode: bool, err: Exception, how: str = "traces") -> None:
-    """Only one mode (``mode``) could be captured: its graph is kept."""
-    log.warning("%s %s in %s mode only (%s); the rewritten graph keeps that mode's "
-                "behaviour", type(model).__name__, how,
-                "train" if mode else "eval", str(err).splitlines()[0])
+def warn_one_mode(model: nn.Module, gm: Any, mode: bool, how: str = "traces") -> None:
+    """The graphs of the two modes differ beyond constants: ``gm``, the graph of ``mode``
+    (True: train), is kept, marked as that mode's alone (a call in the other mode never
+    runs it)."""
+    gm.meta[MODE] = mode  # (no hazard: a call in the other mode never runs it)
+    log.info("%s %s differently in train and eval mode: the rewritten graph is for %s "
+                "mode only; in place, the first call in %s mode is planned on that call; a "
+                "returned module refuses it (ModeError)", type(model).__name__, how,
+                _MODES[mode], _MODES[not mode])
+
+
+def warn_mode_only(model: nn.Module, gm: Any, mode: bool, err: Exception,
+                   how: str = "traces") -> None:
+    """Only one mode (``mode``) could be captured: its graph ``gm`` is kept, marked as that
+    mode's alone."""
+    gm.meta[MODE] = mode
+    log.info("%s %s in %s mode only (%s); the rewritten graph is for that mode only",
+                type(model).__name__, how, _MODES[mode], str(err).splitlines()[0])
+
+
+_MODES = {True: "train", False: "eval"}
 
 
 def nested_lines(nested: Dict[str, Plan]) -> Dict[str, Any]:

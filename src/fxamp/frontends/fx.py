@@ -217,9 +217,10 @@ def _trace_modes(model: nn.Module, leaves: FrozenSet[str], frontend: str,
         train, eval_ = (graph, other) if mode else (other, graph)
         aligned = align(train, eval_, (model, model))
         if aligned is None or not follow_mode(graph, aligned, mode, module_flag):
-            warn_one_mode(model, "traces")
-        else:
-            checkpointing.share_modes(checkpointing.aligned_pairs(aligned, mode))
+            gm = fx.GraphModule(model, graph, type(model).__name__)
+            warn_one_mode(model, gm, mode, "traces")
+            return gm
+        checkpointing.share_modes(checkpointing.aligned_pairs(aligned, mode))
     name = type(model).__name__
     return fx.GraphModule(model, graph, name)
 

@@ -18,15 +18,19 @@ the new plan; a change fxamp refuses (``.half()``: FP32 master weights) raises n
 """
 from __future__ import annotations
 
-import inspect
 import contextlib
+import copy
+import functools
+import inspect
 import operator
+import threading
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch.nn as nn
 
-from ..errors import FxampError, UnsupportedModelError
-from ..result import ATTR as RESULT, has_result, result_of
+from ..errors import CallStructureError, FxampError, UnsupportedModelError
+from ..program import call_key
+from ..result import ATTR as RESULT, Pending, has_result, result_of
 from ..structure import StructureChanged, mirrors
 
 #: where the rewritten module lives in the model's ``__dict__``
@@ -46,37 +50,106 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
         f"{cls.__name__} became a {type(model).__name__} after its in-place rewrite"
         + (f", and fully_shard was applied to its submodules ({', '.join(sharded[:3])})"
            if sharded else " (a wrapper swapped its class)")
-        + ": the rewritten graph does not call the submodules' hooks. what to do: rewrite "
-        "in place, then fully_shard(model) on the root alone (one FSDP2 group); or use "
-        "FSDP2's own MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-        "reduce_dtype=torch.float32) instead of fxamp")
+        + ": the graph rewritten from the example inputs runs the submodules' ops without "
+        "calling them, so their hooks never run. what to do: for FSDP2 per layer, rewrite "
+        "in place without example inputs (amp_rewrite(model, dtype=..., target=..., "
+        "inplace=True): each layer stays a module called as one, planned on its first "
+        "call), then fully_shard each layer and the root; or keep the example and "
+        "fully_shard(model) on the root alone (one FSDP2 group)")
 
 
 _TRAINING = operator.attrgetter("training")
-#: re-plans an in-place rewritten model whose structure changed: (model, args, kwargs, why)
-#: -> the new rewritten module (set by the pipeline, which owns amp_rewrite)
-Replan = Callable[[nn.Module, tuple, dict, str], nn.Module]
+#: the hook dicts a rewrite copies from the model's root onto its rewritten module
+_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+#: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
+#: rewritten module, not installed (set by the pipeline, which owns amp_rewrite); ``why`` is
+#: None for a first call (of the model, a mode or a call structure), else the change that
+#: made the model's plan stale
+Planner = Callable[[nn.Module, tuple, dict, Any, Optional[str]], nn.Module]
 
 
 class InplaceForward:
-    """The model's ``forward`` after an in-place rewrite: the rewritten module computes (its
-    own call checks the model's structure, see ``fxamp/program.py``); when the model's
-    structure changed since (a submodule replaced, a parametrization, a patched forward), the
-    model is planned again on this call's inputs and computes with the new plan. Holds the
-    model (deepcopy and pickling carry it to the copy through their memo)."""
+    """The model's ``forward`` after an in-place rewrite: the one run-time path of an
+    in-place model (see the module docstring). It holds the model's graphs: the first one
+    (``model.__dict__[ATTR]``, what ``plan_of`` reads) and, by (training mode, call key),
+    those planned since for a mode or a call structure the first one was not traced for.
+    Each call runs the graph made for it:
+
+    - without example inputs, the first call plans the model on its own arguments;
+    - a call in a mode the graph was not traced for (its model traces differently in train
+      and eval mode), or of another call structure (an argument or keyword present, absent
+      or None, or a Python value the graph holds as a constant), is planned on that call
+      and its graph kept for the next such call;
+    - when the model's structure changed since (a submodule replaced, a parametrization, a
+      patched forward), the model is planned again on this call and computes with it.
+
+    Planning happens once, under the forward's lock: another thread's call waits for it and
+    then computes with the new graph (never with the plain FP32 forward or a half-built
+    one). The user's RNG is untouched by planning. Holds the model (deepcopy and pickling
+    carry it to the copy through their memo)."""
 
     def __init__(self, model: nn.Module, names: Optional[FrozenSet[str]],
-                 replan: Optional[Replan] = None,
-                 pairs: Optional[List[Tuple[nn.Module, nn.Module]]] = None) -> None:
+                 plan: Optional[Planner] = None, config: Any = None) -> None:
         self.model = model
         self.names = names  # the keyword arguments the model's forward takes (None: any)
         self.cls = type(model)
-        self.replan = replan
+        self.plan = plan
+        self.config = config
+        self.variants: Dict[tuple, List[nn.Module]] = {}
+        self.lock = threading.RLock()
         # a rewritten module without a structure check of its own (an eager root): its
         # modules take the training flags of the model's at the same paths when they change
-        self.pairs = pairs or []
+        self.pairs: List[Tuple[nn.Module, nn.Module]] = []
+        self.theirs: List[nn.Module] = []
+        self.flags: tuple = ()
+        self.mode: Optional[bool] = None  # the first graph's (None: it follows the mode)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("lock", None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
+    def __deepcopy__(self, memo: dict) -> "InplaceForward":
+        new = InplaceForward.__new__(InplaceForward)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
+
+    def put(self, gm: nn.Module) -> None:
+        """Make ``gm`` the model's first graph (a new plan: the others are dropped)."""
+        model = self.model
+        for kind in _ROOT_HOOKS:
+            theirs = getattr(model, kind, None)
+            mine = getattr(gm, kind, None)
+            if theirs and mine:  # the root's hooks run on the model itself, not twice
+                for key in list(theirs):
+                    mine.pop(key, None)
+        model.__dict__[ATTR] = gm
+        for attr in RESULT_ATTRS:
+            if hasattr(gm, attr):
+                model.__dict__[attr] = getattr(gm, attr)
+        self.variants = {}
+        self.mode = result_of(gm).mode if has_result(gm) else None
+        structure = getattr(result_of(gm), "structure", None) if has_result(gm) else None
+        self.pairs = [] if structure is not None else [
+            (mine, theirs) for _, mine, theirs in mirrors(gm, model)]
         self.theirs = [theirs for _, theirs in self.pairs]
         self.flags = tuple(map(_TRAINING, self.theirs))
+        if has_result(gm) and result_of(gm).config is not None:
+            self.config = result_of(gm).config
+        try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
+            self.__signature__ = inspect.signature(gm.forward)
+        except (TypeError, ValueError):
+            pass
+        if structure is not None:
+            structure.inplace = True  # (the model's flags are the graph's)
+            structure.take()  # (the model as it is now: its forward the rewritten one)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model = self.model
@@ -96,13 +169,101 @@ class InplaceForward:
                 for mine, theirs in self.pairs:
                     mine.training = theirs.training
                 self.flags = flags
+        gm = model.__dict__.get(ATTR)
+        if gm is None:  # (no example inputs: planned on the first call)
+            gm = self._first(args, kwargs)
         try:
-            return model.__dict__[ATTR](*args, **kwargs)
+            return self._run(gm, args, kwargs)
         except StructureChanged as err:
-            if not err.replan or self.replan is None:
+            if not err.replan or self.plan is None:
                 raise
-            gm = self.replan(model, args, kwargs, str(err))
+            gm = self._replanned(gm, args, kwargs, str(err))
+        return self._run(gm, args, kwargs)
+
+    def _run(self, gm: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        """The call on the first graph, or on the one made for its mode or structure."""
+        if self.mode is not None and self.mode is not self.model.training:
+            return self._variant(args, kwargs)
+        try:
+            return gm(*args, **kwargs)
+        except CallStructureError:
+            if self.plan is None:
+                raise
+            return self._variant(args, kwargs)
+
+    def _first(self, args: tuple, kwargs: Dict[str, Any]) -> nn.Module:
+        """The model's first graph, planned on this call (once, whichever thread calls)."""
+        with self.lock:
+            gm = self.model.__dict__.get(ATTR)
+            if gm is None:
+                gm = self._planned(args, kwargs, None)
+                self.put(gm)
+            return gm
+
+    def _replanned(self, stale: nn.Module, args: tuple, kwargs: Dict[str, Any],
+                   why: str) -> nn.Module:
+        """The model planned again on this call, unless another thread did it already."""
+        with self.lock:
+            gm = self.model.__dict__.get(ATTR)
+            if gm is stale or gm is None or any(stale in v for v in self.variants.values()):
+                gm = self._planned(args, kwargs, why)
+                self.put(gm)
+            return gm
+
+    def _variant(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        """The call run on the graph made for its mode and call structure, planned on this
+        call when none is."""
+        key = (self.model.training, call_key(args, kwargs))
+        for gm in self.variants.get(key, ()):
+            try:
+                return gm(*args, **kwargs)
+            except CallStructureError:  # (another Python value than that graph's)
+                continue
+        with self.lock:
+            known = self.variants.get(key, [])
+            gm = self._planned(args, kwargs, None)
+            self.variants = {**self.variants, key: [*known, gm]}
         return gm(*args, **kwargs)
+
+    def _planned(self, args: tuple, kwargs: Dict[str, Any], why: Optional[str]) -> nn.Module:
+        """A graph of the model planned on this call (the caller holds the lock)."""
+        if self.plan is None or self.config is None:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} cannot be planned on this call: its rewrite "
+                "kept no config. what to do: rewrite the model again")
+        with planning(self.model, self.lock):
+            return self.plan(self.model, args, kwargs, self.config, why)
+
+
+def _planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
+    """The model's ``forward`` while it is being planned: the planning thread runs the
+    model's own forward (its code is what is traced); any other thread waits for the plan
+    and then calls the model's forward again (never the plain FP32 forward)."""
+    own = type(model).forward.__get__(model)
+    owner = threading.get_ident()
+
+    @functools.wraps(own)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == owner:
+            return own(*args, **kwargs)
+        with lock:  # (the plan is done once this is acquired)
+            pass
+        return model.forward(*args, **kwargs)
+
+    return forward
+
+
+@contextlib.contextmanager
+def planning(model: nn.Module, lock: Any) -> Iterator[None]:
+    """``model`` with its own forward back for the planning thread while it is planned on
+    a call; other threads' calls wait for the plan (see :func:`_planning_forward`)."""
+    taken = _take(model)
+    model.__dict__["forward"] = _planning_forward(model, lock)
+    try:
+        yield
+    finally:
+        model.__dict__.pop("forward", None)
+        model.__dict__.update(taken)
 
 
 def _keywords(forward: Callable[..., Any]) -> Optional[FrozenSet[str]]:
@@ -118,38 +279,34 @@ def _keywords(forward: Callable[..., Any]) -> Optional[FrozenSet[str]]:
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
-def install(model: nn.Module, gm: nn.Module, replan: Optional[Replan] = None) -> nn.Module:
-    """Make ``model`` compute with ``gm`` (see the module docstring); returns ``model``."""
+def install(model: nn.Module, gm: Optional[nn.Module], plan: Optional[Planner] = None,
+            config: Any = None) -> nn.Module:
+    """Make ``model`` compute with ``gm`` (see the module docstring); returns ``model``.
+
+    Args:
+        model: the user's model.
+        gm: its rewritten module; None: the model is planned on its first call.
+        plan: what plans the model on a call (a first call, a new mode or call structure,
+            a structure change).
+        config: the config to plan with when ``gm`` is None.
+    """
     if "forward" in model.__dict__:
         raise FxampError(
             f"{type(model).__name__} has a forward of its own set on the instance "
             f"({model.__dict__['forward']!r}); inplace=True replaces it. what to do: "
             "rewrite with inplace=False and use the returned module")
-    for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                 "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-                 "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"):
-        theirs = getattr(model, kind, None)
-        mine = getattr(gm, kind, None)
-        if theirs and mine:  # the root's hooks run on the model itself, not twice
-            for key in list(theirs):
-                mine.pop(key, None)
-    names = _keywords(model.forward)
-    model.__dict__[ATTR] = gm
-    structure = getattr(result_of(gm), "structure", None) if has_result(gm) else None
-    forward = InplaceForward(model, names, replan,
-                             None if structure is not None
-                             else [(mine, theirs) for _, mine, theirs in mirrors(gm, model)])
-    try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
-        forward.__signature__ = inspect.signature(gm.forward)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        pass
+    forward = InplaceForward(model, _keywords(model.forward), plan, config)
     model.__dict__["forward"] = forward
-    for attr in RESULT_ATTRS:
-        if hasattr(gm, attr):
-            model.__dict__[attr] = getattr(gm, attr)
-    if structure is not None:
-        structure.inplace = True  # (the model's flags are the graph's)
-        structure.take()  # (the model as it is now: its forward the rewritten one)
+    if gm is None:
+        model.__dict__[ATTR] = None
+        model.__dict__[RESULT] = Pending(config, type(model).__name__)
+        try:
+            forward.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+                type(model).forward.__get__(model))
+        except (TypeError, ValueError):
+            pass
+    else:
+        forward.put(gm)
     return model
 
 
@@ -183,15 +340,17 @@ def uninstalled(model: nn.Module) -> Iterator[None]:
         model.__dict__.update(taken)
 
 
-def reinstall(model: nn.Module, gm: nn.Module, replan: Optional[Replan] = None) -> nn.Module:
+def reinstall(model: nn.Module, gm: nn.Module, plan: Optional[Planner] = None) -> nn.Module:
     """Replace the in-place rewrite ``model`` computes with by ``gm``."""
     _take(model)
-    return install(model, gm, replan)
+    return install(model, gm, plan)
 
 
 def rewritten(model: nn.Module) -> nn.Module:
     """The rewritten module an in-place rewrite put inside ``model`` (``model`` itself
     when it is a rewritten module already)."""
+    if isinstance(model.__dict__.get(RESULT), Pending):
+        result_of(model)  # (raises NotPlannedError: planned on its first call)
     gm = model.__dict__.get(ATTR)
     if gm is not None:
         return gm

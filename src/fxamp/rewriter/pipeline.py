@@ -23,13 +23,14 @@ from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
 from ..frontends.checkpointing import layers_off
-from ..frontends.common import as_tuple, nested_header
+from ..frontends.common import MODE, as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
+from .blocks import block_paths, config_of_blocks, install_blocks, is_blocks, uninstall_blocks
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, uninstalled
 from .inputs import AutocastOff, check_example_inputs
 from .pass_list import pass_list, plan_lines, plan_nodes
@@ -40,21 +41,30 @@ log = logging.getLogger(__name__)
 
 
 
-def check_model(model: Any) -> None:
+def check_model(model: Any, sharded_ok: bool = False) -> None:
+    """Refuse what amp_rewrite cannot take, naming it.
+
+    Args:
+        model: what amp_rewrite was given.
+        sharded_ok: FSDP2's ``fully_shard`` may have been applied to the model itself (an
+            in-place model or block planned on a call: FSDP2's hooks have gathered the
+            parameters this call computes with); not to a submodule, whose hooks its graph
+            would not call.
+    """
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(
             f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
             "what to do: wrap the callable in an nn.Module")
-    sharded = next((path for path, m in model.named_modules() if is_fully_sharded(m)), None)
+    sharded = next((path for path, m in model.named_modules()
+                    if is_fully_sharded(m) and (path or not sharded_ok)), None)
     if sharded is not None:
         raise UnsupportedModelError(
             f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
             "by FSDP2's fully_shard: its parameters are DTensors gathered by module hooks "
             "that a rewritten graph does not call. what to do: rewrite first, in place, "
-            "then fully_shard(model) on the root alone: amp_rewrite(model, inputs, "
-            "inplace=True); fully_shard(model) (or use FSDP2's own "
-            "MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "reduce_dtype=torch.float32)")
+            "then shard: amp_rewrite(model, dtype=..., target=..., inplace=True) (no "
+            "example: each layer stays a module), then fully_shard each layer and the root; "
+            "or, with example inputs, fully_shard(model) on the root alone")
     for name, p in model.named_parameters():
         if p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16):
             raise UnsupportedModelError(
@@ -160,6 +170,12 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "config.replace(...)")
     pol = config.policy
     example_kwargs = config.example_kwargs
+    if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
+        if inplace and example_inputs is None and not example_kwargs \
+                and config_of_blocks(model) == config:
+            log.info("model was already rewritten in place with the same config")
+            return model
+        uninstall_blocks(model)
     check_model(model)
     if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
         if inplace and result_of(model).policy == pol:
@@ -167,7 +183,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             return model
         with uninstalled(model):
             gm = amp_rewrite(model, example_inputs, config=config)
-        return reinstall(model, gm, _replan) if inplace else gm
+        return reinstall(model, gm, _plan_call) if inplace else gm
     if has_result(model):
         if result_of(model).policy == pol:
             log.info("model was already rewritten with the same policy; returning it")
@@ -177,36 +193,52 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             f"{result_of(model).policy}; asked for {pol}. what to do: rewrite the "
             "original FP32 model instead")
     if example_inputs is None and not example_kwargs:
+        if inplace:  # planned on its first call, from that call's arguments
+            if config.calibration is not None and not isinstance(config.calibration,
+                                                                 (Plan, dict)):
+                raise FxampError("calibration_data needs example_inputs too (the batches "
+                                 "are checked against the example's structure); what to "
+                                 "do: pass example_inputs, or calibrate from a Plan's ranges")
+            paths = block_paths(model)
+            if paths:  # (the module tree stays: each block planned on its first call)
+                return install_blocks(model, paths, _plan_call, config)
+            return install(model, None, _plan_call, config)
         raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
                          "arguments) to know which values are floating tensors; what to do: "
-                         "pass e.g. (torch.randn(1, 3, 224, 224),)")
+                         "pass e.g. (torch.randn(1, 3, 224, 224),), or rewrite with "
+                         "inplace=True, which plans the model on its first call")
     args = () if example_inputs is None else as_tuple(example_inputs)
     gm = _rewrite_top(model, args, config)
-    return install(model, gm, _replan) if inplace else gm
+    return install(model, gm, _plan_call) if inplace else gm
 
 
-def _replan(model: nn.Module, args: tuple, kwargs: Dict[str, Any], why: str) -> nn.Module:
-    """An in-place rewritten model whose structure changed (``why``): planned again, with
-    its config, on the call's inputs (any outer autocast off, grad mode on, outside
-    inference mode), and put in place of the old rewrite; the new rewritten module."""
-    log.warning("%s changed after its in-place rewrite (%s): planning it again on this "
-                "call's inputs", type(model).__name__, why)
-    config = result_of(model).config
-    if config is None:
-        raise UnsupportedModelError(f"{why}; what to do: rewrite the model again")
+def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: RewriteConfig,
+               why: Optional[str]) -> nn.Module:
+    """An in-place rewritten model planned, with its config, on a call's arguments: its
+    first call without example inputs, a mode or call structure no graph covers (``why``
+    None), or a structure change since its plan (``why`` says which). Planned with any
+    outer autocast off, grad mode on, outside inference mode, and with the RNG states of
+    the CPU and the initialised CUDA devices put back after (the user's run is unchanged);
+    returns the new rewritten module (the in-place forward keeps it)."""
+    name = type(model).__name__
+    if why is None:
+        log.info("%s: planning it on this call (%s mode)", name,
+                 "train" if model.training else "eval")
+    else:
+        log.warning("%s changed after its in-place rewrite (%s): planning it again on this "
+                    "call's inputs", name, why)
     try:
-        check_model(model)
+        check_model(model, sharded_ok=True)
     except UnsupportedModelError as err:
-        raise UnsupportedModelError(f"{type(model).__name__} changed after its in-place "
-                                    f"rewrite ({why}) and cannot be planned again: {err}"
-                                    ) from None
-    if kwargs or config.example_kwargs:
-        config = config.replace(example_kwargs=dict(kwargs) or None)
+        if why is None:
+            raise
+        raise UnsupportedModelError(f"{name} changed after its in-place rewrite ({why}) and "
+                                    f"cannot be planned again: {err}") from None
+    config = config.replace(example_kwargs=dict(kwargs) or None)
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
-            uninstalled(model):
-        gm = _rewrite_top(model, args, config)
-    reinstall(model, gm, _replan)
-    return gm
+            torch.random.fork_rng(devices=devices):
+        return _rewrite_top(model, args, config)
 
 
 def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
@@ -395,7 +427,8 @@ class Rewrite:
                      type(model).__name__, ", ".join(sorted(set(given) - set(stats))))
         plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, self.nested),
                     ranges=stats)
-        set_result(gm, Rewritten(plan, pol, ops.module_label(model)))
+        set_result(gm, Rewritten(plan, pol, ops.module_label(model),
+                                 mode=src.meta.get(MODE) if hasattr(src, "meta") else None))
         _copy_training_flags(model, gm)
         complete_state(model, gm)
         copy_root_hooks(model, gm)

@@ -1,0 +1,183 @@
+"""Blocks (rewriter/blocks.py): ``amp_rewrite(model, inplace=True)`` without example inputs
+keeps the model's module tree. Each block (a repeated child, an HF ``_no_split_modules``
+layer) stays a module called as one, computing with its own graph planned on its first call;
+identical blocks share one plan; the glue runs under torch.autocast. Compared with the same
+model under torch.autocast: losses, gradients, eval outputs bit for bit; hooks on blocks
+added after the rewrite fire; per-layer torch.compile runs the compiled layers."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from fxamp.rewriter.blocks import block_paths
+
+BF16 = torch.bfloat16
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def _llama(layers: int = 3):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _step(model, autocast: bool, **kwargs):
+    with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+        out = model(input_ids=IDS, labels=IDS, **kwargs)
+    out.loss.backward()
+    return out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _equal_grads(a: dict, b: dict) -> list:
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_block_paths_are_the_repeated_children_and_hf_layers():
+    assert block_paths(_llama()) == [f"model.layers.{i}" for i in range(3)]
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x).relu()
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Sequential(Block(), Block(), nn.ReLU()),
+                        nn.Linear(4, 4), nn.Linear(4, 4))
+    assert block_paths(net) == ["1.0", "1.1"]  # (torch.nn's own classes are no blocks)
+
+
+def test_llama_trains_like_autocast_and_identical_blocks_share_one_plan(caplog):
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    with caplog.at_level(logging.INFO, logger="fxamp"):
+        assert fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True) is model
+        with pytest.raises(fxamp.NotPlannedError):
+            fxamp.plan_of(model)
+        loss, grads = _step(model, False)
+    ref_loss, ref_grads = _step(ref, True)
+    assert torch.equal(loss, ref_loss)
+    assert not _equal_grads(grads, ref_grads)
+    assert caplog.text.count("planning it on this call") == 1  # (one trace, three layers)
+    plan = fxamp.plan_of(model)
+    assert plan.header["frontend"] == "blocks"
+    assert "the same plan as model.layers.0" in plan.nodes["model.layers.2"].reason
+    assert not any(n.startswith("model.layers.1/") for n in plan.nodes)
+    assert any(n.startswith("model.layers.0/") for n in plan.nodes)
+    assert fxamp.Plan.from_text(plan.to_text()) == plan
+    assert type(model) is transformers.LlamaForCausalLM
+    assert list(model.state_dict()) == list(ref.state_dict())
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        got = model(input_ids=IDS).logits
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref(input_ids=IDS).logits
+    assert torch.equal(got, want.float())
+
+
+def test_a_hook_added_to_a_layer_after_the_rewrite_fires_and_counts():
+    """NEFTune-style: a forward hook on a decoder layer changes its output; it fires under
+    fxamp as under autocast, and the loss and gradients stay autocast's."""
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fired = []
+
+    def hook(module, args, out):
+        fired.append(type(module).__name__)
+        return (out[0] * 1.5,) + tuple(out[1:]) if isinstance(out, tuple) else out * 1.5
+
+    model.model.layers[1].register_forward_hook(hook)
+    ref.model.layers[1].register_forward_hook(hook)
+    loss, grads = _step(model, False)
+    ref_loss, ref_grads = _step(ref, True)
+    assert fired == ["LlamaDecoderLayer", "LlamaDecoderLayer"]
+    assert torch.equal(loss, ref_loss) and not _equal_grads(grads, ref_grads)
+
+
+def test_per_layer_compile_runs_the_compiled_layers_and_equals_eager():
+    ref = _llama(2)
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    eager_loss, eager_grads = _step(copy.deepcopy(model), False)
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(len(gm.graph.nodes))
+        return gm.forward
+
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    torch._dynamo.reset()
+    loss, grads = _step(model, False)
+    assert compiled, "the compiled layers never ran"
+    assert torch.equal(loss, eager_loss) and not _equal_grads(grads, eager_grads)
+    ref_loss, _ = _step(ref, True)
+    assert torch.equal(loss, ref_loss)
+
+
+def test_hf_gradient_checkpointing_trains_like_autocast():
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    loss, grads = _step(model, False)
+    ref_loss, ref_grads = _step(ref, True)
+    assert torch.equal(loss, ref_loss) and not _equal_grads(grads, ref_grads)
+
+
+def test_a_second_rewrite_with_an_example_undoes_the_blocks():
+    ref = _llama(2)
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    model(input_ids=IDS)
+    fxamp.amp_rewrite(model, (IDS,), dtype=BF16, target="cpu", inplace=True,
+                      policy="compute=bf16,target=cpu,fp32:lm_head")
+    assert "forward" not in model.model.layers[0].__dict__
+    assert fxamp.plan_of(model).header["frontend"] != "blocks"
+    with torch.no_grad():
+        got = model(IDS).logits
+    assert got.dtype == torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ghostnet_050", "fastvit_t8", "test_vit",
+                                  "test_efficientnet"])
+@pytest.mark.parametrize("example", [True, False], ids=["example", "blocks"])
+def test_timm_models_rewritten_in_train_mode_equal_autocast_in_eval(name, example):
+    """Models whose train and eval traces differ (finding 4): rewritten in train mode,
+    then put in eval mode, each mode runs the graph traced for it."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    ref = timm.create_model(name, pretrained=False, num_classes=10).train()
+    model = copy.deepcopy(ref)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    fxamp.amp_rewrite(model, (x,) if example else None, dtype=BF16, target="cpu",
+                      inplace=True)
+    torch.manual_seed(3)
+    got = model(x)
+    torch.manual_seed(3)
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref(x)
+    assert torch.equal(got, want.float())
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        got = model(x)
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref(x)
+    assert torch.equal(got, want.float())

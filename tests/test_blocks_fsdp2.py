@@ -1,0 +1,105 @@
+"""FSDP2 per decoder layer (torch.distributed, gloo, 2 processes): the recipe of torchtitan,
+accelerate's FSDP2 plugin and Lightning's ModelParallelStrategy (``fully_shard`` of each
+layer, then of the root) after ``amp_rewrite(model, inplace=True)`` without example inputs
+trains exactly like the same recipe under torch.autocast, with and without HF gradient
+checkpointing (rewriter/blocks.py: each layer stays a module, so FSDP2's hooks on it run)."""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BF16 = torch.bfloat16
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+
+def _llama():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def _train(model, ids, autocast: bool) -> tuple:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    full = [p.full_tensor() for p in model.parameters()]
+    return losses, [p.detach().clone() for p in full]
+
+
+def _per_layer(rank: int, checkpointing: bool) -> list:
+    import fxamp
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    for m in (model, ref):
+        if checkpointing:
+            m.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+    (losses, params), (ref_losses, ref_params) = _train(model, ids, False), \
+        _train(ref, ids, True)
+    return [losses == ref_losses and ref_losses[-1] < ref_losses[0],
+            all(torch.equal(p, q) for p, q in zip(params, ref_params)),
+            fxamp.plan_of(model).header["frontend"]]
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        queue.put((rank, {"plain": _per_layer(rank, False),
+                          "checkpointing": _per_layer(rank, True)}))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        queue.put((rank, {"error": f"{type(err).__name__}: {err}\n"
+                                   f"{traceback.format_exc()[-3000:]}"}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    pytest.importorskip("transformers")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = dict(queue.get(timeout=480) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert all("error" not in r for r in out.values()), out
+    return out
+
+
+@pytest.mark.parametrize("how", ["plain", "checkpointing"])
+def test_fully_shard_per_decoder_layer_trains_like_fsdp2_with_autocast(results, how):
+    for rank in (0, 1):
+        assert results[rank][how] == [True, True, "blocks"], (rank, results[rank][how])
