@@ -1,13 +1,21 @@
-"""The fxamp command in any process state, run as a user runs it (a subprocess): a full or
-unusable temporary directory (``TMPDIR``)."""
+"""The fxamp command on any terminal and in any process state, run as a user runs it (a
+subprocess): an ASCII console, a closed or full standard output, SIGTERM during an export,
+a full or unusable temporary directory (``TMPDIR``)."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import List
 
 import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # every test runs the fxamp CLI in subprocesses
@@ -51,6 +59,112 @@ def work(tmp_path: Path) -> Path:
     (tmp_path / "models.py").write_text(textwrap.dedent(FACTORIES))
     (tmp_path / "tmpdir").mkdir()
     return tmp_path
+
+
+def _fxamp_leftovers(tmpdir: Path) -> List[str]:
+    """What fxamp's temporary folders left in ``tmpdir`` (torch's own caches, such as
+    ``torchinductor_USER``, are not fxamp's)."""
+    return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith(("fxamp-", "tmp")))
+
+
+# ------------------------------------------------------------------ SIGTERM during export
+def _terminated(proc: subprocess.Popen) -> str:
+    """SIGTERM to ``proc``; its stderr once it ended (it must end within a minute)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("fxamp export did not end within a minute of SIGTERM")
+    return err
+
+
+def test_sigterm_during_an_export_leaves_no_temporary_folder_and_the_old_file(work: Path
+                                                                              ) -> None:
+    (work / "model.onnx").write_bytes(b"old")
+    mark = work / "started"
+    proc = subprocess.Popen([sys.executable, "-m", "fxamp", "export", "models.py:waits",
+                             "--target", "cpu", "-o", "model.onnx", "--report", "r.md"],
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(TMPDIR=str(work / "tmpdir"), MARK=str(mark)))
+    deadline = time.monotonic() + 120
+    while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mark.exists(), proc.communicate()
+    assert any(p.name.startswith("fxamp-") for p in (work / "tmpdir").iterdir()), \
+        "the export stages its outputs in TMPDIR (else the test tests nothing)"
+    err = _terminated(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "fxamp export: terminated by SIGTERM", err
+    assert _fxamp_leftovers(work / "tmpdir") == []
+    assert (work / "model.onnx").read_bytes() == b"old" and not (work / "r.md").exists()
+
+
+def test_sigterm_while_the_onnx_file_is_written_leaves_no_temporary_folder(work: Path
+                                                                           ) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "fxamp", "export", "models.py:small",
+                             "--target", "cpu", "-o", "model.onnx"],
+                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(TMPDIR=str(work / "tmpdir")))
+    seen = []
+    for line in proc.stderr:  # (the step lines come flushed, one by one)
+        seen.append(line)
+        if "exporting to" in line:
+            break
+    assert seen and "exporting to" in seen[-1], "".join(seen)
+    err = _terminated(proc)
+    if proc.returncode == 0:  # (the export finished before the signal came: nothing to see)
+        pytest.fail("the export ended before SIGTERM reached it; make the model larger")
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + err
+    assert "fxamp export: terminated by SIGTERM" in err
+    assert _fxamp_leftovers(work / "tmpdir") == []
+    assert not (work / "model.onnx").exists()
+
+
+# ------------------------------------------------------------------ standard output
+def test_diff_on_an_ascii_stdout_writes_its_arrows_in_ascii(work: Path) -> None:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(2, 8)
+    for name, policy in (("a.plan", None), ("b.plan", "fp32:0")):
+        gm = fxamp.amp_rewrite(model, (x,), target="cpu", policy=policy)
+        fxamp.plan_of(gm).save(str(work / name))
+    r = _fxamp("diff", "a.plan", "b.plan", cwd=work, PYTHONIOENCODING="ascii")
+    assert r.returncode == 1, r.stderr  # the plans differ
+    assert "UnicodeEncodeError" not in r.stderr and r.stderr == ""
+    assert "2 nodes changed precision: 2 FP16->FP32" in r.stdout
+    md = _fxamp("diff", "a.plan", "b.plan", "--format", "markdown", cwd=work,
+                encoding="cp1252", PYTHONIOENCODING="cp1252")  # (a Windows console)
+    assert md.returncode == 1 and md.stderr == "", md.stderr
+    assert "\u2014 2 nodes changed precision" in md.stdout, md.stdout  # (cp1252 has the dash)
+    assert "`compute=fp16,target=cpu` -> `compute=fp16,target=cpu,fp32:0`" in md.stdout
+
+
+def test_plan_with_a_closed_stdout_exits_2_with_one_line(work: Path) -> None:
+    r = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "fxamp",
+                        "plan", "models.py:small", "--target", "cpu"], capture_output=True,
+                       text=True, cwd=work, timeout=300, env=_env())
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        "fxamp plan: error: standard output is closed, and fxamp plan writes its result "
+        "there; what to do: redirect it to a file (> FILE) or give -o FILE"], r.stderr
+    written = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m",
+                              "fxamp", "plan", "models.py:small", "--target", "cpu", "-o",
+                              "p.plan"], capture_output=True, text=True, cwd=work,
+                             timeout=300, env=_env())
+    assert written.returncode == 0 and (work / "p.plan").read_text().startswith("# fxamp")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full on this system")
+def test_plan_to_a_full_stdout_exits_2_with_one_line(work: Path) -> None:
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "fxamp", "plan", "models.py:small",
+                            "--target", "cpu"], stdout=full, stderr=subprocess.PIPE,
+                           text=True, cwd=work, timeout=300, env=_env())
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        "fxamp plan: error: cannot write the result to standard output: No space left on "
+        "device; what to do: write it to a file or give -o FILE"], r.stderr
 
 
 # ------------------------------------------------------------------ TMPDIR
