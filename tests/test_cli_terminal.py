@@ -38,6 +38,17 @@ FACTORIES = """
 
     def small():
         return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), (torch.randn(2, 8),)
+
+    def forks():  # a process forked while the command runs says how it takes SIGTERM
+        import signal
+        pid = os.fork()
+        if pid == 0:
+            default = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            with open(os.environ["MARK"], "w") as f:
+                f.write("default" if default else "fxamp's")
+            os._exit(0)
+        os.waitpid(pid, 0)
+        return small()
 """
 
 
@@ -120,6 +131,14 @@ def test_sigterm_while_the_onnx_file_is_written_leaves_no_temporary_folder(work:
     assert "fxamp export: terminated by SIGTERM" in err
     assert _fxamp_leftovers(work / "tmpdir") == []
     assert not (work / "model.onnx").exists()
+
+
+def test_a_process_forked_by_a_command_takes_sigterm_as_by_default(work: Path) -> None:
+    mark = work / "child"
+    r = _fxamp("plan", "models.py:forks", "--target", "cpu", "-o", "p.plan", cwd=work,
+               MARK=str(mark))
+    assert r.returncode == 0, r.stderr
+    assert mark.read_text() == "default"
 
 
 # ------------------------------------------------------------------ standard output

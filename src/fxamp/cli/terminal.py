@@ -114,6 +114,24 @@ _TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP")
                      if hasattr(signal, name))
 
 
+#: signal -> the handler :func:`terminating_raises` replaced, while it is in place
+_REPLACED: Dict[int, Any] = {}
+
+
+def _defaults_in_child() -> None:
+    """In a process forked while a command runs (a DataLoader worker, a fork pool): the
+    signals get back the handlers they had before :func:`terminating_raises`, so such a
+    process ends on SIGTERM as it would without fxamp."""
+    for sig, handler in list(_REPLACED.items()):
+        with contextlib.suppress(Exception):
+            signal.signal(sig, handler)
+    _REPLACED.clear()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_defaults_in_child)
+
+
 @contextlib.contextmanager
 def terminating_raises() -> Iterator[None]:
     """Within the block, a termination signal raises :class:`Terminated` in the main thread
@@ -134,8 +152,10 @@ def terminating_raises() -> Iterator[None]:
     for sig in _TERMINATING:
         if signal.getsignal(sig) is signal.SIG_DFL:
             previous[sig] = signal.signal(sig, terminate)
+    _REPLACED.update(previous)
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+            _REPLACED.pop(sig, None)
