@@ -5,7 +5,8 @@ exceptions, ``TorchDispatchMode``, ``_reparametrize_module``, the raw grad-mode 
 dispatcher and storage counters, the graph's code generator, ``OpOverload``, the fused
 ``_foreach_copy_``), and every attribute a trace replaces (:data:`TRACE_PATCHES`: name,
 owner, attribute, what it does; applied by :func:`patched`, thread-aware, under one
-re-entrant trace lock, never at import). Every module of fxamp reaches them
+re-entrant trace lock, never at import; reset in a forked child, with torch.fx's module
+wrappers, when another thread held it). Every module of fxamp reaches them
 through this module, so a torch upgrade is checked (tests/test_torch_compat.py, also run on
 the oldest supported torch with ``pytest -m floor``) and mended here alone.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -215,6 +217,52 @@ def tracing() -> Iterator[None]:
             _STATE.depth -= 1
             if outer:
                 _STATE.owner = None
+
+
+def _fx_module_wrappers_off() -> None:
+    """Put back torch's own ``nn.Module.__call__`` / ``__getattr__`` where torch.fx's
+    symbolic tracer left its process-wide wrappers (``functools.wraps`` of the originals
+    fx keeps as ``_orig_module_call`` / ``_orig_module_getattr``)."""
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    for attribute, original in (("__call__", symbolic_trace._orig_module_call),
+                                ("__getattr__", symbolic_trace._orig_module_getattr)):
+        current = vars(torch.nn.Module).get(attribute)
+        if current is not original and getattr(current, "__wrapped__", None) is original:
+            setattr(torch.nn.Module, attribute, original)
+
+
+def _after_fork_in_child() -> None:
+    """Reset the trace state in a forked child (``os.register_at_fork``).
+
+    A child has only the thread that forked. When another thread held the trace lock (a
+    rewrite in flight), that thread is gone: the child gets a new, free lock, torch's own
+    attributes back in place of the patches of :data:`TRACE_PATCHES` and of torch.fx's
+    module wrappers, and empty handler stacks, so its own rewrites run (before, the first
+    one waited forever for the inherited lock). When the forking thread itself holds the
+    lock (a fork from inside a traced forward), nothing changes: the child's frames are
+    that thread's and release what they hold as they return."""
+    global _TRACE_LOCK
+    me = threading.get_ident()
+    if _STATE.owner == me:
+        return
+    in_flight = _STATE.owner is not None
+    _TRACE_LOCK = threading.RLock()
+    for name in list(_STATE.installed):
+        owner, original, replacement = _STATE.installed.pop(name)
+        attribute = TRACE_PATCHES[name].attribute
+        if vars(owner).get(attribute) is replacement:
+            setattr(owner, attribute, original)
+    for stack in _STATE.handlers.values():
+        stack.clear()
+    _STATE.originals.clear()
+    _STATE.owner, _STATE.depth = None, 0
+    if in_flight:
+        _fx_module_wrappers_off()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _run(name: str, level: int, args: tuple, kwargs: dict) -> Any:

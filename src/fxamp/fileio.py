@@ -32,7 +32,8 @@ from .errors import OutputFileError
 log = logging.getLogger(__name__)
 
 __all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_directory", "output_error",
-           "writes_in_place", "Staging"]
+           "writes_in_place", "Staging", "make_temporary_directory",
+           "temporary_directory_named"]
 
 
 def _advice(err: OSError) -> str:
@@ -49,13 +50,75 @@ def _advice(err: OSError) -> str:
     return "check the path and run again; the old file is unchanged"
 
 
+def temporary_directory_named() -> str:
+    """The temporary directory as a person sets it: ``TMPDIR=/scratch`` when the variable
+    is set (``TEMP``, ``TMP`` likewise), else ``/tmp (TMPDIR is not set)``; where Python's
+    ``tempfile`` fell back from an unusable ``TMPDIR`` to another directory, both."""
+    for name in ("TMPDIR", "TEMP", "TMP"):
+        value = os.environ.get(name)
+        if value:
+            try:
+                used = tempfile.gettempdir()
+            except OSError:
+                return f"{name}={value}"
+            if os.path.realpath(value) != os.path.realpath(used):
+                return f"{used} ({name}={value} is not usable)"
+            return f"{name}={value}"
+    return f"{tempfile.gettempdir()} (TMPDIR is not set)"
+
+
+def _fxamp_temporary(path: str) -> bool:
+    """Whether ``path`` lies in one of fxamp's own temporary folders (``fxamp-*.tmp`` in
+    the temporary directory: :class:`Staging`, in-place targets' copies)."""
+    try:
+        root = os.path.realpath(tempfile.gettempdir())
+    except OSError:
+        return False
+    rest = os.path.relpath(os.path.realpath(os.path.abspath(path)), root)
+    first = rest.split(os.sep)[0]
+    return first.startswith("fxamp-") and first.endswith(".tmp") and first != rest
+
+
+def _temporary_advice(err: OSError) -> str:
+    where = temporary_directory_named()
+    if err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        problem = "the temporary directory is full"
+    elif isinstance(err, PermissionError) or err.errno == errno.EROFS:
+        problem = "the temporary directory is not writable"
+    else:
+        problem = "the write into the temporary directory failed"
+    return (f"{problem}: {where}. fxamp stages its outputs there until the command "
+            "succeeds; set TMPDIR to a writable directory with room (TMPDIR=/path/with/space "
+            "fxamp ...) and run again; the outputs are unchanged")
+
+
 def output_error(path: str, err: OSError) -> OutputFileError:
-    """An :class:`OutputFileError` for ``err`` raised while writing ``path``."""
+    """An :class:`OutputFileError` for ``err`` raised while writing ``path`` (for a file of
+    fxamp's own temporary folders, naming the temporary directory and ``TMPDIR``)."""
     cause = err.strerror or str(err) or type(err).__name__
-    made = OutputFileError(f"cannot write {path}: {cause}\n  what to do: {_advice(err)}")
+    advice = _temporary_advice(err) if _fxamp_temporary(path) else _advice(err)
+    made = OutputFileError(f"cannot write {path}: {cause}\n  what to do: {advice}")
     made.errno = err.errno
     made.filename = path
     return made
+
+
+def make_temporary_directory() -> str:
+    """A new ``fxamp-*.tmp`` folder in the temporary directory; OutputFileError naming
+    ``TMPDIR`` when none can be made (full or not writable, and so every directory
+    Python's ``tempfile`` falls back to)."""
+    try:
+        return tempfile.mkdtemp(prefix="fxamp-", suffix=".tmp")
+    except OSError as err:
+        tmpdir = os.environ.get("TMPDIR")
+        setting = f"TMPDIR={tmpdir}" if tmpdir else "TMPDIR is not set"
+        made = OutputFileError(
+            f"cannot make a temporary folder ({setting}): {str(err) or type(err).__name__}"
+            "\n  what to do: set TMPDIR to a writable directory with room "
+            "(TMPDIR=/path/with/space fxamp ...) and run again; fxamp stages its outputs "
+            "there until the command succeeds")
+        made.errno = err.errno
+        raise made from err
 
 
 def _target(path: str) -> str:
@@ -260,7 +323,7 @@ def atomic_directory(path: str) -> Iterator[str]:
 def _directory_into(path: str) -> Iterator[str]:
     """atomic_directory for a target written in place: the block writes into a private
     temporary directory, then the file named like ``path`` is copied into ``path``."""
-    tmpdir = tempfile.mkdtemp(prefix="fxamp-", suffix=".tmp")
+    tmpdir = make_temporary_directory()
     try:
         yield tmpdir
         name = os.path.basename(os.path.abspath(path))
@@ -309,7 +372,7 @@ class Staging:
     fails before the work."""
 
     def __init__(self) -> None:
-        self.root = tempfile.mkdtemp(prefix="fxamp-", suffix=".tmp")
+        self.root = make_temporary_directory()
         self._entries: List[Tuple[str, str]] = []
 
     def path(self, target: str) -> str:

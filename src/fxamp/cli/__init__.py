@@ -13,7 +13,8 @@ fxamp --version
 
 The command is a package, one module per command group: ``factory`` (loading
 MODULE:FACTORY, the RewriteConfig of the model arguments), ``plans`` (plan, diff, check),
-``show``, ``audit``, ``export``, ``demo``; this module holds the argument parser and
+``show``, ``audit``, ``export``, ``demo``; ``terminal`` (any stream encoding, a closed
+standard output, termination signals); this module holds the argument parser and
 :func:`main`.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .export import cmd_export
 from .factory import load_factory
 from .plans import cmd_check, cmd_diff, cmd_plan
 from .show import cmd_show
+from .terminal import Terminated, result_stream, streams_for_any_encoding, terminating_raises
 
 __all__ = ["main", "build_parser", "load_factory"]
 
@@ -115,20 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
     model_args(p)
     p.add_argument("-o", "--output", help="write the plan to this file")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan, result_on_stdout=True)
 
     d = sub.add_parser("diff", help="diff two plan files (exit 1 when they differ)")
     d.add_argument("old")
     d.add_argument("new")
     d.add_argument("--format", default="text", choices=["text", "markdown"])
-    d.set_defaults(func=cmd_diff)
+    d.set_defaults(func=cmd_diff, result_on_stdout=True)
 
     c = sub.add_parser("check", help="fail (exit 1) when a model's plan differs from a file")
     model_args(c)
     c.add_argument("--plan", required=True, help="the committed plan file")
     c.add_argument("--update", action="store_true", help="rewrite the plan file instead")
     c.add_argument("--format", default="text", choices=["text", "markdown"])
-    c.set_defaults(func=cmd_check)
+    c.set_defaults(func=cmd_check, result_on_stdout=True)
 
     s = sub.add_parser("show", help="draw the graph coloured by precision")
     model_args(s)
@@ -146,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show findings of this severity and above (default: all)")
     a.add_argument("--onnx", metavar="FILE", help="also check this exported ONNX file (opset, "
                    "dynamic batch axis)")
-    a.set_defaults(func=cmd_audit)
+    a.set_defaults(func=cmd_audit, result_on_stdout=True)
 
     e = sub.add_parser("export", help="rewrite, export to ONNX and report what a backend "
                        "really runs in which precision")
@@ -167,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default=torch.float16, type=_compute_dtype,
                    help=dtype_help + " (default fp16)")
     m.add_argument("--target", default="cuda", choices=list(TRAINING_TARGETS))
-    m.set_defaults(func=cmd_demo)
+    m.set_defaults(func=cmd_demo, result_on_stdout=True)
     return parser
 
 
@@ -193,13 +195,21 @@ def _unexpected(err: BaseException) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``fxamp`` console script. Exit status: 0 success, 1 a plan
     differs (``diff``, ``check``) or an error finding (``audit``), 2 every failure, with
-    one line on stderr (``--debug`` adds the traceback)."""
+    one line on stderr (``--debug`` adds the traceback); 130 after Ctrl-C, 128 + N after
+    a termination signal N (SIGTERM: 143), each once its temporary files are removed."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else
                         logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        with terminating_raises(), streams_for_any_encoding():
+            if getattr(args, "result_on_stdout", False) and not getattr(args, "output", None):
+                result_stream(args.command, " or give -o FILE" if args.command == "plan"
+                              else "")  # (refused before the work when it is closed)
+            return args.func(args)
+    except Terminated as stop:
+        print(f"fxamp {args.command}: terminated by {stop.name}", file=sys.stderr)
+        return 128 + stop.signum
     except FxampError as err:
         if args.debug:
             traceback.print_exc()

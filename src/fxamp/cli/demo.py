@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import List
 
 import torch
 
 from ..policy import dtype_name
+from .terminal import write_result
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -16,7 +16,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     low = args.dtype
     result = run_demo(steps=args.steps, dtype=low, target=args.target)
     plan = result["plan"]
-    sys.stdout.write(plan.to_text())
+    write_result("demo", plan.to_text())
     losses: List[float] = result["losses"]  # type: ignore[assignment]
     print(f"\n{plan.count(low)} nodes in {dtype_name(low)}, {plan.count(torch.float32)} in fp32")
     print(f"trained {len(losses)} steps with GradScaler on {result['device']}: "

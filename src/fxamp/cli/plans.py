@@ -11,6 +11,7 @@ from typing import Any, Optional
 from ..errors import FxampError
 from ..fileio import atomic_write_text
 from .factory import rewrite_from_args
+from .terminal import write_result
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -26,7 +27,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         atomic_write_text(args.output, text)
         print(f"wrote {args.output} ({len(plan_of(gm).nodes)} nodes)")
     else:
-        sys.stdout.write(text)
+        write_result("plan", text, " or give -o FILE")
     return 0
 
 
@@ -57,7 +58,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             return 2
         plans.append(plan)
     text = diff(*plans, fmt=args.format)
-    sys.stdout.write(text)
+    write_result("diff", text)
     return 1 if text else 0
 
 
@@ -114,7 +115,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 2
     text = diff(committed, plan, fmt=args.format)
     if text:
-        sys.stdout.write(text)
+        write_result("check", text)
         print(f"fxamp check: the plan of {args.factory} differs from {args.plan}; review the "
               "change, then run again with --update to accept it", file=sys.stderr)
         return 1

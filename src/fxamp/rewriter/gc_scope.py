@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
-from typing import Iterator
+from typing import Iterator, List, Optional
 
 _LOCK = threading.Lock()
 _ACTIVE = [False]
+#: the thread whose block froze the objects (None: no block froze them)
+_FREEZER: List[Optional[int]] = [None]
 
 
 #: threads that allocate nothing the freeze could hold back (tqdm's monitor, which
@@ -43,7 +46,7 @@ def young_objects_only() -> Iterator[None]:
         mine = not _ACTIVE[0] and gc.isenabled() and gc.get_freeze_count() == 0 \
             and not other_threads()
         if mine:
-            _ACTIVE[0] = True
+            _ACTIVE[0], _FREEZER[0] = True, threading.get_ident()
             gc.freeze()
     try:
         yield
@@ -51,4 +54,21 @@ def young_objects_only() -> Iterator[None]:
         if mine:
             with _LOCK:
                 gc.unfreeze()
-                _ACTIVE[0] = False
+                _ACTIVE[0], _FREEZER[0] = False, None
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child (``os.register_at_fork``): a new lock, and the objects another
+    thread's block froze unfrozen (that thread is not in the child, so its block never
+    ends there); a block of the forking thread itself ends in the child as it would have."""
+    global _LOCK
+    if _FREEZER[0] == threading.get_ident():
+        return
+    _LOCK = threading.Lock()
+    if _ACTIVE[0]:
+        gc.unfreeze()
+        _ACTIVE[0], _FREEZER[0] = False, None
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -5,7 +5,8 @@ tolerance against FP32, it scores every low-precision node by its *local* error 
 in the low dtype on the FP32 values of its inputs, compared with its FP32 output, in one pass
 over the graph — flips the worst nodes to FP32 in doubling groups until the tolerance is met,
 then bisects that group down and drops flips that are not needed. Flipped nodes carry
-``rule="search"``.
+``rule="search"``; each is an ``fp32:NAME`` item of the result's policy (its plan header and
+``fxamp.config_of``), so a saved search plan re-applies with ``policy=plan.policy``.
 
 ``bisect_baseline`` is the anchor tools' method (Polygraphy ``debug precision``): bisect a
 prefix, or a suffix, of the graph's low-precision nodes kept in FP32. Both report how many
@@ -15,7 +16,7 @@ pass counts as one).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -31,7 +32,8 @@ from ..policy import Policy, dtype_name, make_policy
 from ..progress import advance, shows, track
 from ..runtime import eligible
 from ..frontends.common import as_tuple
-from .pipeline import check_model, plan_of, rewrite
+from ..result import result_of, set_result
+from .pipeline import amp_rewrite, check_model, plan_of
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +82,8 @@ class _Evaluator:
 
     def __call__(self, nodes: Sequence[str], rule: str = Rule.SEARCH,
                  reasons: Optional[Dict[str, str]] = None) -> Tuple[float, fx.GraphModule]:
-        reasons = reasons or {}
-        fixed = {n: (torch.float32, rule, reasons.get(n, "kept in fp32 to meet the tolerance"))
-                 for n in nodes}
-        gm = rewrite(self.model, self.inputs, self.config, fixed=fixed)
+        gm = _rewrite_with_fp32(self.model, self.inputs, self.config, nodes, rule,
+                                reasons or {})
         kwargs = self.config.example_kwargs or {}
         with torch.no_grad():
             outputs = [gm(*b, **kwargs) for b in self.batches]
@@ -93,6 +93,26 @@ class _Evaluator:
         log.info("evaluation %d: %d fp32 nodes, error %.3g", self.count, len(nodes), error)
         advance(postfix=f"{len(nodes)} fp32 nodes, error {error:.3g}")
         return error, gm
+
+
+def _rewrite_with_fp32(model: nn.Module, inputs: tuple, config: RewriteConfig,
+                       nodes: Sequence[str], rule: str, reasons: Dict[str, str]
+                       ) -> fx.GraphModule:
+    """``amp_rewrite`` with ``config`` plus an ``fp32:NAME`` override per node of ``nodes``,
+    those nodes' plan lines marked ``rule`` with their reason (as a healed Trainer's plan).
+
+    The overrides are the search's decisions as the policy says them: the plan header, the
+    stored config (``fxamp.config_of``) and so a saved plan's policy carry them, and
+    ``amp_rewrite(model, x, policy=plan.policy)`` plans the same dtypes."""
+    gm = amp_rewrite(model, inputs, config=config.with_fp32(nodes))
+    if not nodes:
+        return gm
+    plan, chosen = plan_of(gm), set(nodes)
+    marked = {name: replace(p, rule=rule,
+                            reason=reasons.get(name, "kept in fp32 to meet the tolerance"))
+              if name in chosen else p for name, p in plan.nodes.items()}
+    set_result(gm, result_of(gm).replace(plan=replace(plan, nodes=marked)))
+    return gm
 
 
 def _low_nodes(gm: fx.GraphModule, pol: Policy) -> List[str]:

@@ -26,8 +26,8 @@ log = logging.getLogger("fxamp.train.trainer")  # the trainer's logger, as befor
 
 
 def healing_config(gm: nn.Module, policy: str) -> RewriteConfig:
-    """The RewriteConfig ``gm`` was made with; for a module without one (made by the search,
-    say) the plan's policy with the front end its header names."""
+    """The RewriteConfig ``gm`` was made with; for a module without one (a nested part of
+    a rewrite, say) the plan's policy with the front end its header names."""
     config = result_of(gm).config if has_result(gm) else None
     if config is not None:
         return config
