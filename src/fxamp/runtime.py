@@ -78,12 +78,19 @@ class _FanOut(torch.autograd.Function):
 class _EagerFanOut(torch.autograd.Function):
     """:class:`_FanOut` outside ``torch.func`` transforms: the same backward and jvp; its
     ``apply`` costs 5 Python calls, not ~90 (a Function with ``setup_context`` binds its
-    arguments through ``inspect`` on every call)."""
+    arguments through ``inspect`` on every call).
+
+    Its output is ``shared.detach()``: the same memory, but not a view autograd tracks. A
+    Function whose output is a view must give a tangent that is a view too, which a tangent
+    batched by ``torch.autograd.functional.jacobian(..., strategy="forward-mode",
+    vectorize=True)`` (the legacy vmap) is not ("jvp is not returning a view"). No consumer
+    changes its fan-out in place (the casts pass gives such a consumer the cast itself), so
+    nothing needs the view relation; the backward is the same, the gradients bit for bit."""
 
     @staticmethod
     def forward(ctx: Any, source: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         ctx.dtype = source.dtype
-        return shared.view_as(shared)
+        return shared.detach()
 
     backward = staticmethod(_FanOut.backward)
     jvp = staticmethod(_FanOut.jvp)
