@@ -164,6 +164,20 @@ def test_forward_ad_dual_numbers_equal_autocast_and_backward_still_does():
     _assert_equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("strategy,vectorize", [("forward-mode", True), ("reverse-mode", True),
+                                                ("reverse-mode", False)])
+def test_autograd_functional_jacobian_equals_autocast(strategy, vectorize):
+    """``torch.autograd.functional.jacobian`` of the input; forward-mode (which torch runs
+    vectorized only) batches the tangents with the legacy vmap, outside ``torch.func``: the
+    fan-out's eager Function gets batched tangents."""
+    model, gm = _pair()
+    x = _data()[0][:1]
+    got = torch.autograd.functional.jacobian(gm, x, strategy=strategy, vectorize=vectorize)
+    want = torch.autograd.functional.jacobian(_autocast(model), x, strategy=strategy,
+                                              vectorize=vectorize)
+    _assert_equal(got, want, outputs=True)
+
+
 def _trained_once(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.cross_entropy(module(x).float(), y).backward()
     module.zero_grad(set_to_none=True)

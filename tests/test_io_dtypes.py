@@ -79,6 +79,51 @@ def test_a_float64_mask_next_to_a_float32_input_is_refused():
     assert torch.equal(gm(x.half(), mask), _autocast(model, x.half(), mask).float())
 
 
+class ScaledByMask(nn.Module):
+    """The mask reaches the linear through a product: the graph casts the product, not the
+    mask itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * mask)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_float64_mask_that_reaches_a_cast_through_an_op_is_refused(frontend):
+    torch.manual_seed(0)
+    model = ScaledByMask()
+    x, mask = torch.randn(2, 8), torch.rand(2, 8)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        _autocast(model, x, mask.double())
+    gm = fxamp.amp_rewrite(model, (x, mask), frontend=frontend, **BF16)
+    with pytest.raises(InputDtypeError, match=r"input 'mask' is a torch.float64 tensor.*"
+                                              r"what to do: pass mask as torch.float32"):
+        gm(x, mask.double())
+    # the planned dtype, and a half mask (which autocast casts too), run as under autocast
+    assert torch.equal(gm(x, mask), _autocast(model, x, mask).float())
+    assert torch.equal(gm(x, mask.half()), _autocast(model, x, mask.half()).float())
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_float32_mask_where_the_example_had_float64_is_refused(frontend):
+    torch.manual_seed(0)
+    model = ScaledByMask()
+    x, mask = torch.randn(2, 8), torch.rand(2, 8)
+    gm = fxamp.amp_rewrite(model, (x, mask.double()), frontend=frontend, **BF16)
+    # autocast casts the float32 product for the linear; the plan, made for a float64
+    # product that autocast leaves alone, has no cast there
+    want = _autocast(model, x, mask)
+    assert want.dtype == torch.bfloat16
+    with pytest.raises(InputDtypeError, match=r"input 'mask' is a torch.float32 tensor; the "
+                                              r"rewrite was planned for a torch.float64"):
+        gm(x, mask)
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):  # as under autocast
+        gm(x, mask.double())
+
+
 @pytest.mark.parametrize("how,dtype", [("half", torch.float16), ("fp8", torch.float8_e4m3fn),
                                        ("bf16", torch.bfloat16)])
 def test_an_output_the_model_converts_keeps_its_dtype(how, dtype):

@@ -45,8 +45,9 @@ class InputShapeError(FxampError, ValueError):
 
 
 class InputDtypeError(FxampError, TypeError):
-    """A call's input has a dtype the rewrite would have to convert silently (an integer,
-    bool or float64 tensor where the example had a low- or single-precision float)."""
+    """A call's input has a dtype autocast treats otherwise than the example's, so the plan
+    does not hold for it (an integer, bool or float64 tensor where the example had a low- or
+    single-precision float, or another dtype where the example had float64)."""
 
 
 class CallStructureError(FxampError, TypeError):

@@ -78,12 +78,19 @@ class _FanOut(torch.autograd.Function):
 class _EagerFanOut(torch.autograd.Function):
     """:class:`_FanOut` outside ``torch.func`` transforms: the same backward and jvp; its
     ``apply`` costs 5 Python calls, not ~90 (a Function with ``setup_context`` binds its
-    arguments through ``inspect`` on every call)."""
+    arguments through ``inspect`` on every call).
+
+    Its output is ``shared.detach()``: the same memory, but not a view autograd tracks. A
+    Function whose output is a view must give a tangent that is a view too, which a tangent
+    batched by ``torch.autograd.functional.jacobian(..., strategy="forward-mode",
+    vectorize=True)`` (the legacy vmap) is not ("jvp is not returning a view"). No consumer
+    changes its fan-out in place (the casts pass gives such a consumer the cast itself), so
+    nothing needs the view relation; the backward is the same, the gradients bit for bit."""
 
     @staticmethod
     def forward(ctx: Any, source: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         ctx.dtype = source.dtype
-        return shared.view_as(shared)
+        return shared.detach()
 
     backward = staticmethod(_FanOut.backward)
     jvp = staticmethod(_FanOut.jvp)
@@ -112,18 +119,42 @@ def fan_out(source: Any, dtype: torch.dtype, shared: Any, flat_linear: bool = Fa
 
 def check_input_dtypes(values: Tuple[Any, ...], planned: Tuple[torch.dtype, ...],
                        names: Tuple[str, ...]) -> None:
-    """A graph's first call: refuse an input the graph would cast to low precision but that
-    autocast would leave alone (integer, bool, complex or float64: the FP32 model and
-    autocast compute with it as it is, or raise), instead of converting it silently."""
+    """Refuse a floating input the plan does not hold for: one autocast treats otherwise
+    than the example's dtype (the plan's casts would convert it, or values computed from
+    it, where the FP32 model and autocast compute with it as it is, or raise).
+
+    Autocast casts float16, bfloat16 and float32 tensors alike and leaves every other dtype
+    as it is, so an input of one of those three may stand for another; an integer, bool,
+    complex or float64 tensor where the example had one of them is refused, and so is any
+    other dtype where the example had a float64 tensor.
+
+    Args:
+        values: the graph's floating inputs on this call (non-tensors are skipped).
+        planned: the dtype each had in the example.
+        names: their argument names, for the message.
+
+    Raises:
+        InputDtypeError: naming the first input refused and what to do.
+    """
     for value, want, name in zip(values, planned, names):
-        if not isinstance(value, torch.Tensor) or value.dtype == want or eligible(value):
+        if not isinstance(value, torch.Tensor) or value.dtype == want or (
+                want != torch.float64 and eligible(value)):
             continue
+        if want == torch.float64:
+            raise InputDtypeError(
+                f"input {name!r} is a {value.dtype} tensor; the rewrite was planned for a "
+                f"{want} input here, which torch.autocast leaves as it is, so the plan has "
+                f"no cast where autocast would cast a {value.dtype} tensor or values "
+                f"computed from it (autocast casts only float16, bfloat16 and float32 "
+                f"tensors). what to do: pass {name} as {want} ({name}.to({want})), or "
+                f"rewrite with example inputs of the dtypes you call with")
         raise InputDtypeError(
             f"input {name!r} is a {value.dtype} tensor; the rewrite was planned for a {want} "
-            f"input here and would convert it, where the FP32 model and torch.autocast "
-            f"compute with a {value.dtype} tensor as it is (autocast casts only float16, "
-            f"bfloat16 and float32 tensors). what to do: pass {name} as {want} "
-            f"({name}.to({want})), or rewrite with example inputs of the dtypes you call with")
+            f"input here and its casts would convert it or the values computed from it, "
+            f"where the FP32 model and torch.autocast compute with a {value.dtype} tensor "
+            f"as it is, or raise (autocast casts only float16, bfloat16 and float32 "
+            f"tensors). what to do: pass {name} as {want} ({name}.to({want})), or rewrite "
+            f"with example inputs of the dtypes you call with")
 
 
 _RANGE_WARNED: set = set()

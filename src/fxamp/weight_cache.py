@@ -35,6 +35,13 @@ step's gradient memory once no ``.grad`` holds it. Reusing memory matters on CPU
 fresh large tensor page-faults (measured: casting GPT-2-small's 124M weights into new tensors
 ~5x the time of casting into existing ones; training steps 147k page faults -> 100k).
 
+Threads: the copies are filled under the cache's lock. A forward whose copy is fresh reads
+it without the lock (one read of the slot, checked fresh, is what it serves); a stale one
+(the first calls of a fresh module, made by several threads at once, or a changed weight)
+takes the lock, checks again and fills. A fill sets a slot's copy only once it is written
+(meanwhile the slot reads as stale, so a forward that needs it waits for the lock): no
+thread serves a slot being filled, and each is cast once however many threads ask.
+
 The cache steps aside (a plain ``param.to(dtype)``) whenever it cannot be sure of a tensor:
 while tracing, exporting or compiling, under a dispatch / torch-function mode (fake tensors,
 functionalization), for tensor subclasses, inference tensors and the meta device.
@@ -42,6 +49,7 @@ functionalization), for tensor subclasses, inference tensors and the meta device
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -140,10 +148,16 @@ class _Slot:
         """Whether the copy may serve again: the same Parameter, unchanged as far as its
         version counter and storage tell (the attached optimizer re-casts what it steps
         on); a copy cast with grad only when ``reuse_grad_copy`` (``weights=o2``)."""
-        p, copy = self.param, self.copy
-        return (p is not None and copy is not None and self.key == _key(p)
+        return self.usable(reuse_grad_copy) is not None
+
+    def usable(self, reuse_grad_copy: bool) -> Optional[torch.Tensor]:
+        """The copy, read once, when it may serve again (see :meth:`fresh`); else None."""
+        p, copy, key = self.param, self.copy, self.key
+        if (p is not None and copy is not None and key == _key(p)
                 and copy._version == self.version
-                and (reuse_grad_copy or not self.with_grad))
+                and (reuse_grad_copy or not self.with_grad)):
+            return copy
+        return None
 
     def upcast(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``grad.to(dtype)``; on CPU (where a fresh large tensor page-faults) written into
@@ -201,6 +215,7 @@ class WeightCache(nn.Module):
         self.hits = 0
         self.casts = 0  # weights cast (misses), counted for tests and benchmarks
         self.served = False  # a copy was served since the o2 step last re-cast (train/o2.py)
+        self._lock = threading.Lock()  # held while copies are filled (see the module text)
 
     def add_slot(self, dtype: torch.dtype, param: Optional[torch.Tensor] = None) -> int:
         """A new slot for one weight (``param``, if known: the first forward then casts
@@ -211,8 +226,9 @@ class WeightCache(nn.Module):
 
     def clear(self) -> None:
         """Drop every copy (the next forward casts again)."""
-        for slot in self.slots:
-            slot.param = slot.key = slot.copy = slot.grad_copy = slot.grad_buf = None
+        with self._lock:
+            for slot in self.slots:
+                slot.param = slot.key = slot.copy = slot.grad_copy = slot.grad_buf = None
 
     def nbytes(self) -> int:
         """Bytes held by the copies, and by the FP32 gradient buffers kept for reuse (CPU)
@@ -237,6 +253,11 @@ class WeightCache(nn.Module):
         written into a new tensor. A weight whose memory is freed (FSDP2 between forwards)
         is marked stale instead: the next forward casts it. The number of weights cast or
         marked."""
+        with self._lock:
+            return self._refresh(only_stale, owned)
+
+    def _refresh(self, only_stale: bool = True, owned: Optional[set] = None) -> int:
+        """:meth:`refresh`, with the lock held."""
         groups: Dict[tuple, List[_Slot]] = {}
         n = 0
         for slot in self.slots:
@@ -278,13 +299,29 @@ class WeightCache(nn.Module):
     def get(self, index: int, param: torch.Tensor, grad: bool = False) -> torch.Tensor:
         """The low-precision copy of ``param`` for slot ``index``, cast if it changed (without
         grad: with every other changed weight, in one operation); ``grad``: a copy whose
-        backward returns the gradient to ``param``."""
+        backward returns the gradient to ``param``. A fresh copy is served without the lock;
+        a stale one is filled under it (:meth:`_fill`)."""
         slot = self.slots[index]
         self.served = True
+        o2 = self.mode == "o2" and self.attached
+        if slot.param is param and (o2 or not grad):
+            copy = slot.usable(o2)
+            out = copy if copy is None or not grad else slot.grad_copy
+            if out is not None:
+                if slot.new:
+                    slot.new = False
+                else:
+                    self.hits += 1
+                return out
+        with self._lock:
+            return self._fill(slot, param, grad, o2)
+
+    def _fill(self, slot: _Slot, param: torch.Tensor, grad: bool, o2: bool) -> torch.Tensor:
+        """:meth:`get` for a copy that may be stale, with the lock held: checked again (another
+        thread may have filled it meanwhile), cast if stale, and served."""
         if slot.param is not param:
             slot.param, slot.key, slot.grad_copy = param, None, None
         key = _key(param)
-        o2 = self.mode == "o2" and self.attached
         if not slot.fresh(o2) or (grad and not o2):
             if (self.mode == "o2" and not self.attached and not self._warned and grad
                     and slot.copy is not None):
@@ -293,7 +330,7 @@ class WeightCache(nn.Module):
                             "forward casts them; call fxamp.train.attach_optimizer(gm, "
                             "optimizer) so the optimizer step does")
             if not grad:
-                self.refresh()
+                self._refresh()
             else:
                 self._cast_with_grad(slot, param, key)
         if slot.new:
@@ -343,7 +380,13 @@ class WeightCache(nn.Module):
         state = self.__dict__.copy()
         state["slots"] = [_Slot(s.dtype) for s in self.slots]
         state["attached"] = False
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling: the state, with a new lock (a lock is not pickled)."""
+        super().__setstate__(state)
+        self._lock = threading.Lock()
 
 
 def cast_weight(param: Any, dtype: torch.dtype, cache: Optional[WeightCache] = None,

@@ -292,20 +292,24 @@ def _guarded(src: fx.GraphModule, ctx: PassContext) -> Dict[fx.Node, Tuple[float
 
 
 def _check_inputs(graph: fx.Graph, src: fx.GraphModule) -> None:
-    """Make the graph's first call refuse an input it would cast but autocast would not
-    (``runtime.check_input_dtypes``): the placeholders cast to a low dtype."""
+    """Make every call refuse a floating input of a dtype that autocast treats otherwise
+    than the example's (``runtime.check_input_dtypes``): the plan's casts hold only for
+    inputs of the example's autocast class (float16 / bfloat16 / float32 alike, float64 as
+    itself). Checked are the tensor placeholders that had a floating dtype in the example,
+    whether the graph casts them directly or values computed from them."""
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    planned = {n.name: ir.precision(n) for n in src.graph.nodes if n.op == "placeholder"}
-    cast = [p for p in inputs if planned.get(p.name) is not None
-            and planned[p.name].dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and ir.get(next(n for n in src.graph.nodes if n.name == p.name)).value == "tensor"
-            and any(ir.is_cast(u) and u.op == "call_method" for u in p.users)]
-    if not cast:
+    src_inputs = {n.name: n for n in src.graph.nodes if n.op == "placeholder"}
+    planned = {name: ir.precision(n) for name, n in src_inputs.items()}
+    floating = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    checked = [p for p in inputs if planned.get(p.name) is not None
+               and planned[p.name].dtype in floating
+               and ir.get(src_inputs[p.name]).value == "tensor"]
+    if not checked:
         return
     with graph.inserting_after(inputs[-1]):
         graph.create_node("call_function", runtime.check_input_dtypes,
-                          (tuple(cast), tuple(planned[p.name].dtype for p in cast),
-                           tuple(str(p.target) for p in cast)), {}, "fxamp_check_inputs")
+                          (tuple(checked), tuple(planned[p.name].dtype for p in checked),
+                           tuple(str(p.target) for p in checked)), {}, "fxamp_check_inputs")
 
 
 def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
