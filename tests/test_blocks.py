@@ -181,3 +181,45 @@ def test_timm_models_rewritten_in_train_mode_equal_autocast_in_eval(name, exampl
         with torch.autocast("cpu", dtype=BF16):
             want = ref(x)
     assert torch.equal(got, want.float())
+
+
+def test_gpt2_generate_with_its_kv_cache_in_block_mode_gives_autocast_tokens():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)
+    ref = transformers.GPT2LMHeadModel(cfg).eval()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    plan = fxamp.plan_of(model)
+    assert plan.header["frontend"] == "blocks"
+    assert {"transformer.h.0", "transformer.h.1"} <= set(plan.nodes)
+
+
+def test_gpt2_dropout_in_block_mode_draws_what_autocast_draws_from_step_0():
+    """GPT-2 has dropout in the glue and in its blocks, and passes its blocks a KV cache they
+    append to: the first call (which plans every block, running their code on copies of
+    the cache) and the next one compute and draw the RNG exactly as autocast's calls do."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=3, n_head=2,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0)
+    ref = transformers.GPT2LMHeadModel(cfg).train()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(2))
+    calls = []
+    model.transformer.h[1].register_forward_hook(lambda *a: calls.append(1))
+    for step in range(2):
+        torch.manual_seed(step)
+        got = model(ids, labels=ids).loss
+        after = torch.rand(1)
+        torch.manual_seed(step)
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref(ids, labels=ids).loss
+        assert torch.equal(got, want) and torch.equal(after, torch.rand(1)), step
+    assert len(calls) == 2  # (planning runs no hook of the user's)

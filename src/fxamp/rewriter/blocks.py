@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 from collections import Counter
 from typing import Any, Dict, List, Optional
@@ -88,6 +89,10 @@ class BlocksRoot:
         self.composed = -1
         # (a block's share_key -> the first block planned with it and its graph)
         self.shared: Dict[tuple, tuple] = {}
+        try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
+            self.__signature__ = inspect.signature(type(model).forward.__get__(model))
+        except (TypeError, ValueError):
+            pass
 
     def planner(self, plan: Planner) -> Planner:
         """``plan`` for the blocks: a block identical to one planned already (same class,
@@ -99,11 +104,15 @@ class BlocksRoot:
                     why: Optional[str]) -> nn.Module:
             key = share_key(block, args, kwargs) if why is None else None
             known = self.shared.get(key) if key is not None else None
+            gm = None
             if known is not None:
-                gm = bound_to(known[1], known[0], block)
-            else:
+                try:
+                    gm = bound_to(known[1], known[0], block)
+                except FxampError as err:  # (an eager-front-end result: no copy)
+                    log.info("%s: planned on its own: %s", type(block).__name__, err)
+            if gm is None:
                 gm = plan(block, args, kwargs, config, why)
-                if key is not None:
+                if key is not None and key not in self.shared:
                     self.shared[key] = (block, gm)
             self.planned += 1
             return gm

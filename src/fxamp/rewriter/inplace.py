@@ -124,10 +124,12 @@ class InplaceForward:
     def put(self, gm: nn.Module) -> None:
         """Make ``gm`` the model's first graph (a new plan: the others are dropped)."""
         model = self.model
-        for kind in _ROOT_HOOKS:
+        for kind in _ROOT_HOOKS:  # the root's hooks run on the model itself, not twice
             theirs = getattr(model, kind, None)
             mine = getattr(gm, kind, None)
-            if theirs and mine:  # the root's hooks run on the model itself, not twice
+            if mine is not None and mine is theirs:  # (a shallow copy of the model's)
+                setattr(gm, kind, type(mine)())
+            elif theirs and mine:
                 for key in list(theirs):
                     mine.pop(key, None)
         model.__dict__[ATTR] = gm

@@ -1,6 +1,7 @@
 """amp_rewrite: trace, annotate, insert casts, recompile; plan_of."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
@@ -26,7 +27,7 @@ from ..frontends.checkpointing import layers_off
 from ..frontends.common import MODE, as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
-from ..frontends.hooks import check_global_hooks, copy_root_hooks
+from ..frontends.hooks import check_global_hooks, copy_root_hooks, without_root_hooks
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
@@ -157,7 +158,12 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
 
     ``inplace=True`` returns ``model`` itself, its forward computing with the rewritten
     module (same object and class: its other methods, wrappers, hooks and ``state_dict``
-    keys stay; ``train()``/``eval()`` reach the graph; see ``rewriter/inplace.py``).
+    keys stay; ``train()``/``eval()`` reach the graph; see ``rewriter/inplace.py``). It
+    needs no example inputs: the model is then planned on its first call, from that call's
+    arguments, and a model with blocks keeps its module tree, each block planned on its
+    first call (``rewriter/blocks.py``). A call in a mode or of a structure no graph of an
+    in-place model covers is planned on that call; a returned module refuses it
+    (``ModeError``, ``CallStructureError``).
     """
     if config is None:
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
@@ -217,8 +223,10 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
     """An in-place rewritten model planned, with its config, on a call's arguments: its
     first call without example inputs, a mode or call structure no graph covers (``why``
     None), or a structure change since its plan (``why`` says which). Planned with any
-    outer autocast off, grad mode on, outside inference mode, and with the RNG states of
-    the CPU and the initialised CUDA devices put back after (the user's run is unchanged);
+    outer autocast off, grad mode on, outside inference mode, with the model's own call
+    hooks off (they ran on this call, and run on the next ones, around the new graph), on
+    copies of the call's Python objects (:func:`isolated`), and with the RNG states of the
+    CPU and the initialised CUDA devices put back after (the user's run is unchanged);
     returns the new rewritten module (the in-place forward keeps it)."""
     name = type(model).__name__
     if why is None:
@@ -234,11 +242,49 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
             raise
         raise UnsupportedModelError(f"{name} changed after its in-place rewrite ({why}) and "
                                     f"cannot be planned again: {err}") from None
+    args, kwargs = isolated((args, kwargs))
     config = config.replace(example_kwargs=dict(kwargs) or None)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
-            torch.random.fork_rng(devices=devices):
-        return _rewrite_top(model, args, config)
+            torch.random.fork_rng(devices=devices), without_root_hooks(model):
+        return _rewrite_top(model, args, config)  # (the model's hooks: on its own call)
+
+
+def isolated(value: Any) -> Any:
+    """A call's arguments for planning on that call: the Python objects in them copied (a
+    KV cache the model's code appends to), tensors, modules and functions shared, so the
+    runs of the model's code a plan may make (the eager front end's, the FP32 check of a
+    failed plan) leave the caller's objects as they were. ``value`` itself when it cannot
+    be copied.
+
+    Args:
+        value: the call's ``(args, kwargs)``.
+    """
+    memo: Dict[int, Any] = {}
+    seen: set = set()
+
+    def share(v: Any, depth: int) -> None:
+        if id(v) in seen or depth > 8:
+            return
+        seen.add(id(v))
+        if isinstance(v, (torch.Tensor, nn.Module, type)) or callable(v) and not hasattr(
+                v, "__dict__"):
+            memo[id(v)] = v
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            for x in v:
+                share(x, depth + 1)
+        elif isinstance(v, dict):
+            for x in v.values():
+                share(x, depth + 1)
+        elif hasattr(v, "__dict__"):
+            for x in vars(v).values():
+                share(x, depth + 1)
+
+    share(value, 0)
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied: planned as given
+        return value
 
 
 def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
