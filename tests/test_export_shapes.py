@@ -104,3 +104,49 @@ def test_token_inputs_keep_batch_and_sequence_dynamic() -> None:
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
         assert out.shape == (batch, seq, 32)
         torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
+
+
+class Bounded(nn.Module):
+    """A sequence dimension the model's code bounds: a table of 6 positions sliced to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(6, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pos[: ids.shape[1]] + ids[..., None].float())
+
+
+def test_a_call_past_a_bound_export_derived_is_an_input_shape_error_naming_it() -> None:
+    torch.manual_seed(0)
+    model = Bounded().eval()
+    ids = torch.randint(0, 5, (2, 4))
+    gm = fxamp.amp_rewrite(model, (ids,), **BF16)
+    ok = torch.randint(0, 5, (3, 6))
+    torch.testing.assert_close(gm(ok), model(ok), rtol=0.03, atol=0.03)
+    with pytest.raises(InputShapeError) as info:  # was: AssertionError: Guard failed
+        gm(torch.randint(0, 5, (2, 8)))
+    message = str(info.value)
+    assert "input 'ids' with dimension 1 of size at most 6" in message
+    assert "this call gives 8" in message and "what to do" in message
+
+
+@pytest.mark.slow
+def test_bert_past_its_max_positions_is_an_input_shape_error_naming_input_ids() -> None:
+    """Hugging Face BERT with 64 positions, in place, called with 80 tokens: fxamp's error
+    naming the argument and the bound, not torch.export's bare guard."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64, vocab_size=100,
+                                 max_position_embeddings=64)).eval()
+    fxamp.amp_rewrite(model, (torch.randint(0, 100, (2, 16)),), inplace=True, **BF16)
+    assert model(torch.randint(0, 100, (3, 64))).last_hidden_state.shape == (3, 64, 32)
+    with pytest.raises(InputShapeError) as info:
+        model(torch.randint(0, 100, (2, 80)))
+    message = str(info.value)
+    assert "input 'input_ids' with dimension 1 of size at most 64" in message
+    assert "this call gives 80" in message
