@@ -106,6 +106,25 @@ def test_token_inputs_keep_batch_and_sequence_dynamic() -> None:
         torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
 
 
+def test_batch_one_example_advice_is_an_example_of_batch_two_which_takes_batch_three() -> None:
+    """torch.export fixes a dimension whose example size is 1 whatever ``dynamic_shapes``
+    says: the advice is a batch of 2 or more, and following it makes the batch-3 call run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    gm = fxamp.amp_rewrite(model, (torch.randn(1, 8),), **BF16)
+    x = torch.randn(3, 8)
+    with pytest.raises(InputShapeError) as info:
+        gm(x)
+    message = str(info.value)
+    assert "dimension 0 of 'input' has size 2 or more" in message
+    assert "Dim.AUTO" not in message  # (which changes nothing for a size-1 example)
+    with pytest.raises(InputShapeError, match="fixed at 1"):  # what the old advice did
+        fxamp.amp_rewrite(model, (torch.randn(1, 8),),
+                          dynamic_shapes={"input": {0: Dim.AUTO}}, **BF16)(x)
+    followed = fxamp.amp_rewrite(model, (torch.randn(2, 8),), **BF16)
+    torch.testing.assert_close(followed(x), model(x), rtol=0.03, atol=0.03)
+
+
 class Bounded(nn.Module):
     """A sequence dimension the model's code bounds: a table of 6 positions sliced to it."""
 

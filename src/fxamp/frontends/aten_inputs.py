@@ -132,16 +132,24 @@ class ShapeCheck:
                 "rewrite it with example inputs of that rank")
         dims = {i for i, s in enumerate(sizes) if s is None} | {dim}
         spec = "{" + ", ".join(f"{i}: Dim.AUTO" for i in sorted(dims)) + "}"
+        shapes = (f"amp_rewrite(..., dynamic_shapes={{{name!r}: {spec}}}) (torch.export's "
+                  "spelling, Dim from torch.export; for an input nested in a list or dict "
+                  "the spec follows its structure)")
+        if sizes[dim] <= 1:  # torch.export fixes it whatever dynamic_shapes says
+            fix = (f"rewrite with example inputs whose dimension {dim} of {name!r} has size "
+                   "2 or more (torch.export fixes a dimension whose example size is 0 or 1, "
+                   "even one dynamic_shapes calls dynamic; a graph traced on size 2 takes "
+                   "size 1 too where the model's code allows it)"
+                   + ("" if dim == 0 else f" and with {shapes}"))
+        else:
+            fix = f"rewrite with {shapes}"
         raise InputShapeError(
             f"the rewritten {self.model_name} was exported with dimension {dim} of input "
             f"{name!r} fixed at {sizes[dim]} (sizes {shown}, * = any size); this call gives "
             f"{value.shape[dim]}. By default only the batch dimension (dim 0) and the "
             "sequence dimension of integer token inputs are dynamic, and torch.export fixes "
             "a dynamic one where the model's code needs a fixed size or the example size "
-            "is 0 or 1\n  what to do: rewrite with amp_rewrite(..., dynamic_shapes="
-            f"{{{name!r}: {spec}}}) (torch.export's spelling, Dim from torch.export; for an "
-            "input nested in a list or dict the spec follows its structure), or call it "
-            f"with size {sizes[dim]}")
+            f"is 0 or 1\n  what to do: {fix}, or call it with size {sizes[dim]}")
 
 
 def symbolic_bounds(gm: fx.GraphModule, names: List[str]
