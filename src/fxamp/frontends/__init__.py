@@ -21,19 +21,18 @@ warnings and nested plans (:mod:`.common`). This package imports only the layers
 """
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, List, Optional
 
-import torch
 import torch.nn as nn
 
 from .. import _torch
 from ..config import FRONTEND_ORDER, FRONTENDS
-from ..errors import ExampleInputError, TraceError
+from ..errors import TraceError
 from .aten import AtenFrontend
 from .base import Capture, Children, Frontend, GraphFrontend, Request, Traced
 from .eager import EagerFrontend
 from .fx import MAX_RUNTIME_LEAVES, FxFrontend, PartialFrontend
+from .model_checks import check_example_device, check_not_quantized
 from .state import ModelState
 
 FX = FxFrontend()
@@ -55,7 +54,10 @@ def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
     decisions fixed by node name). ``state`` (the model's snapshot) is restored after each
     front end that fails; ``dynamic_shapes`` goes to torch.export. ``inference``: the
     eval-mode graph alone (one trace, not one per mode). When none takes it:
-    the one front end's TraceError, or one naming each front end's failure."""
+    the one front end's TraceError, or one naming each front end's failure. A quantized
+    model, and example inputs on meta for a model on another device, are refused before
+    any front end tries (:mod:`.model_checks`)."""
+    check_not_quantized(model)
     check_example_device(model, args, kwargs)
     request = Request(tuple(args), dict(kwargs), frontend, state or ModelState(model),
                       dynamic_shapes, inference=inference)
@@ -79,33 +81,6 @@ def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
                          "calibration, fixed decisions, the search and the audit need; "
                          "what to do: ask for frontend='auto', 'fx' or 'export'")
     raise refused
-
-
-def check_example_device(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
-    """Refuse example inputs on device ``meta`` for a model whose Parameters or buffers are
-    on another device: the model cannot run on them (every call mixes two devices), so
-    neither the op dtypes nor autocast's behaviour can be observed on them.
-
-    Raises:
-        ExampleInputError: naming both devices and what to pass instead.
-    """
-    example = {t.device.type for t in _torch.tree_flatten((args, kwargs))[0]
-               if isinstance(t, torch.Tensor)}
-    if "meta" not in example:
-        return
-    own = sorted({t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
-                 - {"meta"})
-    if not own:
-        return
-    name, device = type(model).__name__, own[0]
-    raise ExampleInputError(
-        f"the example inputs are on device meta and {name}'s Parameters and buffers on "
-        f"{', '.join(own)}: {name} does not run on them (every call would mix meta and "
-        f"{device} tensors), so its plan cannot be made from them; what to do: pass example "
-        f"inputs on {device} (real tensors of the same shapes and dtypes, e.g. "
-        f"torch.randn(shape, device={device!r})), or, for the plan alone without allocating "
-        f"inputs, rewrite a copy of the model moved to meta (copy.deepcopy(model).to('meta'), "
-        "as `fxamp plan --input-shape` does)")
 
 
 def _refusal(model: nn.Module, tried: List[Frontend],

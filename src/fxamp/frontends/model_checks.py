@@ -1,0 +1,103 @@
+"""What no front end can take, refused before any of them tries, naming it and what to do:
+a quantized model (:func:`check_not_quantized`) and example inputs on device ``meta`` for
+a model on another device (:func:`check_example_device`)."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .._torch import tree_flatten
+from ..errors import ExampleInputError, UnsupportedModelError
+
+#: the packages of torch's quantized modules: static, dynamic and reference quantized
+#: layers, and the fused (intrinsic) quantized ones; ``torch.nn.quantized`` is an alias
+QUANTIZED_PACKAGES = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized",
+                      "torch.nn.quantized", "torch.nn.intrinsic.quantized",
+                      "torch.ao.nn.sparse.quantized")
+#: torch functions that make quantized tensors (a ``quantize_fx`` module's graph calls them)
+QUANTIZE_CALLS = (torch.quantize_per_tensor, torch.quantize_per_channel,
+                  torch.quantize_per_tensor_dynamic)
+#: the operator namespaces of quantized kernels (``torch.ops.quantized.*``, PT2E's
+#: ``torch.ops.quantized_decomposed.*``)
+QUANTIZED_NAMESPACES = ("quantized", "quantized_decomposed")
+
+
+def quantized_part(model: nn.Module) -> Optional[str]:
+    """What makes ``model`` quantized, in words (a quantized layer by path and class, else
+    a quantize / dequantize stub, a quantized tensor, or a quantizing call of a graph), or
+    None for a floating-point model."""
+    modules = [(path, m) for path, m in model.named_modules()
+               if type(m).__module__.startswith(QUANTIZED_PACKAGES)]
+    stubs = ("Quantize", "DeQuantize")
+    for path, module in sorted(modules, key=lambda pm: type(pm[1]).__name__ in stubs):
+        cls = type(module)
+        return (f"{path!r} is {cls.__module__}.{cls.__qualname__}" if path else
+                f"it is {cls.__module__}.{cls.__qualname__}")
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if t.is_quantized:
+            return f"{name!r} is a quantized tensor ({t.dtype})"
+    for path, module in model.named_modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.find_nodes(op="call_function"):
+            target = node.target
+            namespace = getattr(target, "namespace", None) or str(target).split(".")[0]
+            if target in QUANTIZE_CALLS or namespace in QUANTIZED_NAMESPACES:
+                shown = (f"torch.{target.__name__}" if target in QUANTIZE_CALLS
+                         else str(target))
+                where = f" of {path!r}" if path else ""
+                return f"its graph{where} calls {shown} (node {node.name})"
+    return None
+
+
+def check_not_quantized(model: nn.Module) -> None:
+    """Refuse a quantized model (eager static or dynamic quantization's ``convert``
+    output, a ``quantize_fx`` / PT2E module): its layers compute on quantized integer
+    tensors, which neither autocast nor a floating-point plan covers.
+
+    Raises:
+        UnsupportedModelError: naming the quantized module (or tensor, or call) and what
+            to do.
+    """
+    part = quantized_part(model)
+    if part is None:
+        return
+    raise UnsupportedModelError(
+        f"{type(model).__name__} is quantized: {part}, which computes on quantized integer "
+        "tensors. fxamp plans floating-point models (each op in FP16/BF16 or FP32, as "
+        "torch.autocast does); a quantized model has its precision chosen already and runs "
+        "without fxamp. what to do: give amp_rewrite the floating-point model, before "
+        "torch.ao.quantization's prepare / convert (or quantize_fx's prepare_fx / "
+        "convert_fx); mixed precision and int8 quantization are two ways to lower a "
+        "model's precision, so quantize the float model, not the rewritten one")
+
+
+def check_example_device(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+    """Refuse example inputs on device ``meta`` for a model whose Parameters or buffers are
+    on another device: the model cannot run on them (every call mixes two devices), so
+    neither the op dtypes nor autocast's behaviour can be observed on them.
+
+    Raises:
+        ExampleInputError: naming both devices and what to pass instead.
+    """
+    example = {t.device.type for t in tree_flatten((args, kwargs))[0]
+               if isinstance(t, torch.Tensor)}
+    if "meta" not in example:
+        return
+    own = sorted({t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
+                 - {"meta"})
+    if not own:
+        return
+    name, device = type(model).__name__, own[0]
+    raise ExampleInputError(
+        f"the example inputs are on device meta and {name}'s Parameters and buffers on "
+        f"{', '.join(own)}: {name} does not run on them (every call would mix meta and "
+        f"{device} tensors), so its plan cannot be made from them; what to do: pass example "
+        f"inputs on {device} (real tensors of the same shapes and dtypes, e.g. "
+        f"torch.randn(shape, device={device!r})), or, for the plan alone without allocating "
+        f"inputs, rewrite a copy of the model moved to meta (copy.deepcopy(model).to('meta'), "
+        "as `fxamp plan --input-shape` does)")
