@@ -546,3 +546,20 @@ def size_range(size: Any) -> Optional[tuple]:
             return None  # (sympy's and torch's infinities)
 
     return expr, as_int(bounds.lower) or 0, as_int(bounds.upper)
+
+
+__all__ += ["fsdp_param_dtype"]
+
+
+def fsdp_param_dtype(module: Any) -> Optional[torch.dtype]:
+    """The ``param_dtype`` of the ``MixedPrecisionPolicy`` FSDP2's ``fully_shard`` was given
+    for ``module`` (``FSDPModule._get_fsdp_state()._mp_policy``): the dtype its parameters
+    are all-gathered in for forward. None when it has none, or is not fully sharded."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    try:
+        policy = get_state()._mp_policy
+    except Exception:  # noqa: BLE001 - another torch's FSDP2 state: nothing to say
+        return None
+    return getattr(policy, "param_dtype", None)

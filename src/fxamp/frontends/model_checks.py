@@ -1,6 +1,8 @@
 """What no front end can take, refused before any of them tries, naming it and what to do:
-a quantized model (:func:`check_not_quantized`) and example inputs on device ``meta`` for
-a model on another device (:func:`check_example_device`)."""
+a quantized model (:func:`check_not_quantized`), example inputs on device ``meta`` for a
+model on another device (:func:`check_example_device`) and Parameters already in FP16 /
+BF16 (:func:`check_parameter_dtypes`, naming FSDP2's ``MixedPrecisionPolicy`` where its
+``param_dtype`` is the cause)."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .._torch import tree_flatten
+from .._torch import fsdp_param_dtype, tree_flatten
 from ..errors import ExampleInputError, UnsupportedModelError
 
 #: the packages of torch's quantized modules: static, dynamic and reference quantized
@@ -101,3 +103,50 @@ def check_example_device(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) 
         f"torch.randn(shape, device={device!r})), or, for the plan alone without allocating "
         f"inputs, rewrite a copy of the model moved to meta (copy.deepcopy(model).to('meta'), "
         "as `fxamp plan --input-shape` does)")
+
+
+#: the Parameter dtypes fxamp refuses: it keeps FP32 master weights and casts per op
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_parameter_dtypes(model: nn.Module) -> None:
+    """Refuse a model with a floating Parameter already in FP16 / BF16: fxamp keeps FP32
+    master weights and casts per op. Where FSDP2's ``fully_shard`` on the model or a
+    module holding the Parameter was given ``MixedPrecisionPolicy(param_dtype=...)``, that
+    policy is the cause (it all-gathers the Parameters in that dtype for forward), and the
+    error says so instead of advising ``model.float()``.
+
+    Raises:
+        UnsupportedModelError: naming the Parameter, the cause and what to do.
+    """
+    for name, p in model.named_parameters():
+        if not p.is_floating_point() or p.dtype not in LOW_PRECISION:
+            continue
+        parts = name.split(".")[:-1]
+        owners = [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+        sharded = next((path for path in owners
+                        if fsdp_param_dtype(model.get_submodule(path)) == p.dtype), None)
+        if sharded is None:
+            raise UnsupportedModelError(
+                f"parameter {name!r} is already {p.dtype}; fxamp keeps FP32 master weights "
+                "and casts per op. what to do: call model.float() before amp_rewrite")
+        where = repr(sharded) if sharded else _unsharded_name(model)
+        raise UnsupportedModelError(
+            f"parameter {name!r} is {p.dtype} in this call because FSDP2's fully_shard on "
+            f"{where} was given mp_policy=MixedPrecisionPolicy(param_dtype={p.dtype}): it "
+            f"all-gathers the Parameters in {str(p.dtype).replace('torch.', '')} for "
+            "forward, while fxamp's plan computes from the FP32 Parameters and casts per op "
+            "(the policy would run every op in low precision, autocast's FP32 ops included). "
+            "what to do: leave param_dtype out of the MixedPrecisionPolicy given to "
+            "fully_shard (no mp_policy, or MixedPrecisionPolicy() with param_dtype=None): "
+            "the rewritten model already computes in low precision where torch.autocast "
+            "would; or use FSDP2's param_dtype on the model without fxamp")
+
+
+def _unsharded_name(module: nn.Module) -> str:
+    """The class name of ``module`` as the user wrote it: ``fully_shard`` swaps in a class
+    ``FSDP<name>`` deriving from ``FSDPModule`` and the module's own class."""
+    cls = type(module)
+    if any(base.__name__ == "FSDPModule" for base in cls.__bases__):
+        return cls.__name__.removeprefix("FSDP")
+    return cls.__name__
