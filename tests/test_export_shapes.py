@@ -169,3 +169,33 @@ def test_bert_past_its_max_positions_is_an_input_shape_error_naming_input_ids() 
     message = str(info.value)
     assert "input 'input_ids' with dimension 1 of size at most 64" in message
     assert "this call gives 80" in message
+
+
+class Pairs(nn.Module):
+    """A batch the model's code needs even (rows taken two by two): a guard on a derived
+    size, not a fixed size or a bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.reshape(x.shape[0] // 2, 16))
+
+
+def test_any_other_failing_export_guard_is_an_input_shape_error_naming_the_input() -> None:
+    torch.manual_seed(0)
+    model = Pairs().eval()
+    gm = fxamp.amp_rewrite(model, (torch.randn(4, 8),), **BF16)
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(gm(x), model(x), rtol=0.03, atol=0.03)
+    with pytest.raises(InputShapeError) as info:  # was: AssertionError: Guard failed: ...
+        gm(torch.randn(5, 8))
+    message = str(info.value)
+    assert "the rewritten Pairs was exported for calls where `" in message
+    assert "x.size()[0]" in message and "input 'x'" in message
+    assert "what to do" in message
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # under an outer autocast too
+        with pytest.raises(InputShapeError):
+            gm(torch.randn(5, 8))
+        assert torch.is_autocast_enabled("cpu")  # (put back on)
