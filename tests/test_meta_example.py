@@ -58,3 +58,21 @@ def test_following_the_meta_advice_plans_as_a_cpu_example_does(frontend: str) ->
     assert _lines(on_meta) == _lines(on_cpu)
     assert all(str(p.rule) == "autocast" and "observed" not in p.reason
                for p in fxamp.plan_of(on_cpu).nodes.values())
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_cpu_example_for_meta_model_is_refused_naming_both_devices(frontend: str) -> None:
+    model = Net().to("meta")
+    with pytest.raises(ExampleInputError) as info:
+        fxamp.amp_rewrite(model, (torch.randn(2, 8),), dtype=torch.bfloat16, target="cpu",
+                          frontend=frontend)
+    text = str(info.value)
+    assert "Net's Parameters or buffers are on device meta" in text and "on cpu" in text
+    assert "pass example inputs on meta too" in text
+    # the advice, followed: meta inputs plan as a cpu model's cpu example does
+    torch.manual_seed(0)
+    on_cpu = fxamp.amp_rewrite(Net(), (torch.randn(2, 8),), dtype=torch.bfloat16,
+                               target="cpu", frontend=frontend)
+    on_meta = fxamp.amp_rewrite(model, (torch.empty(2, 8, device="meta"),),
+                                dtype=torch.bfloat16, target="cpu", frontend=frontend)
+    assert _lines(on_meta) == _lines(on_cpu)

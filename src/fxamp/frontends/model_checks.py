@@ -80,29 +80,37 @@ def check_not_quantized(model: nn.Module) -> None:
 
 def check_example_device(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
     """Refuse example inputs on device ``meta`` for a model whose Parameters or buffers are
-    on another device: the model cannot run on them (every call mixes two devices), so
-    neither the op dtypes nor autocast's behaviour can be observed on them.
+    on another device, and the other way round: the model cannot run on them (every call
+    mixes two devices), so neither the op dtypes nor autocast's behaviour can be observed
+    on them.
 
     Raises:
         ExampleInputError: naming both devices and what to pass instead.
     """
     example = {t.device.type for t in tree_flatten((args, kwargs))[0]
                if isinstance(t, torch.Tensor)}
-    if "meta" not in example:
-        return
-    own = sorted({t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
-                 - {"meta"})
-    if not own:
-        return
-    name, device = type(model).__name__, own[0]
-    raise ExampleInputError(
-        f"the example inputs are on device meta and {name}'s Parameters and buffers on "
-        f"{', '.join(own)}: {name} does not run on them (every call would mix meta and "
-        f"{device} tensors), so its plan cannot be made from them; what to do: pass example "
-        f"inputs on {device} (real tensors of the same shapes and dtypes, e.g. "
-        f"torch.randn(shape, device={device!r})), or, for the plan alone without allocating "
-        f"inputs, rewrite a copy of the model moved to meta (copy.deepcopy(model).to('meta'), "
-        "as `fxamp plan --input-shape` does)")
+    own = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
+    name = type(model).__name__
+    if "meta" in example and own - {"meta"}:
+        device = sorted(own - {"meta"})[0]
+        raise ExampleInputError(
+            f"the example inputs are on device meta and {name}'s Parameters and buffers on "
+            f"{', '.join(sorted(own - {'meta'}))}: {name} does not run on them (every call "
+            f"would mix meta and {device} tensors), so its plan cannot be made from them; "
+            f"what to do: pass example inputs on {device} (real tensors of the same shapes "
+            f"and dtypes, e.g. torch.randn(shape, device={device!r})), or, for the plan alone "
+            "without allocating inputs, rewrite a copy of the model moved to meta "
+            "(copy.deepcopy(model).to('meta'), as `fxamp plan --input-shape` does)")
+    if "meta" in own and example - {"meta"}:
+        device = sorted(example - {"meta"})[0]
+        raise ExampleInputError(
+            f"{name}'s Parameters or buffers are on device meta and the example inputs on "
+            f"{', '.join(sorted(example - {'meta'}))}: {name} does not run on them (every "
+            f"call would mix meta and {device} tensors), so its plan cannot be made from "
+            "them; what to do: for the plan alone, pass example inputs on meta too "
+            "(torch.empty(shape, device='meta')); to run the rewritten model, give it its "
+            f"weights on {device} first (model.to_empty(device={device!r}) and "
+            "load_state_dict)")
 
 
 #: the Parameter dtypes fxamp refuses: it keeps FP32 master weights and casts per op
