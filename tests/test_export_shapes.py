@@ -199,3 +199,25 @@ def test_any_other_failing_export_guard_is_an_input_shape_error_naming_the_input
         with pytest.raises(InputShapeError):
             gm(torch.randn(5, 8))
         assert torch.is_autocast_enabled("cpu")  # (put back on)
+
+
+class Sum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.lin(a) + self.lin(b)
+
+
+def test_two_dims_export_found_equal_called_unequal_name_both_inputs() -> None:
+    torch.manual_seed(0)
+    model = Sum().eval()
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 8), torch.randn(2, 8)), **BF16)
+    a, b = torch.randn(5, 8), torch.randn(5, 8)
+    torch.testing.assert_close(gm(a, b), model(a, b), rtol=0.03, atol=0.03)
+    with pytest.raises(InputShapeError) as info:  # was: AssertionError: Guard failed
+        gm(torch.randn(3, 8), torch.randn(4, 8))
+    message = str(info.value)
+    assert "dimension 0 of input 'b' equal to dimension 0 of input 'a'" in message
+    assert "this call gives 4 and 3" in message
