@@ -519,3 +519,47 @@ def found_inf_per_device(scaler: Any, optimizer: Any) -> Dict[Any, torch.Tensor]
     ``unscale_`` (``GradScaler._found_inf_per_device``; what ``GradScaler.step`` sums to
     decide whether to skip)."""
     return scaler._found_inf_per_device(optimizer)
+
+
+__all__ += ["size_range"]
+
+
+def size_range(size: Any) -> Optional[tuple]:
+    """``(symbol, lower, upper)`` of a symbolic size of an exported graph's input: the
+    sympy symbol the export gave it (``SymInt.node.expr``; two dims with the same one must
+    be equal) and the range its shape environment allows (``shape_env.var_to_range``, what
+    torch.export's ``range_constraints`` and its input guards hold; ``upper`` None when
+    unbounded). None for an int, or a size that is not a plain symbol with a range."""
+    node = getattr(size, "node", None) if isinstance(size, torch.SymInt) else None
+    expr = getattr(node, "expr", None)
+    env = getattr(node, "shape_env", None)
+    if expr is None or env is None or not getattr(expr, "is_Symbol", False):
+        return None
+    bounds = env.var_to_range.get(expr)
+    if bounds is None:
+        return None
+
+    def as_int(value: Any) -> Optional[int]:
+        try:
+            return int(value)
+        except (TypeError, ValueError, OverflowError, AttributeError):
+            return None  # (sympy's and torch's infinities)
+
+    return expr, as_int(bounds.lower) or 0, as_int(bounds.upper)
+
+
+__all__ += ["fsdp_param_dtype"]
+
+
+def fsdp_param_dtype(module: Any) -> Optional[torch.dtype]:
+    """The ``param_dtype`` of the ``MixedPrecisionPolicy`` FSDP2's ``fully_shard`` was given
+    for ``module`` (``FSDPModule._get_fsdp_state()._mp_policy``): the dtype its parameters
+    are all-gathered in for forward. None when it has none, or is not fully sharded."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if get_state is None:
+        return None
+    try:
+        policy = get_state()._mp_policy
+    except Exception:  # noqa: BLE001 - another torch's FSDP2 state: nothing to say
+        return None
+    return getattr(policy, "param_dtype", None)

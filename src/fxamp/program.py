@@ -15,7 +15,9 @@ A call of a Program runs, in this order and on every exit path:
    in train and eval mode) refuses a call in the other with ``ModeError``;
 4. every ``torch.autocast`` around the call turned off (the plan says each node's dtype, the
    casts are explicit), and turned back on in a ``finally``, also when the graph raises;
-5. the graph (the generated ``forward``).
+5. the graph (the generated ``forward``); an exported graph's failing input guard (a bare
+   ``AssertionError: Guard failed: ...``) is raised as ``InputShapeError`` naming the
+   condition and the inputs it reads (:func:`guard_error`).
 
 Nothing else runs per call: no per-call copy of flags or tensors, no weight cache (each weight
 is cast in the graph, as autocast casts it), no process-wide state.
@@ -25,12 +27,13 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from typing import Any, Callable, Tuple
+import re
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
-from .errors import ModeError
+from .errors import InputShapeError, ModeError
 from .runtime import own_autocast_depth
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,37 @@ def _refuse_mode(program: Any, mode: bool) -> None:
         f"{'train' if other == 'train' else 'eval'}(), ...)")
 
 
+#: how torch.export's input guard (an exported graph's ``_guards_fn``) words a failure
+GUARD_FAILED = "Guard failed: "
+_NAMED = re.compile(r"\b([A-Za-z_]\w*)(?=\.size\(\)|\[)")
+
+
+def guard_error(program: Any, err: AssertionError) -> Optional[InputShapeError]:
+    """torch.export's bare ``AssertionError: Guard failed: <condition>`` (a call the
+    exported graph was not traced for) as an InputShapeError naming the condition, the
+    inputs it reads and what to do; None for any other assertion. (The shape check before
+    the graph names fixed sizes and bounds itself; this covers the other guards, such as
+    a size the model's code needs even.)"""
+    text = str(err)
+    if not text.startswith(GUARD_FAILED):
+        return None
+    condition = text[len(GUARD_FAILED):].strip()
+    names = list(dict.fromkeys(_NAMED.findall(condition)))
+    result = program.__dict__.get(RESULT)
+    model = (getattr(result, "source", "") or type(program).__name__).rsplit(".", 1)[-1]
+    reads = (f" (it reads input{'s' if len(names) > 1 else ''} "
+             f"{', '.join(repr(n) for n in names)})" if names else "")
+    error = InputShapeError(
+        f"the rewritten {model} was exported for calls where `{condition}` holds{reads}: "
+        f"torch.export recorded it from what {model}'s code did with the example inputs, "
+        "and this call breaks it, so the graph was not traced for it\n  what to do: call "
+        "it with inputs for which it holds (the FP32 model often fails on such a call too: "
+        "check with the model itself); or, if the model takes such inputs, rewrite it with "
+        "example inputs like this call's")
+    error.__cause__ = err
+    return error
+
+
 def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
     """``graph_forward`` (the generated code) behind the structure check and the autocast
     switch, restored in ``finally``."""
@@ -93,12 +127,17 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
                 _refuse_mode(self, result.mode)
         was = tuple(filter(_ENABLED, DEVICES))
         if not was:
-            return graph_forward(self, *args, **kwargs)
+            try:
+                return graph_forward(self, *args, **kwargs)
+            except AssertionError as err:
+                raise guard_error(self, err) or err
         _note_outer_autocast(was)
         for device in was:
             _SET(device, False)
         try:
             return graph_forward(self, *args, **kwargs)
+        except AssertionError as err:
+            raise guard_error(self, err) or err
         finally:
             for device in was:
                 _SET(device, True)

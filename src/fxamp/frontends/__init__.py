@@ -32,6 +32,7 @@ from .aten import AtenFrontend
 from .base import Capture, Children, Frontend, GraphFrontend, Request, Traced
 from .eager import EagerFrontend
 from .fx import MAX_RUNTIME_LEAVES, FxFrontend, PartialFrontend
+from .model_checks import check_example_device, check_not_quantized
 from .state import ModelState
 
 FX = FxFrontend()
@@ -53,7 +54,11 @@ def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
     decisions fixed by node name). ``state`` (the model's snapshot) is restored after each
     front end that fails; ``dynamic_shapes`` goes to torch.export. ``inference``: the
     eval-mode graph alone (one trace, not one per mode). When none takes it:
-    the one front end's TraceError, or one naming each front end's failure."""
+    the one front end's TraceError, or one naming each front end's failure. A quantized
+    model, and example inputs on meta for a model on another device, are refused before
+    any front end tries (:mod:`.model_checks`)."""
+    check_not_quantized(model)
+    check_example_device(model, args, kwargs)
     request = Request(tuple(args), dict(kwargs), frontend, state or ModelState(model),
                       dynamic_shapes, inference=inference)
     order: List[Frontend] = [REGISTRY[name] for name in FRONTEND_ORDER[frontend]]

@@ -66,6 +66,7 @@ class ShapeCheck:
         names = _input_names(model, args, kwargs)
         if len(names) == len(self.sizes):  # the forward's own names, not the graph's
             self.sizes = [(name, sizes) for name, (_, sizes) in zip(names, self.sizes)]
+        self.bounds = symbolic_bounds(gm, [name for name, _ in self.sizes])
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
@@ -80,7 +81,43 @@ class ShapeCheck:
             for dim, size in enumerate(sizes):
                 if size is not None and value.shape[dim] != size:
                     self._raise(name, sizes, dim, value)
+        if self.bounds:
+            self._check_bounds(flat)
         return None
+
+    def _check_bounds(self, flat: tuple) -> None:
+        """The dynamic dimensions against the range torch.export derived for them and the
+        dimensions it found equal (its ``_guards_fn`` would raise a bare AssertionError)."""
+        from ..errors import InputShapeError
+
+        seen: Dict[Any, Tuple[str, int, int]] = {}
+        for index, name, dim, symbol, lower, upper in self.bounds:
+            value = flat[index] if index < len(flat) else None
+            if not isinstance(value, torch.Tensor) or value.dim() <= dim:
+                continue
+            size = value.shape[dim]
+            if (upper is not None and size > upper) or (lower > 2 and size < lower):
+                bound = (f"at most {upper}" if upper is not None and size > upper
+                         else f"at least {lower}")
+                raise InputShapeError(
+                    f"the rewritten {self.model_name} was exported for input {name!r} with "
+                    f"dimension {dim} of size {bound}: torch.export bounded that dimension "
+                    "from what "
+                    f"{self.model_name}'s code does with it on the example (a size checked "
+                    "against a constant, or indexing a table such as position embeddings); "
+                    f"this call gives {size}, which the graph was not traced for\n  what to "
+                    f"do: call it with dimension {dim} of {name!r} of size {bound} (past "
+                    "such a bound the FP32 model usually fails too: check with the model "
+                    "itself); or, if the model takes such sizes, rewrite it with example "
+                    "inputs of that size")
+            first = seen.setdefault(symbol, (name, dim, size))
+            if first[2] != size:
+                raise InputShapeError(
+                    f"the rewritten {self.model_name} was exported with dimension {dim} of "
+                    f"input {name!r} equal to dimension {first[1]} of input {first[0]!r} "
+                    f"({self.model_name}'s code combines them on the example); this call "
+                    f"gives {size} and {first[2]}\n  what to do: call it with the two of "
+                    "the same size, as the model needs")
 
     def _raise(self, name: str, sizes: Tuple[Optional[int], ...], dim: Optional[int],
                value: torch.Tensor) -> None:
@@ -95,16 +132,48 @@ class ShapeCheck:
                 "rewrite it with example inputs of that rank")
         dims = {i for i, s in enumerate(sizes) if s is None} | {dim}
         spec = "{" + ", ".join(f"{i}: Dim.AUTO" for i in sorted(dims)) + "}"
+        shapes = (f"amp_rewrite(..., dynamic_shapes={{{name!r}: {spec}}}) (torch.export's "
+                  "spelling, Dim from torch.export; for an input nested in a list or dict "
+                  "the spec follows its structure)")
+        if sizes[dim] <= 1:  # torch.export fixes it whatever dynamic_shapes says
+            fix = (f"rewrite with example inputs whose dimension {dim} of {name!r} has size "
+                   "2 or more (torch.export fixes a dimension whose example size is 0 or 1, "
+                   "even one dynamic_shapes calls dynamic; a graph traced on size 2 takes "
+                   "size 1 too where the model's code allows it)"
+                   + ("" if dim == 0 else f" and with {shapes}"))
+        else:
+            fix = f"rewrite with {shapes}"
         raise InputShapeError(
             f"the rewritten {self.model_name} was exported with dimension {dim} of input "
             f"{name!r} fixed at {sizes[dim]} (sizes {shown}, * = any size); this call gives "
             f"{value.shape[dim]}. By default only the batch dimension (dim 0) and the "
             "sequence dimension of integer token inputs are dynamic, and torch.export fixes "
             "a dynamic one where the model's code needs a fixed size or the example size "
-            "is 0 or 1\n  what to do: rewrite with amp_rewrite(..., dynamic_shapes="
-            f"{{{name!r}: {spec}}}) (torch.export's spelling, Dim from torch.export; for an "
-            "input nested in a list or dict the spec follows its structure), or call it "
-            f"with size {sizes[dim]}")
+            f"is 0 or 1\n  what to do: {fix}, or call it with size {sizes[dim]}")
+
+
+def symbolic_bounds(gm: fx.GraphModule, names: List[str]
+                    ) -> List[Tuple[int, str, int, Any, int, Optional[int]]]:
+    """(input index, name, dimension, symbol, lower, upper) of each dynamic dimension of
+    the exported graph's inputs that torch.export's input guard checks: a range narrower
+    than its default (an upper bound, or a lower one above 2) or a symbol two dimensions
+    share (the dimensions must be equal). ``names``: each input's name, in graph order."""
+    from .._torch import size_range
+
+    found: List[Tuple[int, str, int, Any, int, Optional[int]]] = []
+    count: Dict[Any, int] = {}
+    for index, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for dim, size in enumerate(val.shape):
+            bounds = size_range(size)
+            if bounds is not None:
+                name = names[index] if index < len(names) else node.name
+                found.append((index, name, dim) + bounds)
+                count[bounds[0]] = count.get(bounds[0], 0) + 1
+    return [b for b in found
+            if b[5] is not None or b[4] > 2 or count[b[3]] > 1]
 
 
 def _input_names(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[str]:

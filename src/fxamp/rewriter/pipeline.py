@@ -27,6 +27,7 @@ from ..frontends.checkpointing import layers_off
 from ..frontends.common import MODE, as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
+from ..frontends.model_checks import check_parameter_dtypes
 from ..frontends.hooks import check_global_hooks, copy_root_hooks, without_root_hooks
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
@@ -66,11 +67,7 @@ def check_model(model: Any, sharded_ok: bool = False) -> None:
             "then shard: amp_rewrite(model, dtype=..., target=..., inplace=True) (no "
             "example: each layer stays a module), then fully_shard each layer and the root; "
             "or, with example inputs, fully_shard(model) on the root alone")
-    for name, p in model.named_parameters():
-        if p.is_floating_point() and p.dtype in (torch.float16, torch.bfloat16):
-            raise UnsupportedModelError(
-                f"parameter {name!r} is already {p.dtype}; fxamp keeps FP32 master weights "
-                "and casts per op. what to do: call model.float() before amp_rewrite")
+    check_parameter_dtypes(model)  # (names FSDP2's MixedPrecisionPolicy where it is why)
 
 
 def _header(policy: Policy, frontend: str, leaves: Sequence[str] = (),
