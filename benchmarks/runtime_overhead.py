@@ -2,7 +2,9 @@
 
 On a GPU a small model's step is launch- and Python-bound, so the run-time's own work is the
 step. Per variant (the FP32 model, the same model under ``torch.autocast("cpu", bf16)``,
-fxamp not in place, fxamp in place; one model's FP32 Parameters for all) this prints:
+fxamp not in place, fxamp in place, fxamp in place without an example (block mode: its
+blocks planned on the first call, made before measuring); one model's FP32 Parameters for
+all, the in-place ones on copies) this prints:
 
 - process CPU time per call (``time.process_time``, 1 torch thread): a forward without grad
   (its logits as FP32, which fxamp's default ``output=fp32`` returns and autocast's bf16
@@ -57,17 +59,23 @@ def _variants(model: torch.nn.Module, x: torch.Tensor, only: str = "") -> Dict[s
         inplace = copy.deepcopy(model)
         out["fxamp inplace"] = fxamp.amp_rewrite(inplace, (x,), dtype=BF16, target="cpu",
                                                  inplace=True)
+    if only in ("", "fxamp blocks"):  # (in place, no example: planned on the first call)
+        blocks = copy.deepcopy(model)
+        out["fxamp blocks"] = fxamp.amp_rewrite(blocks, dtype=BF16, target="cpu",
+                                                inplace=True)
+        with torch.no_grad():
+            blocks(x)
     if only in ("", "fxamp"):
         out["fxamp"] = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu")
     if only in ("", "fxamp guard=on"):  # (the opt-in range guard: calibrated on the example)
         out["fxamp guard=on"] = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu",
                                                   policy="guard=on", calibration_data=[(x,)])
-    order = ("fp32", "autocast", "fxamp", "fxamp inplace", "fxamp guard=on")
+    order = ("fp32", "autocast", "fxamp", "fxamp inplace", "fxamp blocks", "fxamp guard=on")
     return {k: out[k] for k in order if k in out and (not only or k == only)}
 
 
 def _params(name: str, fn: Callable, model: torch.nn.Module) -> List[torch.nn.Parameter]:
-    return list((fn if name == "fxamp inplace" else model).parameters())
+    return list((fn if name in ("fxamp inplace", "fxamp blocks") else model).parameters())
 
 
 def _calls(fn: Callable) -> int:

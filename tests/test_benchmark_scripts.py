@@ -104,7 +104,8 @@ def test_runtime_overhead_prints_every_variant_and_fxamp_holds_nothing_between_s
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.splitlines() if line.startswith("| ") and "---" not in line
             and not line.startswith("| variant")}
-    assert set(rows) == {"fp32", "autocast", "fxamp", "fxamp inplace", "fxamp guard=on"}, out
-    for name in ("fxamp", "fxamp inplace"):
+    assert set(rows) == {"fp32", "autocast", "fxamp", "fxamp inplace", "fxamp blocks",
+                         "fxamp guard=on"}, out
+    for name in ("fxamp", "fxamp inplace", "fxamp blocks"):
         assert rows[name][-1] == "0.00", out  # extra bytes held per parameter
         assert float(rows[name][-2]) <= 1.3, out  # Python calls per forward / fp32's

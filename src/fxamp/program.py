@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from .errors import InputShapeError, ModeError
-from .runtime import own_autocast_depth
+from .runtime import OWN, own_autocast_depth
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
                 return graph_forward(self, *args, **kwargs)
             except AssertionError as err:
                 raise guard_error(self, err) or err
-        _note_outer_autocast(was)
+        if not _WARNED and not OWN.depth:  # (inline: fxamp's own regions are common)
+            _note_outer_autocast(was)
         for device in was:
             _SET(device, False)
         try:

@@ -21,13 +21,22 @@ CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
 SET_GRAD = _SET_GRAD
 
 log = logging.getLogger(__name__)
-_OWN = threading.local()  # .depth: fxamp's own autocast regions entered on this thread
+class _Own(threading.local):
+    """Per thread: ``depth``, fxamp's own autocast regions entered on this thread (a plain
+    attribute: the per-call check reads it without a function call)."""
+
+    depth = 0
+
+
+#: fxamp's own autocast regions on this thread (``OWN.depth``; see :func:`device_autocast`)
+OWN = _Own()
+_OWN = OWN
 
 
 def own_autocast_depth() -> int:
     """How many of fxamp's own autocast regions (:func:`device_autocast`: an eager root, a
     call kept under autocast) this thread is inside."""
-    return getattr(_OWN, "depth", 0)
+    return _OWN.depth
 
 
 def write_buffer_(buffer: torch.Tensor, value: Any) -> torch.Tensor:
@@ -221,7 +230,7 @@ def device_autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
     """``torch.autocast(device_type, dtype)``; for "cuda" without a GPU (fake CUDA tensors)
     the thread-local flags are set by hand — the AutocastCUDA kernels run on fake tensors
     all the same; for devices autocast does not know (``meta``) nothing is changed."""
-    _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    _OWN.depth += 1
     try:
         with _device_autocast(device_type, dtype):
             yield

@@ -48,6 +48,15 @@ def kind(value: Any) -> str:
     return NONE if value is None else VALUE
 
 
+def _described_only(value: Any) -> Any:
+    """What the check keeps of an example value: a tensor as an empty ``meta`` tensor of its
+    dtype and shape (its kind and description, no memory: an activation a block was first
+    called with would keep its whole autograd graph alive), anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
 def _described(value: Any, given: bool) -> str:
     """An argument as a message names it."""
     if not given:
@@ -68,14 +77,16 @@ class CallStructure:
         self.graph = graph  # the graph's forward
         self.model_name = model_name
         bound = signature.bind(*args, **kwargs)
-        self.example = {name: (self._value(bound, name), name in bound.arguments)
+        self.example = {name: (_described_only(self._value(bound, name)),
+                               name in bound.arguments)
                         for name, p in signature.parameters.items() if p.kind in _NAMED}
         # the keywords a ``**kwargs`` parameter took (num_items_in_batch, say): each is part
         # of the structure like a named argument
         self.var_keyword = next((name for name, p in signature.parameters.items()
                                  if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-        self.extra = dict(bound.arguments.get(self.var_keyword, {})) if self.var_keyword \
-            else {}
+        self.extra = {k: _described_only(v) for k, v in
+                      bound.arguments.get(self.var_keyword, {}).items()} \
+            if self.var_keyword else {}
         # ``values``: the graph holds the example's Python scalars as constants (torch.export
         # specialises them): a call with another value is another structure
         self.scalars = {name: value for name, value in self._named(bound).items()

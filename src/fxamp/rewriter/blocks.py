@@ -128,6 +128,8 @@ class BlocksRoot:
         low = policy.output_dtype
         if low is None:
             return out
+        if type(out) is torch.Tensor:
+            return out.to(low) if out.is_floating_point() and out.dtype != low else out
         return tree_map(lambda t: t.to(low) if isinstance(t, torch.Tensor)
                         and t.is_floating_point() and t.dtype != low else t, out)
 

@@ -174,8 +174,14 @@ class InplaceForward:
         gm = model.__dict__.get(ATTR)
         if gm is None:  # (no example inputs: planned on the first call)
             gm = self._first(args, kwargs)
-        try:
-            return self._run(gm, args, kwargs)
+        try:  # (the first graph, or the one made for this call's mode or structure)
+            if self.mode is not None and self.mode is not model.training:
+                return self._variant(args, kwargs)
+            return gm(*args, **kwargs)
+        except CallStructureError:
+            if self.plan is None:
+                raise
+            return self._variant(args, kwargs)
         except StructureChanged as err:
             if not err.replan or self.plan is None:
                 raise
