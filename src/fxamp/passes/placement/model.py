@@ -16,7 +16,7 @@ from ...ir import Rule
 from ...policy import Policy
 from .. import fetch_attr
 from ..casts import mutated_source
-from .free import ARITH, free_kind, shape_only
+from .free import ARITH, free_kind, shape_only, sums_gradients
 
 FP32 = torch.float32
 
@@ -91,6 +91,8 @@ class CutModel:
         kind = free_kind(n, self.gm)
         if kind is None:
             return None
+        if n in self.grad and sums_gradients(n, self.gm):
+            return None  # its backward sums gradients: in autocast's dtype, as autocast does
         floating = [a for a in n.all_input_nodes if ir.precision(a) is not None]
         if not floating or floating[0] not in self.values:
             return None
