@@ -313,6 +313,13 @@ def _refuse_hooks_in_export(model: nn.Module) -> None:
             "their hooks; or remove the hooks before amp_rewrite")
 
 
+def _fp32_copy(value: Any) -> Any:
+    """A float16 / bfloat16 tensor as FP32 (what torch.export traces in place of it)."""
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
+
+
 class AtenFrontend:
     """torch.export, ATen level (see :func:`export_trace`); refuses hooked modules. The
     rewritten module checks each call's input sizes against the export's
@@ -324,8 +331,13 @@ class AtenFrontend:
 
     def capture(self, model: nn.Module, request: Request) -> Traced:
         _refuse_hooks_in_export(model)
+        # low-precision inputs (a child of a rewritten model, given the bf16 activations it
+        # gets under autocast) are exported as FP32: torch.export runs the model without
+        # autocast, where FP32 weights cannot take them; the graph is annotated with the
+        # real inputs' dtypes
+        args, kwargs = tree_map(_fp32_copy, (request.args, request.kwargs))
         with without_root_hooks(model):
-            gm = export_trace(model, request.args, request.kwargs, request.asked,
+            gm = export_trace(model, args, kwargs, request.asked,
                               request.dynamic_shapes, request.inference)
         checkpointing.warn_unseen(model, gm.graph)
         if request.errors:

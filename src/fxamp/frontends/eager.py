@@ -43,12 +43,27 @@ from .hooks import share_call_hooks
 log = logging.getLogger(__name__)
 
 
+def low_dtype(values: Any) -> Optional[torch.dtype]:
+    """The low-precision floating dtype (FP16 or BF16) of the first such tensor among
+    ``values``' leaves, or None when all are FP32 or not floating."""
+    leaves, _ = tree_flatten(values)
+    return next((v.dtype for v in leaves if isinstance(v, torch.Tensor)
+                 and v.dtype in (torch.float16, torch.bfloat16)), None)
+
+
 def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
                     kwargs: Dict[str, Any], autocast: Optional[torch.dtype] = None
                     ) -> Dict[str, Tuple[tuple, dict, Any]]:
     """(args, kwargs, output) of each submodule's first call when the model runs on the
     example inputs: one forward without grad (FP32, or under ``torch.autocast`` of
-    ``autocast``), on copies of the buffers and a forked RNG, so no state changes."""
+    ``autocast``), on copies of the buffers and a forked RNG, so no state changes.
+
+    Inputs in a low-precision dtype (a child of a rewritten model, planned for the bf16
+    activations it gets under autocast) are run under ``torch.autocast`` of that dtype when
+    ``autocast`` is None: FP32 weights take them only there (a conv reading a bf16 input
+    with an FP32 bias raises outside), and that is how the child's submodules get them."""
+    if autocast is None:
+        autocast = low_dtype((args, kwargs))
     seen: Dict[str, Tuple[tuple, dict, Any]] = {}
     hooks = []
     for path in paths:

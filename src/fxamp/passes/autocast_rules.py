@@ -9,14 +9,15 @@ promote and fp32-unless-a-dtype lists depend on them.
 2. :class:`UserOverrideRule` — a policy override (``fp32:encoder.*``) wins (rule "user");
 3. :class:`FixedRule` — a decision an earlier rule recorded in the IR (``ir.fix``);
 4. :class:`GuardsRule` — torch.export's input-shape check;
-5. :class:`NestedRule` — a submodule rewritten on its own gets FP32 inputs (rule "nested");
+5. :class:`NestedRule` — a submodule rewritten on its own gets the inputs it was planned for
+   (rule "nested");
 6. :class:`RuntimeRule` — an opaque call runs under torch.autocast at run time;
 7. :class:`AutocastRule` — autocast's op tables for the target (always applies: last); for a
    deployment target, :class:`~fxamp.passes.deploy.DeployRule` instead.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Type
+from typing import Any, Dict, Optional, Tuple, Type
 
 import torch
 import torch.fx as fx
@@ -110,7 +111,11 @@ class GuardsRule(AnnotateRule):
 
 
 class NestedRule(AnnotateRule):
-    """A submodule rewritten on its own, planned for FP32 inputs: it gets FP32 inputs."""
+    """A submodule rewritten on its own gets the inputs it was planned for: FP32 inputs
+    when it was planned for the FP32 model's (its call recorded in FP32), else its inputs as
+    they come, in autocast's dtypes (a graph given low-precision inputs records its
+    submodules' calls under torch.autocast; an eager root casts each input to the dtype its
+    own children were planned for)."""
 
     name = Rule.NESTED
 
@@ -118,10 +123,25 @@ class NestedRule(AnnotateRule):
         return node.op == "call_module" and has_result(self.gm.get_submodule(node.target))
 
     def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
-        source = result_of(self.gm.get_submodule(node.target)).source or self.label(node)
-        return Decision(torch.float32, self.name, "rewritten on its own (a submodule the "
-                        "whole-model trace could not take), planned for FP32 inputs; its nodes "
-                        f"are the plan lines {node.target}/*", source)
+        result = result_of(self.gm.get_submodule(node.target))
+        source = result.source or self.label(node)
+        what = "rewritten on its own (a submodule the whole-model trace could not take)"
+        if _takes_inputs_as_they_come(result.plan.nodes.items(), result.plan.header):
+            return Decision(None, self.name, f"{what}, planned for the inputs it gets under "
+                            f"torch.autocast; its nodes are the plan lines {node.target}/*",
+                            source)
+        return Decision(torch.float32, self.name, f"{what}, planned for FP32 inputs; its "
+                        f"nodes are the plan lines {node.target}/*", source)
+
+
+def _takes_inputs_as_they_come(lines: Any, header: Dict[str, str]) -> bool:
+    """Whether a nested plan takes its inputs in the dtypes they come in: an eager root's
+    (its children cast them to what they were planned for), or a graph's with a
+    low-precision input (planned for autocast's dtypes, not the FP32 model's)."""
+    if header.get("frontend") == "eager":
+        return True
+    return any(p.op == "placeholder" and p.dtype in (torch.float16, torch.bfloat16)
+               for name, p in lines if "/" not in name)
 
 
 class RuntimeRule(AnnotateRule):
