@@ -2,11 +2,13 @@
 no tracer takes (it branches on a tensor value, as torchvision's detection models do) runs
 its forward under autocast with each child rewritten; a child whose own forward is eager
 too is planned for the low-precision inputs it really gets, so every child's inputs and
-outputs have autocast's dtypes and a training step is autocast's, bit for bit.
+outputs have autocast's dtypes and a training step is autocast's, bit for bit. A child no
+front end can plan for those inputs is planned for FP32 inputs, with a warning naming it.
 """
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Dict, List, Sequence
 
 import pytest
@@ -129,6 +131,20 @@ def test_children_of_an_eager_root_have_autocasts_dtypes_and_train_like_autocast
     assert plan.header["frontend"] == "eager"
     assert "gate=eager" in plan.header["nested"] and "levels=export" in plan.header["nested"]
     assert "FP32 inputs" not in plan.nodes["gate"].reason + plan.nodes["levels"].reason
+
+
+def test_a_child_planned_for_fp32_inputs_is_a_warning_naming_it(caplog):
+    """``refine`` is called only where the features are FP32, not under autocast: it is
+    planned for the FP32 model's inputs, and a warning says so, naming it."""
+    torch.manual_seed(0)
+    model, x = Detector(), torch.randn(2, 3, 8, 8)
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        gm = fxamp.amp_rewrite(model, (x,), dtype=DT, target="cpu")
+    assert "planned for FP32 inputs" in fxamp.plan_of(gm).nodes["refine"].reason
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+              and "FP32 inputs" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("Detector.refine (nn.Conv2d)"), warned
+    assert "not called when the model runs under torch.autocast" in warned[0]
 
 
 @pytest.mark.slow
