@@ -17,7 +17,7 @@ promote and fp32-unless-a-dtype lists depend on them.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Type
+from typing import Any, Optional, Tuple, Type
 
 import torch
 import torch.fx as fx
@@ -111,11 +111,10 @@ class GuardsRule(AnnotateRule):
 
 
 class NestedRule(AnnotateRule):
-    """A submodule rewritten on its own gets the inputs it was planned for: FP32 inputs
-    when it was planned for the FP32 model's (its call recorded in FP32), else its inputs as
-    they come, in autocast's dtypes (a graph given low-precision inputs records its
-    submodules' calls under torch.autocast; an eager root casts each input to the dtype its
-    own children were planned for)."""
+    """A submodule rewritten on its own gets the inputs it was planned for: FP32 inputs when
+    its call was recorded on the FP32 model; its inputs as they come, in autocast's dtypes,
+    when this graph's inputs are low precision (a child of a rewritten model: its
+    submodules' calls were recorded under torch.autocast, as they run)."""
 
     name = Rule.NESTED
 
@@ -123,10 +122,9 @@ class NestedRule(AnnotateRule):
         return node.op == "call_module" and has_result(self.gm.get_submodule(node.target))
 
     def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
-        result = result_of(self.gm.get_submodule(node.target))
-        source = result.source or self.label(node)
+        source = result_of(self.gm.get_submodule(node.target)).source or self.label(node)
         what = "rewritten on its own (a submodule the whole-model trace could not take)"
-        if _takes_inputs_as_they_come(result.plan.nodes.items(), result.plan.header):
+        if _low_precision(self.ctx.inputs):
             return Decision(None, self.name, f"{what}, planned for the inputs it gets under "
                             f"torch.autocast; its nodes are the plan lines {node.target}/*",
                             source)
@@ -134,14 +132,11 @@ class NestedRule(AnnotateRule):
                         f"nodes are the plan lines {node.target}/*", source)
 
 
-def _takes_inputs_as_they_come(lines: Any, header: Dict[str, str]) -> bool:
-    """Whether a nested plan takes its inputs in the dtypes they come in: an eager root's
-    (its children cast them to what they were planned for), or a graph's with a
-    low-precision input (planned for autocast's dtypes, not the FP32 model's)."""
-    if header.get("frontend") == "eager":
-        return True
-    return any(p.op == "placeholder" and p.dtype in (torch.float16, torch.bfloat16)
-               for name, p in lines if "/" not in name)
+def _low_precision(values: Any) -> bool:
+    """Whether any tensor among ``values``' leaves is float16 or bfloat16."""
+    leaves, _ = tree_flatten(values)
+    return any(isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16)
+               for v in leaves)
 
 
 class RuntimeRule(AnnotateRule):
@@ -206,12 +201,13 @@ ANNOTATE_RULES: Tuple[Type[AnnotateRule], ...] = (
     AutocastRule)
 
 
-def make_rules(root: nn.Module, policy: Policy, scope: Optional[overrides.Scope] = None
-               ) -> Tuple[AnnotateRule, ...]:
+def make_rules(root: nn.Module, policy: Policy, scope: Optional[overrides.Scope] = None,
+               inputs: tuple = ()) -> Tuple[AnnotateRule, ...]:
     """The annotate rules for one graph module and policy: for a deployment target
     (``target="tensorrt"``) :class:`~fxamp.passes.deploy.DeployRule` decides last instead of
-    autocast's tables. ``scope``: the rewrite's override record."""
-    ctx = PassContext(policy, scope=scope)
+    autocast's tables. ``scope``: the rewrite's override record; ``inputs``: the graph's
+    input values (real or fake)."""
+    ctx = PassContext(policy, inputs, scope=scope)
     classes = ANNOTATE_RULES
     if is_deploy(policy.target):
         at = classes.index(RuntimeRule)  # an RNN module is no opaque call in a deployment
