@@ -416,6 +416,28 @@ def test_a_gather_of_a_table_without_gradient_still_moves():
         assert torch.equal(rewrite(model, (x,))(x), want.float())
 
 
+def test_a_repeat_of_a_low_precision_input_keeps_autocasts_gradient():
+    """A bf16 model input is an activation (the graph of a child of a rewritten model gets
+    the bf16 values of the layers before it), so it needs a gradient: its repeat into an
+    FP32 loss stays bf16, as under autocast, and the input's gradient is autocast's."""
+    class RepeatLoss(nn.Module):
+        def forward(self, x, y):
+            return F.mse_loss(x.repeat(1, 4), y)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 64).to(DT), torch.randn(4, 256)
+    off, on = plans(RepeatLoss(), (x, y))
+    assert changed(off, on) == set()
+    gm = rewrite(RepeatLoss(), (x, y))
+    want_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=DT):
+        want = RepeatLoss()(want_x, y)
+    want.backward()
+    got = gm(got_x, y)
+    got.backward()
+    assert torch.equal(got, want) and torch.equal(got_x.grad, want_x.grad)
+
+
 @pytest.mark.parametrize("call, sums", [
     (lambda x, i: x[i], True),                          # a gather: rows may repeat
     (lambda x, i: x[:, :4], False),                     # slicing

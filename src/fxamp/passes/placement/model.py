@@ -64,12 +64,16 @@ class CutModel:
     # -- which nodes --------------------------------------------------------------------
     def _requires_grad(self, nodes: Iterable[fx.Node]) -> Set[fx.Node]:
         """Values that (probably) need a gradient: those that depend on a trainable
-        parameter. Model inputs are taken not to."""
+        parameter or on a low-precision model input (an activation: the graph of a child of a
+        rewritten model). FP32 model inputs are taken not to."""
         grad: Set[fx.Node] = set()
         for n in nodes:
             if n not in self.values:
                 continue
-            if n.op == "get_attr":
+            if n.op == "placeholder":
+                if self.values[n] == self.low:
+                    grad.add(n)
+            elif n.op == "get_attr":
                 t = fetch_attr(self.gm, str(n.target))
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     grad.add(n)
