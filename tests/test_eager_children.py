@@ -167,10 +167,8 @@ def test_a_child_planned_for_fp32_inputs_is_a_warning_naming_it(caplog):
 @pytest.mark.parametrize("name", ["fasterrcnn_mobilenet_v3_large_320_fpn", "retinanet"])
 def test_torchvision_detection_children_and_training_step_match_autocast(name):
     """A detection model in train mode (losses out): every child's inputs and outputs have
-    autocast's dtypes (the anchors are built in bf16, as under autocast) and the losses are
-    autocast's, bit for bit. The gradients are within one bf16 rounding of the sum for the
-    heads that apply one conv to every feature level (see the comment below), equal
-    elsewhere."""
+    autocast's dtypes (the anchors are built in bf16, as under autocast), and the losses and
+    gradients are autocast's, bit for bit."""
     from torchvision.models import detection
     torch.manual_seed(0)
     if name == "retinanet":
@@ -196,23 +194,17 @@ def test_torchvision_detection_children_and_training_step_match_autocast(name):
     torch.manual_seed(1)
     losses = gm(images, targets)
     assert got == want
-    assert {k: v.item() for k, v in losses.items()} == \
-        {k: v.item() for k, v in ref_losses.items()}
+    assert losses.keys() == ref_losses.keys()
+    assert all(torch.equal(losses[k], ref_losses[k]) for k in losses)
     sum(ref_losses.values()).backward()
     sum(losses.values()).backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if n == "backbone.fpn.extra_blocks.p7.weight":
             # RetinaNet's P7 conv (3x3, stride 2) reads the 1x1 P6 map of a 64 px image:
-            # torch's CPU bf16 conv weight gradient of a 1x1 input reads uninitialized
-            # memory, so autocast itself gives another value (or NaN) on each run
+            # torch's CPU bf16 weight gradient of a conv on a 1x1 input is not deterministic
+            # (autocast itself gives another value, or NaN, from run to run)
             continue
         if q.grad is None:
             assert p.grad is None, n
-        elif not torch.equal(p.grad, q.grad):
-            # a head whose children are called once per feature level (RPNHead's and
-            # RetinaNet's convs): autocast casts each weight once for the whole region and
-            # sums the levels' gradients in bf16; the rewritten child casts per call and the
-            # sum is FP32 (the cast cache of a module called several times; issue 38, 5)
-            assert n.startswith(("rpn.head.", "head.")), n
-            torch.testing.assert_close(p.grad, q.grad, rtol=2 ** -7, atol=2 ** -7 *
-                                       float(q.grad.abs().max()))
+        else:
+            assert torch.equal(p.grad, q.grad), n
