@@ -86,26 +86,35 @@ def test_cast_moves_before_an_enlarging_follow_op():
     torch.testing.assert_close(gm_on(x), gm_off(x), rtol=0, atol=0)  # nearest: exact
 
 
-class ConvRepeatHead(nn.Module):
-    """conv (bf16) -> repeat x4 -> flatten -> head kept in FP32 by a user override: the
-    enlarging follow ops move to FP32 so the small conv output is cast up, not the big one."""
+class ConvPadHead(nn.Module):
+    """conv (bf16) -> zero padding 8x8 -> 16x16 -> flatten -> head kept in FP32 by a user
+    override: the enlarging follow ops move to FP32 so the small conv output is cast up, not
+    the big one. (Zero padding's backward is a slice: exact in either dtype, unlike a
+    ``repeat``, whose backward sums.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.head = nn.Linear(4 * 8 * 8 * 4, 10)
+        self.head = nn.Linear(4 * 16 * 16, 10)
 
     def forward(self, x):
-        return self.head(torch.flatten(self.conv(x).repeat(1, 1, 2, 2), 1))
+        return self.head(torch.flatten(F.pad(self.conv(x), (4, 4, 4, 4)), 1))
+
+
+def grads_after_step(model, fn):
+    model.zero_grad(set_to_none=True)
+    out = fn()
+    out.float().pow(2).mean().backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_cast_moves_before_an_enlarging_op_into_fp32_with_its_gradient():
     torch.manual_seed(0)
-    model, x = ConvRepeatHead().train(), torch.randn(2, 3, 8, 8)
+    model, x = ConvPadHead().train(), torch.randn(2, 3, 8, 8)
     off, on = plans(model, (x,), "fp32:head")
-    assert changed(off, on) == {"repeat", "flatten"}
+    assert changed(off, on) == {"pad", "flatten"}
     assert all(on.nodes[n].rule == "placement" and on.nodes[n].dtype == torch.float32
-               for n in ("repeat", "flatten"))
+               for n in ("pad", "flatten"))
     assert on.nodes["head"] == off.nodes["head"] and on.nodes["conv"] == off.nodes["conv"]
     gm_off, gm_on = rewrite(model, (x,), "fp32:head,placement=off"), rewrite(model, (x,),
                                                                              "fp32:head")
@@ -113,24 +122,28 @@ def test_cast_moves_before_an_enlarging_op_into_fp32_with_its_gradient():
     c_off = step_casts(lambda: gm_off(x))
     model.zero_grad(set_to_none=True)
     c_on = step_casts(lambda: gm_on(x))
-    small, big = 2 * 4 * 8 * 8, 2 * 4 * 8 * 8 * 4
+    small, big = 2 * 4 * 8 * 8, 2 * 4 * 16 * 16
     # forward: bf16 -> fp32 (4 bytes); backward: the gradient fp32 -> bf16 (2 bytes)
     assert c_off.bytes - c_on.bytes == (big - small) * (FP32 + BF16)
     assert c_on.n == c_off.n
-    torch.testing.assert_close(gm_on(x), gm_off(x), rtol=1e-2, atol=1e-2)
+    # padding and flatten are exact both ways: the same output and gradients
+    out_off, g_off = grads_after_step(model, lambda: gm_off(x))
+    out_on, g_on = grads_after_step(model, lambda: gm_on(x))
+    assert torch.equal(out_on, out_off)
+    assert all(torch.equal(g_on[n], g_off[n]) for n in g_off)
 
 
 def test_a_promote_op_pins_its_inputs():
-    """As in ConvRepeatHead, but a slice of the repeated tensor also goes into torch.cat
+    """As in ConvPadHead, but a slice of the padded tensor also goes into torch.cat
     (autocast's promote list on CPU: the widest input dtype). Moving the slice to FP32 would
-    turn the cat FP32, so it stays, and then moving the repeat does not pay."""
-    class WithCat(ConvRepeatHead):
+    turn the cat FP32, so it stays, and then moving the padding does not pay."""
+    class WithCat(ConvPadHead):
         def __init__(self) -> None:
             super().__init__()
             self.fc = nn.Linear(8, 8)
 
         def forward(self, x):
-            a = self.conv(x).repeat(1, 1, 2, 2)
+            a = F.pad(self.conv(x), (4, 4, 4, 4))
             joined = torch.cat([a[:, 0, 0, :2], self.fc(a[:, 1, 1, :8])], 1)
             return self.head(torch.flatten(a, 1)) + joined
 
@@ -301,11 +314,12 @@ def test_arithmetic_follow_ops_do_not_move_into_the_low_dtype():
 
 
 def test_explicit_dtype_calls_and_batchnorm_are_not_free():
-    """``.float()`` / ``.to(dtype)`` and a BatchNorm (FP32 running stats) never move."""
+    """``.float()`` / ``.to(dtype)`` and a BatchNorm (FP32 running stats) never move. (The
+    norm has no affine weights, so the repeat after it needs no gradient and may move.)"""
     class M(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.bn = nn.BatchNorm2d(4)
+            self.bn = nn.BatchNorm2d(4, affine=False)
             self.conv = nn.Conv2d(4, 4, 3, padding=1)
 
         def forward(self, x):
@@ -317,6 +331,162 @@ def test_explicit_dtype_calls_and_batchnorm_are_not_free():
     moved = changed(off, on)
     assert moved == {"repeat_1"}, moved  # only the repeat before the conv is free
     assert all(on.nodes[n] == off.nodes[n] for n in ("float_1", "bn", "to", "repeat"))
+
+
+class RelPosBiasAttention(nn.Module):
+    """Attention with a relative-position bias table read through a repeated index, as in
+    timm's BEiT and Swin: ``table[index.view(-1)]`` (each of the 7x7 table's rows is read by
+    up to 16 of the 256 query-key pairs) is the attention mask of the bf16
+    scaled_dot_product_attention. ``use`` picks how the table is read: a gather, or an
+    ``expand`` / ``repeat`` of it (their backward sums as well)."""
+
+    def __init__(self, use: str = "gather", dim: int = 32, heads: int = 4, ws: int = 4,
+                 table_grad: bool = True) -> None:
+        super().__init__()
+        self.use, self.heads, self.n = use, heads, ws * ws
+        self.table = nn.Parameter(torch.randn((2 * ws - 1) ** 2, heads),
+                                  requires_grad=table_grad)
+        coords = torch.stack(torch.meshgrid(torch.arange(ws), torch.arange(ws),
+                                            indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (ws - 1)
+        self.register_buffer("index", rel[..., 0] * (2 * ws - 1) + rel[..., 1],
+                             persistent=False)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        if self.use == "gather":
+            bias = self.table[self.index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+        elif self.use == "expand":
+            bias = self.table[:n].t().unsqueeze(-1).expand(-1, -1, n)
+        else:
+            bias = self.table[:n].t().unsqueeze(-1).repeat(1, 1, n)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.contiguous().unsqueeze(0))
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+def autocast_and_fxamp_step(model, x, policy=None):
+    """One training step of a deepcopy of ``model`` under autocast and of the rewritten
+    ``model``: (loss, gradients by name) for each."""
+    import copy
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=DT):
+        ref_loss = ref(x).float().pow(2).mean()
+    ref_loss.backward()
+    loss = rewrite(model, (x,), policy)(x).float().pow(2).mean()
+    loss.backward()
+    return ((ref_loss, {n: p.grad for n, p in ref.named_parameters()}),
+            (loss, {n: p.grad for n, p in model.named_parameters()}))
+
+
+@pytest.mark.parametrize("use", ["gather", "expand", "repeat"])
+def test_a_weight_read_through_a_summing_op_keeps_autocasts_gradient(use):
+    """The bias table is FP32 and the attention reads its gathered (or expanded) copy in
+    bf16. Casting the table before the gather moves fewer bytes, but the gather's backward
+    then sums the gradients of repeated rows in bf16, where autocast sums them in FP32 and
+    casts after: the table's gradient differs. The gather stays FP32, as under autocast, and
+    the training step is bit-identical."""
+    torch.manual_seed(0)
+    model, x = RelPosBiasAttention(use), torch.randn(2, 16, 32)
+    off, on = plans(model, (x,))
+    assert changed(off, on) == set()
+    reader = {"gather": "getitem_6", "expand": "expand", "repeat": "repeat"}[use]
+    assert on.nodes[reader].dtype == torch.float32 and on.nodes[reader].rule == "autocast"
+    (ref_loss, ref_grads), (loss, grads) = autocast_and_fxamp_step(model, x)
+    assert torch.equal(loss, ref_loss)
+    assert ref_grads.keys() == grads.keys()
+    for name in ref_grads:
+        assert torch.equal(grads[name], ref_grads[name]), \
+            (name, float((grads[name] - ref_grads[name]).abs().max()))
+
+
+def test_a_gather_of_a_table_without_gradient_still_moves():
+    """The same table frozen (no gradient): the gather is exact in either dtype, so the
+    small table is cast before it, and the output is autocast's."""
+    torch.manual_seed(0)
+    model, x = RelPosBiasAttention(table_grad=False).eval(), torch.randn(2, 16, 32)
+    off, on = plans(model, (x,))
+    assert {"getitem_6", "view", "permute_1"} <= changed(off, on)
+    assert on.nodes["getitem_6"].rule == "placement" and on.nodes["getitem_6"].dtype == DT
+    with torch.no_grad(), torch.autocast("cpu", dtype=DT):
+        want = model(x)
+    with torch.no_grad():
+        assert torch.equal(rewrite(model, (x,))(x), want.float())
+
+
+def test_a_repeat_of_a_low_precision_input_keeps_autocasts_gradient():
+    """A bf16 model input is an activation (the graph of a child of a rewritten model gets
+    the bf16 values of the layers before it), so it needs a gradient: its repeat into an
+    FP32 loss stays bf16, as under autocast, and the input's gradient is autocast's."""
+    class RepeatLoss(nn.Module):
+        def forward(self, x, y):
+            return F.mse_loss(x.repeat(1, 4), y)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 64).to(DT), torch.randn(4, 256)
+    off, on = plans(RepeatLoss(), (x, y))
+    assert changed(off, on) == set()
+    gm = rewrite(RepeatLoss(), (x, y))
+    want_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=DT):
+        want = RepeatLoss()(want_x, y)
+    want.backward()
+    got = gm(got_x, y)
+    got.backward()
+    assert torch.equal(got, want) and torch.equal(got_x.grad, want_x.grad)
+
+
+@pytest.mark.parametrize("call, sums", [
+    (lambda x, i: x[i], True),                          # a gather: rows may repeat
+    (lambda x, i: x[:, :4], False),                     # slicing
+    (lambda x, i: x[None, 1:], False),
+    (lambda x, i: x.expand(3, -1, -1, -1), True),       # a broadcast
+    (lambda x, i: x.repeat(1, 1, 2, 2), True),
+    (lambda x, i: x.permute(0, 2, 3, 1), False),
+    (lambda x, i: F.interpolate(x, scale_factor=2), True),
+    (nn.Upsample(scale_factor=2), True),
+    (nn.MaxPool2d(2), False),                           # windows side by side
+    (nn.MaxPool2d(3, 2, 1), True),                      # windows overlap
+    (lambda x, i: F.max_pool2d(x, 2), False),
+    (lambda x, i: F.max_pool2d(x, (3, 3), (1, 1)), True),
+    (nn.AdaptiveMaxPool2d(3), True),
+    (nn.ReLU(), False),
+])
+def test_sums_gradients_names_the_ops_whose_backward_sums(call, sums):
+    from fxamp.passes.placement.free import free_kind, sums_gradients
+
+    class Call(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.op = call if isinstance(call, nn.Module) else None
+
+        def forward(self, x, i):
+            return self.op(x) if self.op is not None else call(x, i)
+
+    gm = torch.fx.symbolic_trace(Call())
+    node = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")][-1]
+    assert free_kind(node, gm) is not None, node.format_node()
+    assert sums_gradients(node, gm) is sums, node.format_node()
+
+
+@pytest.mark.slow
+def test_timm_beit_training_step_equals_autocast():
+    """timm's BEiT (a tiny config, random weights) reads its relative-position bias table
+    through ``relative_position_index.view(-1)``: one training step is bit-identical to
+    autocast's, the tables' gradients included."""
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model("beit_base_patch16_224", pretrained=False, img_size=32,
+                              patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                              num_classes=10).train()
+    assert model.blocks[0].attn.relative_position_bias_table.requires_grad
+    x = torch.randn(2, 3, 32, 32)
+    (ref_loss, ref_grads), (loss, grads) = autocast_and_fxamp_step(model, x)
+    assert torch.equal(loss, ref_loss)
+    differ = [n for n in ref_grads if not torch.equal(grads[n], ref_grads[n])]
+    assert differ == []
 
 
 # -- real models: fixed nodes never change, outputs agree, casts not above autocast ----

@@ -313,6 +313,18 @@ def _refuse_hooks_in_export(model: nn.Module) -> None:
             "their hooks; or remove the hooks before amp_rewrite")
 
 
+def _fp32_copy(value: Any) -> Any:
+    """A float16 / bfloat16 tensor as FP32 (what torch.export traces in place of it)."""
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    """Whether two pytrees hold the same objects (no input was copied to FP32)."""
+    return all(x is y for x, y in zip(_torch.tree_flatten(a)[0], _torch.tree_flatten(b)[0]))
+
+
 class AtenFrontend:
     """torch.export, ATen level (see :func:`export_trace`); refuses hooked modules. The
     rewritten module checks each call's input sizes against the export's
@@ -325,8 +337,19 @@ class AtenFrontend:
     def capture(self, model: nn.Module, request: Request) -> Traced:
         _refuse_hooks_in_export(model)
         with without_root_hooks(model):
-            gm = export_trace(model, request.args, request.kwargs, request.asked,
-                              request.dynamic_shapes, request.inference)
+            try:
+                gm = export_trace(model, request.args, request.kwargs, request.asked,
+                                  request.dynamic_shapes, request.inference)
+            except TraceError:
+                # low-precision inputs (a child of a rewritten model, given the bf16
+                # activations it gets under autocast) are exported as FP32 where they fail:
+                # torch.export runs the model without autocast, where FP32 weights cannot
+                # take them (a conv's FP32 bias); the graph is planned for their real dtypes
+                args, kwargs = tree_map(_fp32_copy, (request.args, request.kwargs))
+                if _same_leaves((args, kwargs), (request.args, request.kwargs)):
+                    raise
+                gm = export_trace(model, args, kwargs, request.asked,
+                                  request.dynamic_shapes, request.inference)
         checkpointing.warn_unseen(model, gm.graph)
         if request.errors:
             log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)

@@ -43,12 +43,27 @@ from .hooks import share_call_hooks
 log = logging.getLogger(__name__)
 
 
+def low_dtype(values: Any) -> Optional[torch.dtype]:
+    """The low-precision floating dtype (FP16 or BF16) of the first such tensor among
+    ``values``' leaves, or None when all are FP32 or not floating."""
+    leaves, _ = tree_flatten(values)
+    return next((v.dtype for v in leaves if isinstance(v, torch.Tensor)
+                 and v.dtype in (torch.float16, torch.bfloat16)), None)
+
+
 def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
                     kwargs: Dict[str, Any], autocast: Optional[torch.dtype] = None
                     ) -> Dict[str, Tuple[tuple, dict, Any]]:
     """(args, kwargs, output) of each submodule's first call when the model runs on the
     example inputs: one forward without grad (FP32, or under ``torch.autocast`` of
-    ``autocast``), on copies of the buffers and a forked RNG, so no state changes."""
+    ``autocast``), on copies of the buffers and a forked RNG, so no state changes.
+
+    Inputs in a low-precision dtype (a child of a rewritten model, planned for the bf16
+    activations it gets under autocast) are run under ``torch.autocast`` of that dtype when
+    ``autocast`` is None: FP32 weights take them only there (a conv reading a bf16 input
+    with an FP32 bias raises outside), and that is how the child's submodules get them."""
+    if autocast is None:
+        autocast = low_dtype((args, kwargs))
     seen: Dict[str, Tuple[tuple, dict, Any]] = {}
     hooks = []
     for path in paths:
@@ -204,6 +219,29 @@ def _cast_outputs(module: nn.Module, dtypes: List[Optional[torch.dtype]]) -> Non
     module.forward = run  # type: ignore[method-assign]
 
 
+def _warn_fp32_plans(model: nn.Module, names: Sequence[str],
+                     autocast_calls: Dict[str, Tuple[tuple, dict, Any]], pol: Policy) -> None:
+    """Warn, naming each, of the children planned for the FP32 model's inputs because no
+    front end could plan them for the ones they get under the root's torch.autocast: on
+    entry their low-precision inputs are cast to FP32, so the ops in them that autocast
+    leaves alone run in FP32 where autocast runs them in the low dtype."""
+    for name in names:
+        if name not in autocast_calls:
+            why = ("it is not called when the model runs under torch.autocast on the example "
+                   "inputs, so it is planned for the inputs it gets without")
+        else:
+            low = sorted({dtype_name(d) for d in _planned_dtypes(autocast_calls[name])
+                          if d in (torch.float16, torch.bfloat16)})
+            why = ("no front end could plan it for " + (
+                f"its {'/'.join(low)} inputs under torch.autocast" if low else
+                "the inputs it gets under torch.autocast") + " (the reason is logged at INFO)")
+        log.warning("%s.%s (%s) is planned for FP32 inputs: %s. Its inputs are cast to FP32 "
+                    "on entry, so the ops in it on no autocast list run in FP32 where "
+                    "torch.autocast runs them in %s: its numbers differ from autocast's",
+                    type(model).__name__, name, module_label(model.get_submodule(name)),
+                    why, dtype_name(pol.compute))
+
+
 def call_paths(module: nn.Module, prefix: str = "") -> List[str]:
     """The paths of the submodules a forward calls: the children, with the items of a
     container that has no forward of its own (``ModuleList``, ``ModuleDict``: a decoder's
@@ -247,6 +285,8 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     :func:`_output_casts`)."""
     result = copy.copy(model)
     result._modules = dict(model._modules)
+    _warn_fp32_plans(model, [name for name in fp32_inputs if name in children],
+                     autocast_calls or {}, pol)
     nested: Dict[str, Plan] = {}
     runtime: List[str] = [name for name in calls if name not in children]
     for name, sub in children.items():

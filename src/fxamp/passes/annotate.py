@@ -115,7 +115,7 @@ class _Simulator(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, policy: Policy, fake_mode: FakeTensorMode,
                  home: torch.device, memo: Optional[Dict[fx.Node, Any]] = None,
-                 scope: Any = None) -> None:
+                 scope: Any = None, inputs: tuple = ()) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.policy = policy
         self.fake_mode = fake_mode
@@ -123,7 +123,7 @@ class _Simulator(fx.Interpreter):
         self.decisions: Dict[str, Tuple[Decision, Any]] = {}
         #: the nodes with an input autocast would cast (floating, not float64)
         self.float_in: set = set()
-        self.rules = make_rules(gm, policy, scope)
+        self.rules = make_rules(gm, policy, scope, inputs)
         # node -> (its first decision and the identities of its input values, (decision,
         # result)) from an earlier run of the same session: reused while both are unchanged
         self.memo: Dict[fx.Node, Any] = {} if memo is None else memo
@@ -367,7 +367,8 @@ def annotate(gm: fx.GraphModule, example_inputs: tuple, policy: Policy,
         session = FakeSession(gm, example_inputs)
     session.runs += 1
     with session.mode:
-        sim = _Simulator(gm, policy, session.mode, session.home, session.memo, scope)
+        sim = _Simulator(gm, policy, session.mode, session.home, session.memo, scope,
+                         session.inputs)
         # grad stays enabled, as in training: modules such as nn.MultiheadAttention take
         # the path they take when training (their inference fast path differs on fakes)
         with reparametrize_module(gm, session.state, tie_weights=True, strict=False):

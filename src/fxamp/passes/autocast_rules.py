@@ -9,14 +9,15 @@ promote and fp32-unless-a-dtype lists depend on them.
 2. :class:`UserOverrideRule` — a policy override (``fp32:encoder.*``) wins (rule "user");
 3. :class:`FixedRule` — a decision an earlier rule recorded in the IR (``ir.fix``);
 4. :class:`GuardsRule` — torch.export's input-shape check;
-5. :class:`NestedRule` — a submodule rewritten on its own gets FP32 inputs (rule "nested");
+5. :class:`NestedRule` — a submodule rewritten on its own gets the inputs it was planned for
+   (rule "nested");
 6. :class:`RuntimeRule` — an opaque call runs under torch.autocast at run time;
 7. :class:`AutocastRule` — autocast's op tables for the target (always applies: last); for a
    deployment target, :class:`~fxamp.passes.deploy.DeployRule` instead.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Type
+from typing import Any, Optional, Tuple, Type
 
 import torch
 import torch.fx as fx
@@ -110,7 +111,10 @@ class GuardsRule(AnnotateRule):
 
 
 class NestedRule(AnnotateRule):
-    """A submodule rewritten on its own, planned for FP32 inputs: it gets FP32 inputs."""
+    """A submodule rewritten on its own gets the inputs it was planned for: FP32 inputs when
+    its call was recorded on the FP32 model; its inputs as they come, in autocast's dtypes,
+    when this graph's inputs are low precision (a child of a rewritten model: its
+    submodules' calls were recorded under torch.autocast, as they run)."""
 
     name = Rule.NESTED
 
@@ -119,9 +123,20 @@ class NestedRule(AnnotateRule):
 
     def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
         source = result_of(self.gm.get_submodule(node.target)).source or self.label(node)
-        return Decision(torch.float32, self.name, "rewritten on its own (a submodule the "
-                        "whole-model trace could not take), planned for FP32 inputs; its nodes "
-                        f"are the plan lines {node.target}/*", source)
+        what = "rewritten on its own (a submodule the whole-model trace could not take)"
+        if _low_precision(self.ctx.inputs):
+            return Decision(None, self.name, f"{what}, planned for the inputs it gets under "
+                            f"torch.autocast; its nodes are the plan lines {node.target}/*",
+                            source)
+        return Decision(torch.float32, self.name, f"{what}, planned for FP32 inputs; its "
+                        f"nodes are the plan lines {node.target}/*", source)
+
+
+def _low_precision(values: Any) -> bool:
+    """Whether any tensor among ``values``' leaves is float16 or bfloat16."""
+    leaves, _ = tree_flatten(values)
+    return any(isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16)
+               for v in leaves)
 
 
 class RuntimeRule(AnnotateRule):
@@ -186,12 +201,13 @@ ANNOTATE_RULES: Tuple[Type[AnnotateRule], ...] = (
     AutocastRule)
 
 
-def make_rules(root: nn.Module, policy: Policy, scope: Optional[overrides.Scope] = None
-               ) -> Tuple[AnnotateRule, ...]:
+def make_rules(root: nn.Module, policy: Policy, scope: Optional[overrides.Scope] = None,
+               inputs: tuple = ()) -> Tuple[AnnotateRule, ...]:
     """The annotate rules for one graph module and policy: for a deployment target
     (``target="tensorrt"``) :class:`~fxamp.passes.deploy.DeployRule` decides last instead of
-    autocast's tables. ``scope``: the rewrite's override record."""
-    ctx = PassContext(policy, scope=scope)
+    autocast's tables. ``scope``: the rewrite's override record; ``inputs``: the graph's
+    input values (real or fake)."""
+    ctx = PassContext(policy, inputs, scope=scope)
     classes = ANNOTATE_RULES
     if is_deploy(policy.target):
         at = classes.index(RuntimeRule)  # an RNN module is no opaque call in a deployment

@@ -20,7 +20,11 @@ pipeline then propagates the dtypes again.
 Free are only follow ops known to behave the same in either dtype (an allowlist): data
 movement and selection ops that commute with rounding (view, permute, slicing, repeat, relu,
 max pooling, nearest upsampling, zero padding) move either way; arithmetic follow ops (add,
-mul, gelu, average pooling ...) only from the low dtype to FP32. Never free: ops with a dtype
+mul, gelu, average pooling ...) only from the low dtype to FP32. Ops whose backward sums
+gradients (a gather with a tensor index, expand, repeat, nearest upsampling, overlapping max
+pooling) are free only when their value needs no gradient: autocast sums in the dtype the op
+runs in, and a sum rounded in the other dtype gives other gradients (a relative-position bias
+table gathered by a repeated index, as in BEiT). Never free: ops with a dtype
 argument, in-place ops and everything aliasing a value changed in place, modules with
 parameters or buffers (BatchNorm: FP32 running statistics), ops with a non-tensor (sequence)
 or mixed-dtype input, and ops whose value an FP32 op or the FP32 output reads (they stay FP32,

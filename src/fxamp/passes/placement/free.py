@@ -5,6 +5,13 @@ selection ops that commute with rounding (view, permute, slicing, repeat, relu, 
 nearest upsampling, zero padding) move either way (:data:`EXACT`); arithmetic follow ops
 (add, mul, gelu, average pooling ...) only from the low dtype to FP32 (:data:`ARITH`). The
 op is matched through :mod:`fxamp.ops` (fx functions, tensor methods, modules).
+
+Exact in the forward is not exact in the backward for the ops whose backward sums the
+gradients of several outputs into one input element (:func:`sums_gradients`): a gather with
+a tensor index (repeated indices), ``expand``, ``repeat``, nearest upsampling, max pooling
+with overlapping windows. Autocast sums those gradients in the dtype the op runs in; moved
+across a cast, the sum would be rounded in the other dtype. The cut model leaves them where
+autocast runs them when their value needs a gradient.
 """
 from __future__ import annotations
 
@@ -42,6 +49,12 @@ _ARITH_FUNCTIONS = {operator.add, operator.sub, operator.mul, torch.add, torch.s
 _ARITH_MODULES = (nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Hardsigmoid,
                   nn.LeakyReLU, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d,
                   nn.AdaptiveAvgPool2d)
+#: exact ops whose backward sums gradients (see :func:`sums_gradients`)
+_SUMMING_METHODS = {"expand", "repeat"}
+_SUMMING_FUNCTIONS = {F.interpolate}
+_SUMMING_MODULES = (nn.Upsample, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d)
+_MAX_POOLS = (F.max_pool1d, F.max_pool2d)
+_ADAPTIVE_MAX_POOLS = (F.adaptive_max_pool1d, F.adaptive_max_pool2d)
 #: consumers that read only a value's shape (its dtype may change under them)
 _SHAPE_ATTRS = {"shape", "ndim", "device"}
 _SHAPE_METHODS = {"size", "dim", "numel", "ndimension"}
@@ -88,6 +101,54 @@ def free_kind(node: fx.Node, root: nn.Module) -> Optional[str]:
     if "dtype" in kwargs or any(isinstance(a, torch.dtype) for a in _flat(args)):
         return None
     return kind
+
+
+def sums_gradients(node: fx.Node, root: nn.Module) -> bool:
+    """Whether the backward of the exact op ``node`` may sum several gradients into one
+    element of its input: a gather (``x[index]`` with a tensor index, which may repeat rows),
+    a broadcast (``expand``), ``repeat``, nearest upsampling, max pooling whose windows
+    overlap (adaptive max pooling: taken to). The sum is rounded in the dtype the op runs in,
+    so such an op gives the gradients autocast gives only in autocast's dtype."""
+    module = ops.module_of(node, root)
+    if module is not None:
+        if isinstance(module, _SUMMING_MODULES):
+            return True
+        if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d)):
+            return _windows_overlap(module.kernel_size, module.stride, module.dilation)
+        return False
+    if ops.is_call(node, _SUMMING_FUNCTIONS, _SUMMING_METHODS) \
+            or ops.is_call(node, _ADAPTIVE_MAX_POOLS):
+        return True
+    for pool in _MAX_POOLS:
+        if ops.is_call(node, (pool,)):
+            kernel = ops.arg(node, "kernel_size", 1)
+            return _windows_overlap(kernel, ops.arg(node, "stride", 2) or kernel,
+                                    ops.arg(node, "dilation", 4, 1))
+    if ops.is_call(node, (operator.getitem,), ("__getitem__",)):
+        return _tensor_index(node.args[1] if len(node.args) > 1 else None)
+    return False
+
+
+def _windows_overlap(kernel: object, stride: object, dilation: object) -> bool:
+    """Whether pooling windows of this size, stride and dilation share input elements (any
+    argument not a plain int or tuple of ints counts as overlapping)."""
+    sizes = [kernel, stride, dilation]
+    if not all(isinstance(v, int) or (isinstance(v, (tuple, list)) and
+                                      all(isinstance(e, int) for e in v)) for v in sizes):
+        return True
+    dims = max(len(v) if isinstance(v, (tuple, list)) else 1 for v in sizes)
+    k, s, d = ([v] * dims if isinstance(v, int) else list(v) for v in sizes)
+    return any(si < (ki - 1) * di + 1 for ki, si, di in zip(k, s, d))
+
+
+def _tensor_index(index: object) -> bool:
+    """Whether an index may hold a tensor (advanced indexing, a gather): a node or a list
+    outside a ``slice`` (slice bounds are ints)."""
+    if isinstance(index, fx.Node) or isinstance(index, list):
+        return True
+    if isinstance(index, tuple):
+        return any(_tensor_index(i) for i in index)
+    return False
 
 
 def _flat(value: object) -> List[object]:

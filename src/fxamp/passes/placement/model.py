@@ -16,7 +16,7 @@ from ...ir import Rule
 from ...policy import Policy
 from .. import fetch_attr
 from ..casts import mutated_source
-from .free import ARITH, free_kind, shape_only
+from .free import ARITH, free_kind, shape_only, sums_gradients
 
 FP32 = torch.float32
 
@@ -64,12 +64,16 @@ class CutModel:
     # -- which nodes --------------------------------------------------------------------
     def _requires_grad(self, nodes: Iterable[fx.Node]) -> Set[fx.Node]:
         """Values that (probably) need a gradient: those that depend on a trainable
-        parameter. Model inputs are taken not to."""
+        parameter or on a low-precision model input (an activation: the graph of a child of a
+        rewritten model). FP32 model inputs are taken not to."""
         grad: Set[fx.Node] = set()
         for n in nodes:
             if n not in self.values:
                 continue
-            if n.op == "get_attr":
+            if n.op == "placeholder":
+                if self.values[n] == self.low:
+                    grad.add(n)
+            elif n.op == "get_attr":
                 t = fetch_attr(self.gm, str(n.target))
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     grad.add(n)
@@ -91,6 +95,8 @@ class CutModel:
         kind = free_kind(n, self.gm)
         if kind is None:
             return None
+        if n in self.grad and sums_gradients(n, self.gm):
+            return None  # its backward sums gradients: in autocast's dtype, as autocast does
         floating = [a for a in n.all_input_nodes if ir.precision(a) is not None]
         if not floating or floating[0] not in self.values:
             return None
