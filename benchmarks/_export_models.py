@@ -280,6 +280,16 @@ def distilbert_padded() -> Example:
     return model, _padded_batch(), _padded_batch()
 
 
+def t5_encoder_padded() -> Example:
+    """The 2-layer T5 encoder called with a padding mask on a padded batch."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    cfg = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=512,
+                   attn_implementation="eager")
+    return MaskedEncoder(T5EncoderModel(cfg)).eval(), _padded_batch(), _padded_batch()
+
+
 def _padded_batch() -> tuple:
     """Token ids and a padding mask: the second of two sequences is padded after 10 tokens."""
     ids = torch.randint(0, 512, (2, 16))
@@ -294,7 +304,7 @@ MODELS: Dict[str, Callable[[], Example]] = {
     "mobilenetv3": mobilenetv3, "swin_half": swin_half, "t5_enc": t5_encoder,
     "t5_enc_x300": t5_encoder_large, "lstm_gru": lstm_gru, "unet": unet,
     "norm_large": norm_large, "convnext_atto": convnext_atto,
-    "distilbert_pad": distilbert_padded}
+    "distilbert_pad": distilbert_padded, "t5_enc_pad": t5_encoder_padded}
 
 
 def _image() -> tuple:
@@ -318,7 +328,8 @@ BATCHES: Dict[str, Callable[[], tuple]] = {
     "efficientnet_b0": _image, "mobilenetv3": _image, "swin_half": _image,
     "t5_enc": _ids(512), "t5_enc_x300": _ids(512),
     "lstm_gru": lambda: (torch.randn(2, 10, 16),), "unet": _image,
-    "norm_large": _ids(100, 2), "convnext_atto": _image, "distilbert_pad": _padded_batch}
+    "norm_large": _ids(100, 2), "convnext_atto": _image, "distilbert_pad": _padded_batch,
+    "t5_enc_pad": _padded_batch}
 
 
 def check_batches(name: str, check: tuple, count: int = 8) -> List[tuple]:

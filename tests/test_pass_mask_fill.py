@@ -1,0 +1,111 @@
+"""A deployment plan writes an attention mask's ``finfo(float32).min`` fill as FP16's lowest
+finite value, so the mask arithmetic stays FP16 and the file has fewer Casts; the file stays
+right in true FP16 (onnx.reference), a fully padded row included."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+
+onnx = pytest.importorskip("onnx")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+class Masked(nn.Module):
+    """Scores masked the way Hugging Face's eager attention masks them: an additive mask
+    ``where(mask, 0, finfo(float32).min)`` before the softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0
+        fill = torch.finfo(torch.float32).min
+        add = torch.where(mask[:, None, :].bool(), torch.zeros((), dtype=torch.float32), fill)
+        return torch.softmax(scores + add, -1) @ self.v(x)
+
+
+def _masked():
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 6, 16), torch.ones(2, 6)
+    mask[1, 4:] = 0
+    return Masked().eval(), (x, mask)
+
+
+def _plan(model, x, policy=None):
+    return fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt", policy=policy))
+
+
+def test_a_deployment_plan_keeps_the_mask_arithmetic_in_fp16_with_a_reason():
+    model, x = _masked()
+    plan = _plan(model, x)
+    where = plan.nodes["where"]
+    assert where.dtype == torch.float16 and where.rule == "mask_fill", plan.to_text()
+    assert "fill -3.4e+38 is written as fp16's lowest -65504" in where.reason
+    assert plan.nodes["add"].dtype == torch.float16
+    assert plan.nodes["softmax"].dtype == torch.float16
+    before = _plan(model, x, policy="off:mask_fill")  # what the rule changes
+    assert before.nodes["add"].dtype == torch.float32 and before.nodes["add"].rule == "ranges"
+
+
+def test_a_training_plan_and_a_large_score_leave_the_fill_alone():
+    model, x = _masked()
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="cuda"))
+    assert "written as fp16's lowest" not in plan.nodes["where"].reason
+    with torch.no_grad():  # scores past the deployment limit (512) are still FP32
+        model.q.weight.mul_(400.0)
+    plan = _plan(model, x)
+    assert plan.nodes["where"].dtype == torch.float16
+    assert plan.nodes["truediv"].dtype == torch.float32, plan.to_text()
+
+
+def test_the_rewritten_model_computes_the_model_and_its_fp32_reference_keeps_the_fill():
+    from fxamp.export.reference import fp32_reference
+
+    model, x = _masked()
+    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    with torch.no_grad():
+        want = model(*x)
+    assert torch.equal(fp32_reference(gm)(*x), want)
+    x_full = (x[0], torch.zeros_like(x[1]))  # every position padded: uniform attention
+    with torch.no_grad():
+        assert torch.equal(fp32_reference(gm)(*x_full), model(*x_full))
+
+
+def _file_casts_and_error(tmp_path, name, policy):
+    from _export_models import MODELS, check_batches
+
+    from fxamp.export import export_onnx, run_true_fp16
+
+    model, x, check = MODELS[name]()
+    gm = fxamp.amp_rewrite(model, x, target="tensorrt", policy=policy)
+    proto = onnx.load(export_onnx(gm, x, str(tmp_path / f"{name}.{bool(policy)}.onnx")))
+    inits = {i.name for i in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in inits]
+    batches = check_batches(name, check, 8)
+    ids, mask = batches[-1]
+    mask = mask.clone()
+    mask[1] = 0  # a fully padded sequence
+    errors = []
+    for batch in batches + [(ids, mask)]:
+        got = run_true_fp16(proto, {n: t.numpy() for n, t in zip(names, batch)})[0]
+        with torch.no_grad():
+            want = model(*batch).numpy()
+        assert np.isfinite(got).all()
+        errors.append(float(np.abs(got - want).max() / np.abs(want).max()))
+    casts = sum(n.op_type == "Cast" for n in proto.graph.node)
+    return casts, float(np.mean(errors[:8])), errors[8]
+
+
+@pytest.mark.slow  # two exports of a DistilBERT, nine true-FP16 runs each
+def test_a_padded_distilbert_file_has_fewer_casts_and_the_same_error(tmp_path):
+    casts, mean, padded = _file_casts_and_error(tmp_path, "distilbert_pad", None)
+    casts0, mean0, _ = _file_casts_and_error(tmp_path, "distilbert_pad", "off:mask_fill")
+    assert casts0 == 6 and casts == 2  # onnxconverter-common's file: 2
+    assert mean <= 1.1 * mean0 + 1e-6 and mean < 1e-2  # mean over 8 batches, relative
+    assert padded < 1e-2  # a fully padded sequence: right in true FP16
