@@ -53,6 +53,38 @@ def test_a_deployment_plan_keeps_the_mask_arithmetic_in_fp16_with_a_reason():
     assert before.nodes["add"].dtype == torch.float32 and before.nodes["add"].rule == "ranges"
 
 
+class CausalInf(nn.Module):
+    """A causal mask built as ``full(-inf).triu(1)`` and a padding ``masked_fill(-1e9)``."""
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        causal = torch.full((n, n), float("-inf")).triu(1)
+        scores = (x @ x.transpose(-1, -2)).masked_fill(pad[:, None, :] == 0, -1e9)
+        return torch.softmax(scores + causal, -1) @ x
+
+
+def test_minus_inf_and_minus_1e9_fills_of_a_causal_and_a_padding_mask_go_fp16(tmp_path):
+    from fxamp.export import export_onnx, run_true_fp16
+
+    torch.manual_seed(0)
+    x, pad = torch.randn(2, 6, 8), torch.ones(2, 6)
+    pad[1, 4:] = 0
+    model = CausalInf().eval()
+    gm = fxamp.amp_rewrite(model, (x, pad), target="tensorrt")
+    plan = fxamp.plan_of(gm)
+    fills = {n: p for n, p in plan.nodes.items() if p.rule == "mask_fill"}
+    assert sorted(fills) == ["full", "masked_fill"], plan.to_text()
+    assert "fill -inf is written" in fills["full"].reason
+    assert "fill -1e+09 is written" in fills["masked_fill"].reason
+    assert plan.nodes["softmax"].dtype == torch.float16
+    proto = onnx.load(export_onnx(gm, (x, pad), str(tmp_path / "c.onnx")))
+    names = [i.name for i in proto.graph.input]
+    got = run_true_fp16(proto, dict(zip(names, (x.numpy(), pad.numpy()))))[0]
+    with torch.no_grad():
+        want = model(x, pad).numpy()
+    assert np.abs(got - want).max() < 1e-2 * np.abs(want).max()
+
+
 def test_a_training_plan_and_a_large_score_leave_the_fill_alone():
     model, x = _masked()
     plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="cuda"))

@@ -57,7 +57,8 @@ _FILLS = {"where", "masked_fill", "masked_fill_", "full", "full_like", "fill", "
 _CARRY = {"add", "add_", "iadd", "sub", "where", "masked_fill", "expand", "expand_as", "view",
           "reshape", "unsqueeze", "squeeze", "slice", "select", "permute", "transpose",
           "contiguous", "clone", "to", "_to_copy", "type_as", "float", "half", "alias",
-          "getitem", "clamp", "clamp_min", "maximum", "minimum", "repeat", "broadcast_to"}
+          "getitem", "clamp", "clamp_min", "maximum", "minimum", "repeat", "broadcast_to",
+          "triu", "tril"}
 _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
 #: how far (in nodes) a fill may be from the softmax it masks
 _MAX_DEPTH = 16
