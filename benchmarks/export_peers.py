@@ -208,7 +208,7 @@ def _goals(name: str, res: Dict[str, Dict[str, Any]]) -> List[str]:
         ok = _correct(fx) and e <= 1.1 * best + 1e-12
         err = f"{'yes' if ok else 'no'} ({_fmt(e)} vs {_fmt(best)})"
         fewest = min(p["casts"] for p in good)
-        casts = f"{'yes' if fx['casts'] <= fewest + 2 else 'no'} ({fx['casts']} vs {fewest})"
+        casts = f"{'yes' if fx['casts'] <= fewest + 1 else 'no'} ({fx['casts']} vs {fewest})"
         a, b = (int(x) for x in fx["share"].split("/"))
         top = max(int(p["share"].split("/")[0]) / int(p["share"].split("/")[1]) for p in good)
         share = f"{'yes' if a / b >= top - 1e-9 else 'no'} ({a / b:.0%} vs {top:.0%})"
@@ -296,7 +296,7 @@ def main() -> None:
                         "FP16 share (compute nodes)", "Casts", "BatchNormalization",
                         "conversion s"], rows)
     md_goal = _common.table(["model", "mean true-FP16 error <= 1.1x best correct peer",
-                             "Casts <= best correct peer + 2",
+                             "Casts <= best correct peer + 1",
                              "FP16 share >= best correct peer", "no BatchNormalization",
                              "time <= 1.5x fastest correct peer (incl. its FP32 export)"],
                             goals)
