@@ -85,6 +85,25 @@ def test_minus_inf_and_minus_1e9_fills_of_a_causal_and_a_padding_mask_go_fp16(tm
     assert np.abs(got - want).max() < 1e-2 * np.abs(want).max()
 
 
+class MaskOut(Masked):
+    """The same attention, and its additive mask returned as an output too."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor):
+        fill = torch.finfo(torch.float32).min
+        add = torch.where(mask[:, None, :].bool(), torch.zeros((), dtype=torch.float32), fill)
+        return torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) + add, -1), add
+
+
+def test_a_fill_whose_value_is_used_elsewhere_is_left_alone():
+    _, x = _masked()
+    model = MaskOut().eval()
+    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    plan = fxamp.plan_of(gm)
+    assert not any(p.rule == "mask_fill" for p in plan.nodes.values()), plan.to_text()
+    with torch.no_grad():
+        assert torch.equal(gm(*x)[1], model(*x)[1])  # the model's own -3.4e38
+
+
 def test_a_training_plan_and_a_large_score_leave_the_fill_alone():
     model, x = _masked()
     plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="cuda"))

@@ -91,7 +91,8 @@ def _fill_arg(node: fx.Node) -> Optional[Tuple[Union[int, str], float]]:
 
 def _path_to_softmax(fill: fx.Node, gm: nn.Module) -> Set[fx.Node]:
     """The nodes on the ways from ``fill`` to a softmax's input through mask arithmetic
-    (``fill`` and the softmax included); empty when it reaches none."""
+    (``fill`` and the softmax included); empty when it reaches none, or when a value on the
+    way is also used elsewhere (there the fill's own value may matter)."""
     reach: Dict[fx.Node, int] = {fill: 0}
     order = [fill]
     softmaxes: List[fx.Node] = []
@@ -116,6 +117,8 @@ def _path_to_softmax(fill: fx.Node, gm: nn.Module) -> Set[fx.Node]:
             continue
         on_path.add(node)
         todo.extend(a for a in node.all_input_nodes if a in reach)
+    if any(u not in on_path for n in on_path - set(softmaxes) for u in n.users):
+        return set()
     return on_path
 
 
