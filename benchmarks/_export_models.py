@@ -3,7 +3,7 @@ run on two CPU cores in seconds. Each factory returns ``(model in eval mode, exa
 a second batch for checking)``."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -277,12 +277,25 @@ def distilbert_padded() -> Example:
                            max_position_embeddings=32, attn_implementation="eager")
     model = MaskedEncoder(DistilBertForSequenceClassification(cfg)).eval()
 
-    def batch() -> tuple:
-        ids = torch.randint(0, 512, (2, 16))
-        mask = torch.ones(2, 16, dtype=torch.long)
-        mask[1, 10:] = 0  # the second sequence is padded
-        return ids, mask
-    return model, batch(), batch()
+    return model, _padded_batch(), _padded_batch()
+
+
+def t5_encoder_padded() -> Example:
+    """The 2-layer T5 encoder called with a padding mask on a padded batch."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    cfg = T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=512,
+                   attn_implementation="eager")
+    return MaskedEncoder(T5EncoderModel(cfg)).eval(), _padded_batch(), _padded_batch()
+
+
+def _padded_batch() -> tuple:
+    """Token ids and a padding mask: the second of two sequences is padded after 10 tokens."""
+    ids = torch.randint(0, 512, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    return ids, mask
 
 
 MODELS: Dict[str, Callable[[], Example]] = {
@@ -291,4 +304,41 @@ MODELS: Dict[str, Callable[[], Example]] = {
     "mobilenetv3": mobilenetv3, "swin_half": swin_half, "t5_enc": t5_encoder,
     "t5_enc_x300": t5_encoder_large, "lstm_gru": lstm_gru, "unet": unet,
     "norm_large": norm_large, "convnext_atto": convnext_atto,
-    "distilbert_pad": distilbert_padded}
+    "distilbert_pad": distilbert_padded, "t5_enc_pad": t5_encoder_padded}
+
+
+def _image() -> tuple:
+    return (torch.randn(1, 3, 64, 64),)
+
+
+def _ids(vocab: int, batch: int = 1) -> Callable[[], tuple]:
+    return lambda: (torch.randint(0, vocab, (batch, 16)),)
+
+
+def _trap_batch() -> tuple:
+    y = torch.randn(4, 16)
+    y[1] = -2.0  # a constant row, as in the factory's check batch
+    return (y,)
+
+
+#: one more random batch like each model's check batch (drawn from torch's generator)
+BATCHES: Dict[str, Callable[[], tuple]] = {
+    "resnet18": _image, "vit_tiny": _image, "gpt2_tiny": _ids(512), "bert_tiny": _ids(512),
+    "act_1e5": lambda: (torch.randn(4, 32),), "trap": _trap_batch,
+    "efficientnet_b0": _image, "mobilenetv3": _image, "swin_half": _image,
+    "t5_enc": _ids(512), "t5_enc_x300": _ids(512),
+    "lstm_gru": lambda: (torch.randn(2, 10, 16),), "unet": _image,
+    "norm_large": _ids(100, 2), "convnext_atto": _image, "distilbert_pad": _padded_batch,
+    "t5_enc_pad": _padded_batch}
+
+
+def check_batches(name: str, check: tuple, count: int = 8) -> List[tuple]:
+    """``count`` batches to measure a file's error on: the factory's own ``check`` batch, then
+    ``count - 1`` more like it, drawn from a fixed seed (the same for every tool). One
+    batch's max error swings 2-4x from batch to batch; a mean over 8 is the statistic."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(1234)
+    try:
+        return [check] + [BATCHES[name]() for _ in range(count - 1)]
+    finally:
+        torch.random.set_rng_state(gen_state)

@@ -98,6 +98,20 @@ def test_export_peers_runs_fxamp_and_skips_peers_that_are_not_installed():
     assert "| trap | - (no peer ran) |" in out  # no peer ran: nothing compared
 
 
+def test_export_peers_reports_the_mean_and_max_error_over_8_batches():
+    import re
+
+    out = _run("benchmarks/export_peers.py", "--models", "trap", "--no-docs", "--rounds", "1")
+    assert "| error, onnxruntime CPU: mean (max) of 8 batches | error, true FP16: mean (max) " \
+           "of 8 batches |" in out
+    assert "| mean true-FP16 error <= 1.1x best correct peer |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| trap | fxamp tensorrt"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    for cell in cells[4:6]:  # onnxruntime, true FP16: "mean (max)"
+        mean, worst = (float(v) for v in re.fullmatch(r"(\S+) \((\S+)\)", cell).groups())
+        assert 0 < mean <= worst, row
+
+
 def test_runtime_overhead_prints_every_variant_and_fxamp_holds_nothing_between_steps():
     out = _run("benchmarks/runtime_overhead.py", "--layers", "1", "--d", "32", "--vocab", "64",
                "--seq", "8", "--rounds", "1", "--steps", "1")

@@ -49,6 +49,29 @@ def model_and_inputs():
     return AllRules(), (torch.randn(2, 8),)
 
 
+class MaskedScores(nn.Module):
+    """Scores with an additive padding mask filled with finfo(float32).min: the deployment
+    plan's rule (mask_fill, target tensorrt) decides here."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        add = torch.where(mask.bool(), torch.zeros(()), torch.finfo(torch.float32).min)
+        return torch.softmax(x @ x.transpose(-1, -2) + add, -1)
+
+
+#: rules of a deployment plan only, checked on MaskedScores with target=tensorrt
+DEPLOY_RULES = ("mask_fill",)
+
+
+def _case(rule: str, model_and_inputs) -> tuple:
+    """(policy prefix, model, inputs) on which ``rule`` decides something."""
+    if rule in DEPLOY_RULES:
+        torch.manual_seed(0)
+        mask = torch.ones(2, 4, 4)
+        mask[1, :, 2:] = 0
+        return "placement=off,target=tensorrt", MaskedScores(), (torch.randn(2, 4, 8), mask)
+    return ("placement=off", *model_and_inputs)
+
+
 def _rule_lines(policy: str, model: nn.Module, inputs: tuple) -> Dict[str, List[str]]:
     """rule -> the plan's node lines with that rule (numerics rules only)."""
     plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy=policy))
@@ -64,15 +87,18 @@ def test_numerics_rules_are_plan_rule_names():
     assert [Rule(name).value for name in NUMERICS_RULES] == list(NUMERICS_RULES)
 
 
-def test_every_rule_decides_something_by_default(model_and_inputs):
-    lines = _rule_lines("placement=off", *model_and_inputs)
-    assert all(lines[rule] for rule in NUMERICS_RULES), lines
+@pytest.mark.parametrize("rule", NUMERICS_RULES)
+def test_every_rule_decides_something_by_default(rule, model_and_inputs):
+    policy, model, inputs = _case(rule, model_and_inputs)
+    lines = _rule_lines(policy, model, inputs)
+    assert lines[rule], lines
 
 
 @pytest.mark.parametrize("rule", NUMERICS_RULES)
 def test_one_rule_switched_off_changes_only_its_lines(rule, model_and_inputs):
-    before = _rule_lines("placement=off", *model_and_inputs)
-    after = _rule_lines(f"placement=off,off:{rule}", *model_and_inputs)
+    policy, model, inputs = _case(rule, model_and_inputs)
+    before = _rule_lines(policy, model, inputs)
+    after = _rule_lines(f"{policy},off:{rule}", model, inputs)
     assert before[rule] and not after[rule]
     for other in NUMERICS_RULES:
         if other != rule:
@@ -106,8 +132,8 @@ def test_numerics_off_is_the_shorthand_for_every_rule_and_output_keep(model_and_
 
 @pytest.mark.parametrize("text, match", [
     ("off:join", r"unknown numerics rule 'join' \(did you mean 'joins'\?\).*softmax, "
-                 "custom_ops, norm_eps, loss, joins"),
-    ("off:banana", "off:RULE takes softmax, custom_ops, norm_eps, loss, joins"),
+                 "custom_ops, norm_eps, loss, joins, mask_fill"),
+    ("off:banana", "off:RULE takes softmax, custom_ops, norm_eps, loss, joins, mask_fill"),
     ("numeric=off", r"unknown policy key 'numeric' \(did you mean 'numerics'\?\).*valid "
                     "keys: compute"),
 ])

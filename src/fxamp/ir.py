@@ -64,6 +64,7 @@ class Rule(str, enum.Enum):
     DEPLOY = "deploy"          # a deployment target's plan: low precision unless a number
                                # or the engine needs fp32
     HEAL = "heal"              # fxamp.train moved an overflowing node to fp32
+    MASK_FILL = "mask_fill"    # numerics: a deployment plan's attention-mask fill in fp16
     # (new members go at the end: Model Explorer numbers the rules by position)
 
     __hash__ = str.__hash__  # hashes as its word: {"user"} finds Rule.USER

@@ -48,7 +48,7 @@ _WEIGHT_ALIASES = {"cached": "cast"}
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
 #: the numerics rules ``off:RULE`` switches off one at a time (their plan rule names), in the
 #: order the rewrite runs them; ``numerics=off`` switches off all of them
-NUMERICS_RULES = ("softmax", "custom_ops", "norm_eps", "loss", "joins")
+NUMERICS_RULES = ("softmax", "custom_ops", "norm_eps", "loss", "joins", "mask_fill")
 
 
 def _suggest(word: str, valid: Sequence[str]) -> str:
@@ -133,8 +133,9 @@ class Policy:
         like keep_io_types; an output the model converts itself keeps its dtype); None keeps
         what the graph computes.
     numerics: run the numerics passes (:data:`NUMERICS_RULES`: softmax, custom ops, norm eps,
-        loss, joins). ``Policy.parse("numerics=off")`` turns all of them off and, unless an
-        ``output=`` item is given, also sets ``output_dtype=None`` (``output=keep``): with both,
+        loss, joins, and a deployment plan's attention-mask fills).
+        ``Policy.parse("numerics=off")`` turns all of them off and, unless an ``output=`` item
+        is given, also sets ``output_dtype=None`` (``output=keep``): with both,
         the rewrite mirrors autocast exactly, whose outputs keep the dtype their op gave.
         Setting the field directly changes only the rules.
     rules_off: numerics rules switched off one at a time (``off:joins``); nothing else

@@ -4,7 +4,9 @@
 made an FP32 one (an FP16 weight cast gives the FP32 master, an ``x.to(float16)`` gives
 ``x`` in FP32): what the source model computes in FP32, with no FP16 kernel needed
 (PyTorch on CPU has none for some ops, e.g. oneDNN's LSTM on CPUs without FP16 support).
-A cast the model itself wrote (``x.half()``) is widened too.
+A cast the model itself wrote (``x.half()``) is widened too, and an attention mask's fill
+that a deployment plan writes as FP16's lowest (``passes/mask_fill.py``) has the model's
+own value back.
 
 :func:`relative_error` is the measure of the true-FP16 check: the largest
 ``|file - fp32|`` of an output divided by that output's largest ``|fp32|`` (its scale).
@@ -17,6 +19,7 @@ import torch
 import torch.fx as fx
 from .._torch import tree_leaves, tree_map
 
+from ..passes.mask_fill import restore_fill
 from ..result import has_result
 from ..weight_cache import is_cast_node
 
@@ -57,7 +60,7 @@ class _Fp32Run(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if is_cast_node(n):  # an FP16 copy of an FP32 master weight: the master
             return args[0]
-        args, kwargs = _widen(args), _widen(kwargs)
+        args, kwargs = restore_fill(n, _widen(args), _widen(kwargs))  # the model's own fill
         if n.op == "call_module":
             sub = self.fetch_attr(str(n.target))
             if isinstance(sub, fx.GraphModule) and has_result(sub):

@@ -31,6 +31,7 @@ from .. import ops
 from ..ir import Decision, Rule
 from ..policy import dtype_name
 from .annotate_rule import AnnotateRule
+from .mask_fill import fill_reason  # rule "mask_fill"
 
 #: a reduction of more values than this per output runs in FP32 in a deployment plan
 DEEP_REDUCTION = 4096
@@ -99,6 +100,9 @@ class DeployRule(AnnotateRule):
         category, op, _ = ops.autocast_entry(node, self.gm, target)
         _, names = ops.autocast_ops(node, self.gm)
         names = tuple(names or ())
+        fill = fill_reason(node)
+        if fill is not None:
+            return Decision(low, Rule.MASK_FILL, fill, label)
         if not _floats(node, self.gm, args, kwargs):
             return Decision(None, self.name, "no floating input: follows its inputs", label)
         if category == ops.BANNED:

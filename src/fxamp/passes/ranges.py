@@ -29,6 +29,7 @@ from ..ir import Decision, Rule
 from ..policy import dtype_name, is_deploy
 from ..progress import track
 from .inner_values import inner_peak
+from .mask_fill import MASK_PATH
 from .manager import PassContext
 from .rule import DecisionRule, rule_pass
 
@@ -152,7 +153,10 @@ def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any], dtype: torch.dtyp
 
 
 def _inputs_max(node: fx.Node, stats: Dict[str, RangeStats]) -> float:
-    values = [stats[a.name].max_abs for a in node.all_input_nodes if a.name in stats]
+    """The largest magnitude among the node's inputs, an attention mask's
+    (``passes/mask_fill.py``) not counted: its fill only has to make exp give 0."""
+    values = [stats[a.name].max_abs for a in node.all_input_nodes if a.name in stats
+              and not (a.meta.get(MASK_PATH) and node.meta.get(MASK_PATH))]
     return max(values, default=0.0)
 
 
@@ -185,6 +189,8 @@ class RangesRule(DecisionRule):
         plan, low = ir.precision(node), self.low
         s = self.stats.get(node.name, RangeStats(0.0, 0.0, 0))
         out_max, in_max = s.max_abs, _inputs_max(node, self.stats)
+        if node.meta.get(MASK_PATH):  # a mask's fill, or a value masked by it
+            out_max = 0.0
         if s.underflow > 0.5:
             log.warning("%s: %.0f%% of its non-zero values are below %s's smallest normal",
                         node.name, 100 * s.underflow, dtype_name(low))

@@ -16,7 +16,8 @@ from .. import ir
 from ..errors import FxampError
 from ..overrides import check_matched
 from ..plan import Plan
-from ..passes import PassResult, custom_ops, joins, layout, loss, norm_eps, softmax
+from ..passes import (PassResult, custom_ops, joins, layout, loss, mask_fill, norm_eps,
+                      softmax)
 from ..passes.annotate import FakeSession, annotate, check_banned
 from ..passes.casts import insert_casts
 from ..passes.manager import PassContext, Step, fixpoint
@@ -37,6 +38,8 @@ def pass_list() -> List[Step]:
         # graph rewrites before any dtype is known
         Step("softmax", softmax.stable_softmax, numerics("softmax"), rewrites=True),
         Step("custom_ops", custom_ops.fence_custom_ops, numerics("custom_ops")),
+        # a deployment plan's attention-mask fills: FP16's lowest, so masks stay FP16
+        Step("mask_fill", mask_fill.mask_fills, mask_fill.runs, rewrites=True),
         # the one fake run: every node's dtype under autocast (and the decisions so far)
         Step("annotate", annotate_pass, annotates=True),
         # every node is decided: an override that matches nothing fails before the costly
