@@ -1,0 +1,415 @@
+"""The policy ``weights=stored``: each weight kept at rest in the dtype its nodes compute in.
+
+For inference and serving. After the rewrite has built its graphs (which cast every weight,
+as ``weights=cast`` does), :func:`store_weights` reads, per Parameter, the dtypes the graphs
+read it in, and stores it so:
+
+- read only in one low dtype (a Linear's weight under bf16): the Parameter is replaced, in
+  every module that holds it, by a Parameter of that dtype (its FP32 values rounded once,
+  ``Tensor.to``: what autocast's per-call cast gives), and the graphs read it directly;
+- read in FP32 only (a norm's weight in an FP32 island): it stays as it is;
+- read in FP32 and in a low dtype (a tied embedding / head): it stays FP32 and one
+  low-precision copy is kept, a non-persistent buffer ``<name>_fxamp_<dtype>`` next to it,
+  that the graphs read instead of casting.
+
+No cast of a stored weight runs per call. The plan's header says which weights were stored
+(``stored``) and which keep FP32 plus a copy (``stored_copies``). A weight read by code that
+is not a rewritten graph (an eager root's own code, a module run under autocast) stays
+FP32, as autocast needs it.
+
+Loading: ``load_state_dict`` copies into the stored Parameters (converting the dtype); a
+pre-hook converts the entries of stored weights first (so ``assign=True`` assigns the stored
+dtype too), and a post-hook re-casts the copies from their FP32 masters.
+
+Training is refused: a graph output that requires grad goes through :func:`guard_output`,
+which raises :class:`~fxamp.errors.StoredWeightsError` on a forward with grad in train mode,
+and on any backward through it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .._torch import recompile
+from ..errors import StoredWeightsError, UnsupportedModelError
+from ..policy import dtype_name
+from ..result import has_result, result_of
+from ..runtime import call_with_params
+
+log = logging.getLogger(__name__)
+
+#: where the model keeps the record of its stored weights (its ``__dict__``)
+ATTR = "_fxamp_stored"
+_LOW = (torch.float16, torch.bfloat16)
+_WHAT_TO_DO = ("what to do: rewrite the FP32 model with the default policy weights=cast "
+               "for training (FP32 master weights, cast per call, as autocast does)")
+
+
+class _NoBackward(torch.autograd.Function):
+    """The identity forward; a backward through it is refused (weights=stored)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # noqa: D102
+        raise StoredWeightsError(
+            "backward through a model rewritten with policy weights=stored: its weights are "
+            "stored in low precision, with no FP32 master to train. " + _WHAT_TO_DO)
+
+
+def guard_output(value: Any, training: bool) -> Any:
+    """A graph output of a model with stored weights: as it is without grad; with grad, a
+    forward in train mode is refused and the output is linked so that a backward is refused.
+
+    Args:
+        value: the output (anything; only a tensor that requires grad is guarded).
+        training: the module's training flag.
+    """
+    if not torch.is_grad_enabled() or type(value) is not torch.Tensor \
+            or not value.requires_grad:
+        return value
+    if training:
+        raise StoredWeightsError(
+            "a forward with grad in train mode through a model rewritten with policy "
+            "weights=stored: its weights are stored in low precision and cannot be trained. "
+            "For evaluation call it under torch.no_grad() or torch.inference_mode() (or in "
+            "eval mode). " + _WHAT_TO_DO)
+    return _NoBackward.apply(value)
+
+
+class StoredRecord:
+    """What :func:`store_weights` did to a model: the stored Parameters (by id: their dtype)
+    and the copies (the copy's holder and buffer name, by the master's id)."""
+
+    def __init__(self) -> None:
+        self.stored: Dict[int, torch.dtype] = {}
+        self.names: Dict[int, str] = {}
+        self.copies: Dict[Tuple[int, torch.dtype], Tuple[nn.Module, str]] = {}
+
+
+def _parts(gm: nn.Module) -> List[Tuple[str, fx.GraphModule]]:
+    """(path, graph module) for every graph part of ``gm``."""
+    return [(p, m) for p, m in gm.named_modules(remove_duplicate=False)
+            if isinstance(m, fx.GraphModule)]
+
+
+def _resolve(root: nn.Module, target: str) -> Tuple[Optional[nn.Module], str, Any]:
+    """(owner module, attribute name, value) of ``target`` read from ``root``."""
+    owner_path, _, name = target.rpartition(".")
+    try:
+        owner = root.get_submodule(owner_path) if owner_path else root
+    except AttributeError:
+        return None, name, None
+    return owner, name, getattr(owner, name, None)
+
+
+def _under(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a and b else a or b
+
+
+class _Reads:
+    """Every read of a Parameter in the graph parts: its get_attr nodes, the casts of each
+    (by dtype) and whether it is read as it is."""
+
+    def __init__(self) -> None:
+        self.param: Optional[nn.Parameter] = None
+        self.nodes: List[Tuple[fx.GraphModule, fx.Node]] = []
+        self.casts: Dict[torch.dtype, List[Tuple[fx.GraphModule, fx.Node]]] = {}
+        self.direct = False
+
+
+def _is_cast(user: fx.Node, node: fx.Node) -> Optional[torch.dtype]:
+    if user.op == "call_method" and user.target == "to" and user.args[:1] == (node,) \
+            and len(user.args) == 2 and not user.kwargs and user.args[1] in _LOW:
+        return user.args[1]
+    return None
+
+
+def _collect(model: nn.Module, gm: nn.Module) -> Tuple[Dict[int, _Reads], List[str], List[str]]:
+    """The Parameter reads of ``gm``'s graph parts (a module the graph calls reads its own
+    Parameters as they are); the parts' paths; the paths of the modules the parts run under
+    autocast (their own code reads their Parameters, to be cast by autocast)."""
+    reads: Dict[int, _Reads] = {}
+    parts = _parts(gm)
+    opaque: List[str] = []
+    for path, part in parts:
+        for node in part.graph.nodes:
+            if node.op == "call_module":  # (it reads its Parameters as they are)
+                _, _, module = _resolve(part, str(node.target))
+                for param in module.parameters() if isinstance(module, nn.Module) else ():
+                    record = reads.setdefault(id(param), _Reads())
+                    record.param, record.direct = param, True
+                continue
+            if node.op != "get_attr":
+                continue
+            _, _, value = _resolve(part, str(node.target))
+            if isinstance(value, nn.Module):
+                if any(u.target is not call_with_params for u in node.users) \
+                        and not isinstance(value, fx.GraphModule):
+                    opaque.append(_join(path, str(node.target)))
+                continue
+            if not isinstance(value, nn.Parameter):
+                continue
+            record = reads.setdefault(id(value), _Reads())
+            record.param = value
+            record.nodes.append((part, node))
+            for user in node.users:
+                dtype = _is_cast(user, node)
+                if dtype is None:
+                    record.direct = True
+                else:
+                    record.casts.setdefault(dtype, []).append((part, user))
+    return reads, [p for p, _ in parts], opaque
+
+
+def _holders(root: nn.Module) -> Dict[int, List[Tuple[str, nn.Module, str]]]:
+    """Per Parameter id: (module path, module, name) of every module that holds it."""
+    out: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((path, module, name))
+    return out
+
+
+def _owned(places: List[Tuple[str, nn.Module, str]], parts: List[str],
+           opaque: List[str]) -> bool:
+    """Whether every read of a Parameter held at ``places`` is a graph part's."""
+    for path, _, _ in places:
+        if not any(_under(path, p) for p in parts):
+            return False  # (read by code no graph replaced: an eager root's, say)
+        if any(_under(path, o) for o in opaque):
+            return False  # (read by a module run as a call)
+    return True
+
+
+def _replace_everywhere(roots: List[nn.Module], old: nn.Parameter, new: nn.Parameter) -> None:
+    """Every ``_parameters`` entry that holds ``old`` in the modules of ``roots`` holds ``new``."""
+    seen: Set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for name, p in list(module._parameters.items()):
+                if p is old:
+                    module._parameters[name] = new
+
+
+def _pre_hook(name: str, dtype: torch.dtype) -> Any:
+    def hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *rest: Any) -> None:
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                and value.dtype != dtype:
+            state_dict[key] = value.to(dtype)  # (the load's own copy of the dict)
+    return hook
+
+
+def _post_hook(name: str, holder: nn.Module, buffer: str, dtype: torch.dtype) -> Any:
+    def hook(module: nn.Module, incompatible: Any) -> None:
+        master = module._parameters.get(name)
+        if master is None:
+            return
+        with torch.no_grad():
+            copy = holder._buffers.get(buffer)
+            if copy is not None and copy.shape == master.shape and \
+                    copy.device == master.device:
+                copy.copy_(master)
+            else:
+                holder._buffers[buffer] = master.detach().to(dtype)
+    return hook
+
+
+def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
+    """Store ``model``'s weights in the dtypes ``gm``'s graphs read them in (see the module
+    docstring); the graphs then read them without a cast. Returns the model's record.
+
+    Args:
+        model: the model ``gm`` was rewritten from (its Parameters are replaced in place).
+        gm: its rewritten module (its graph parts are changed and recompiled).
+    """
+    record: StoredRecord = model.__dict__.setdefault(ATTR, StoredRecord())
+    reads, parts, opaque = _collect(model, gm)
+    holders = _holders(model)
+    roots = [model] if gm is model else [model, gm]
+    stored: List[str] = []
+    copied: List[str] = []
+    changed: Set[int] = set()
+    for pid, read in reads.items():
+        param = read.param
+        assert param is not None
+        places = holders.get(pid, [])
+        if not read.casts or not places or not _owned(places, parts, opaque):
+            continue
+        path, module, name = places[0]
+        label = _join(path, name)
+        if not read.direct and len(read.casts) == 1 and param.dtype == torch.float32:
+            (dtype, casts), = read.casts.items()
+            with torch.no_grad():
+                new = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            _replace_everywhere(roots, param, new)
+            for _, mod, attr in places:
+                mod.register_load_state_dict_pre_hook(_pre_hook(attr, dtype))
+            for part, cast in casts:
+                cast.replace_all_uses_with(cast.args[0])
+                part.graph.erase_node(cast)
+                changed.add(id(part))
+            record.stored[id(new)] = dtype
+            record.names[id(new)] = label
+            stored.append(label)
+            continue
+        for dtype, casts in read.casts.items():
+            for part, cast in casts:
+                owner, attr, _ = _resolve(part, str(cast.args[0].target))
+                assert owner is not None
+                buffer = f"{attr}_fxamp_{dtype_name(dtype)}"
+                if buffer not in owner._buffers:
+                    with torch.no_grad():
+                        owner.register_buffer(buffer, param.detach().to(dtype), persistent=False)
+                    for _, mod, name in places:
+                        mod.register_load_state_dict_post_hook(
+                            _post_hook(name, owner, buffer, dtype))
+                    record.copies[(pid, dtype)] = (owner, buffer)
+                owner_path = str(cast.args[0].target).rpartition(".")[0]
+                with part.graph.inserting_before(cast):
+                    node = part.graph.get_attr(_join(owner_path, buffer))
+                cast.replace_all_uses_with(node)
+                part.graph.erase_node(cast)
+                changed.add(id(part))
+            copied.append(f"{label} ({'+'.join(dtype_name(d) for d in read.casts)})")
+    for _, part in _parts(gm):
+        if id(part) in changed or _reads_stored(part, record):
+            _guard_outputs(part)
+            part.graph.lint()
+            recompile(part)
+    _note(gm, stored, copied)
+    for module in (gm, *gm.modules()):
+        structure = getattr(result_of(module), "structure", None) \
+            if has_result(module) else None
+        if structure is not None:
+            structure.take()  # (the model's Parameters as they are now)
+    log.info("%s: weights=stored: %d weights stored in low precision, %d kept in FP32 with "
+             "a low-precision copy", type(model).__name__, len(stored), len(copied))
+    return record
+
+
+def _reads_stored(part: fx.GraphModule, record: StoredRecord) -> bool:
+    for node in part.graph.nodes:
+        if node.op == "get_attr":
+            _, _, value = _resolve(part, str(node.target))
+            if isinstance(value, torch.Tensor) and id(value) in record.stored:
+                return True
+    return False
+
+
+def _guard_outputs(part: fx.GraphModule) -> None:
+    """Each output of ``part`` through :func:`guard_output` (once)."""
+    graph = part.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    if any(n.op == "call_function" and n.target is guard_output for n in graph.nodes):
+        return
+    with graph.inserting_before(output):
+        training = graph.create_node("get_attr", "training", (), {}, "fxamp_training")
+
+        def wrap(node: fx.Node) -> fx.Node:
+            with graph.inserting_before(output):
+                return graph.call_function(guard_output, (node, training))
+        output.args = fx.node.map_arg(output.args, wrap)
+
+
+def _note(gm: nn.Module, stored: List[str], copied: List[str]) -> None:
+    """The plan's header says what was stored."""
+    if not has_result(gm):
+        return
+    header = result_of(gm).plan.header
+    if stored:
+        header["stored"] = f"{len(stored)} weights in low precision"
+    if copied:
+        header["stored_copies"] = ("FP32 plus one low-precision copy (read in both): "
+                                   + ", ".join(copied))
+
+
+def record_of(model: nn.Module) -> Optional[StoredRecord]:
+    """The record of ``model``'s stored weights, if any.
+
+    Args:
+        model: a model rewritten with ``weights=stored``.
+    """
+    return model.__dict__.get(ATTR)
+
+
+@contextlib.contextmanager
+def planning_in_fp32(model: nn.Module) -> Iterator[Dict[int, nn.Parameter]]:
+    """``model`` with FP32 stand-ins for its stored Parameters while it is planned again (a
+    new mode or call structure): the plan is made as for the FP32 model; yields the
+    stand-ins by id, mapped to the stored Parameters :func:`restore_stored` puts back.
+
+    Args:
+        model: a model rewritten in place with ``weights=stored``.
+    """
+    record = record_of(model)
+    if record is None or not record.stored:
+        yield {}
+        return
+    holders = _holders(model)
+    swaps: Dict[int, nn.Parameter] = {}
+    done: List[Tuple[nn.Parameter, nn.Parameter]] = []
+    for pid in list(record.stored):
+        places = holders.get(pid)
+        if not places:
+            continue
+        param = places[0][1]._parameters[places[0][2]]
+        with torch.no_grad():
+            stand_in = nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
+        _replace_everywhere([model], param, stand_in)
+        swaps[id(stand_in)] = param
+        done.append((param, stand_in))
+    try:
+        yield swaps
+    finally:
+        for param, stand_in in done:
+            _replace_everywhere([model], stand_in, param)
+
+
+def restore_stored(model: nn.Module, gm: nn.Module, swaps: Dict[int, nn.Parameter]) -> None:
+    """After a plan made with :func:`planning_in_fp32`: ``gm``'s graphs read the stored
+    Parameters directly (a stand-in read in another dtype than its stored one is refused).
+
+    Args:
+        model: the model.
+        gm: the new rewritten module.
+        swaps: the stand-ins by id, and the stored Parameters they stood for.
+    """
+    if not swaps:
+        return
+    record = record_of(model)
+    assert record is not None
+    reads, _, _ = _collect(model, gm)
+    for pid, param in swaps.items():
+        read = reads.get(pid)
+        if read is None:
+            continue
+        dtype = record.stored[id(param)]
+        if read.direct or set(read.casts) - {dtype}:
+            raise UnsupportedModelError(
+                f"{record.names.get(id(param), 'a weight')} is stored in {dtype_name(dtype)} "
+                "(weights=stored), but the model's new plan (a new mode or call structure) "
+                "reads it in another dtype, and its FP32 values are gone. what to do: "
+                "rewrite the FP32 model with weights=stored and example inputs of that call")
+        for part, cast in read.casts.get(dtype, []):
+            cast.replace_all_uses_with(cast.args[0])
+            part.graph.erase_node(cast)
+        assert read.param is not None
+        _replace_everywhere([gm], read.param, param)
