@@ -174,6 +174,16 @@ def test_a_forward_with_grad_in_train_mode_is_refused_and_without_grad_runs():
         assert torch.equal(model(_ids()), _autocast(_model(), _ids()).float())
 
 
+def test_a_deepcopy_of_a_stored_model_loads_into_its_own_weights_and_copy():
+    model = _stored(_model(0, tied=True))
+    twin = copy.deepcopy(model)
+    new = _model(1, tied=True)
+    twin.load_state_dict(new.state_dict())
+    with torch.no_grad():
+        assert torch.equal(twin(_ids(4)), _autocast(new, _ids(4)).float())
+        assert torch.equal(model(_ids(4)), _autocast(_model(0, tied=True), _ids(4)).float())
+
+
 class Optional_(nn.Module):
     """A forward with an optional argument: each call structure gets its own graph."""
 

@@ -50,29 +50,23 @@ _WHAT_TO_DO = ("what to do: rewrite the FP32 model with the default policy weigh
                "for training (FP32 master weights, cast per call, as autocast does)")
 
 
-class _NoBackward(torch.autograd.Function):
-    """The identity forward; a backward through it is refused (weights=stored)."""
-
-    @staticmethod
-    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # noqa: D102
-        raise StoredWeightsError(
-            "backward through a model rewritten with policy weights=stored: its weights are "
-            "stored in low precision, with no FP32 master to train. " + _WHAT_TO_DO)
+def _refuse_backward(grad: torch.Tensor) -> None:
+    """A tensor hook on an output: a backward that reaches it is refused."""
+    raise StoredWeightsError(
+        "backward through a model rewritten with policy weights=stored: its weights are "
+        "stored in low precision, with no FP32 master to train. " + _WHAT_TO_DO)
 
 
 def guard_output(value: Any, training: bool) -> Any:
     """A graph output of a model with stored weights: as it is without grad; with grad, a
-    forward in train mode is refused and the output is linked so that a backward is refused.
+    forward in train mode is refused, and a backward that reaches the output is refused (a
+    tensor hook: the output itself is returned, not a view of it).
 
     Args:
         value: the output (anything; only a tensor that requires grad is guarded).
         training: the module's training flag.
     """
-    if not torch.is_grad_enabled() or type(value) is not torch.Tensor \
+    if not torch.is_grad_enabled() or not isinstance(value, torch.Tensor) \
             or not value.requires_grad:
         return value
     if training:
@@ -81,17 +75,55 @@ def guard_output(value: Any, training: bool) -> Any:
             "weights=stored: its weights are stored in low precision and cannot be trained. "
             "For evaluation call it under torch.no_grad() or torch.inference_mode() (or in "
             "eval mode). " + _WHAT_TO_DO)
-    return _NoBackward.apply(value)
+    value.register_hook(_refuse_backward)
+    return value
 
 
 class StoredRecord:
-    """What :func:`store_weights` did to a model: the stored Parameters (by id: their dtype)
-    and the copies (the copy's holder and buffer name, by the master's id)."""
+    """What :func:`store_weights` did to a model: the stored Parameters by name (the first
+    module path that holds each: its dtype) and the names of the weights kept in FP32 with a
+    low-precision copy. Names, not objects: a deepcopy of the model keeps it true."""
 
     def __init__(self) -> None:
-        self.stored: Dict[int, torch.dtype] = {}
-        self.names: Dict[int, str] = {}
-        self.copies: Dict[Tuple[int, torch.dtype], Tuple[nn.Module, str]] = {}
+        self.stored: Dict[str, torch.dtype] = {}
+        self.copied: List[str] = []
+
+
+class _ConvertOnLoad:
+    """A load_state_dict pre-hook: the entry of a stored weight converted to its dtype
+    first (in the load's own copy of the dict), so ``assign=True`` assigns that dtype too."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self.dtype = name, dtype
+
+    def __call__(self, module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                 *rest: Any) -> None:
+        key = prefix + self.name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                and value.dtype != self.dtype:
+            state_dict[key] = value.to(self.dtype)
+
+
+class _RecastOnLoad:
+    """A load_state_dict post-hook of a module holding a weight kept in FP32 with a copy:
+    the copy re-cast from the weight as loaded. An object (not a closure), so that a
+    deepcopy of the model re-casts the copy's own copy."""
+
+    def __init__(self, name: str, holder: nn.Module, buffer: str, dtype: torch.dtype) -> None:
+        self.name, self.holder, self.buffer, self.dtype = name, holder, buffer, dtype
+
+    def __call__(self, module: nn.Module, incompatible: Any) -> None:
+        master = module._parameters.get(self.name)
+        if master is None:
+            return
+        with torch.no_grad():
+            copy = self.holder._buffers.get(self.buffer)
+            if copy is not None and copy.shape == master.shape and \
+                    copy.device == master.device:
+                copy.copy_(master)
+            else:
+                self.holder._buffers[self.buffer] = master.detach().to(self.dtype)
 
 
 def _parts(gm: nn.Module) -> List[Tuple[str, fx.GraphModule]]:
@@ -207,31 +239,6 @@ def _replace_everywhere(roots: List[nn.Module], old: nn.Parameter, new: nn.Param
                     module._parameters[name] = new
 
 
-def _pre_hook(name: str, dtype: torch.dtype) -> Any:
-    def hook(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *rest: Any) -> None:
-        key = prefix + name
-        value = state_dict.get(key)
-        if isinstance(value, torch.Tensor) and value.is_floating_point() \
-                and value.dtype != dtype:
-            state_dict[key] = value.to(dtype)  # (the load's own copy of the dict)
-    return hook
-
-
-def _post_hook(name: str, holder: nn.Module, buffer: str, dtype: torch.dtype) -> Any:
-    def hook(module: nn.Module, incompatible: Any) -> None:
-        master = module._parameters.get(name)
-        if master is None:
-            return
-        with torch.no_grad():
-            copy = holder._buffers.get(buffer)
-            if copy is not None and copy.shape == master.shape and \
-                    copy.device == master.device:
-                copy.copy_(master)
-            else:
-                holder._buffers[buffer] = master.detach().to(dtype)
-    return hook
-
-
 def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
     """Store ``model``'s weights in the dtypes ``gm``'s graphs read them in (see the module
     docstring); the graphs then read them without a cast. Returns the model's record.
@@ -261,13 +268,12 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
                 new = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
             _replace_everywhere(roots, param, new)
             for _, mod, attr in places:
-                mod.register_load_state_dict_pre_hook(_pre_hook(attr, dtype))
+                mod.register_load_state_dict_pre_hook(_ConvertOnLoad(attr, dtype))
             for part, cast in casts:
                 cast.replace_all_uses_with(cast.args[0])
                 part.graph.erase_node(cast)
                 changed.add(id(part))
-            record.stored[id(new)] = dtype
-            record.names[id(new)] = label
+            record.stored[label] = dtype
             stored.append(label)
             continue
         for dtype, casts in read.casts.items():
@@ -280,8 +286,7 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
                         owner.register_buffer(buffer, param.detach().to(dtype), persistent=False)
                     for _, mod, name in places:
                         mod.register_load_state_dict_post_hook(
-                            _post_hook(name, owner, buffer, dtype))
-                    record.copies[(pid, dtype)] = (owner, buffer)
+                            _RecastOnLoad(name, owner, buffer, dtype))
                 owner_path = str(cast.args[0].target).rpartition(".")[0]
                 with part.graph.inserting_before(cast):
                     node = part.graph.get_attr(_join(owner_path, buffer))
@@ -289,8 +294,9 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
                 part.graph.erase_node(cast)
                 changed.add(id(part))
             copied.append(f"{label} ({'+'.join(dtype_name(d) for d in read.casts)})")
+            record.copied.append(label)
     for _, part in _parts(gm):
-        if id(part) in changed or _reads_stored(part, record):
+        if id(part) in changed or _reads_stored(part):
             _guard_outputs(part)
             part.graph.lint()
             recompile(part)
@@ -305,11 +311,13 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
     return record
 
 
-def _reads_stored(part: fx.GraphModule, record: StoredRecord) -> bool:
+def _reads_stored(part: fx.GraphModule) -> bool:
+    """Whether ``part`` reads a low-precision Parameter (a stored one: a model is rewritten
+    with FP32 Parameters only)."""
     for node in part.graph.nodes:
         if node.op == "get_attr":
             _, _, value = _resolve(part, str(node.target))
-            if isinstance(value, torch.Tensor) and id(value) in record.stored:
+            if isinstance(value, nn.Parameter) and value.dtype in _LOW:
                 return True
     return False
 
@@ -363,14 +371,13 @@ def planning_in_fp32(model: nn.Module) -> Iterator[Dict[int, nn.Parameter]]:
     if record is None or not record.stored:
         yield {}
         return
-    holders = _holders(model)
     swaps: Dict[int, nn.Parameter] = {}
     done: List[Tuple[nn.Parameter, nn.Parameter]] = []
-    for pid in list(record.stored):
-        places = holders.get(pid)
-        if not places:
-            continue
-        param = places[0][1]._parameters[places[0][2]]
+    for name in record.stored:
+        try:
+            param = model.get_parameter(name)
+        except AttributeError:
+            continue  # (deleted since: the new plan reads what is there)
         with torch.no_grad():
             stand_in = nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
         _replace_everywhere([model], param, stand_in)
@@ -394,17 +401,16 @@ def restore_stored(model: nn.Module, gm: nn.Module, swaps: Dict[int, nn.Paramete
     """
     if not swaps:
         return
-    record = record_of(model)
-    assert record is not None
     reads, _, _ = _collect(model, gm)
     for pid, param in swaps.items():
         read = reads.get(pid)
         if read is None:
             continue
-        dtype = record.stored[id(param)]
+        dtype = param.dtype
         if read.direct or set(read.casts) - {dtype}:
+            name = next((n for n, p in model.named_parameters() if p is param), "a weight")
             raise UnsupportedModelError(
-                f"{record.names.get(id(param), 'a weight')} is stored in {dtype_name(dtype)} "
+                f"{name} is stored in {dtype_name(dtype)} "
                 "(weights=stored), but the model's new plan (a new mode or call structure) "
                 "reads it in another dtype, and its FP32 values are gone. what to do: "
                 "rewrite the FP32 model with weights=stored and example inputs of that call")
