@@ -184,6 +184,23 @@ def test_a_deepcopy_of_a_stored_model_loads_into_its_own_weights_and_copy():
         assert torch.equal(model(_ids(4)), _autocast(_model(0, tied=True), _ids(4)).float())
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_blocks_planned_on_their_first_call_store_their_weights(tied):
+    ref = _model(tied=tied)
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", policy="weights=stored", inplace=True)
+    with torch.no_grad():
+        for seed in (0, 1):
+            assert torch.equal(model(_ids(seed)).float(), _autocast(ref, _ids(seed)).float())
+    for block in model.blocks:  # (the second shares the first's graph: stored alike)
+        assert block.fc1.weight.dtype == BF16 and block.ln1.weight.dtype == torch.float32
+    assert model.head.weight.dtype == torch.float32  # (the glue reads it under autocast)
+    new = _model(1, tied=tied)
+    model.load_state_dict(new.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(_ids(2)).float(), _autocast(new, _ids(2)).float())
+
+
 class Optional_(nn.Module):
     """A forward with an optional argument: each call structure gets its own graph."""
 

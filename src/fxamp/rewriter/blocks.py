@@ -38,6 +38,7 @@ from ..runtime import device_autocast, device_type
 from ..frontends.common import nested_lines
 from .._version import __version__
 from .inplace import ATTR, InplaceForward, Planner, install
+from .stored import store_like
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class BlocksRoot:
             key = share_key(block, args, kwargs) if why is None else None
             known = self.shared.get(key) if key is not None else None
             if known is not None:
+                if config.policy.weights == "stored":  # (its graphs read stored weights)
+                    store_like(known[0], block)
                 gm = bound_to(known[1], known[0], block)
             else:
                 gm = plan(block, args, kwargs, config, why)

@@ -419,3 +419,42 @@ def restore_stored(model: nn.Module, gm: nn.Module, swaps: Dict[int, nn.Paramete
             part.graph.erase_node(cast)
         assert read.param is not None
         _replace_everywhere([gm], read.param, param)
+
+
+def store_like(source: nn.Module, block: nn.Module) -> None:
+    """Store ``block``'s weights as :func:`store_weights` stored those of ``source``, an
+    identical block whose graphs ``block`` is about to share (``rewriter/blocks.py``):
+    the same Parameters in the same low dtypes, the same copies next to the same weights.
+
+    Args:
+        source: a block rewritten with ``weights=stored``.
+        block: an identical block, not rewritten yet.
+    """
+    record = record_of(source)
+    if record is None:
+        return
+    mine: StoredRecord = block.__dict__.setdefault(ATTR, StoredRecord())
+    holders = _holders(block)
+    for name, dtype in record.stored.items():
+        param = block.get_parameter(name)
+        with torch.no_grad():
+            new = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+        for _, module, attr in holders.get(id(param), []):
+            module.register_load_state_dict_pre_hook(_ConvertOnLoad(attr, dtype))
+        _replace_everywhere([block], param, new)
+        mine.stored[name] = dtype
+    theirs = dict(block.named_modules(remove_duplicate=False))
+    for path, module in source.named_modules(remove_duplicate=False):
+        for buffer, value in list(module._buffers.items()):
+            attr, sep, _ = buffer.rpartition("_fxamp_")
+            other = theirs.get(path)
+            if not sep or value is None or other is None or buffer in other._buffers:
+                continue
+            master = getattr(other, attr)
+            with torch.no_grad():
+                other.register_buffer(buffer, master.detach().to(value.dtype),
+                                      persistent=False)
+            for _, holder, name in _holders(block).get(id(master), []):
+                holder.register_load_state_dict_post_hook(
+                    _RecastOnLoad(name, other, buffer, value.dtype))
+    mine.copied = list(record.copied)
