@@ -201,6 +201,17 @@ def test_blocks_planned_on_their_first_call_store_their_weights(tied):
         assert torch.equal(model(_ids(2)).float(), _autocast(new, _ids(2)).float())
 
 
+def test_float_after_the_rewrite_is_planned_and_stored_again():
+    model = _stored(_model(0, tied=True))
+    with torch.no_grad():
+        before = model(_ids())
+    model.float()  # (the copy buffer too: every weight FP32, its values the rounded ones)
+    with torch.no_grad():
+        assert torch.equal(model(_ids()), before)
+    assert model.blocks[0].fc1.weight.dtype == BF16
+    assert model.head.weight_fxamp_bf16.dtype == BF16
+
+
 class Optional_(nn.Module):
     """A forward with an optional argument: each call structure gets its own graph."""
 

@@ -254,6 +254,7 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
     stored: List[str] = []
     copied: List[str] = []
     changed: Set[int] = set()
+    made: Set[Tuple[int, str]] = set()
     for pid, read in reads.items():
         param = read.param
         assert param is not None
@@ -281,10 +282,12 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
                 owner, attr, _ = _resolve(part, str(cast.args[0].target))
                 assert owner is not None
                 buffer = f"{attr}_fxamp_{dtype_name(dtype)}"
-                if buffer not in owner._buffers:
+                if (id(owner), buffer) not in made:  # (cast anew: a replan after .float())
+                    made.add((id(owner), buffer))
+                    old = owner._buffers.get(buffer)
                     with torch.no_grad():
                         owner.register_buffer(buffer, param.detach().to(dtype), persistent=False)
-                    for _, mod, name in places:
+                    for _, mod, name in places if old is None else ():  # (else: there)
                         mod.register_load_state_dict_post_hook(
                             _RecastOnLoad(name, owner, buffer, dtype))
                 owner_path = str(cast.args[0].target).rpartition(".")[0]
@@ -378,6 +381,8 @@ def planning_in_fp32(model: nn.Module) -> Iterator[Dict[int, nn.Parameter]]:
             param = model.get_parameter(name)
         except AttributeError:
             continue  # (deleted since: the new plan reads what is there)
+        if param.dtype not in _LOW:
+            continue  # (made FP32 again since, model.float(): planned and stored anew)
         with torch.no_grad():
             stand_in = nn.Parameter(param.detach().float(), requires_grad=param.requires_grad)
         _replace_everywhere([model], param, stand_in)
