@@ -21,7 +21,11 @@ as under autocast); ``--untied`` gives the head its own weight. The row
 weight is then stored in bf16 alone, and the outputs are no longer autocast's.
 
     python benchmarks/weights_at_rest.py [--layers 3] [--d 512] [--vocab 6000] [--seq 16]
-        [--batches 1 8] [--rounds 15] [--steps 5] [--untied] [--docs]
+        [--batches 1 8] [--rounds 15] [--steps 5] [--untied] [--gpt2] [--docs]
+
+``--gpt2`` adds a table for greedy ``generate`` (KV cache, batch 1) of a Hugging Face GPT-2
+of the same size: CPU time per new token, whose decode steps are the batch-1 forwards the
+policy is for (a GPT-2 rewrite keeps its eager root, each layer a graph).
 """
 from __future__ import annotations
 
@@ -113,6 +117,49 @@ def _calls(fn: Callable[[], object]) -> int:
     return pstats.Stats(prof).total_calls
 
 
+def _gpt2_table(args: argparse.Namespace) -> str:
+    """Greedy ``generate`` of a GPT-2 as wide as the decoder (KV cache, batch 1): CPU time
+    per new token for the same variants."""
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=args.vocab, n_embd=args.d, n_layer=args.layers,
+                                  n_head=8, n_positions=64, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(1, args.vocab, (1, args.seq))
+    variants = {"autocast": model}
+    for name, policy in (("fxamp weights=cast", None), ("fxamp weights=stored",
+                                                        "weights=stored")):
+        variants[name] = fxamp.amp_rewrite(copy.deepcopy(model), (ids,), dtype=BF16,
+                                           target="cpu", policy=policy, inplace=True)
+    variants["all-bf16 model"] = copy.deepcopy(model).to(BF16)
+    new = 8
+
+    def generate(name: str) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=BF16, enabled=name == "autocast"):
+            return variants[name].generate(ids, max_new_tokens=new, do_sample=False,
+                                           use_cache=True, pad_token_id=0)
+
+    times: Dict[str, List[float]] = {n: [] for n in variants}
+    with torch.no_grad():
+        tokens = {name: generate(name) for name in variants}  # (and warm up)
+        for _ in range(max(3, args.rounds // 3)):
+            for name in variants:
+                t0 = time.process_time()
+                generate(name)
+                times[name].append((time.process_time() - t0) / new * 1e3)
+    limit = "all-bf16 model"
+    rows = [[name, f"{statistics.median(times[name]):.2f}",
+             f"{statistics.median(a / c for a, c in zip(times[name], times[limit])):.2f}",
+             f"{param_bytes(m) / 1e6:.1f}",
+             "yes" if torch.equal(tokens[name], tokens["autocast"]) else "no"]
+            for name, m in variants.items()]
+    return (f"GPT-2 ({args.layers} layers, d={args.d}, vocab {args.vocab}, tied head): greedy "
+            f"generate with its KV cache, {args.seq}-token prompt, {new} new tokens, batch 1\n"
+            + _common.table(["variant", "ms / new token (CPU)", "/ all-bf16", "parameter MB",
+                             "= autocast's tokens"], rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=3)
@@ -123,6 +170,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--untied", action="store_true", help="a head not tied to the embedding")
+    ap.add_argument("--gpt2", action="store_true",
+                    help="also time greedy generate of a GPT-2 of the same size (KV cache)")
     ap.add_argument("--docs", action="store_true", help="append the table to docs/benchmarks.md")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -173,6 +222,10 @@ def main() -> None:
             f"{n_params / 1e6:.1f}M parameters; no grad; 1 torch thread")
     print(what)
     print(table)
+    if args.gpt2:
+        gpt2 = _gpt2_table(args)
+        print(gpt2)
+        table += "\n\n" + gpt2
     if args.docs:
         _common.append_docs("Inference with weights at rest (benchmarks/weights_at_rest.py)",
                             table, f"{what}; process CPU time, {args.rounds} interleaved rounds "
