@@ -246,8 +246,9 @@ def test_a_new_call_structure_is_planned_on_the_stored_weights(example):
 
 
 @pytest.mark.slow
-def test_gpt2_greedy_generate_in_place_gives_autocast_s_tokens():
+def test_gpt2_greedy_generate_in_place_gives_autocast_s_tokens(tmp_path):
     import transformers
+    from safetensors.torch import load_file
     cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2,
                                   n_positions=64, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
@@ -265,3 +266,10 @@ def test_gpt2_greedy_generate_in_place_gives_autocast_s_tokens():
         with torch.autocast("cpu", dtype=BF16):
             want = ref.generate(ids, max_new_tokens=5, do_sample=False, use_cache=True)
     assert got.shape == (1, 11) and torch.equal(got, want)
+    model.save_pretrained(tmp_path)  # (the stored dtypes; from_pretrained converts)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert saved["transformer.h.0.attn.c_attn.weight"].dtype == BF16
+    assert saved["transformer.h.0.ln_1.weight"].dtype == torch.float32
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.transformer.h[0].attn.c_attn.weight,
+                       model.transformer.h[0].attn.c_attn.weight.float())

@@ -159,6 +159,9 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     ``inplace=True`` returns ``model`` itself, its forward computing with the rewritten
     module (same object and class: its other methods, wrappers, hooks and ``state_dict``
     keys stay; ``train()``/``eval()`` reach the graph; see ``rewriter/inplace.py``).
+    The inference policy ``weights=stored`` (``rewriter/stored.py``) needs it: the model's
+    own Parameters are stored in low precision; with ``inplace=False`` it is refused
+    (``PolicyError``).
     """
     if config is None:
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
