@@ -91,7 +91,12 @@ class StoredRecord:
 
 class _ConvertOnLoad:
     """A load_state_dict pre-hook: the entry of a stored weight converted to its dtype
-    first (in the load's own copy of the dict), so ``assign=True`` assigns that dtype too."""
+    first (in the load's own copy of the dict), so ``assign=True`` assigns that dtype too.
+
+    Args:
+        name: the weight's attribute name in the module the hook is on.
+        dtype: its stored dtype.
+    """
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
         self.name, self.dtype = name, dtype
@@ -108,7 +113,14 @@ class _ConvertOnLoad:
 class _RecastOnLoad:
     """A load_state_dict post-hook of a module holding a weight kept in FP32 with a copy:
     the copy re-cast from the weight as loaded. An object (not a closure), so that a
-    deepcopy of the model re-casts the copy's own copy."""
+    deepcopy of the model re-casts the copy's own copy.
+
+    Args:
+        name: the FP32 weight's attribute name in the module the hook is on.
+        holder: the module that holds the copy (a buffer).
+        buffer: the copy's buffer name.
+        dtype: the copy's dtype.
+    """
 
     def __init__(self, name: str, holder: nn.Module, buffer: str, dtype: torch.dtype) -> None:
         self.name, self.holder, self.buffer, self.dtype = name, holder, buffer, dtype
@@ -143,10 +155,12 @@ def _resolve(root: nn.Module, target: str) -> Tuple[Optional[nn.Module], str, An
 
 
 def _under(path: str, prefix: str) -> bool:
+    """Whether module path ``path`` is ``prefix`` or below it ("" is the root)."""
     return prefix == "" or path == prefix or path.startswith(prefix + ".")
 
 
 def _join(a: str, b: str) -> str:
+    """Two dotted paths joined (either may be empty)."""
     return f"{a}.{b}" if a and b else a or b
 
 
@@ -162,13 +176,14 @@ class _Reads:
 
 
 def _is_cast(user: fx.Node, node: fx.Node) -> Optional[torch.dtype]:
+    """The low dtype ``user`` casts ``node`` (a weight's read) to, if it is such a cast."""
     if user.op == "call_method" and user.target == "to" and user.args[:1] == (node,) \
             and len(user.args) == 2 and not user.kwargs and user.args[1] in _LOW:
         return user.args[1]
     return None
 
 
-def _collect(model: nn.Module, gm: nn.Module) -> Tuple[Dict[int, _Reads], List[str], List[str]]:
+def _collect(gm: nn.Module) -> Tuple[Dict[int, _Reads], List[str], List[str]]:
     """The Parameter reads of ``gm``'s graph parts (a module the graph calls reads its own
     Parameters as they are); the parts' paths; the paths of the modules the parts run under
     autocast (their own code reads their Parameters, to be cast by autocast)."""
@@ -248,7 +263,7 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
         gm: its rewritten module (its graph parts are changed and recompiled).
     """
     record: StoredRecord = model.__dict__.setdefault(ATTR, StoredRecord())
-    reads, parts, opaque = _collect(model, gm)
+    reads, parts, opaque = _collect(gm)
     holders = _holders(model)
     roots = [model] if gm is model else [model, gm]
     stored: List[str] = []
@@ -406,7 +421,7 @@ def restore_stored(model: nn.Module, gm: nn.Module, swaps: Dict[int, nn.Paramete
     """
     if not swaps:
         return
-    reads, _, _ = _collect(model, gm)
+    reads, _, _ = _collect(gm)
     for pid, param in swaps.items():
         read = reads.get(pid)
         if read is None:
