@@ -475,6 +475,23 @@ def spell_names(root: torch.nn.Module) -> int:
     return changed
 
 
+def recompile(module: fx.GraphModule) -> Any:
+    """``module.recompile()``, also for a GraphModule whose class derives from another
+    GraphModule's class (the eager front end's per-instance classes). ``recompile`` gives a
+    class without its own ``_wrapped_call`` one that calls ``super().__call__``: the base
+    class's wrapped call, which reads the subclass's ``_wrapped_call`` again (a
+    RecursionError); such a class gets ``nn.Module.__call__`` as its own call first.
+
+    Args:
+        module: the graph module whose graph changed.
+    """
+    cls = type(module)
+    if "_wrapped_call" not in vars(cls) and "__call__" not in vars(cls) \
+            and hasattr(cls, "_wrapped_call"):
+        cls.__call__ = torch.nn.Module.__call__  # type: ignore[method-assign]
+    return module.recompile()
+
+
 # -- private names other modules use
 # (kept in one block: names reached by the op vocabulary, the checkpoint front-end helper
 # and the trainer; each wrapper says which private name it reads)

@@ -61,6 +61,12 @@ class ModeError(FxampError, RuntimeError):
     train and eval traces differ and only one could be kept)."""
 
 
+class StoredWeightsError(FxampError, RuntimeError):
+    """A model rewritten with the policy ``weights=stored`` (weights at rest in low
+    precision, for inference) was asked to train: a backward, or a forward with grad in
+    train mode; the message says to rewrite with ``weights=cast`` for training."""
+
+
 class NotPlannedError(FxampError):
     """A model rewritten in place without example inputs was asked for its plan before its
     first call planned it."""

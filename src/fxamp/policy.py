@@ -42,7 +42,7 @@ _AUTOCAST_DEVICE = {"tensorrt": "cuda"}
 _KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement", "weights",
          "guard")
 #: how weights reach low precision: see Policy.weights
-WEIGHT_MODES = ("cast", "o2")
+WEIGHT_MODES = ("cast", "o2", "stored")
 #: older spellings that parse as another mode
 _WEIGHT_ALIASES = {"cached": "cast"}
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
@@ -159,6 +159,13 @@ class Policy:
         copies are kept between steps and ``fxamp.train.attach_optimizer(gm, optimizer)``
         re-casts them right after each optimizer step, in one foreach operation, so forward
         and backward cast no weight; ``fxamp.weight_cache_bytes(gm)`` reports the memory.
+        "stored" (inference and serving, ``rewriter/stored.py``; needs ``inplace=True``):
+        each Parameter is stored at rest in the dtype of the nodes that compute with it: one
+        read only by low-precision nodes is replaced in place by a low-precision Parameter
+        (its FP32 values rounded once: autocast's numbers), one read by an FP32 island stays
+        FP32, one read in both stays FP32 with one low-precision copy (the plan header's
+        ``stored_copies`` names it); no stored weight is cast per call. Training is refused
+        (``StoredWeightsError``): rewrite with "cast" to train.
     """
 
     compute: torch.dtype = torch.float16
@@ -233,8 +240,9 @@ class Policy:
                     value = _WEIGHT_ALIASES.get(value.lower(), value)
                     if value.lower() not in WEIGHT_MODES:
                         raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)} (cast "
-                                          f"every forward, or keep copies re-cast in the "
-                                          f"optimizer step), got {value!r}")
+                                          f"every forward; keep copies re-cast in the "
+                                          f"optimizer step; or, for inference, store each "
+                                          f"weight in its nodes' dtype), got {value!r}")
                     policy = replace(policy, weights=value.lower())
                 else:
                     if value.lower() not in ("on", "off", "true", "false", "1", "0"):

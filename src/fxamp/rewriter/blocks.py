@@ -39,6 +39,7 @@ from ..runtime import device_autocast, device_type
 from ..frontends.common import nested_lines
 from .._version import __version__
 from .inplace import ATTR, InplaceForward, Planner, install
+from .stored import store_like
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class BlocksRoot:
             gm = None
             if known is not None:
                 try:
+                    if config.policy.weights == "stored":  # (its graphs read stored weights)
+                        store_like(known[0], block)
                     gm = bound_to(known[1], known[0], block)
                 except FxampError as err:  # (an eager-front-end result: no copy)
                     log.info("%s: planned on its own: %s", type(block).__name__, err)

@@ -13,7 +13,7 @@ import torch.nn as nn
 from .. import _torch, ops
 from .._version import __version__
 from ..config import RewriteConfig
-from ..errors import FxampError, TraceError, UnsupportedModelError
+from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from ..ir import fix
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
@@ -37,6 +37,7 @@ from .inplace import install, is_fully_sharded, is_inplace, reinstall, uninstall
 from .inputs import AutocastOff, check_example_inputs
 from .pass_list import pass_list, plan_lines, plan_nodes
 from .state_dict import complete_state
+from .stored import planning_in_fp32, restore_stored, store_weights
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,9 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     first call (``rewriter/blocks.py``). A call in a mode or of a structure no graph of an
     in-place model covers is planned on that call; a returned module refuses it
     (``ModeError``, ``CallStructureError``).
+    The inference policy ``weights=stored`` (``rewriter/stored.py``) needs
+    ``inplace=True``: the model's own Parameters are stored in low precision; with
+    ``inplace=False`` it is refused (``PolicyError``).
     """
     if config is None:
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
@@ -171,6 +175,20 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "holds (policy, dtype, target, frontend, example_kwargs, "
                          "calibration_data, dynamic_shapes), not both; what to do: "
                          "config.replace(...)")
+    if config.policy.weights == "stored" and not inplace:
+        raise PolicyError(
+            f"policy weights=stored stores the model's own Parameters in low precision (the "
+            f"rewritten module shares them), so it is an in-place rewrite: with inplace=False "
+            f"the {type(model).__name__} you passed would be changed behind the returned "
+            "module and could no longer run as the FP32 reference. what to do: "
+            "amp_rewrite(model, ..., policy='weights=stored', inplace=True), on a copy "
+            "(copy.deepcopy(model)) to keep the FP32 model")
+    return _amp_rewrite(model, example_inputs, config, inplace)
+
+
+def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]],
+                 config: RewriteConfig, inplace: bool) -> nn.Module:
+    """:func:`amp_rewrite` with its config made."""
     pol = config.policy
     example_kwargs = config.example_kwargs
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
@@ -185,7 +203,9 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             log.info("model was already rewritten in place with the same policy")
             return model
         with uninstalled(model):
-            gm = amp_rewrite(model, example_inputs, config=config)
+            gm = _amp_rewrite(model, example_inputs, config, False)
+        if inplace and pol.weights == "stored":
+            store_weights(model, gm)
         return reinstall(model, gm, _plan_call) if inplace else gm
     if has_result(model):
         if result_of(model).policy == pol:
@@ -212,6 +232,8 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                          "inplace=True, which plans the model on its first call")
     args = () if example_inputs is None else as_tuple(example_inputs)
     gm = _rewrite_top(model, args, config)
+    if inplace and pol.weights == "stored":
+        store_weights(model, gm)
     return install(model, gm, _plan_call) if inplace else gm
 
 
@@ -232,19 +254,24 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
     else:
         log.warning("%s changed after its in-place rewrite (%s): planning it again on this "
                     "call's inputs", name, why)
-    try:
-        check_model(model, sharded_ok=True)
-    except UnsupportedModelError as err:
-        if why is None:
-            raise
-        raise UnsupportedModelError(f"{name} changed after its in-place rewrite ({why}) and "
-                                    f"cannot be planned again: {err}") from None
-    args, kwargs = isolated((args, kwargs))
-    config = config.replace(example_kwargs=dict(kwargs) or None)
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
-            torch.random.fork_rng(devices=devices), without_root_hooks(model):
-        return _rewrite_top(model, args, config)  # (the model's hooks: on its own call)
+    with planning_in_fp32(model) as swaps:  # (weights=stored: planned as the FP32 model)
+        try:
+            check_model(model, sharded_ok=True)
+        except UnsupportedModelError as err:
+            if why is None:
+                raise
+            raise UnsupportedModelError(f"{name} changed after its in-place rewrite ({why}) "
+                                        f"and cannot be planned again: {err}") from None
+        args, kwargs = isolated((args, kwargs))
+        config = config.replace(example_kwargs=dict(kwargs) or None)
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
+                torch.random.fork_rng(devices=devices), without_root_hooks(model):
+            gm = _rewrite_top(model, args, config)  # (the model's hooks: on its own call)
+    if config.policy.weights == "stored":
+        restore_stored(model, gm, swaps)
+        store_weights(model, gm)
+    return gm
 
 
 def isolated(value: Any) -> Any:
