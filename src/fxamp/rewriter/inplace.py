@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tup
 import torch.nn as nn
 
 from ..errors import CallStructureError, FxampError, UnsupportedModelError
+from ..frontends.hooks import ROOT_HOOKS
 from ..program import call_key
 from ..result import ATTR as RESULT, Pending, has_result, result_of
 from ..structure import StructureChanged, mirrors
@@ -59,10 +60,6 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
 
 
 _TRAINING = operator.attrgetter("training")
-#: the hook dicts a rewrite copies from the model's root onto its rewritten module
-_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 #: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
 #: rewritten module, not installed (set by the pipeline, which owns amp_rewrite); ``why`` is
 #: None for a first call (of the model, a mode or a call structure), else the change that
@@ -124,7 +121,7 @@ class InplaceForward:
     def put(self, gm: nn.Module) -> None:
         """Make ``gm`` the model's first graph (a new plan: the others are dropped)."""
         model = self.model
-        for kind in _ROOT_HOOKS:  # the root's hooks run on the model itself, not twice
+        for kind in ROOT_HOOKS:  # the root's hooks run on the model itself, not twice
             theirs = getattr(model, kind, None)
             mine = getattr(gm, kind, None)
             if mine is not None and mine is theirs:  # (a shallow copy of the model's)
