@@ -156,6 +156,9 @@ def _race(model, ref, threads=6, rounds=1):
         assert type(out) is torch.Tensor and torch.equal(out, want)
 
 
+@pytest.mark.skipif(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 11),
+                    reason="torch 2.10 segfaults in FakeTensorMode.__enter__ when a thread "
+                           "other than the main one plans while others wait (2.11+ do not)")
 @pytest.mark.parametrize("round_", range(20))
 def test_first_call_planning_races_plan_once_and_answer_with_the_plan(round_, caplog):
     ref, model = _pair(Plain)

@@ -26,6 +26,7 @@ import operator
 import threading
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
 from ..errors import CallStructureError, FxampError, UnsupportedModelError
@@ -60,6 +61,9 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
 
 
 _TRAINING = operator.attrgetter("training")
+#: planning runs eagerly, never traced by torch.compile (a compiled region around the model:
+#: a per-layer ``layer.compile()`` makes its first call plan inside it)
+_outside_compile = torch.compiler.disable
 #: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
 #: rewritten module, not installed (set by the pipeline, which owns amp_rewrite); ``why`` is
 #: None for a first call (of the model, a mode or a call structure), else the change that
@@ -196,6 +200,7 @@ class InplaceForward:
                 raise
             return self._variant(args, kwargs)
 
+    @_outside_compile
     def _first(self, args: tuple, kwargs: Dict[str, Any]) -> nn.Module:
         """The model's first graph, planned on this call (once, whichever thread calls)."""
         with self.lock:
@@ -205,6 +210,7 @@ class InplaceForward:
                 self.put(gm)
             return gm
 
+    @_outside_compile
     def _replanned(self, stale: nn.Module, args: tuple, kwargs: Dict[str, Any],
                    why: str) -> nn.Module:
         """The model planned again on this call, unless another thread did it already."""
@@ -215,6 +221,7 @@ class InplaceForward:
                 self.put(gm)
             return gm
 
+    @_outside_compile
     def _variant(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
         """The call run on the graph made for its mode and call structure, planned on this
         call when none is."""
