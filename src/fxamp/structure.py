@@ -31,12 +31,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .errors import UnsupportedModelError
+from .runtime import CALL_HOOKS
 
 log = logging.getLogger(__name__)
 
-#: a module's hook dicts that run when it is called
-HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-              "_backward_pre_hooks")
 _CHILD_DICTS = ("_modules", "_parameters", "_buffers")
 _NOT_NONE = functools.partial(operator.is_not, None)
 _DTYPE = operator.attrgetter("dtype")
@@ -90,7 +88,7 @@ class Structure:
             except AttributeError:
                 continue
         self.watched = [(p, weakref.ref(m)) for p, m in found]
-        self.hook_dicts = [getattr(m, kind) for _, m in found for kind in HOOK_KINDS]
+        self.hook_dicts = [getattr(m, kind) for _, m in found for kind in CALL_HOOKS]
         self.no_hooks = [{} for _ in self.hook_dicts]
         self.key = self.now()
 
@@ -140,7 +138,7 @@ class Structure:
         found = []
         for path, ref in self.watched:
             module = ref()
-            for kind in HOOK_KINDS if module is not None else ():
+            for kind in CALL_HOOKS if module is not None else ():
                 for hook in getattr(module, kind, {}).values():
                     name = getattr(hook, "__qualname__", type(hook).__qualname__)
                     found.append(f"{path or 'the model'} ({kind.strip('_')[:-1]}: {name})")
