@@ -45,7 +45,8 @@ _ENABLED = torch.is_autocast_enabled
 _SET = torch.set_autocast_enabled
 _COMPILING = torch.compiler.is_compiling
 _WARNED: list = []
-#: the attribute the rewrite's result is kept under (``fxamp.result.ATTR``)
+#: the attribute the rewrite's result is kept under (the one definition; ``fxamp.result.ATTR``
+#: and ``fxamp.structure`` read it from here)
 RESULT = "fxamp_result"
 
 

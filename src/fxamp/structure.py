@@ -25,12 +25,14 @@ import itertools
 import logging
 import operator
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 import torch.nn as nn
 
 from .errors import UnsupportedModelError
+from .ops import fetch_attr
+from .program import RESULT
 from .runtime import CALL_HOOKS
 
 log = logging.getLogger(__name__)
@@ -286,12 +288,12 @@ def hooked_paths(gm: fx.GraphModule) -> List[str]:
     it that are parts of it, such as checkpoint regions' bodies) run as ops, not as calls:
     a hook registered on one later would not run."""
     parts = [m for m in gm.modules() if isinstance(m, fx.GraphModule)
-             and (m is gm or "fxamp_result" not in m.__dict__)]
+             and (m is gm or RESULT not in m.__dict__)]
     called = set()
     for part in parts:
         for n in part.graph.nodes:
             if n.op == "call_module" or (n.op == "get_attr" and isinstance(
-                    _attr(part, str(n.target)), nn.Module)):
+                    fetch_attr(part, str(n.target)), nn.Module)):
                 called.add(str(n.target))
     paths = set()
     for part in parts:
@@ -301,10 +303,3 @@ def hooked_paths(gm: fx.GraphModule) -> List[str]:
                 if isinstance(path, str) and path and path not in called:
                     paths.add(path)
     return sorted(p for p in paths if not any(p.startswith(c + ".") for c in called))
-
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value

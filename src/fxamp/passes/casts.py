@@ -110,9 +110,9 @@ class _Builder:
             return value
         if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
             return value
-        if kind == "tensor" and value.op == "get_attr" and \
-                isinstance(self._attr(str(value.target)), nn.Parameter):  # (tied: cast once)
-            return self.param(str(value.target), self._attr(str(value.target)), dtype, value)
+        held = ops.fetch_attr(self.src, str(value.target)) if value.op == "get_attr" else None
+        if kind == "tensor" and isinstance(held, nn.Parameter):  # (tied: cast once)
+            return self.param(str(value.target), held, dtype, value)
         key = (value, dtype)
         if key not in self.casts:
             name = self.name(f"{value.name}_{dtype_name(dtype)}")
@@ -126,10 +126,6 @@ class _Builder:
             self.casts[key] = node
             self.n_casts += 1
         return self.casts[key]
-
-    def _attr(self, qualname: str) -> Any:
-        module, _, name = qualname.rpartition(".")
-        return getattr(self.src.get_submodule(module) if module else self.src, name, None)
 
     def param(self, qualname: str, tensor: torch.Tensor, dtype: Optional[torch.dtype],
               node: Optional[fx.Node] = None) -> fx.Node:
