@@ -78,7 +78,6 @@ class Structure:
             return
         named = list(model.named_modules(remove_duplicate=False))
         self.modules = [m for _, m in named]
-        self.paths = {id(m): p for p, m in reversed(named)}
         self.own_dicts = [m.__dict__ for m in self.modules]
         self.child_dicts = [getattr(m, kind) for m in self.modules for kind in _CHILD_DICTS]
         self.param_dicts = [m._parameters for m in self.modules]
