@@ -288,9 +288,10 @@ def _guarded(src: fx.GraphModule, ctx: PassContext) -> Dict[fx.Node, Tuple[float
 
 
 def _check_inputs(graph: fx.Graph, src: fx.GraphModule) -> None:
-    """Make every call refuse a floating input of a dtype that autocast treats otherwise
-    than the example's (``runtime.check_input_dtypes``): the plan's casts hold only for
-    inputs of the example's autocast class (float16 / bfloat16 / float32 alike, float64 as
+    """Make every call (each one, not only the first: the check is a node of the graph)
+    refuse a floating input of a dtype that autocast treats otherwise than the example's
+    (``runtime.check_input_dtypes``): the plan's casts hold only for inputs of the
+    example's autocast class (float16 / bfloat16 / float32 alike, float64 as
     itself). Checked are the tensor placeholders that had a floating dtype in the example,
     whether the graph casts them directly or values computed from them."""
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
