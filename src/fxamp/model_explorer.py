@@ -101,6 +101,8 @@ def onnx_node_data(path: str, report: Any) -> Tuple[Dict[str, Any], Dict[str, An
     inputs, outputs and initializers (their own type)."""
     import onnx
 
+    from .export.onnx_types import ONNX_FLOAT_NAMES
+
     model = onnx.load(path, load_external_data=False)
     graph_id = model.graph.name or "<main>"
     rows = {row.onnx_node: row for row in report.layers}
@@ -110,7 +112,7 @@ def onnx_node_data(path: str, report: Any) -> Tuple[Dict[str, Any], Dict[str, An
         row = rows.get(node.name)
         planned[node.name] = _result((row.planned if row else None) or "-")
         actual[node.name] = _result((row.actual or row.exported if row else None) or "-")
-    names = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64", 3: "int8"}
+    names = {**ONNX_FLOAT_NAMES, 3: "int8"}
     values: List[Tuple[str, int]] = [
         (v.name, v.type.tensor_type.elem_type) for v in list(model.graph.input)
         + list(model.graph.output)] + [(t.name, t.data_type) for t in model.graph.initializer]

@@ -17,7 +17,8 @@ Every pass asks this module, whether the graph came from ``torch.fx.symbolic_tra
   op tables use for the node, and the table (:data:`LOWER` / :data:`FP32` / :data:`PROMOTE`
   / ...) they are on for a target; :func:`is_runtime` for an opaque call;
 * :func:`module_of` / :func:`is_module` / :func:`module_ops` — the module a ``call_module``
-  node calls and what it runs; :func:`is_loss` — a torch loss in any spelling;
+  node calls and what it runs; :func:`fetch_attr` — the value a ``get_attr`` target names;
+  :func:`is_loss` — a torch loss in any spelling;
 * :func:`label` / :func:`module_label` / :func:`callable_label` / :func:`aten_name` — the
   labels plans and findings show.
 
@@ -92,6 +93,27 @@ def aten_name(node: fx.Node) -> str:
     """``pow.Tensor_Scalar`` / ``linear`` for a node calling an ATen overload (``default``
     dropped); "" for any other node."""
     return oplists.aten_name(node.target) if is_aten(node) else ""  # type: ignore[arg-type]
+
+
+def fetch_attr(root: Any, target: str) -> Any:
+    """The value a dotted ``get_attr`` target names, or None where a part is missing.
+
+    The one dotted-attribute getter: the passes (``fxamp.passes.fetch_attr``), the structure
+    check, the mode comparison and the cast builder all read targets through it.
+
+    Args:
+        root: the module (or any object) the target is relative to.
+        target: a dotted path such as ``"layer1.0.conv1.weight"``.
+
+    Returns:
+        The attribute, or None when any part of the path is missing (or None).
+    """
+    value = root
+    for part in target.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
 
 
 def module_of(node: fx.Node, root: nn.Module) -> Optional[nn.Module]:

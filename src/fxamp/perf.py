@@ -37,9 +37,6 @@ class CastCount:
     def phase(self, phase: str) -> int:
         return sum(c for k, c in self.by_kind.items() if k[3] == phase)
 
-    def phase_bytes(self, phase: str) -> int:
-        return sum(c for k, c in self.bytes_by_kind.items() if k[3] == phase)
-
 
 def _short(dtype: torch.dtype) -> str:
     return {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",

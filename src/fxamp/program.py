@@ -19,8 +19,13 @@ A call of a Program runs, in this order and on every exit path:
    ``AssertionError: Guard failed: ...``) is raised as ``InputShapeError`` naming the
    condition and the inputs it reads (:func:`guard_error`).
 
-Nothing else runs per call: no per-call copy of flags or tensors, no weight cache (each weight
-is cast in the graph, as autocast casts it), no process-wide state.
+The Program adds nothing else per call: no per-call copy of flags or tensors, no weight cache
+(each weight is cast in the graph, as autocast casts it), no process-wide state. Two things
+run around it where a rewrite asks for them: the export front end's forward pre-hooks
+(``frontends/aten.py``: the input shape check, ``ShapeCheck``, and ``plain_inputs_hook``),
+which ``nn.Module.__call__`` runs before the Program's forward; and, for an in-place rewrite,
+the model's own ``forward`` replaced by :class:`fxamp.rewriter.inplace.InplaceForward`, which
+picks (or plans) the graph for the call and calls it.
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ _ENABLED = torch.is_autocast_enabled
 _SET = torch.set_autocast_enabled
 _COMPILING = torch.compiler.is_compiling
 _WARNED: list = []
-#: the attribute the rewrite's result is kept under (``fxamp.result.ATTR``)
+#: the attribute the rewrite's result is kept under (the one definition; ``fxamp.result.ATTR``
+#: and ``fxamp.structure`` read it from here)
 RESULT = "fxamp_result"
 
 

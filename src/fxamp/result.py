@@ -10,9 +10,11 @@ from .config import RewriteConfig
 from .errors import FxampError, NotPlannedError
 from .plan import Plan
 from .policy import Policy
+from .program import RESULT
 
-#: the one attribute a rewritten module (and an in-place rewritten model) holds
-ATTR = "fxamp_result"
+#: the one attribute a rewritten module (and an in-place rewritten model) holds (defined in
+#: :mod:`fxamp.program`, which reads it on every call)
+ATTR = RESULT
 
 
 @dataclass(frozen=True)

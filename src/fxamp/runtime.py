@@ -130,7 +130,9 @@ def check_input_dtypes(values: Tuple[Any, ...], planned: Tuple[torch.dtype, ...]
                        names: Tuple[str, ...]) -> None:
     """Refuse a floating input the plan does not hold for: one autocast treats otherwise
     than the example's dtype (the plan's casts would convert it, or values computed from
-    it, where the FP32 model and autocast compute with it as it is, or raise).
+    it, where the FP32 model and autocast compute with it as it is, or raise). The graph
+    calls it on every call, right after its placeholders (``passes/casts.py``), not only
+    on the first.
 
     Autocast casts float16, bfloat16 and float32 tensors alike and leaves every other dtype
     as it is, so an input of one of those three may stand for another; an integer, bool,

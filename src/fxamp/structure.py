@@ -25,18 +25,18 @@ import itertools
 import logging
 import operator
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch.fx as fx
 import torch.nn as nn
 
 from .errors import UnsupportedModelError
+from .ops import fetch_attr
+from .program import RESULT
+from .runtime import CALL_HOOKS
 
 log = logging.getLogger(__name__)
 
-#: a module's hook dicts that run when it is called
-HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-              "_backward_pre_hooks")
 _CHILD_DICTS = ("_modules", "_parameters", "_buffers")
 _NOT_NONE = functools.partial(operator.is_not, None)
 _DTYPE = operator.attrgetter("dtype")
@@ -78,7 +78,6 @@ class Structure:
             return
         named = list(model.named_modules(remove_duplicate=False))
         self.modules = [m for _, m in named]
-        self.paths = {id(m): p for p, m in reversed(named)}
         self.own_dicts = [m.__dict__ for m in self.modules]
         self.child_dicts = [getattr(m, kind) for m in self.modules for kind in _CHILD_DICTS]
         self.param_dicts = [m._parameters for m in self.modules]
@@ -90,7 +89,7 @@ class Structure:
             except AttributeError:
                 continue
         self.watched = [(p, weakref.ref(m)) for p, m in found]
-        self.hook_dicts = [getattr(m, kind) for _, m in found for kind in HOOK_KINDS]
+        self.hook_dicts = [getattr(m, kind) for _, m in found for kind in CALL_HOOKS]
         self.no_hooks = [{} for _ in self.hook_dicts]
         self.key = self.now()
 
@@ -140,7 +139,7 @@ class Structure:
         found = []
         for path, ref in self.watched:
             module = ref()
-            for kind in HOOK_KINDS if module is not None else ():
+            for kind in CALL_HOOKS if module is not None else ():
                 for hook in getattr(module, kind, {}).values():
                     name = getattr(hook, "__qualname__", type(hook).__qualname__)
                     found.append(f"{path or 'the model'} ({kind.strip('_')[:-1]}: {name})")
@@ -288,12 +287,12 @@ def hooked_paths(gm: fx.GraphModule) -> List[str]:
     it that are parts of it, such as checkpoint regions' bodies) run as ops, not as calls:
     a hook registered on one later would not run."""
     parts = [m for m in gm.modules() if isinstance(m, fx.GraphModule)
-             and (m is gm or "fxamp_result" not in m.__dict__)]
+             and (m is gm or RESULT not in m.__dict__)]
     called = set()
     for part in parts:
         for n in part.graph.nodes:
             if n.op == "call_module" or (n.op == "get_attr" and isinstance(
-                    _attr(part, str(n.target)), nn.Module)):
+                    fetch_attr(part, str(n.target)), nn.Module)):
                 called.add(str(n.target))
     paths = set()
     for part in parts:
@@ -303,10 +302,3 @@ def hooked_paths(gm: fx.GraphModule) -> List[str]:
                 if isinstance(path, str) and path and path not in called:
                     paths.add(path)
     return sorted(p for p in paths if not any(p.startswith(c + ".") for c in called))
-
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value

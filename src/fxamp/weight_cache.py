@@ -211,7 +211,6 @@ class WeightCache(nn.Module):
         self.mode = mode  # "cached" or "o2" (the policy's weights)
         self.attached = False  # o2: an optimizer re-casts the copies (train/o2.py)
         self._warned = False
-        self.enabled = True
         self.hits = 0
         self.casts = 0  # weights cast (misses), counted for tests and benchmarks
         self.served = False  # a copy was served since the o2 step last re-cast (train/o2.py)
@@ -372,7 +371,6 @@ class WeightCache(nn.Module):
     def __deepcopy__(self, memo: dict) -> "WeightCache":
         new = WeightCache(self.mode)
         new.slots = [_Slot(s.dtype) for s in self.slots]
-        new.enabled = self.enabled
         new.training = self.training
         return new
 
@@ -392,7 +390,7 @@ class WeightCache(nn.Module):
 def cast_weight(param: Any, dtype: torch.dtype, cache: Optional[WeightCache] = None,
                 index: int = -1) -> Any:
     """``param.to(dtype)``, served from ``cache`` while ``param`` is unchanged."""
-    if cache is None or not _cacheable(param) or not cache.enabled:
+    if cache is None or not _cacheable(param):
         return param.to(dtype)
     return cache.get(index, param, torch.is_grad_enabled() and param.requires_grad)
 

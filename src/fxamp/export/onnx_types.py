@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-#: ONNX TensorProto element type -> short dtype name, for the floating types
+#: ONNX TensorProto element type -> short dtype name, for the floating types (the one
+#: table: the repairs' notes and the Model Explorer overlay read it too)
 ONNX_FLOAT_NAMES = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
 _FLOATS = set(ONNX_FLOAT_NAMES)
 _NO_COMPUTE = {"Shape", "Size", "NonZero", "ConstantOfShape"}

@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional
 
 import torch.fx as fx
 
+from .onnx_types import ONNX_FLOAT_NAMES
+
 log = logging.getLogger(__name__)
 
 NOTE = "fxamp.note"
@@ -109,7 +111,7 @@ def repair_types(model: Any) -> int:
             if node.op_type in ("BatchNormalization", "LayerNormalization") and name in (
                     node.input[3:] if node.op_type == "BatchNormalization" else ()):
                 continue
-            old = _TYPE_NAMES.get(init.data_type, "?")
+            old = ONNX_FLOAT_NAMES.get(init.data_type, "?")
             array = numpy_helper.to_array(init)
             if uses.get(name, 0) > 1:  # shared: give this node its own copy
                 new = numpy_helper.from_array(astype(array, want), f"{name}_fxamp_{want}")
@@ -129,7 +131,7 @@ def repair_types(model: Any) -> int:
             set_meta(node, NOTE, (get_meta(node, NOTE) or "") +
                       f"the exporter's optimizer{why} left {', '.join(fixed)} in {old}; fxamp "
                       f"cast {'them' if len(fixed) > 1 else 'it'} to "
-                      f"{_TYPE_NAMES.get(want, want)}. ")
+                      f"{ONNX_FLOAT_NAMES.get(want, want)}. ")
     return changed
 
 
@@ -240,9 +242,6 @@ def astype(array: Any, onnx_type: int) -> Any:
     return array.astype(ml_dtypes.bfloat16)
 
 
-_TYPE_NAMES = {1: "fp32", 10: "fp16", 16: "bf16", 11: "fp64"}
-
-
 def fix_eps(model: Any) -> int:
     """Zero low-precision eps constants (and zero ``epsilon`` attributes) made non-zero."""
     import numpy as np
@@ -282,7 +281,8 @@ def fix_eps(model: Any) -> int:
                                                   tensor.data_type), tensor.name)
             tensor.CopyFrom(new)
             set_meta(add, NOTE, (get_meta(add, NOTE) or "") + f"eps {name} was 0 in "
-                      f"{_TYPE_NAMES[tensor.data_type]}; set to the smallest normal by fxamp. ")
+                      f"{ONNX_FLOAT_NAMES[tensor.data_type]}; set to the smallest normal by "
+                      "fxamp. ")
             fixed += 1
             break
     return fixed

@@ -22,11 +22,14 @@ from torch.nn.modules import module as module_mod
 
 from ..errors import UnsupportedModelError
 from ..runtime import CALL_HOOKS, has_call_hooks  # noqa: F401 - has_call_hooks re-exported
+#: every hook dict a module's call reads: the call hooks and their with-kwargs and
+#: always-called companions (a rewritten child of an eager root shares these with the module
+#: it replaces, and a front end that calls the model takes them off the root while tracing)
+CALL_HOOK_DICTS = CALL_HOOKS + ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                                "_forward_pre_hooks_with_kwargs")
 #: every hook dict of a module that the rewritten root takes over from the model's root
-ROOT_HOOKS = CALL_HOOKS + ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                           "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
-                           "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                           "_load_state_dict_post_hooks")
+ROOT_HOOKS = CALL_HOOK_DICTS + ("_state_dict_hooks", "_state_dict_pre_hooks",
+                                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 _GLOBAL = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
            "_global_backward_pre_hooks")
 
@@ -68,7 +71,7 @@ def hooked_modules(model: nn.Module) -> Dict[str, List[str]]:
 def without_root_hooks(model: nn.Module) -> Iterator[None]:
     """The root's call hooks taken off while a front end that would run them (torch.export
     calls the model) traces it; ``copy_root_hooks`` puts them on the rewritten module."""
-    saved = {kind: getattr(model, kind) for kind in ROOT_HOOKS[:7]
+    saved = {kind: getattr(model, kind) for kind in CALL_HOOK_DICTS
              if getattr(model, kind, None)}
     for kind in saved:
         setattr(model, kind, collections.OrderedDict())
@@ -112,10 +115,6 @@ def mark_hooked_runtime(gm: fx.GraphModule) -> List[str]:
     return marked
 
 
-#: the hook dicts a rewritten child of an eager root shares with the module it replaces
-SHARED_HOOKS = ROOT_HOOKS[:7]
-
-
 def share_call_hooks(module: nn.Module, original: nn.Module) -> bool:
     """Make ``module`` (a rewritten child of an eager root, called as a module by the
     root's Python forward) hold ``original``'s call-hook dicts themselves, so that a hook
@@ -123,7 +122,7 @@ def share_call_hooks(module: nn.Module, original: nn.Module) -> bool:
     or removed from it runs, or stops running, when ``module`` is called. False (nothing
     shared) when ``module`` has hooks of its own that ``original`` lacks."""
     pairs = [(kind, getattr(module, kind, None), getattr(original, kind, None))
-             for kind in SHARED_HOOKS]
+             for kind in CALL_HOOK_DICTS]
     if any(not isinstance(theirs, dict) or not isinstance(mine, dict)
            or not set(mine) <= set(theirs) for _, mine, theirs in pairs):
         return False

@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from .._torch import OpOverload, op_schema, tree_flatten, tree_unflatten
+from ..ops import fetch_attr
 
 
 def reads_training(model: nn.Module,
@@ -173,10 +174,7 @@ def _same_attr(root_a: nn.Module, target_a: str, root_b: nn.Module, target_b: st
     hold no values to compare (fake or meta tensors)."""
     if not (target_a.startswith(_CONSTANT) and target_b.startswith(_CONSTANT)):
         return target_a == target_b
-    try:
-        ta, tb = _attr(root_a, target_a), _attr(root_b, target_b)
-    except AttributeError:
-        return target_a == target_b
+    ta, tb = fetch_attr(root_a, target_a), fetch_attr(root_b, target_b)  # (None: missing)
     if not (isinstance(ta, torch.Tensor) and isinstance(tb, torch.Tensor)):
         return target_a == target_b
     if ta is tb:
@@ -187,13 +185,6 @@ def _same_attr(root_a: nn.Module, target_a: str, root_b: nn.Module, target_b: st
         return bool(torch.equal(ta, tb))
     except Exception:  # noqa: BLE001 - fake / meta tensors: no values
         return target_a == target_b
-
-
-def _attr(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _schema_args(node: fx.Node) -> Optional[List[Tuple[str, bool, Any]]]:

@@ -6,9 +6,10 @@ A pass is a callable returning :class:`PassResult` (after torch.fx's passes infr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch.fx as fx
+
+from ..ops import fetch_attr  # noqa: F401 - the passes import it from here
 
 
 @dataclass
@@ -17,13 +18,3 @@ class PassResult:
 
     graph_module: fx.GraphModule
     modified: bool
-
-
-def fetch_attr(root: Any, target: str) -> Any:
-    """The attribute a get_attr target ("layer1.0.conv1.weight") names, or None."""
-    value = root
-    for part in target.split("."):
-        value = getattr(value, part, None)
-        if value is None:
-            return None
-    return value

@@ -110,9 +110,9 @@ class _Builder:
             return value
         if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
             return value
-        if kind == "tensor" and value.op == "get_attr" and \
-                isinstance(self._attr(str(value.target)), nn.Parameter):  # (tied: cast once)
-            return self.param(str(value.target), self._attr(str(value.target)), dtype, value)
+        held = ops.fetch_attr(self.src, str(value.target)) if value.op == "get_attr" else None
+        if kind == "tensor" and isinstance(held, nn.Parameter):  # (tied: cast once)
+            return self.param(str(value.target), held, dtype, value)
         key = (value, dtype)
         if key not in self.casts:
             name = self.name(f"{value.name}_{dtype_name(dtype)}")
@@ -126,10 +126,6 @@ class _Builder:
             self.casts[key] = node
             self.n_casts += 1
         return self.casts[key]
-
-    def _attr(self, qualname: str) -> Any:
-        module, _, name = qualname.rpartition(".")
-        return getattr(self.src.get_submodule(module) if module else self.src, name, None)
 
     def param(self, qualname: str, tensor: torch.Tensor, dtype: Optional[torch.dtype],
               node: Optional[fx.Node] = None) -> fx.Node:
@@ -292,9 +288,10 @@ def _guarded(src: fx.GraphModule, ctx: PassContext) -> Dict[fx.Node, Tuple[float
 
 
 def _check_inputs(graph: fx.Graph, src: fx.GraphModule) -> None:
-    """Make every call refuse a floating input of a dtype that autocast treats otherwise
-    than the example's (``runtime.check_input_dtypes``): the plan's casts hold only for
-    inputs of the example's autocast class (float16 / bfloat16 / float32 alike, float64 as
+    """Make every call (each one, not only the first: the check is a node of the graph)
+    refuse a floating input of a dtype that autocast treats otherwise than the example's
+    (``runtime.check_input_dtypes``): the plan's casts hold only for inputs of the
+    example's autocast class (float16 / bfloat16 / float32 alike, float64 as
     itself). Checked are the tensor placeholders that had a floating dtype in the example,
     whether the graph casts them directly or values computed from them."""
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
