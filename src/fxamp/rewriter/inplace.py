@@ -61,9 +61,34 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
 
 
 _TRAINING = operator.attrgetter("training")
-#: planning runs eagerly, never traced by torch.compile (a compiled region around the model:
-#: a per-layer ``layer.compile()`` makes its first call plan inside it)
-_outside_compile = torch.compiler.disable
+#: the planning methods behind ``torch.compiler.disable`` by name, made at the first rewrite
+#: (not at import: ``torch.compiler.disable`` imports torch._dynamo)
+_EAGER: Dict[str, Callable[..., Any]] = {}
+_PLANNING = ("_first", "_replanned", "_variant")
+
+
+def _outside_compile(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` run eagerly, never traced by torch.compile: a compiled region around the
+    model (a per-layer ``layer.compile()``) makes its first call plan inside it."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any) -> Any:
+        eager = _EAGER.get(name)
+        if eager is None:
+            eager = _eager_planning()[name]
+        return eager(self, *args)
+
+    run.plain = method  # type: ignore[attr-defined]
+    return run
+
+
+def _eager_planning() -> Dict[str, Callable[..., Any]]:
+    """Fill :data:`_EAGER` (once per process)."""
+    if not _EAGER:
+        for name in _PLANNING:
+            _EAGER[name] = torch.compiler.disable(getattr(InplaceForward, name).plain)
+    return _EAGER
 #: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
 #: rewritten module, not installed (set by the pipeline, which owns amp_rewrite); ``why`` is
 #: None for a first call (of the model, a mode or a call structure), else the change that
@@ -106,6 +131,7 @@ class InplaceForward:
         self.theirs: List[nn.Module] = []
         self.flags: tuple = ()
         self.mode: Optional[bool] = None  # the first graph's (None: it follows the mode)
+        _eager_planning()  # (before any compiled region can reach the planning methods)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
