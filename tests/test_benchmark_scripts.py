@@ -2,6 +2,7 @@
 ``--device cpu --smoke`` mode and cpu_step_time.py's variants, without writing docs."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -82,9 +83,10 @@ def test_cpu_step_time_train_gives_the_fp32_master_bound():
     assert "| FP32-master bound ms | bound/ac / fxamp/bound |" in out, out
     row = eval(next(line for line in out.splitlines() if line.startswith("['gpt_tiny'")))
     limit_ms, bound_ms = float(row[3 + 3]), float(row[-4])
-    # (both measured: which is larger is the benchmark's to show, not a timed assertion's:
-    # one round of one step on a loaded machine can order them either way)
-    assert limit_ms > 0 and bound_ms > 0, row
+    # (both measured: their sizes are the benchmark's to show, not a timed assertion's: the
+    # bound is a difference of timings, which one round of one step on a loaded machine can
+    # make even negative)
+    assert math.isfinite(limit_ms) and math.isfinite(bound_ms), row
     bound_ratio, fxamp_ratio = (float(v) for v in row[-3].split(" / "))
     assert bound_ratio > 0 and fxamp_ratio > 0, row
 

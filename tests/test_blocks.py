@@ -109,6 +109,28 @@ def test_a_hook_added_to_a_layer_after_the_rewrite_fires_and_counts():
     assert torch.equal(loss, ref_loss) and not _equal_grads(grads, ref_grads)
 
 
+def test_with_an_example_a_hook_added_to_a_layer_later_plans_again_and_fires():
+    """Planned ahead of time from an example, the graph runs the layers' ops inline: the
+    call that finds a hook registered on a decoder layer since plans the model again with
+    that layer kept as a call, so the hook fires once per call and the numbers stay
+    autocast's."""
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, (IDS,), dtype=BF16, target="cpu", inplace=True)
+    fired = []
+
+    def hook(module, args, out):
+        fired.append(1)
+
+    model.model.layers[1].register_forward_hook(hook)
+    loss, grads = _step(model, False)
+    ref_loss, ref_grads = _step(ref, True)
+    assert fired == [1]
+    assert torch.equal(loss, ref_loss) and not _equal_grads(grads, ref_grads)
+    _step(model, False)
+    assert fired == [1, 1]
+
+
 def test_per_layer_compile_runs_the_compiled_layers_and_equals_eager():
     ref = _llama(2)
     model = copy.deepcopy(ref)

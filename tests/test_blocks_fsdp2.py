@@ -6,13 +6,10 @@ checkpointing (rewriter/blocks.py: each layer stays a module, so FSDP2's hooks o
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawned import run_spawned
 
 BF16 = torch.bfloat16
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -66,37 +63,14 @@ def _per_layer(rank: int, checkpointing: bool) -> list:
             fxamp.plan_of(model).header["frontend"]]
 
 
-def _worker(rank: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        queue.put((rank, {"plain": _per_layer(rank, False),
-                          "checkpointing": _per_layer(rank, True)}))
-    except Exception as err:  # noqa: BLE001 - reported to the test
-        import traceback
-
-        queue.put((rank, {"error": f"{type(err).__name__}: {err}\n"
-                                   f"{traceback.format_exc()[-3000:]}"}))
-    finally:
-        dist.destroy_process_group()
+def _both(rank: int) -> dict:
+    return {"plain": _per_layer(rank, False), "checkpointing": _per_layer(rank, True)}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
     pytest.importorskip("transformers")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = dict(queue.get(timeout=480) for _ in procs)
-    for p in procs:
-        p.join(60)
-    assert all("error" not in r for r in out.values()), out
-    return out
+    return run_spawned(_both)
 
 
 @pytest.mark.parametrize("how", ["plain", "checkpointing"])

@@ -1,4 +1,4 @@
-"""Planned on first call (issue: blocks, planned on first call): ``amp_rewrite(model,
+"""Planned on first call: ``amp_rewrite(model,
 inplace=True)`` needs no example; each training mode and call structure no graph covers is
 planned on its first call and kept; a returned module never runs a graph traced for another
 mode (``ModeError``); planning leaves the user's RNG as it was and happens once, whichever

@@ -1,5 +1,5 @@
 """FSDP2 ``fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=bf16))`` after an
-in-place rewrite (issue 39, finding 13): the policy all-gathers the Parameters in BF16 for
+in-place rewrite: the policy all-gathers the Parameters in BF16 for
 forward, which fxamp refuses (it keeps FP32 master weights). The refusal names the cause,
 the policy's ``param_dtype``, and what to do, instead of advising ``model.float()`` before
 amp_rewrite, which is what was done. The advice is followed: ``fully_shard`` without
@@ -11,13 +11,11 @@ process so the test process keeps no process group.
 from __future__ import annotations
 
 import copy
-import socket
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
+from _spawned import run_spawned
 
 BF16 = torch.bfloat16
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -112,33 +110,14 @@ def _advice_followed() -> list:
                 for p, q in zip(model.parameters(), ref.parameters()))]
 
 
-def _worker(port: int, queue) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{port}")
-    try:
-        queue.put({"helper": _helper_sees_the_policy(), "in_place": _in_place_refusal(),
-                   "advice": _advice_followed()})
-    except Exception as err:  # noqa: BLE001 - reported to the test
-        queue.put({"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"})
-    finally:
-        dist.destroy_process_group()
+def _all(rank: int) -> dict:
+    return {"helper": _helper_sees_the_policy(), "in_place": _in_place_refusal(),
+            "advice": _advice_followed()}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(port, queue))
-    proc.start()
-    out = queue.get(timeout=300)
-    proc.join(60)
-    assert "error" not in out, out["error"] if "error" in out else out
-    return out
+    return run_spawned(_all, world_size=1, timeout=300)[0]
 
 
 def _names_the_policy(text: str) -> None:

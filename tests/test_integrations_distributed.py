@@ -7,15 +7,12 @@ difference)."""
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from _spawned import run_spawned
 
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.slow  # two spawned processes
@@ -155,36 +152,17 @@ def _fsdp2_refused(order: str) -> str:
     return "no error"
 
 
-def _worker(rank: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        queue.put((rank, {"ddp": _ddp(rank), "fsdp2 root": _fsdp2_root(rank),
-                          **{f"loads {how}": _fsdp2_loads(rank, how)
-                             for how in ("default", "o2 in place", "o2 rewritten")},
-                          "before": _fsdp2_refused("before"),
-                          "submodules after": _fsdp2_refused("submodules after")}))
-    except Exception as err:  # noqa: BLE001 - reported to the test
-        queue.put((rank, {"error": f"{type(err).__name__}: {err}"}))
-    finally:
-        dist.destroy_process_group()
+def _all(rank: int) -> dict:
+    return {"ddp": _ddp(rank), "fsdp2 root": _fsdp2_root(rank),
+            **{f"loads {how}": _fsdp2_loads(rank, how)
+               for how in ("default", "o2 in place", "o2 rewritten")},
+            "before": _fsdp2_refused("before"),
+            "submodules after": _fsdp2_refused("submodules after")}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
-    assert all("error" not in r for r in out.values()), out
-    return out
+    return run_spawned(_all, timeout=300)
 
 
 def test_ddp_around_the_in_place_model_trains_like_ddp_with_autocast(results):

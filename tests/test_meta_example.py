@@ -1,4 +1,4 @@
-"""Example inputs on device ``meta`` for a model on cpu (issue 39, finding 5).
+"""Example inputs on device ``meta`` for a model on cpu.
 
 Such a model cannot run on its example (every call mixes two devices), so nothing about
 it can be observed there: the rewrite refuses it up front on every front end, naming both

@@ -1,4 +1,4 @@
-"""Quantized models are refused up front (issue 39, finding 13).
+"""Quantized models are refused up front.
 
 A model out of ``torch.ao.quantization``'s eager static or dynamic quantization, or out of
 ``quantize_fx``, computes on quantized integer tensors: fxamp plans floating-point models,

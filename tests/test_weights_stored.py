@@ -1,4 +1,4 @@
-"""The policy weights=stored (issue 40): each weight at rest in the dtype its nodes compute
+"""The policy weights=stored: each weight at rest in the dtype its nodes compute
 in, for inference; outputs equal autocast's, loads convert, training is refused."""
 import copy
 

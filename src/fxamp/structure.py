@@ -146,6 +146,8 @@ class Structure:
         if not found:  # (hook dicts replaced since: watch the ones the modules hold now)
             self.take()
             return
+        if self.inplace:  # (planned again: a submodule with hooks stays a call)
+            raise StructureChanged(f"hooks were registered on {'; '.join(found)}")
         raise UnsupportedModelError(
             "hooks were registered after amp_rewrite on submodules whose ops the rewritten "
             f"graph runs without calling them, so they would not run: {'; '.join(found)}; "

@@ -8,8 +8,10 @@ import dataclasses
 import logging
 from typing import Any, Dict, Iterator, Optional
 
+import torch
 import torch.nn as nn
 
+from .._torch import tree_map
 from ..plan import Plan
 
 
@@ -66,6 +68,23 @@ def warn_mode_only(model: nn.Module, gm: Any, mode: bool, err: Exception,
 
 
 _MODES = {True: "train", False: "eval"}
+
+
+def in_output_dtype(out: Any, dtype: Optional[torch.dtype]) -> Any:
+    """``out`` (a model's output: a tensor or a pytree of them) with its floating tensors in
+    ``dtype``, the policy's output dtype (None: as they are).
+
+    Args:
+        out: what the model's own forward returned (under autocast, in an eager root or in
+            block mode).
+        dtype: the policy's ``output_dtype``.
+    """
+    if dtype is None:
+        return out
+    if type(out) is torch.Tensor:  # (the common case, without a walk of the pytree)
+        return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() and t.dtype != dtype else t, out)
 
 
 def nested_lines(nested: Dict[str, Plan]) -> Dict[str, Any]:

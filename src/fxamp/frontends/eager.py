@@ -37,8 +37,8 @@ from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
 from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
-from .common import nested_header, nested_lines
-from .hooks import share_call_hooks
+from .common import in_output_dtype, nested_header, nested_lines
+from .hooks import share_call_hooks, without_call_hooks
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
                     ) -> Dict[str, Tuple[tuple, dict, Any]]:
     """(args, kwargs, output) of each submodule's first call when the model runs on the
     example inputs: one forward without grad (FP32, or under ``torch.autocast`` of
-    ``autocast``), on copies of the buffers and a forked RNG, so no state changes.
+    ``autocast``), on copies of the buffers and a forked RNG, with the modules' own call
+    hooks off, so no state changes and no hook of the user's runs.
 
     Inputs in a low-precision dtype (a child of a rewritten model, planned for the bf16
     activations it gets under autocast) are run under ``torch.autocast`` of that dtype when
@@ -65,21 +66,23 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
     if autocast is None:
         autocast = low_dtype((args, kwargs))
     seen: Dict[str, Tuple[tuple, dict, Any]] = {}
-    hooks = []
-    for path in paths:
-        def hook(_m: nn.Module, a: tuple, kw: dict, out: Any, path: str = path) -> None:
-            seen.setdefault(path, (a, kw, out))
-        hooks.append(model.get_submodule(path).register_forward_hook(hook, with_kwargs=True))
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                reparametrize_module(model, buffers, strict=False), \
-                (device_autocast(device_type((args, kwargs)), autocast) if autocast
-                 else contextlib.nullcontext()):
-            model(*args, **kwargs)
-    finally:
-        for h in hooks:
-            h.remove()
+    with without_call_hooks(list(model.modules())):  # (no hook of the user's runs here)
+        hooks = []
+        for path in paths:
+            def hook(_m: nn.Module, a: tuple, kw: dict, out: Any, path: str = path) -> None:
+                seen.setdefault(path, (a, kw, out))
+            hooks.append(model.get_submodule(path).register_forward_hook(hook,
+                                                                         with_kwargs=True))
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+                    reparametrize_module(model, buffers, strict=False), \
+                    (device_autocast(device_type((args, kwargs)), autocast) if autocast
+                     else contextlib.nullcontext()):
+                model(*args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
     return seen
 
 
@@ -305,10 +308,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     def forward(*a: Any, **kw: Any) -> Any:
         with device_autocast(device_type((a, kw)), low):
             out = original(result, *a, **kw)
-        if out_dtype is None:
-            return out
-        return tree_map(lambda t: t.to(out_dtype) if isinstance(t, torch.Tensor)
-                        and t.is_floating_point() and t.dtype != out_dtype else t, out)
+        return in_output_dtype(out, out_dtype)
 
     try:  # what a caller reading the signature sees (HF Trainer drops other columns)
         forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]

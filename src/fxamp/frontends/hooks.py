@@ -67,19 +67,26 @@ def hooked_modules(model: nn.Module) -> Dict[str, List[str]]:
             if path and has_call_hooks(m)}
 
 
-@contextlib.contextmanager
-def without_root_hooks(model: nn.Module) -> Iterator[None]:
+def without_root_hooks(model: nn.Module) -> Any:
     """The root's call hooks taken off while a front end that would run them (torch.export
     calls the model) traces it; ``copy_root_hooks`` puts them on the rewritten module."""
-    saved = {kind: getattr(model, kind) for kind in CALL_HOOK_DICTS
-             if getattr(model, kind, None)}
-    for kind in saved:
-        setattr(model, kind, collections.OrderedDict())
+    return without_call_hooks([model])
+
+
+@contextlib.contextmanager
+def without_call_hooks(modules: "list[nn.Module] | Iterator[nn.Module]") -> Iterator[None]:
+    """The call hooks of ``modules`` taken off for a while, and put back on every exit
+    path: while the rewrite runs the model's code for what it learns from it (the eager
+    front end's recorded calls), no hook of the user's runs (a counter, NEFTune's noise)."""
+    saved = [(module, kind, getattr(module, kind)) for module in modules
+             for kind in CALL_HOOK_DICTS if getattr(module, kind, None)]
+    for module, kind, _ in saved:
+        setattr(module, kind, collections.OrderedDict())
     try:
         yield
     finally:
-        for kind, hooks in saved.items():
-            setattr(model, kind, hooks)
+        for module, kind, hooks in saved:
+            setattr(module, kind, hooks)
 
 
 def copy_root_hooks(model: nn.Module, gm: nn.Module) -> None:

@@ -28,7 +28,6 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from .._torch import tree_map
 from ..config import RewriteConfig
 from ..ir import Rule
 from ..ops import module_label
@@ -36,7 +35,7 @@ from ..plan import NodePrecision, Plan
 from ..errors import FxampError
 from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of
 from ..runtime import device_autocast, device_type
-from ..frontends.common import nested_lines
+from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from .._version import __version__
 from .inplace import ATTR, InplaceForward, Planner, install
 from .stored import store_like
@@ -128,13 +127,7 @@ class BlocksRoot:
             out = type(model).forward(model, *args, **kwargs)
         if self.composed != self.planned:
             self.compose()
-        low = policy.output_dtype
-        if low is None:
-            return out
-        if type(out) is torch.Tensor:
-            return out.to(low) if out.is_floating_point() and out.dtype != low else out
-        return tree_map(lambda t: t.to(low) if isinstance(t, torch.Tensor)
-                        and t.is_floating_point() and t.dtype != low else t, out)
+        return in_output_dtype(out, policy.output_dtype)
 
     def compose(self) -> None:
         """The model's plan from its blocks' plans: one line per block, and the nodes of
@@ -142,7 +135,7 @@ class BlocksRoot:
         it)."""
         model, policy = self.model, self.config.policy
         nodes: Dict[str, NodePrecision] = {}
-        first: Dict[str, str] = {}  # a plan's text -> the first block path with it
+        first: Dict[str, str] = {}  # a plan's lines (repr) -> the first block path with it
         nested: Dict[str, Plan] = {}
         for path in self.paths:
             block = model.get_submodule(path)
@@ -165,12 +158,11 @@ class BlocksRoot:
                 dtype, Rule.NESTED, f"a block, called as a module and planned on its first "
                 f"call; its nodes are the plan lines {path}/*", label, path)
             nodes.update(nested_lines({path: plan}))
-        header = {"fxamp": __version__, "torch": torch.__version__.split("+")[0],
-                  "policy": str(policy), "frontend": "blocks",
-                  "glue": "the model's own forward under torch.autocast"}
-        if nested:
-            header["nested"] = " ".join(f"{p}={plan.header.get('frontend', '')}"
-                                        for p, plan in nested.items())
+        header = nested_header({"fxamp": __version__,
+                                "torch": torch.__version__.split("+")[0],
+                                "policy": str(policy), "frontend": "blocks",
+                                "glue": "the model's own forward under torch.autocast"},
+                               (), nested)
         result = Rewritten(Plan(nodes=nodes, header=header), policy, module_label(model),
                            self.config)
         model.__dict__[RESULT] = result

@@ -89,6 +89,8 @@ def _eager_planning() -> Dict[str, Callable[..., Any]]:
         for name in _PLANNING:
             _EAGER[name] = torch.compiler.disable(getattr(InplaceForward, name).plain)
     return _EAGER
+
+
 #: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
 #: rewritten module, not installed (set by the pipeline, which owns amp_rewrite); ``why`` is
 #: None for a first call (of the model, a mode or a call structure), else the change that
@@ -164,14 +166,15 @@ class InplaceForward:
             if hasattr(gm, attr):
                 model.__dict__[attr] = getattr(gm, attr)
         self.variants = {}
-        self.mode = result_of(gm).mode if has_result(gm) else None
-        structure = getattr(result_of(gm), "structure", None) if has_result(gm) else None
+        result = result_of(gm) if has_result(gm) else None
+        self.mode = result.mode if result is not None else None
+        structure = result.structure if result is not None else None
         self.pairs = [] if structure is not None else [
             (mine, theirs) for _, mine, theirs in mirrors(gm, model)]
         self.theirs = [theirs for _, theirs in self.pairs]
         self.flags = tuple(map(_TRAINING, self.theirs))
-        if has_result(gm) and result_of(gm).config is not None:
-            self.config = result_of(gm).config
+        if result is not None and result.config is not None:
+            self.config = result.config
         try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
             self.__signature__ = inspect.signature(gm.forward)
         except (TypeError, ValueError):
@@ -201,14 +204,8 @@ class InplaceForward:
         gm = model.__dict__.get(ATTR)
         if gm is None:  # (no example inputs: planned on the first call)
             gm = self._first(args, kwargs)
-        try:  # (the first graph, or the one made for this call's mode or structure)
-            if self.mode is not None and self.mode is not model.training:
-                return self._variant(args, kwargs)
-            return gm(*args, **kwargs)
-        except CallStructureError:
-            if self.plan is None:
-                raise
-            return self._variant(args, kwargs)
+        try:
+            return self._run(gm, args, kwargs)
         except StructureChanged as err:
             if not err.replan or self.plan is None:
                 raise
