@@ -442,7 +442,7 @@ class Rewrite:
                 self.model, self.example, self.kwargs, self.config.frontend, self.state,
                 self.config.dynamic_shapes,
                 whole_graph=_needs_graph(self.fixed, calibration) or is_deploy(pol.target),
-                inference=is_deploy(pol.target))
+                inference=is_deploy(pol.target), compute=pol.compute)
         except TraceError:
             self.state.restore()
             raise
