@@ -157,7 +157,7 @@ class Policy:
             kept in channels_last memory format (in place: same Parameter objects, shared with
             the model) and the graph's 4-D floating inputs are made channels_last on entry.
         placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
-            low/FP32 boundary where that casts fewer bytes per step (``passes/placement.py``).
+            low/FP32 boundary where that casts fewer bytes per step (``passes/placement/``).
             Independent of ``numerics``; off, casts sit where autocast puts them.
         weights: how the FP32 weights reach low precision.
             "cast" (default): every forward casts each weight it computes with in the graph, as
