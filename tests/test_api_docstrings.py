@@ -1,10 +1,10 @@
 """The API page lists every argument: each public function and class has a Google-style
 docstring whose ``Args:`` section names each of its parameters.
 
-What is checked: every callable in ``fxamp.__all__``, ``fxamp.train.__all__`` and every
-object docs/api.md renders (its ``::: name`` lines; for a module rendered with its members,
-``fxamp.errors``, each public function and class defined in it), and the public methods
-those classes define (``Plan.from_text``, ``Trainer.step``...). The parameters are
+What is checked: every callable in ``fxamp.__all__``, ``fxamp.train.__all__``,
+``fxamp.export.__all__`` and every object docs/api.md renders (its ``::: name`` lines; for
+a module rendered with its members, ``fxamp.errors``, each public function and class
+defined in it), and the public methods those classes define (``Plan.from_text``, ``Trainer.step``...). The parameters are
 ``inspect.signature``'s, less ``self`` / ``cls``; ``*batch`` and ``**changes`` are written
 with their stars. A class is checked through its constructor (``merge_init_into_class``
 renders the class and ``__init__`` docstrings as one). A dataclass's constructor
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import fxamp
+import fxamp.export
 import fxamp.train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +97,7 @@ def public_callables() -> Dict[str, Any]:
     docstring); a method's name ends with ``()`` after its class (``fxamp.Plan.load()``)."""
     found = {**{f"fxamp.{n}": getattr(fxamp, n) for n in fxamp.__all__},
              **{f"fxamp.train.{n}": getattr(fxamp.train, n) for n in fxamp.train.__all__},
+             **{f"fxamp.export.{n}": getattr(fxamp.export, n) for n in fxamp.export.__all__},
              **_rendered()}
     out: Dict[str, Any] = {}
     for name, obj in found.items():

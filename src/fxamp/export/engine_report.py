@@ -191,8 +191,20 @@ def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: flo
     true FP16 (``onnx.reference``): ``true_fp16_max_abs``, ``true_fp16_ok`` (within
     ``TRUE_FP16_RTOL`` of max|ref|). ``ok`` is the backend's result alone.
 
-    Raises ``NumericsError`` (an FxampError) when an output is over tolerance, unless
-    ``raise_on_error`` is False.
+    Args:
+        path: the ONNX file.
+        model_fp32: the FP32 PyTorch model (run in eval mode; its mode is restored).
+        example_inputs: the inputs of both (a tuple, or one tensor).
+        rtol: the relative tolerance, of the largest |ref|.
+        atol: the absolute tolerance.
+        raise_on_error: raise when an output is over tolerance (else only report it).
+        device: an onnxruntime provider to ask for (default CUDA when available, else CPU).
+
+    Returns:
+        One dict per output, with the keys above.
+
+    Raises:
+        NumericsError: an output is over tolerance and ``raise_on_error`` is True.
     """
     import numpy as np
     import onnxruntime as ort
