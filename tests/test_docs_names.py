@@ -36,6 +36,7 @@ name what existed then.
 import ast
 import builtins
 import collections
+import functools
 import importlib
 import inspect
 import re
@@ -149,13 +150,18 @@ def _walk(obj: Any, parts: List[str]) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _sources() -> Tuple[str, ...]:
+    return tuple(p.read_text(encoding="utf-8") for p in SRC.rglob("*.py"))
+
+
 def _metadata_key(name: str) -> bool:
-    return any(f'"{name}"' in p.read_text(encoding="utf-8") for p in SRC.rglob("*.py"))
+    return any(f'"{name}"' in text for text in _sources())
 
 
 def _in_source(word: str) -> bool:
     pattern = re.compile(rf"\b{re.escape(word)}\b")
-    return any(pattern.search(p.read_text(encoding="utf-8")) for p in SRC.rglob("*.py"))
+    return any(pattern.search(text) for text in _sources())
 
 
 def check(span: str) -> Optional[bool]:
@@ -188,6 +194,7 @@ def check(span: str) -> Optional[bool]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def checked_names() -> Dict[str, List[Tuple[str, bool]]]:
     """Page -> (span, exists) for every span that counts."""
     out = {}
