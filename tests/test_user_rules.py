@@ -134,6 +134,40 @@ def test_in_place_planned_on_first_call_runs_the_rule():
     assert fxamp.plan_of(model).nodes["mul"].rule == "user:keep_scales"
 
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.res_scale = nn.Linear(8, 8), nn.Parameter(torch.tensor(1.0039))
+
+    def forward(self, x):
+        return x + self.lin(x) * self.res_scale
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_block_mode_plans_each_block_with_the_rule():
+    """In place without example inputs, a model of repeated blocks keeps them as modules,
+    each planned on its first call with its own graph: the rule runs on each."""
+    model = Blocks()
+    fxamp.amp_rewrite(model, policy=CPU_BF16, rules=[ex.KeepScales()], inplace=True)
+    model(torch.randn(2, 8))
+    plan = fxamp.plan_of(model)
+    assert "user:keep_scales" in plan.policy
+    assert plan.nodes["layers.0/mul"].rule == "user:keep_scales"
+    for block in model.layers:
+        p = fxamp.plan_of(block).nodes["mul"]
+        assert (p.dtype, p.rule) == (torch.float32, "user:keep_scales")
+
+
 # -- where the rules run: precedence ------------------------------------------------------
 class RmsNet(nn.Module):
     """A hand-written RMSNorm whose eps fp16 loses: norm_eps fences its statistics."""
