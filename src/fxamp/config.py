@@ -16,9 +16,10 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .errors import CalibrationDataError, FxampError, PolicyError
+from .errors import CalibrationDataError, FxampError, PolicyError, RuleError
 from .plan import Plan, RangeStats
 from .policy import Policy, dtype_name, make_policy, parse_compute_dtype
+from .rules import DecisionRule, user_rules
 
 #: the front ends (``frontends.REGISTRY`` names) each ``frontend=`` value tries, in order:
 #: "auto" tries fx, then export, then fx with runtime leaves (partial tracing), then eager
@@ -32,6 +33,8 @@ FRONTEND_ORDER: Dict[str, Tuple[str, ...]] = {
 FRONTENDS = tuple(FRONTEND_ORDER)
 
 Calibration = Union[None, Iterable[Any], Plan, Dict[str, RangeStats]]
+#: what ``rules=`` takes: one user rule object, several, or None
+Rules = Union[None, DecisionRule, Iterable[DecisionRule]]
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,16 @@ class RewriteConfig:
             ranges (not compared).
         dynamic_shapes: torch.export's ``dynamic_shapes`` (None: the export front end's
             default; not compared).
+        rules: the user's decision rules (``fxamp.DecisionRule`` objects, run in order;
+            the policy's ``rules`` holds their names, so the plan header names them). A
+            policy naming a user rule (``user:NAME``, as a plan's header policy does) needs
+            the rule object of that name here: a plan file holds rule names, not their
+            code, so re-applying it without the object raises ``RuleError``.
 
     Raises:
         FxampError: an unknown front end.
         CalibrationDataError: a ``calibration`` that is no collection of batches.
+        RuleError: a rule that is no ``DecisionRule``, or one the policy names is missing.
     """
 
     policy: Policy
@@ -59,19 +68,33 @@ class RewriteConfig:
     example_kwargs: Optional[Dict[str, Any]] = field(default=None, compare=False)
     calibration: Calibration = field(default=None, compare=False)
     dynamic_shapes: Any = field(default=None, compare=False)
+    rules: Tuple[DecisionRule, ...] = ()
 
     def __post_init__(self) -> None:
         if self.frontend not in FRONTENDS:
             raise FxampError(f"unknown frontend {self.frontend!r}; valid: "
                              f"{', '.join(FRONTENDS)}")
         check_calibration(self.calibration)
+        rules = user_rules(self.rules)
+        names = tuple(str(rule.name) for rule in rules)
+        missing = [name for name in self.policy.rules if name not in names]
+        if missing:
+            raise RuleError(
+                f"the policy names the user rule{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(missing)}, but no rule object of that name was given (a plan "
+                "file records a rule's name, not its code); what to do: pass the rule "
+                f"objects too, amp_rewrite(..., rules=[...]) (on the command line --rule "
+                "MODULE:OBJECT)")
+        object.__setattr__(self, "rules", rules)
+        if names != self.policy.rules:  # (the policy names the rules that run, in order)
+            object.__setattr__(self, "policy", dataclasses.replace(self.policy, rules=names))
 
     @classmethod
     def make(cls, policy: Union[None, str, Policy] = None, dtype: Optional[torch.dtype] = None,
              target: str = "cuda", frontend: str = "auto",
              example_kwargs: Optional[Dict[str, Any]] = None,
              calibration_data: Calibration = None,
-             dynamic_shapes: Any = None) -> "RewriteConfig":
+             dynamic_shapes: Any = None, rules: Rules = None) -> "RewriteConfig":
         """The config of ``amp_rewrite``'s arguments.
 
         Args:
@@ -82,6 +105,7 @@ class RewriteConfig:
             example_kwargs: the forward's keyword arguments for the trace.
             calibration_data: an iterable of input tuples, a ``Plan`` or ranges.
             dynamic_shapes: torch.export's ``dynamic_shapes``.
+            rules: the user's decision rules (``fxamp.DecisionRule`` objects).
 
         Returns:
             The config.
@@ -89,10 +113,11 @@ class RewriteConfig:
         Raises:
             PolicyError: ``dtype`` and the policy's ``compute=`` disagree, or a bad policy.
             FxampError: an unknown front end.
+            RuleError: a rule that is no DecisionRule, or one the policy names is missing.
         """
         return cls(_policy(policy, dtype, target), frontend,
                    dict(example_kwargs) if example_kwargs else None, calibration_data,
-                   dynamic_shapes)
+                   dynamic_shapes, user_rules(rules))
 
     def replace(self, **changes: Any) -> "RewriteConfig":
         """A copy with ``changes`` (``dataclasses.replace``).

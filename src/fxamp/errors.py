@@ -72,6 +72,13 @@ class NotPlannedError(FxampError):
     first call planned it."""
 
 
+class RuleError(FxampError, TypeError):
+    """A decision rule given to ``amp_rewrite`` (``rules=``) is not a
+    ``fxamp.DecisionRule``, has no valid ``name``, is missing where the policy names it,
+    or its ``applies`` / ``decide`` failed or returned something that is no decision; the
+    message names the rule, the node and what to do."""
+
+
 class ExampleInputError(FxampError, ValueError):
     """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
 

@@ -8,12 +8,16 @@ Items are separated by commas. ``key=value`` sets a field; ``fp32:PATTERN``,
 ``fp16:PATTERN`` or ``bf16:PATTERN`` is an override: every node whose name, module path or op
 label matches the glob PATTERN computes in that dtype (``rule="user"``). Later overrides win.
 ``off:RULE`` switches one numerics rule off (``NUMERICS_RULES``); ``numerics=off`` is
-the shorthand for all of them plus ``output=keep`` (the autocast mirror).
+the shorthand for all of them plus ``output=keep`` (the autocast mirror). ``user:NAME`` names
+a user's decision rule (``fxamp.DecisionRule``) the rewrite runs: the policy, and so a
+plan's header, records its name; the rule object itself is given to ``amp_rewrite(...,
+rules=[...])``.
 """
 from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 from dataclasses import dataclass, field, replace
 from typing import FrozenSet, Optional, Sequence, Tuple, Union
 
@@ -49,6 +53,40 @@ _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
 #: the numerics rules ``off:RULE`` switches off one at a time (their plan rule names), in the
 #: order the rewrite runs them; ``numerics=off`` switches off all of them
 NUMERICS_RULES = ("softmax", "custom_ops", "norm_eps", "loss", "joins", "mask_fill")
+#: how a user's decision rule is named: ``user:`` and a word of letters, digits, ``_``,
+#: ``.`` and ``-`` (the plan's rule column and the policy item are this one name)
+USER_RULE_PREFIX = "user:"
+USER_RULE_NAME = re.compile(r"user:[A-Za-z_][A-Za-z0-9_.\-]*")
+
+
+def is_user_rule(name: object) -> bool:
+    """Whether ``name`` (a plan's rule column, a rule's ``name``) names a user's rule."""
+    return isinstance(name, str) and name.startswith(USER_RULE_PREFIX)
+
+
+def check_user_rule_name(name: object, what: str, error: type = PolicyError) -> str:
+    """``name`` when it is a valid user rule name (:data:`USER_RULE_NAME`).
+
+    Args:
+        name: the name to check.
+        what: whose name it is, for the message ("policy item", "rule KeepScales").
+        error: the FxampError subclass raised.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        PolicyError: (or ``error``) when it is no ``user:WORD``, saying how to spell it.
+    """
+    if isinstance(name, str) and USER_RULE_NAME.fullmatch(name):
+        return name
+    word = re.sub(r"[^A-Za-z0-9_.\-]+", "_", str(name).split(":")[-1]).strip("_") or "my_rule"
+    if word[0].isdigit():
+        word = "r" + word
+    raise error(f"{what} {name!r} is not a user rule name: a user rule is named "
+                      f"'user:WORD' (letters, digits, _ . -; the plan's rule column shows it "
+                      f"and tells it from fxamp's own rules); what to do: name it "
+                      f"'user:{word}'")
 
 
 def _suggest(word: str, valid: Sequence[str]) -> str:
@@ -156,6 +194,10 @@ class Policy:
         channels_last: run 2-D convolutions in NHWC: the weights of the graph's 4-D convs are
             kept in channels_last memory format (in place: same Parameter objects, shared with
             the model) and the graph's 4-D floating inputs are made channels_last on entry.
+        rules: the names of the user's decision rules the rewrite runs (``user:NAME`` items;
+            ``fxamp.DecisionRule``), in the order they run. The rule objects are given
+            with ``amp_rewrite(..., rules=[...])`` (``fxamp.RewriteConfig``); a policy
+            naming a rule no object is given for is refused (``fxamp.RuleError``).
         placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
             low/FP32 boundary where that casts fewer bytes per step (``passes/placement/``).
             Independent of ``numerics``; off, casts sit where autocast puts them.
@@ -189,8 +231,16 @@ class Policy:
     guard: bool = False
     placement: bool = True
     weights: str = "cast"
+    rules: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in self.rules:
+            check_user_rule_name(name, "policy rule")
+        if len(set(self.rules)) != len(self.rules):
+            twice = next(n for n in self.rules if list(self.rules).count(n) > 1)
+            raise PolicyError(f"user rule {twice!r} is named twice in the policy; what to do: "
+                              "name each rule once")
+        object.__setattr__(self, "rules", tuple(self.rules))
         if self.weights not in WEIGHT_MODES:
             raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         if self.compute not in (torch.float16, torch.bfloat16):
@@ -248,7 +298,7 @@ class Policy:
                     raise PolicyError(f"unknown policy key {key!r}{_suggest(key, _KEYS)} in "
                                       f"{text!r}; valid keys: {', '.join(_KEYS)}, or "
                                       "DTYPE:PATTERN overrides, or off:RULE (rules: "
-                                      f"{', '.join(NUMERICS_RULES)})")
+                                      f"{', '.join(NUMERICS_RULES)}), or user:NAME")
                 if key == "compute":
                     policy = replace(policy, compute=parse_compute_dtype(value))
                 elif key == "target":
@@ -286,6 +336,10 @@ class Policy:
                     policy = replace(policy, numerics=on, rules_off=frozenset())
                     if not on and not output_given:
                         policy = replace(policy, output_dtype=None)
+            elif is_user_rule(item):
+                name = check_user_rule_name(item, "policy item")
+                if name not in policy.rules:
+                    policy = replace(policy, rules=policy.rules + (name,))
             elif item.partition(":")[0].strip().lower() == "off":
                 rule = item.partition(":")[2].strip().lower()
                 if rule not in NUMERICS_RULES:
@@ -321,6 +375,7 @@ class Policy:
             parts.append(f"weights={self.weights}")
         if self.output_dtype != (torch.float32 if self.numerics else None):
             parts.append(f"output={dtype_name(self.output_dtype) if self.output_dtype else 'keep'}")
+        parts.extend(self.rules)
         parts.extend(str(o) for o in self.overrides)
         return ",".join(parts)
 

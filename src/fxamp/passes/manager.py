@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..plan import RangeStats
 from ..policy import Policy
+from ..rules import DecisionRule
 from . import PassResult
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ class PassContext:
     state: the model's state snapshot, restored after each run of its code (annotate's).
     scope: the rewrite's override record (which overrides matched; ``fxamp.overrides``).
     nested: the plans of submodules rewritten on their own, by path.
+    rules: the user's decision rules (``RewriteConfig.rules``), run by the ``user_rules``
+    step.
     """
 
     policy: Policy
@@ -56,6 +59,7 @@ class PassContext:
     state: Any = None
     scope: Any = None
     nested: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    rules: Tuple[DecisionRule, ...] = ()
     log: List[str] = dataclasses.field(default_factory=list)  # "step: modified" lines
 
 

@@ -15,6 +15,7 @@ from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from ..ir import fix
+from ..rules import DecisionRule
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
@@ -85,7 +86,7 @@ def _rewrite_submodules(model: nn.Module, paths: Sequence[str],
     on the example inputs as its inputs) where one takes it; returns them by path. The
     others (``what`` says what becomes of them) are left out."""
     inner = RewriteConfig(dataclasses.replace(config.policy, output_dtype=None),
-                          "auto")  # values flow on in their dtype
+                          "auto", rules=config.rules)  # values flow on in their dtype
     done: Dict[str, nn.Module] = {}
     for path in paths:
         if path not in calls:
@@ -124,7 +125,9 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
                 frontend: str = "auto", dynamic_shapes: Any = None,
-                config: Optional[RewriteConfig] = None, inplace: bool = False) -> nn.Module:
+                config: Optional[RewriteConfig] = None, inplace: bool = False,
+                rules: Union[None, DecisionRule, Sequence[DecisionRule]] = None
+                ) -> nn.Module:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule`` (for the "eager"
     front end, a copy of the model whose children are such modules).
 
@@ -163,6 +166,9 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         config: a ``RewriteConfig`` (e.g. ``config_of(gm)`` of an earlier rewrite) given
             instead of ``example_kwargs``, ``dtype``, ``target``, ``policy``,
             ``calibration_data``, ``frontend`` and ``dynamic_shapes``.
+        rules: the user's decision rules (``fxamp.DecisionRule`` objects, or one), run in
+            order after fxamp's own decisions (docs/rules.md); the plan's rule column names
+            what each decided, and the policy (the plan header) names the rules.
         inplace: return ``model`` itself, its forward computing with the rewritten module
             (same object and class: its other methods, wrappers, hooks and ``state_dict``
             keys stay; ``train()``/``eval()`` reach the graph; see
@@ -179,6 +185,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         PolicyError: a bad policy, or ``weights=stored`` with ``inplace=False``.
         ExampleInputError: the model fails in FP32 on the example inputs too.
         TraceError: no front end can trace the model (the message names the node).
+        RuleError: a rule that is no ``DecisionRule``, or a decision that is none.
         FxampError: ``config`` together with the keyword arguments it holds; the
             subclass names any other bad input.
         InputShapeError: (raised by the result) a call with another size on a static
@@ -188,12 +195,12 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     """
     if config is None:
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
-                                    calibration_data, dynamic_shapes)
+                                    calibration_data, dynamic_shapes, rules)
     elif (policy, dtype, frontend, example_kwargs, calibration_data, target,
-          dynamic_shapes) != (None, None, "auto", None, None, "cuda", None):
+          dynamic_shapes, rules) != (None, None, "auto", None, None, "cuda", None, None):
         raise FxampError("amp_rewrite takes either config= or the keyword arguments it "
                          "holds (policy, dtype, target, frontend, example_kwargs, "
-                         "calibration_data, dynamic_shapes), not both; what to do: "
+                         "calibration_data, dynamic_shapes, rules), not both; what to do: "
                          "config.replace(...)")
     if config.policy.weights == "stored" and not inplace:
         raise PolicyError(
@@ -500,7 +507,8 @@ class Rewrite:
             fix(node, dtype, rule, reason)
         self.ctx = PassContext(pol, flat, calibration=_calibration(calibration),
                                ranges=_given_ranges(calibration), state=self.state,
-                               scope=self.scope, nested=self.nested)
+                               scope=self.scope, nested=self.nested,
+                               rules=self.config.rules)
         self.gm = PassManager(pass_list())(src, self.ctx).graph_module  # (compiled)
 
     def build(self) -> None:
