@@ -38,6 +38,8 @@ class PassContext:
     its name (``passes/inner_values.py``).
     smallest: for a deployment target whose calibration batches were run, the smallest
     magnitude of each node's output (``passes/norm_eps.py`` reads a variance's).
+    spread: measured with ``smallest``, how flat each LayerNorm's input rows are
+    (``passes/inner_values.row_spread``; ``passes/norm_eps.py`` reads it).
     annotate: the pass list's annotate step (set by the PassManager from the step marked
     ``annotates``; the decision steps re-run it after a change).
     session: the annotate step's fake-tensor session (one per rewrite).
@@ -54,6 +56,7 @@ class PassContext:
     ranges: Optional[Dict[str, RangeStats]] = None
     inner: Optional[Dict[str, Tuple[float, str]]] = None
     smallest: Optional[Dict[str, float]] = None
+    spread: Optional[Dict[str, Tuple[float, float, float]]] = None
     annotate: Optional[Callable[[fx.GraphModule, "PassContext"], PassResult]] = None
     session: Any = None
     state: Any = None
