@@ -159,7 +159,8 @@ def _flat_rows(gm: fx.GraphModule, policy: Policy, node: fx.Node,
     if isinstance(src, fx.Node) and src.op in ("call_function", "call_method",
                                                  "call_module") and _is_low(src, policy):
         out[src] = Decision(torch.float32, Rule.NORM_EPS,
-                            f"feeds {node.name}, whose {rows}: made in fp32 so they keep it")
+                            f"feeds {node.name}, whose {rows}: made in fp32 so the rows "
+                            "keep their spread")
     return out
 
 
