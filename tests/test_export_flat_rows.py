@@ -150,3 +150,37 @@ def test_row_spread_leaves_wide_rows_and_large_activations_alone():
     assert _spread(torch.zeros(2, 64)) is None  # all-zero rows: nothing to judge
     np.testing.assert_allclose(_spread(torch.ones(2, 64), eps=1e-5)[0], np.sqrt(1e-5),
                                rtol=1e-6)
+
+
+class ThroughMovers(nn.Module):
+    """The flat rows reach the norm through a dropout and a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.drop = nn.Dropout(0.1)
+        self.norm = nn.LayerNorm(32, eps=1e-12)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(3 + 1e-4 * self.up(x)).view(x.shape[0], 2, 32)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_the_rows_stay_fp32_back_through_dropout_and_view_to_the_add_that_makes_them(
+        tmp_path, frontend):
+    torch.manual_seed(0)
+    model, x = ThroughMovers().eval(), (torch.randn(4, 16),)
+    gm = fxamp.amp_rewrite(model, x, target="tensorrt", frontend=frontend)
+    plan = fxamp.plan_of(gm)
+    names = {"fx": ("add", "drop", "view", "norm"), "export": ("add", "dropout", "view",
+                                                               "layer_norm")}[frontend]
+    for name in names:
+        line = plan.nodes[name]
+        assert line.dtype == torch.float32 and line.rule == "norm_eps", plan.to_text()
+    assert plan.nodes["mul"].dtype == torch.float16  # 1e-4 * up(x) keeps its digits in fp16
+    path = export_onnx(gm, x, str(tmp_path / "m.onnx"))  # checked in true FP16 on export
+    in_ort, in_fp16 = _errors(path, model, [(torch.randn(4, 16),) for _ in range(8)])
+    assert max(in_ort) < TRUE_FP16_RTOL and max(in_fp16) < TRUE_FP16_RTOL

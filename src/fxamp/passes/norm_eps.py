@@ -24,8 +24,9 @@ A deployment plan also judges each LayerNorm by its input rows seen
 output. With a large eps the division is damped; with eps 1e-12 it is not, and the output is
 0 or noise where FP32 gives the row's pattern. Where the low dtype's rounding exceeds
 :data:`FLAT_ERROR` of a row's spread (:func:`rows_lost`), the norm and the node that makes
-its input run in FP32. The file then holds an FP32 LayerNormalization over FP32 values.
-onnxruntime's CPU kernel computes that one right (tests/test_export_flat_rows.py).
+its input (back through views and dropout) run in FP32. The file then holds an FP32
+LayerNormalization over FP32 values, which onnxruntime's CPU kernel computes right
+(tests/test_export_flat_rows.py).
 """
 from __future__ import annotations
 
@@ -155,12 +156,31 @@ def _flat_rows(gm: fx.GraphModule, policy: Policy, node: fx.Node,
     out = {node: Decision(torch.float32, Rule.NORM_EPS,
                           f"its {rows}, which the norm scales up to its output{eps_text}: "
                           "the norm and its input in fp32")}
+    feeds = Decision(torch.float32, Rule.NORM_EPS, f"feeds {node.name}, whose {rows}: made "
+                     "in fp32 so the rows keep their spread")
+    for src in _makers(gm, node):
+        if _is_low(src, policy):  # a mover that follows its input follows it to fp32
+            out[src] = feeds
+    return out
+
+
+_PASSES_VALUES = (nn.Dropout, nn.Identity)
+
+
+def _makers(gm: fx.GraphModule, node: fx.Node, depth: int = 8) -> List[fx.Node]:
+    """The node that computes ``node``'s first input and the nodes that only pass its values
+    on to ``node`` (views, dropout, clone): what makes the input a LayerNorm sees."""
+    out: List[fx.Node] = []
     src = node.args[0] if node.args else None
-    if isinstance(src, fx.Node) and src.op in ("call_function", "call_method",
-                                                 "call_module") and _is_low(src, policy):
-        out[src] = Decision(torch.float32, Rule.NORM_EPS,
-                            f"feeds {node.name}, whose {rows}: made in fp32 so the rows "
-                            "keep their spread")
+    while isinstance(src, fx.Node) and src.op in ("call_function", "call_method",
+                                                  "call_module") and len(out) < depth:
+        out.append(src)
+        passes = ops.moves_values(src) or ops.name(src) in ("dropout", "alias") or (
+            src.op == "call_module" and isinstance(gm.get_submodule(str(src.target)),
+                                                   _PASSES_VALUES))
+        if not passes:
+            break
+        src = src.args[0] if src.args else None
     return out
 
 
