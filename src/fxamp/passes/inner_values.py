@@ -210,7 +210,17 @@ def row_spread(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict) -> Opt
     spread ``max(sqrt(var + eps), max |x - mean|)`` (what its output is scaled by) over its
     magnitude ``max |x|``; the row with the smallest ratio, as (ratio, spread, magnitude).
     None for any other node or an all-zero input. A low dtype rounds each value by up to
-    half its ``eps`` times the magnitude, so that much over the ratio reaches the output."""
+    half its ``eps`` times the magnitude, so that much over the ratio reaches the output.
+
+    Args:
+        node: the node called.
+        root: the graph module (a call_module node's module is looked up in it).
+        args: the call's input values.
+        kwargs: the call's keyword values.
+
+    Returns:
+        (ratio, spread, magnitude) of the flattest row, or None.
+    """
     if op_name(node, root) != "layer_norm":
         return None
     module = root.get_submodule(str(node.target)) if node.op == "call_module" else None

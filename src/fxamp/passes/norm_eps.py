@@ -125,7 +125,15 @@ def eps_matters(eps: float, smallest: float, dtype: torch.dtype) -> bool:
 def rows_lost(ratio: float, dtype: torch.dtype) -> bool:
     """Whether ``dtype``'s rounding of a row (half its eps, times the row's magnitude) is
     over :data:`FLAT_ERROR` of its normalising spread, for a row whose spread is ``ratio``
-    times its magnitude (:func:`fxamp.passes.inner_values.row_spread`)."""
+    times its magnitude (:func:`fxamp.passes.inner_values.row_spread`).
+
+    Args:
+        ratio: the row's normalising spread over its magnitude.
+        dtype: the low dtype the row would be rounded to.
+
+    Returns:
+        True where the norm would scale the rounding past :data:`FLAT_ERROR` of its output.
+    """
     return torch.finfo(dtype).eps / 2 > FLAT_ERROR * ratio
 
 
@@ -134,7 +142,18 @@ def _flat_rows(gm: fx.GraphModule, policy: Policy, node: fx.Node,
                ) -> Dict[fx.Node, Decision]:
     """A LayerNorm planned in the low dtype whose input rows seen are so flat that the low
     dtype's rounding of them is lost in the output (:func:`rows_lost`): the norm in fp32,
-    and the node that makes its input too, so the rows reach it unrounded."""
+    and the node that makes its input too, so the rows reach it unrounded.
+
+    Args:
+        gm: the graph being planned.
+        policy: the rewrite's policy (its low dtype).
+        node: the node the rule looks at.
+        spread: each LayerNorm's flattest input row seen (``PassContext.spread``), or None
+            where no values were seen.
+
+    Returns:
+        The decisions, by node (empty where the rule does not apply).
+    """
     seen = None if spread is None else spread.get(node.name)
     if seen is None or not _is_low(node, policy) or not rows_lost(seen[0], policy.compute):
         return {}
@@ -169,7 +188,16 @@ _PASSES_VALUES = (nn.Dropout, nn.Identity)
 
 def _makers(gm: fx.GraphModule, node: fx.Node, depth: int = 8) -> List[fx.Node]:
     """The node that computes ``node``'s first input and the nodes that only pass its values
-    on to ``node`` (views, dropout, clone): what makes the input a LayerNorm sees."""
+    on to ``node`` (views, dropout, clone): what makes the input a LayerNorm sees.
+
+    Args:
+        gm: the graph (to tell a Dropout or Identity module).
+        node: the LayerNorm.
+        depth: at most this many nodes.
+
+    Returns:
+        The nodes, the nearest first.
+    """
     out: List[fx.Node] = []
     src = node.args[0] if node.args else None
     while isinstance(src, fx.Node) and src.op in ("call_function", "call_method",
