@@ -73,6 +73,17 @@ def buffer_targets(root: nn.Module) -> Dict[int, str]:
     return {id(b): name for name, b in root.named_buffers(remove_duplicate=False)}
 
 
+def same_code_buffers(root: nn.Module, target: str) -> Set[str]:
+    """``target`` and the buffers of the same name in the other modules of its module's
+    class (every BatchNorm's ``num_batches_tracked``): the same code updates them all, so
+    one trace again reads them all as nodes, not one trace per module."""
+    path, _, name = target.rpartition(".")
+    cls = type(root.get_submodule(path))
+    return {target} | {f"{p}.{name}" if p else name
+                       for p, m in root.named_modules(remove_duplicate=False)
+                       if type(m) is cls and name in dict(m.named_buffers(recurse=False))}
+
+
 @contextlib.contextmanager
 def guarding(buffers: Dict[int, str]) -> Iterator[None]:
     """Raise :class:`BufferUpdated` before an in-place op (or ``out=``) on one of

@@ -8,7 +8,7 @@ import sys
 import threading
 import traceback
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -86,6 +86,7 @@ class FxampTracer(fx.Tracer):
         self.proxy_buffer_attributes = True  # (only those in ``proxied``: see getattr)
         self.proxied = proxied  # buffers forward updates: their reads are graph nodes
         self._ids: Optional[FrozenSet[int]] = None
+        self._by_id: Optional[Tuple[Dict[int, str], Dict[int, str]]] = None
         self.leaves = leaves
         self._stacks = stacks.StackCache()
 
@@ -128,10 +129,33 @@ class FxampTracer(fx.Tracer):
         :mod:`.buffer_writes`); another thread reads the attribute itself."""
         if self._elsewhere():
             return attr_val
-        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter) \
-                and id(attr_val) not in self._proxied_ids():
+        if not isinstance(attr_val, torch.Tensor):
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        params, buffers = self._names()
+        if isinstance(attr_val, nn.Parameter) and id(attr_val) in params:
+            name = params[id(attr_val)]
+        elif id(attr_val) in self._proxied_ids() and id(attr_val) in buffers:
+            name = buffers[id(attr_val)]
+        else:
             return attr_val
-        return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:  # (fx's, found by one lookup, not a search)
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def _names(self) -> Tuple[Dict[int, str], Dict[int, str]]:
+        """The root's Parameters and buffers by ``id``: their first name (as fx finds
+        them), made once per trace. fx searches ``named_parameters()`` /
+        ``named_buffers()`` on every read of one, which made the trace of a model with a few
+        hundred modules quadratic in their number."""
+        if self._by_id is None:
+            params: Dict[int, str] = {}
+            buffers: Dict[int, str] = {}
+            for name, p in self.root.named_parameters():
+                params.setdefault(id(p), name)
+            for name, b in self.root.named_buffers():
+                buffers.setdefault(id(b), name)
+            self._by_id = (params, buffers)
+        return self._by_id
 
     def create_arg(self, a: Any) -> Any:
         """fx's, with a ``dict`` subclass holding Proxies (a Hugging Face ``ModelOutput``,
@@ -142,6 +166,11 @@ class FxampTracer(fx.Tracer):
                 and all(isinstance(k, str) and k.isidentifier() for k in a) and _has_proxy(a):
             kwargs = {k: self.create_arg(v) for k, v in a.items()}
             return self.create_node("call_function", type(a), (), kwargs)
+        if isinstance(a, torch.Tensor):  # a Parameter or buffer: fx's node, one lookup
+            params, buffers = self._names()
+            name = (params if isinstance(a, nn.Parameter) else buffers).get(id(a))
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
         return super().create_arg(a)
 
     def _proxied_ids(self) -> FrozenSet[int]:
@@ -207,13 +236,14 @@ def _trace_modes(model: nn.Module, leaves: FrozenSet[str], frontend: str,
                  ) -> fx.GraphModule:
     """The graph of ``model`` following its mode (both modes traced where its code may read
     ``training``); ``inference``: the eval-mode graph alone, traced once."""
+    proxied: Set[str] = set()  # (buffers forward updates: found once for both modes)
     with training_flags(model, False) if inference else contextlib.nullcontext():
-        graph = _trace_graph(model, leaves, frontend, absent)
+        graph = _trace_graph(model, leaves, frontend, absent, proxied)
     if not inference and reads_training(model, _traced_by_fx):
         mode = model.training
         with training_flags(model, not mode):  # (fails: fx does not take the model, so
             other = _trace_graph(model, leaves, frontend,  # auto tries export's two modes)
-                                 absent)
+                                 absent, proxied)
         train, eval_ = (graph, other) if mode else (other, graph)
         aligned = align(train, eval_, (model, model))
         if aligned is None or not follow_mode(graph, aligned, mode, module_flag):
@@ -237,11 +267,14 @@ _FX_ADVICE = {
 
 
 def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
-                 frontend: str = "fx", absent: FrozenSet[str] = frozenset()) -> fx.Graph:
-    proxied: FrozenSet[str] = frozenset()
+                 frontend: str = "fx", absent: FrozenSet[str] = frozenset(),
+                 proxied: Optional[Set[str]] = None) -> fx.Graph:
+    """One fx trace of ``model``, taken again while forward updates a buffer that the
+    trace reads as a constant; ``proxied`` (filled in) holds the buffers read as nodes."""
+    proxied = set() if proxied is None else proxied
     buffers = buffer_writes.buffer_targets(model)
     while True:
-        tracer = FxampTracer(leaves, proxied)
+        tracer = FxampTracer(leaves, frozenset(proxied))
         try:
             with _functions_as_leaves(), grad_mode.recording(tracer), \
                     checkpointing.fx_recording(tracer, model.training), \
@@ -252,7 +285,8 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
         except buffer_writes.BufferUpdated as updated:
             if updated.target in proxied:  # (cannot happen: a Proxy is no buffer)
                 raise
-            proxied |= {updated.target}  # trace again, reading that buffer as a node
+            # trace again, reading that buffer (and its siblings) as a node
+            proxied |= buffer_writes.same_code_buffers(model, updated.target)
             continue
         except Exception as exc:  # noqa: BLE001 - any tracing failure becomes a TraceError
             advice = _FX_ADVICE.get(frontend, _FX_ADVICE["auto"])
