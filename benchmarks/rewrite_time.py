@@ -57,18 +57,22 @@ def timed(fn, repeat: int) -> float:
 
 EXPORT_MODELS = ("maxvit_tiny_tf_224:224,mobilevit_xxs:64,tiny_vit_5m_224:64,"
                  "twins_svt_small:64")
+#: deep models torch.fx takes (hundreds of modules, many batch norms), rewritten in train
+#: mode with the default front end, against one plain torch.export
+FX_MODELS = "inception_v4:299,inception_resnet_v2:299,dpn68:224,halonet26t:256"
 
 
-def export_rows(spec: str, repeat: int) -> list:
+def export_rows(spec: str, repeat: int, frontend: str = "export", train: bool = False) -> list:
     """[model, nodes, plain export s, amp_rewrite s, ratio, exports per rewrite] for each
-    NAME:SIZE in ``spec``, plain export and rewrite interleaved ``repeat`` times."""
+    NAME:SIZE in ``spec``, plain export and rewrite (with ``frontend``, the model in train
+    mode where ``train``) interleaved ``repeat`` times."""
     import timm
 
     rows = []
     for item in filter(None, spec.split(",")):
         name, size = item.split(":")
         torch.manual_seed(0)
-        model = timm.create_model(name, pretrained=False).eval()
+        model = timm.create_model(name, pretrained=False).train(train)
         x = torch.randn(2, 3, int(size), int(size))
         real = torch.export.export
         calls = []
@@ -89,7 +93,7 @@ def export_rows(spec: str, repeat: int) -> list:
             try:
                 t0 = time.process_time()
                 fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu",
-                                  frontend="export")
+                                  frontend=frontend)
                 rew.append(time.process_time() - t0)
             finally:
                 torch.export.export = real
@@ -111,6 +115,9 @@ def main() -> None:
     ap.add_argument("--export-models", default=EXPORT_MODELS,
                     help="timm models fx cannot trace, NAME:IMAGE_SIZE comma-separated "
                          "('' for none); default: %(default)s")
+    ap.add_argument("--fx-models", default=FX_MODELS,
+                    help="deep timm models fx takes, rewritten in train mode, NAME:IMAGE_SIZE "
+                         "comma-separated ('' for none); default: %(default)s")
     ap.add_argument("--no-docs", action="store_true")
     a = ap.parse_args()
     # process CPU time on one thread: the rewrite is single-threaded Python, and CPU time is
@@ -134,10 +141,13 @@ def main() -> None:
                      f"{t_def / n * 1e6:.0f}", f"{t_run * 1e3:.0f}"])
         print(rows[-1], flush=True)
     erows = export_rows(a.export_models, a.repeat)
-    md_export = _common.table(["model (batch 2)", "exported nodes", "plain static export s",
-                               "amp_rewrite s", "rewrite/export", "torch.export calls per "
-                               "rewrite"], erows)
+    heads = ["model (batch 2)", "exported nodes", "plain static export s", "amp_rewrite s",
+             "rewrite/export", "torch.export calls per rewrite"]
+    md_export = _common.table(heads, erows)
     print(md_export)
+    frows = export_rows(a.fx_models, a.repeat, frontend="auto", train=True)
+    md_fx = _common.table(heads, frows)
+    print(md_fx)
     md_real = _common.table(["model", "fx nodes", "symbolic_trace ms", "amp_rewrite "
                              "numerics=off ms", "amp_rewrite default ms", "default/trace",
                              "µs/node (default)", "one FP32 forward ms (for scale)"], rows)
@@ -176,6 +186,9 @@ def main() -> None:
                 + ("\n\nModels only the export front end takes (timm, random weights, "
                    "eval mode; plain export and amp_rewrite interleaved):\n\n" + md_export
                    if erows else "")
+                + ("\n\nDeep models torch.fx takes (timm, random weights, train mode: "
+                   "both modes traced; amp_rewrite with the default front end against one "
+                   "plain export, interleaved):\n\n" + md_fx if frows else "")
                 + (f"\n\nSynthetic chains (Linear, relu, hand-written LayerNorm, residual; "
                    f"~{per_block:.0f} nodes per block, input 2x8):\n\n" + md_syn
                    if srows else ""))

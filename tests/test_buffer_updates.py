@@ -136,6 +136,36 @@ def test_timm_batchnormact_counts_batches_like_autocast():
         assert torch.equal(a, b), name
 
 
+def test_one_buffer_update_in_many_modules_of_a_class_is_one_retrace(monkeypatch):
+    """Every BatchNormAct2d counts its batches in Python: the fx trace is taken again once
+    for the class (reading all their counters as nodes), not once per module, and every
+    counter still counts like autocast's."""
+    from timm.layers import BatchNormAct2d
+
+    from fxamp.frontends.fx import FxampTracer
+
+    traces = []
+    real = FxampTracer.trace
+
+    def counted(self, root, concrete_args=None):
+        traces.append(1)
+        return real(self, root, concrete_args)
+
+    monkeypatch.setattr(FxampTracer, "trace", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(12) for m in (nn.Conv2d(4, 4, 3, padding=1),
+                                                            BatchNormAct2d(4))]).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4, 8, 8)
+    gm = fxamp.amp_rewrite(model, (x,), frontend="fx", **BF16)
+    assert len(traces) <= 3, len(traces)  # (first trace, again for the class, eval mode)
+    gm(x)
+    with torch.autocast("cpu", torch.bfloat16):
+        ref(x)
+    for (name, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(a, b), name
+
+
 def test_fx_refuses_a_buffer_value_read_by_python_naming_the_line():
     from timm.layers import BatchNormAct2d
 
