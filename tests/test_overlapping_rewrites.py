@@ -7,8 +7,9 @@ policies (a block in fp16 inside a model in bf16) they are refused with
 each advice of the error, followed, gives what it says."""
 from __future__ import annotations
 
-import copy
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -177,3 +178,40 @@ def test_following_the_advice_for_a_model_rewritten_first_gives_what_it_says(exa
     assert torch.equal(_eval(model, X), _autocast(ref, X, FP16))
     block()  # (now of one policy: it composes)
     assert torch.equal(_eval(model, X), _autocast(ref, X, FP16))
+
+
+_THREADS: list = []
+
+
+class _Probe(Block):
+    """A block whose forward, while the model around it is traced by torch.fx, starts
+    another thread calling this block (``self.call``) and gives it time to reach the call."""
+
+    call = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.fx.Proxy) and self.call is not None:
+            thread = threading.Thread(target=self.call)
+            thread.start()
+            _THREADS.append(thread)  # (not on the module: its state is put back)
+            time.sleep(0.3)
+        return super().forward(x)
+
+
+def test_another_thread_calling_a_part_while_the_model_is_traced_gets_the_part_s_rewrite():
+    ref, model = _net(), _net()
+    probe = _Probe()
+    probe.load_state_dict(model.blocks[0].state_dict())
+    model.blocks[0] = probe
+    fxamp.amp_rewrite(probe, (H,), dtype=BF16, target="cpu", inplace=True)
+    got = []
+    _THREADS.clear()
+    probe.call = lambda: got.append(_eval(probe, H))
+    fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True, frontend="fx")
+    probe.call = None
+    for thread in _THREADS:
+        thread.join()
+    assert len(got) == len(_THREADS) >= 1
+    want = _autocast(ref.blocks[0], H, BF16)
+    assert all(torch.equal(g, want) for g in got)  # (not the block's FP32 forward)
+    assert torch.equal(_eval(model, X), _autocast(ref, X, BF16))

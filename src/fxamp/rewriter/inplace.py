@@ -310,10 +310,18 @@ class InplaceForward:
             return self.plan(self.model, args, kwargs, self.config, why)
 
 
-def _planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
+def planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
     """The model's ``forward`` while it is being planned: the planning thread runs the
     model's own forward (its code is what is traced); any other thread waits for the plan
-    and then calls the model's forward again (never the plain FP32 forward)."""
+    and then calls the model's forward again (never the plain FP32 forward).
+
+    Args:
+        model: the model being planned.
+        lock: held by the planning thread until the plan is in place.
+
+    Returns:
+        The forward to set on the model's instance.
+    """
     own = type(model).forward.__get__(model)
     owner = threading.get_ident()
 
@@ -331,9 +339,9 @@ def _planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
 @contextlib.contextmanager
 def planning(model: nn.Module, lock: Any) -> Iterator[None]:
     """``model`` with its own forward back for the planning thread while it is planned on
-    a call; other threads' calls wait for the plan (see :func:`_planning_forward`)."""
+    a call; other threads' calls wait for the plan (see :func:`planning_forward`)."""
     taken = take(model)
-    model.__dict__["forward"] = _planning_forward(model, lock)
+    model.__dict__["forward"] = planning_forward(model, lock)
     try:
         yield
     finally:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch.nn as nn
@@ -21,7 +22,7 @@ from ..errors import OverlappingRewriteError
 from ..policy import Policy, dtype_name
 from ..result import ATTR as RESULT
 from .blocks import BlocksRoot
-from .inplace import ATTR, InplaceForward, installed
+from .inplace import ATTR, InplaceForward, installed, planning_forward
 
 
 def inplace_policy(module: nn.Module) -> Optional[Policy]:
@@ -150,19 +151,26 @@ _KEYS = ("forward", ATTR, RESULT)
 
 @contextlib.contextmanager
 def parts_off(model: nn.Module) -> Iterator[List[nn.Module]]:
-    """``model``'s parts (:func:`parts`) with their own forwards back while ``model`` is
-    traced (its plan computes their nodes once; a part's graph is no submodule of the
-    model, so torch.fx could not trace its call); their rewrites put back after. Yields
-    the parts taken off.
+    """``model``'s parts (:func:`parts`) with their own forwards back for this thread while
+    ``model`` is traced (its plan computes their nodes once; a part's graph is no submodule
+    of the model, so torch.fx could not trace its call); another thread's call of a part
+    waits for the trace, then runs the part's rewrite (never its plain FP32 forward). Their
+    rewrites are put back after. Yields the parts taken off.
 
     Args:
         model: the module being rewritten.
     """
+    found = parts(model)
+    lock = threading.Lock()
     taken: List[Tuple[nn.Module, Dict[str, Any]]] = []
-    for _, sub, _ in parts(model):
-        taken.append((sub, {k: sub.__dict__.pop(k) for k in _KEYS if k in sub.__dict__}))
-    try:
-        yield [sub for sub, _ in taken]
-    finally:
-        for sub, keys in taken:
-            sub.__dict__.update(keys)
+    with lock:
+        try:
+            for _, sub, _ in found:
+                taken.append((sub, {k: sub.__dict__.pop(k) for k in _KEYS
+                                    if k in sub.__dict__}))
+                sub.__dict__["forward"] = planning_forward(sub, lock)
+            yield [sub for sub, _ in taken]
+        finally:
+            for sub, keys in taken:
+                sub.__dict__.pop("forward", None)
+                sub.__dict__.update(keys)
