@@ -35,7 +35,7 @@ from .gc_scope import young_objects_only
 from .blocks import block_paths, config_of_blocks, install_blocks, is_blocks, uninstall_blocks
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, take, uninstalled
 from .inputs import AutocastOff, check_example_inputs
-from .overlap import check_overlap, inplace_policy, parts_off, same_policy
+from .overlap import check_overlap, inplace_policy, owners, parts_off, same_policy
 from .pass_list import pass_list, plan_lines, plan_nodes
 from .state_dict import complete_state
 from .stored import planning_in_fp32, restore_stored, store_weights
@@ -201,11 +201,14 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
         uninstall_blocks(model)
     check_model(model)
     if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
-        if inplace and same_policy(inplace_policy(model), pol):
+        earlier = result_of(model).policy if has_result(model) else inplace_policy(model)
+        if inplace and (earlier == pol or same_policy(earlier, pol) and owners(model)):
+            # (a part of an in-place model: its values flow on in their dtype, so the
+            # output dtype aside, the policy is the one it has)
             log.info("model was already rewritten in place with the same policy")
             return model
         if inplace and example_inputs is None and not example_kwargs \
-                and inplace_policy(model).weights != "stored":
+                and earlier is not None and earlier.weights != "stored":
             take(model)  # (a new policy, planned on its first call as below)
             return _amp_rewrite(model, None, config, inplace)
         with uninstalled(model):
