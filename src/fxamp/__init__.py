@@ -1,8 +1,9 @@
 """fxamp: explicit, checkable mixed precision for PyTorch models via torch.fx."""
 from ._version import __version__
 from .errors import (CallStructureError, ExampleInputError, FxampError,  # noqa: E402
-                     InputShapeError, ModeError, NotPlannedError, PlanFormatError,
-                     PolicyError, RuleError, TraceError, UnsupportedModelError)
+                     InputShapeError, ModeError, NotPlannedError, OverlappingRewriteError,
+                     PlanFormatError, PolicyError, RuleError, TraceError,
+                     UnsupportedModelError)
 from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
 from .rules import DecisionRule  # noqa: E402
@@ -21,7 +22,7 @@ __all__ = [
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
     "PlanFormatError", "ExampleInputError", "InputShapeError", "CallStructureError", "ModeError",
-    "NotPlannedError", "RuleError", "DecisionRule", "audit",
+    "NotPlannedError", "RuleError", "DecisionRule", "OverlappingRewriteError", "audit",
     "Finding", "train",
     "RewriteConfig", "config_of", "weight_cache_bytes", "rewritten",
 ]

@@ -23,6 +23,12 @@ class UnsupportedModelError(FxampError):
     """The model (or one of its nodes) cannot be rewritten as asked."""
 
 
+class OverlappingRewriteError(UnsupportedModelError):
+    """An in-place rewrite overlapping an earlier in-place rewrite of another policy (a part
+    of the module rewritten in place before, or a module it is part of); the message names
+    the earlier rewrite, its path and policy, and what to do."""
+
+
 class PlanFormatError(FxampError, ValueError):
     """A plan file is malformed, truncated or not UTF-8 text; the message names the line."""
 

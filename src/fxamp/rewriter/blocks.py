@@ -37,7 +37,7 @@ from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of
 from ..runtime import device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from .._version import __version__
-from .inplace import ATTR, InplaceForward, Planner, install
+from .inplace import ATTR, InplaceForward, Planner, install, register
 from .stored import store_like
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,10 @@ class BlocksRoot:
             self.__signature__ = inspect.signature(type(model).forward.__get__(model))
         except (TypeError, ValueError):
             pass
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        register(self.model)  # (a copy of a model in block mode)
 
     def planner(self, plan: Planner) -> Planner:
         """``plan`` for the blocks: a block identical to one planned already (same class,
@@ -243,9 +247,14 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
                           rules=config.rules)
     counted = root.planner(plan)
     for path in paths:
-        install(model.get_submodule(path), None, counted, inner)
+        block = model.get_submodule(path)
+        if isinstance(block.__dict__.get("forward"), InplaceForward):
+            for key in ("forward", ATTR, RESULT):  # (its own rewrite, of this policy)
+                block.__dict__.pop(key, None)
+        install(block, None, counted, inner)
     model.__dict__["forward"] = root
     model.__dict__[RESULT] = Pending(config, type(model).__name__)
+    register(model)
     log.info("%s: %d blocks (%s ...) rewritten in place, each planned on its first call; "
              "its own forward runs under torch.autocast", type(model).__name__, len(paths),
              paths[0])

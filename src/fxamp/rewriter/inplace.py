@@ -23,7 +23,9 @@ import copy
 import functools
 import inspect
 import operator
+import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
@@ -58,6 +60,43 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
         "inplace=True): each layer stays a module called as one, planned on its first "
         "call), then fully_shard each layer and the root; or keep the example and "
         "fully_shard(model) on the root alone (one FSDP2 group)")
+
+
+#: the modules that got an in-place rewrite (their own forward an InplaceForward or a
+#: BlocksRoot), to find the rewrites a module is a part of (a module knows no parent;
+#: ``rewriter/overlap.py``)
+_INSTALLED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_INSTALLED_LOCK = threading.Lock()
+
+
+def register(model: nn.Module) -> None:
+    """Record that ``model`` got an in-place rewrite (see :func:`installed`).
+
+    Args:
+        model: the module whose forward was replaced.
+    """
+    with _INSTALLED_LOCK:
+        _INSTALLED.add(model)
+
+
+def _after_fork_in_child() -> None:
+    global _INSTALLED_LOCK
+    _INSTALLED_LOCK = threading.Lock()  # (another thread may have held it at the fork)
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def installed() -> List[nn.Module]:
+    """The modules that got an in-place rewrite and are alive (some may have been rewritten
+    again since: check their forward).
+
+    Returns:
+        The modules.
+    """
+    with _INSTALLED_LOCK:
+        return list(_INSTALLED)
 
 
 _TRAINING = operator.attrgetter("training")
@@ -143,6 +182,7 @@ class InplaceForward:
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock = threading.RLock()
+        register(self.model)  # (a copy of an in-place model)
 
     def __deepcopy__(self, memo: dict) -> "InplaceForward":
         new = InplaceForward.__new__(InplaceForward)
@@ -270,10 +310,18 @@ class InplaceForward:
             return self.plan(self.model, args, kwargs, self.config, why)
 
 
-def _planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
+def planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
     """The model's ``forward`` while it is being planned: the planning thread runs the
     model's own forward (its code is what is traced); any other thread waits for the plan
-    and then calls the model's forward again (never the plain FP32 forward)."""
+    and then calls the model's forward again (never the plain FP32 forward).
+
+    Args:
+        model: the model being planned.
+        lock: held by the planning thread until the plan is in place.
+
+    Returns:
+        The forward to set on the model's instance.
+    """
     own = type(model).forward.__get__(model)
     owner = threading.get_ident()
 
@@ -291,9 +339,9 @@ def _planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
 @contextlib.contextmanager
 def planning(model: nn.Module, lock: Any) -> Iterator[None]:
     """``model`` with its own forward back for the planning thread while it is planned on
-    a call; other threads' calls wait for the plan (see ``_planning_forward``)."""
-    taken = _take(model)
-    model.__dict__["forward"] = _planning_forward(model, lock)
+    a call; other threads' calls wait for the plan (see ``planning_forward``)."""
+    taken = take(model)
+    model.__dict__["forward"] = planning_forward(model, lock)
     try:
         yield
     finally:
@@ -332,6 +380,7 @@ def install(model: nn.Module, gm: Optional[nn.Module], plan: Optional[Planner] =
             "rewrite with inplace=False and use the returned module")
     forward = InplaceForward(model, _keywords(model.forward), plan, config)
     model.__dict__["forward"] = forward
+    register(model)
     if gm is None:
         model.__dict__[ATTR] = None
         model.__dict__[RESULT] = Pending(config, type(model).__name__)
@@ -359,7 +408,12 @@ def is_inplace(model: nn.Module) -> bool:
     return ATTR in model.__dict__
 
 
-def _take(model: nn.Module) -> Dict[str, Any]:
+def take(model: nn.Module) -> Dict[str, Any]:
+    """Take ``model``'s in-place rewrite off (its own forward back); returns what was taken.
+
+    Args:
+        model: a model rewritten in place.
+    """
     keys = (ATTR, "forward") + RESULT_ATTRS
     return {k: model.__dict__.pop(k) for k in keys if k in model.__dict__}
 
@@ -368,7 +422,7 @@ def _take(model: nn.Module) -> Dict[str, Any]:
 def uninstalled(model: nn.Module) -> Iterator[None]:
     """``model`` with its own forward back for a while (another rewrite of it: healing,
     the search, a new policy); the in-place rewrite is put back after."""
-    taken = _take(model)
+    taken = take(model)
     try:
         yield
     finally:
@@ -377,7 +431,7 @@ def uninstalled(model: nn.Module) -> Iterator[None]:
 
 def reinstall(model: nn.Module, gm: nn.Module, plan: Optional[Planner] = None) -> nn.Module:
     """Replace the in-place rewrite ``model`` computes with by ``gm``."""
-    _take(model)
+    take(model)
     return install(model, gm, plan)
 
 

@@ -34,8 +34,9 @@ from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
 from .blocks import block_paths, config_of_blocks, install_blocks, is_blocks, uninstall_blocks
-from .inplace import install, is_fully_sharded, is_inplace, reinstall, uninstalled
+from .inplace import install, is_fully_sharded, is_inplace, reinstall, take, uninstalled
 from .inputs import AutocastOff, check_example_inputs
+from .overlap import check_overlap, inplace_policy, owners, parts_off, same_policy
 from .pass_list import pass_list, plan_lines, plan_nodes
 from .state_dict import complete_state
 from .stored import planning_in_fp32, restore_stored, store_weights
@@ -218,6 +219,7 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
     """``amp_rewrite`` with its config made."""
     pol = config.policy
     example_kwargs = config.example_kwargs
+    check_overlap(model, pol, inplace)  # (another policy's in-place rewrite of a part of it)
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
         if inplace and example_inputs is None and not example_kwargs \
                 and config_of_blocks(model) == config:
@@ -226,11 +228,19 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
         uninstall_blocks(model)
     check_model(model)
     if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
-        if inplace and result_of(model).policy == pol:
+        earlier = result_of(model).policy if has_result(model) else inplace_policy(model)
+        if inplace and (earlier == pol or same_policy(earlier, pol) and owners(model)):
+            # (a part of an in-place model: its values flow on in their dtype, so the
+            # output dtype aside, the policy is the one it has)
             log.info("model was already rewritten in place with the same policy")
             return model
+        if inplace and example_inputs is None and not example_kwargs \
+                and earlier is not None and earlier.weights != "stored":
+            take(model)  # (a new policy, planned on its first call as below)
+            return _amp_rewrite(model, None, config, inplace)
         with uninstalled(model):
             gm = _amp_rewrite(model, example_inputs, config, False)
+        _retake(gm)  # (the model's in-place forward is back)
         if inplace and pol.weights == "stored":
             store_weights(model, gm)
         return reinstall(model, gm, _plan_call) if inplace else gm
@@ -342,7 +352,18 @@ def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Mod
     """The top-level rewrite: the model is left exactly as it was, and the FP32 model's own
     error is raised when it fails on the example inputs."""
     with _torch.tracing():  # another thread's rewrite waits (see _torch.TRACE_PATCHES)
-        return _rewrite_locked(model, args, config)
+        with parts_off(model) as taken:
+            gm = _rewrite_locked(model, args, config)
+        if taken:
+            _retake(gm)  # (the parts' in-place forwards are back: no change of the model)
+        return gm
+
+
+def _retake(gm: nn.Module) -> None:
+    """``gm``'s record of its model's structure taken again (the model as it is now)."""
+    structure = result_of(gm).structure if has_result(gm) else None
+    if structure is not None:
+        structure.take()
 
 
 def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:

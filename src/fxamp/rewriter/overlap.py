@@ -1,0 +1,176 @@
+"""Overlapping in-place rewrites: a module rewritten in place, and a part of it or a module
+it is part of rewritten in place too.
+
+Rewrites of one policy compose: the later one plans the model's own code (the parts' in-place
+forwards taken off while it traces, :func:`parts_off`), so each node is computed once in the
+policy's dtype, and the parts keep their own in-place rewrites for their own calls. Rewrites
+of different policies (a block in fp16 inside a model in bf16) do not: the outer graph would
+trace the part's casts into its own plan and round its values twice, or a block's rewrite
+would be run around by the outer graph. They are refused (:class:`OverlappingRewriteError`),
+naming the earlier rewrite, its path and policy, and what to do.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch.nn as nn
+
+from ..errors import OverlappingRewriteError
+from ..policy import Policy, dtype_name
+from ..result import ATTR as RESULT
+from .blocks import BlocksRoot
+from .inplace import ATTR, InplaceForward, installed, planning_forward
+
+
+def inplace_policy(module: nn.Module) -> Optional[Policy]:
+    """The policy of the in-place rewrite ``module`` computes with (None: none).
+
+    Args:
+        module: any module.
+    """
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, (InplaceForward, BlocksRoot)) and forward.config is not None:
+        return forward.config.policy
+    return None
+
+
+def same_policy(a: Optional[Policy], b: Optional[Policy]) -> bool:
+    """One policy but for the output dtype (a part's values flow on in their dtype).
+
+    Args:
+        a: a policy (None: none).
+        b: another.
+    """
+    if a is None or b is None:
+        return a is b
+    return dataclasses.replace(a, output_dtype=None) == dataclasses.replace(b, output_dtype=None)
+
+
+def _own_blocks(model: nn.Module) -> Tuple[str, ...]:
+    root = model.__dict__.get("forward")
+    return tuple(root.paths) if isinstance(root, BlocksRoot) else ()
+
+
+def parts(model: nn.Module) -> List[Tuple[str, nn.Module, Policy]]:
+    """The parts of ``model`` (not itself, nor the blocks of its own block mode) that compute
+    with an in-place rewrite of their own: (path, module, policy).
+
+    Args:
+        model: the module to rewrite.
+    """
+    own = _own_blocks(model)
+    found = []
+    for path, sub in model.named_modules():
+        policy = inplace_policy(sub) if path else None
+        if policy is not None and path not in own:
+            found.append((path, sub, policy))
+    return found
+
+
+def owners(module: nn.Module) -> List[Tuple[nn.Module, str, Policy]]:
+    """The modules rewritten in place that ``module`` is a part of: (owner, the path of
+    ``module`` in it, the owner's policy).
+
+    Args:
+        module: the module to rewrite.
+    """
+    found = []
+    for owner in installed():
+        policy = inplace_policy(owner)
+        if owner is module or policy is None:
+            continue
+        path = next((p for p, m in owner.named_modules() if m is module and p), None)
+        if path is not None:
+            found.append((owner, path, policy))
+    return found
+
+
+def _label(module: nn.Module) -> str:
+    return type(module).__name__
+
+
+def _access(path: str) -> str:
+    """``model.blocks[0]`` for the path ``blocks.0``."""
+    out = "model"
+    for name in path.split("."):
+        out += f"[{name}]" if name.isdigit() else f".{name}"
+    return out
+
+
+def check_overlap(model: nn.Module, policy: Policy, inplace: bool) -> None:
+    """Refuse a rewrite of ``model`` that overlaps an earlier in-place rewrite of another
+    policy: a part of ``model`` computing with one (any rewrite of ``model`` would trace its
+    casts), or, for ``inplace=True``, a module ``model`` is part of.
+
+    Args:
+        model: the module to rewrite.
+        policy: the new rewrite's policy.
+        inplace: whether the new rewrite is in place.
+
+    Raises:
+        OverlappingRewriteError: naming the earlier rewrite and what to do.
+    """
+    name = _label(model)
+    for path, sub, theirs in parts(model):
+        if same_policy(theirs, policy):
+            continue
+        raise OverlappingRewriteError(
+            f"{name} contains {path} ({_label(sub)}), rewritten in place before with "
+            f"policy {theirs}; this rewrite of {name} asks for policy {policy}. A rewrite "
+            f"of {name} traces {path}'s rewritten forward, so its values would be cast to "
+            f"{dtype_name(theirs.compute)} and then to {dtype_name(policy.compute)} "
+            "(rounded twice, a plan neither rewrite made): in-place rewrites of different "
+            f"policies do not compose. what to do: rewrite {name} with the same policy "
+            f"(amp_rewrite(model, ..., policy='{theirs}', inplace={inplace})), or first "
+            f"rewrite {path} in place with this policy, which replaces its own "
+            f"(amp_rewrite({_access(path)}, ..., policy='{policy}', inplace=True)), "
+            f"then {name}")
+    if not inplace:
+        return
+    for owner, path, theirs in owners(model):
+        if same_policy(theirs, policy):
+            continue
+        raise OverlappingRewriteError(
+            f"{name} is {path} of {_label(owner)}, rewritten in place before with policy "
+            f"{theirs}; this in-place rewrite of {path} asks for policy {policy}. "
+            f"{_label(owner)}'s graph computes {path}'s ops in "
+            f"{dtype_name(theirs.compute)} itself (or would trace {path}'s rewritten "
+            "forward, rounding its values twice): in-place rewrites of different policies "
+            f"do not compose. what to do: rewrite {path} with inplace=False and use the "
+            f"returned module (it shares the Parameters and leaves {_label(owner)}'s "
+            f"rewrite as it is), or rewrite {_label(owner)} itself in place with the "
+            f"policy you want, which replaces its own (amp_rewrite(model, ..., "
+            f"policy='{policy}', inplace=True))")
+
+
+_KEYS = ("forward", ATTR, RESULT)
+
+
+@contextlib.contextmanager
+def parts_off(model: nn.Module) -> Iterator[List[nn.Module]]:
+    """``model``'s parts (:func:`parts`) with their own forwards back for this thread while
+    ``model`` is traced (its plan computes their nodes once; a part's graph is no submodule
+    of the model, so torch.fx could not trace its call); another thread's call of a part
+    waits for the trace, then runs the part's rewrite (never its plain FP32 forward). Their
+    rewrites are put back after. Yields the parts taken off.
+
+    Args:
+        model: the module being rewritten.
+    """
+    found = parts(model)
+    lock = threading.Lock()
+    taken: List[Tuple[nn.Module, Dict[str, Any]]] = []
+    with lock:
+        try:
+            for _, sub, _ in found:
+                taken.append((sub, {k: sub.__dict__.pop(k) for k in _KEYS
+                                    if k in sub.__dict__}))
+                sub.__dict__["forward"] = planning_forward(sub, lock)
+            yield [sub for sub, _ in taken]
+        finally:
+            for sub, keys in taken:
+                sub.__dict__.pop("forward", None)
+                sub.__dict__.update(keys)
