@@ -245,3 +245,51 @@ def test_gpt2_dropout_in_block_mode_draws_what_autocast_draws_from_step_0():
             want = ref(ids, labels=ids).loss
         assert torch.equal(got, want) and torch.equal(after, torch.rand(1)), step
     assert len(calls) == 2  # (planning runs no hook of the user's)
+
+
+class _Scaled(nn.Module):
+    """A block whose code reads a plain setting that differs from block to block."""
+
+    def __init__(self, rate: float, shift: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.rate, self.shift = rate, shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.roll(self.lin(x), self.shift, dims=-1) * (1 - self.rate)
+
+
+def test_blocks_whose_settings_differ_do_not_share_a_plan():
+    """Rates and shifts are baked into a trace: a block planned with another block's graph
+    would compute with that block's values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Scaled(0.1 * i, i) for i in range(4)])
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    out = model(x)
+    with torch.autocast("cpu", dtype=BF16):
+        expected = ref(x)
+    assert torch.equal(out.float(), expected.float())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["efficientnet_b0", "swin_t"])
+def test_torchvision_stochastic_depth_and_shifted_windows_train_like_autocast(name):
+    """torchvision's stochastic depth rises with depth and Swin shifts every other block's
+    windows: block mode plans each setting apart and trains bit for bit like autocast."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 64, 64)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    grads = []
+    for m, autocast in ((ref, True), (model, False)):
+        torch.manual_seed(1)  # (the same stochastic-depth draws on both sides)
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            loss = m(x).float().pow(2).mean()
+        loss.backward()
+        grads.append({k: p.grad for k, p in m.named_parameters()})
+    assert fxamp.plan_of(model).header["frontend"] == "blocks"
+    assert not _equal_grads(*grads)

@@ -187,10 +187,46 @@ def _signature(value: Any) -> Any:
     return (type(value), id(value))  # (any other object: only the same one is alike)
 
 
+#: plain values a module holds that a trace may bake into its graph
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+#: the attribute HF decoder layers hold their index in: it is read only to index a KV cache
+#: (``past_key_values.update(k, v, self.layer_idx)``), so a call without one does not read it
+_CACHE_INDEX = "layer_idx"
+
+
+def _plain(value: Any) -> bool:
+    """A Python value a trace may bake in: a scalar, a dtype, or a tuple/list of them."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _settings(block: nn.Module, cache: bool) -> tuple:
+    """Every plain attribute of the block's modules (a drop-path rate, a window shift, a
+    flag): the values its code may read and a trace bakes in. Blocks whose settings differ
+    (timm's and torchvision's stochastic depth rising with depth, Swin's shifted windows
+    every other block) do not share a plan. ``cache``: the call passes an object (a KV
+    cache), so HF's ``layer_idx`` counts too."""
+    return tuple((path, name, tuple(value) if isinstance(value, list) else value)
+                 for path, m in block.named_modules(remove_duplicate=False)
+                 for name, value in vars(m).items()
+                 if not name.startswith("_") and name != "training" and _plain(value)
+                 and (cache or name != _CACHE_INDEX))
+
+
+def _has_object(value: Any) -> bool:
+    """Whether an argument is or holds an object other than tensors and plain values."""
+    if isinstance(value, (tuple, list)):
+        return any(_has_object(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_object(v) for v in value.values())
+    return not isinstance(value, (torch.Tensor, *_PLAIN))
+
+
 def share_key(block: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
     """The key under which identical blocks share one plan: the block's class, each
-    Parameter's and buffer's name, shape and dtype, the training flags, and the call's
-    signature (:func:`_signature`).
+    Parameter's and buffer's name, shape and dtype, the training flags, the modules' plain
+    settings (:func:`_settings`) and the call's signature (:func:`_signature`).
 
     Args:
         block: the block called.
@@ -202,6 +238,7 @@ def share_key(block: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
                   for n, t in block.named_parameters()),
             tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()),
             tuple(m.training for m in block.modules()),
+            _settings(block, _has_object((args, kwargs))),
             _signature(args), _signature(kwargs))
 
 
