@@ -28,7 +28,8 @@ from ..frontends.common import MODE, as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.model_checks import check_parameter_dtypes
-from ..frontends.hooks import check_global_hooks, copy_root_hooks, without_root_hooks
+from ..frontends.hooks import check_global_hooks, copy_root_hooks
+from ..frontends.shadow import Shadow
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
@@ -202,8 +203,7 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
         if inplace and result_of(model).policy == pol:
             log.info("model was already rewritten in place with the same policy")
             return model
-        with uninstalled(model):
-            gm = _amp_rewrite(model, example_inputs, config, False)
+        gm = _amp_rewrite(uninstalled(model), example_inputs, config, False)
         if inplace and pol.weights == "stored":
             store_weights(model, gm)
         return reinstall(model, gm, _plan_call) if inplace else gm
@@ -266,8 +266,8 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
         config = config.replace(example_kwargs=dict(kwargs) or None)
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
-                torch.random.fork_rng(devices=devices), without_root_hooks(model):
-            gm = _rewrite_top(model, args, config)  # (the model's hooks: on its own call)
+                torch.random.fork_rng(devices=devices):
+            gm = _rewrite_top(model, args, config, on_call=True)
     if config.policy.weights == "stored":
         restore_stored(model, gm, swaps)
         store_weights(model, gm)
@@ -311,11 +311,18 @@ def isolated(value: Any) -> Any:
         return value
 
 
-def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
+def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig,
+                 on_call: bool = False) -> nn.Module:
     """The top-level rewrite: the model is left exactly as it was, and the FP32 model's own
-    error is raised when it fails on the example inputs."""
+    error is raised when it fails on the example inputs.
+
+    What is traced is a shadow of the model's module tree (``frontends/shadow.py``: no
+    other thread sees the trace swap or set anything on the model's modules); the result
+    holds the model's own modules. ``on_call``: an in-place model planned on one of its
+    calls (its call hooks run around the new graph, not in it)."""
     with _torch.tracing():  # another thread's rewrite waits (see _torch.TRACE_PATCHES)
-        return _rewrite_locked(model, args, config)
+        shadow = Shadow(model, on_call)
+        return shadow.to_real(_rewrite_locked(shadow.root, args, config))
 
 
 def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
