@@ -225,14 +225,14 @@ class EagerRoot(Mixed):
 def _shadows_reachable(result: nn.Module, model: nn.Module) -> List[str]:
     """The shadow modules (``frontends.shadow.real_of(m) is not m``) reachable from
     ``result`` through the objects it refers to (not entering the model's own modules and
-    tensors, classes or modules' globals)."""
+    tensors, classes or modules' globals; an in-place model itself is entered)."""
     import sys
     import types
     import gc
 
     from fxamp.frontends.shadow import real_of
 
-    stop = {id(m) for m in model.modules()}
+    stop = {id(m) for m in model.modules()} - {id(result)}  # (in place: the model's own)
     stop |= {id(vars(m)) for m in list(sys.modules.values()) if m is not None}
     seen: set = set()
     todo: List[Any] = [result]
@@ -262,8 +262,15 @@ def test_the_rewritten_module_holds_the_models_own_modules_and_no_shadow_of_them
         assert _shadows_reachable(gm, model) == [], taken
         if taken != "eager":  # (an eager root's children are rewritten modules)
             assert gm.get_submodule("b") is model.b, taken
+        else:  # (its attributes are the model's, not a shadow's copies)
+            assert gm.listed is model.listed
         same = fxamp.amp_rewrite(model, (x,), frontend=frontend, inplace=True, **BF16)
         assert _shadows_reachable(same, model) == [], taken
+        again = fxamp.amp_rewrite(model, (x,), frontend=frontend, inplace=True,
+                                  dtype=torch.float16, target="cpu")  # (a shadow's shadow)
+        assert _shadows_reachable(again, model) == [], taken
+        if taken == "eager":
+            assert fxamp.rewritten(model).listed is model.listed
     model = ConvNet()
     gm = fxamp.amp_rewrite(model, (_x(0),), **BF16)
     assert _shadows_reachable(gm, model) == []

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import types
 import weakref
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch.nn as nn
 
@@ -35,15 +35,23 @@ from ..result import ATTR, Rewritten, set_result
 from ..structure import Structure
 from .hooks import CALL_HOOK_DICTS
 
-#: each shadow module -> the user's module it stands for
-_REAL: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+#: each shadow module -> the :class:`Shadow` it belongs to
+_TREE: "weakref.WeakKeyDictionary[nn.Module, Shadow]" = weakref.WeakKeyDictionary()
 
 _COPIED = (dict, collections.OrderedDict, list, set)
 
 
 def real_of(module: nn.Module) -> nn.Module:
-    """The user's module ``module`` is the shadow of (``module`` itself when it is none)."""
-    return _REAL.get(module, module)
+    """The user's module that ``module`` is the shadow of.
+
+    Args:
+        module: a module, a shadow or not.
+
+    Returns:
+        the user's module (``module`` itself when it is no shadow).
+    """
+    tree = _TREE.get(module)
+    return module if tree is None else tree.real[id(module)]
 
 
 class Shadow:
@@ -70,9 +78,10 @@ class Shadow:
         memo: Dict[int, Any] = {}
         for module in modules:
             shadow = self.of[id(module)]
-            shadow.__dict__.update({name: self._copy(value, module, memo)
+            outer = _TREE.get(module)  # (a shadow's shadow: its copies stand for the user's)
+            shadow.__dict__.update({name: self._copy(value, memo, outer)
                                     for name, value in module.__dict__.items()})
-            _REAL[shadow] = self.real[id(shadow)]
+            _TREE[shadow] = self
         self.root = self.of[id(model)]
         if on_call:
             self.root.__dict__.pop("forward", None)
@@ -80,7 +89,7 @@ class Shadow:
                 if getattr(self.root, kind, None):
                     self.root.__dict__[kind] = collections.OrderedDict()
 
-    def _item(self, value: Any, owner: nn.Module) -> Any:
+    def _item(self, value: Any) -> Any:
         """A value held by a module of the model, as its shadow holds it: a module of the
         model is its shadow, a method bound to one is bound to the shadow."""
         if isinstance(value, nn.Module):
@@ -90,28 +99,35 @@ class Shadow:
             return types.MethodType(value.__func__, self.of[id(value.__self__)])
         return value
 
-    def _copy(self, value: Any, owner: nn.Module, memo: Dict[int, Any]) -> Any:
-        """``value`` (an attribute of ``owner``) for the shadow: a dict, list or set of its
-        own (one copy per object: one held twice stays one), its items as :meth:`_item`."""
+    def _copy(self, value: Any, memo: Dict[int, Any], outer: Optional["Shadow"]) -> Any:
+        """``value`` (an attribute of a module of the model) for its shadow: a dict, list or
+        set of its own (one copy per object: one held twice stays one), its items as
+        :meth:`_item`. ``outer``: the tree the module is a shadow of, if it is one."""
         if type(value) not in _COPIED:
-            return self._item(value, owner)
+            return self._item(value)
         if id(value) in memo:
             return memo[id(value)]
         if isinstance(value, dict):
-            copied: Any = type(value)((k, self._item(v, owner)) for k, v in value.items())
+            copied: Any = type(value)((k, self._item(v)) for k, v in value.items())
         else:
-            copied = type(value)(self._item(v, owner) for v in value)
+            copied = type(value)(self._item(v) for v in value)
         memo[id(value)] = copied
-        self.copies[id(copied)] = (copied, value)
+        mine, theirs = outer.copies.get(id(value), (None, value)) if outer else (None, value)
+        self.copies[id(copied)] = (copied, theirs if mine is value else value)
         return copied
 
     def to_real(self, result: nn.Module) -> nn.Module:
         """Make ``result`` (the rewritten module) and the modules it holds hold the user's
         modules where they hold shadows (and the user's dicts, lists and sets where they
         hold a shadow's copies: an eager root is a copy of the shadow root), and the
-        structure checks of the results in it
-        watch the user's modules; returns ``result`` (the user's model when it is the
-        shadow's root)."""
+        structure checks of the results in it watch the user's modules.
+
+        Args:
+            result: the rewritten module.
+
+        Returns:
+            ``result`` (the user's model when it is the shadow's root).
+        """
         shadows = {id(s): s for s in self.of.values()}
         if id(result) in shadows:
             return self.real[id(result)]
