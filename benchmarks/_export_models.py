@@ -249,6 +249,32 @@ def norm_large() -> Example:
             (torch.randint(0, 100, (2, 16)),))
 
 
+class FlatRowsNorm(nn.Module):
+    """A LayerNorm with BERT's eps (1e-12) over rows that are constant or nearly so
+    (``3 + 1e-4 * x``): their spread is below FP16's spacing at 3, and the eps does not damp
+    the norm's division by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.norm = nn.LayerNorm(64, eps=1e-12)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(3 + 1e-4 * self.up(x)))
+
+
+def _flat_batch() -> tuple:
+    x = torch.randn(4, 16)
+    x[0] = 0.0  # a row the norm sees as exactly 3 + 1e-4 * bias
+    return (x,)
+
+
+def norm_flat() -> Example:
+    torch.manual_seed(0)
+    return FlatRowsNorm().eval(), _flat_batch(), _flat_batch()
+
+
 def convnext_atto() -> Example:
     import timm
 
@@ -303,7 +329,7 @@ MODELS: Dict[str, Callable[[], Example]] = {
     "act_1e5": activations_1e5, "trap": numerics_trap, "efficientnet_b0": efficientnet_b0,
     "mobilenetv3": mobilenetv3, "swin_half": swin_half, "t5_enc": t5_encoder,
     "t5_enc_x300": t5_encoder_large, "lstm_gru": lstm_gru, "unet": unet,
-    "norm_large": norm_large, "convnext_atto": convnext_atto,
+    "norm_large": norm_large, "norm_flat": norm_flat, "convnext_atto": convnext_atto,
     "distilbert_pad": distilbert_padded, "t5_enc_pad": t5_encoder_padded}
 
 
@@ -328,8 +354,8 @@ BATCHES: Dict[str, Callable[[], tuple]] = {
     "efficientnet_b0": _image, "mobilenetv3": _image, "swin_half": _image,
     "t5_enc": _ids(512), "t5_enc_x300": _ids(512),
     "lstm_gru": lambda: (torch.randn(2, 10, 16),), "unet": _image,
-    "norm_large": _ids(100, 2), "convnext_atto": _image, "distilbert_pad": _padded_batch,
-    "t5_enc_pad": _padded_batch}
+    "norm_large": _ids(100, 2), "norm_flat": _flat_batch, "convnext_atto": _image,
+    "distilbert_pad": _padded_batch, "t5_enc_pad": _padded_batch}
 
 
 def check_batches(name: str, check: tuple, count: int = 8) -> List[tuple]:

@@ -13,7 +13,11 @@ that starts with one underscore (dunders are public) is private. ATen op spellin
 (``torch.ops.aten._to_copy.default``: the namespace, op and overload after ``torch.ops``)
 are names a node is matched against, not API. A few private attributes of torch objects
 (``Graph._codegen``, ``OpOverload._schema``...) are read off values whose origin a file does
-not show (a parameter, ``self.scaler``): :data:`PRIVATE_ATTRS` flags them on any object."""
+not show (a parameter, ``self.scaler``): :data:`PRIVATE_ATTRS` flags them on any object.
+The private attributes of torch.fx's own objects (``node._erased``,
+``graph._graph_namespace``: every private name a ``Node``, ``Graph`` or ``GraphModule`` has
+on the installed torch, less ``nn.Module``'s) are flagged the same way, on any value but a
+class's own ``self`` (see :data:`FX_PRIVATE_ATTRS`)."""
 from __future__ import annotations
 
 import ast
@@ -148,6 +152,16 @@ def test_the_wrappers_do_what_they_say():
     assert dst[0].tolist() == [1.0, 1.0]
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
     assert _torch.graph_codegen(gm.graph) is gm.graph._codegen
+    linear = next(n for n in gm.graph.nodes if n.op == "call_function")
+    with gm.graph.inserting_before(linear):
+        relu = gm.graph.call_function(torch.relu, linear.args)
+    linear.replace_all_uses_with(relu)
+    assert not _torch.node_erased(linear)
+    gm.graph.erase_node(linear)
+    assert _torch.node_erased(linear) and not _torch.node_erased(relu)
+    _torch.rename_node(relu, "linear")  # the erased node's name, without a suffix
+    assert relu.name == "linear" and "relu = " not in gm.recompile().src
+    assert "linear = torch.relu" in gm.recompile().src
     flat, spec = _torch.tree_flatten({"a": t, "b": (t,)})
     assert len(flat) == 2 and _torch.tree_unflatten(flat, spec)["b"][0] is t
 
@@ -166,6 +180,7 @@ PRIVATE_ATTRS = frozenset({
     "_schema", "_overloadname", "_codegen", "_use_count", "_cdata", "_found_inf_per_device",
     "_checkpoint_impl", "_format_target", "_set_grad_enabled"})
 
+
 #: calls that read an attribute named by a string literal (the object, then the name)
 _NAMED_ATTR_CALLS = {"getattr", "hasattr", "setattr", "delattr"}
 #: calls that import a module named by a string literal
@@ -175,6 +190,43 @@ _IMPORT_CALLS = {"importlib.import_module", "import_module", "__import__"}
 def _private(part: str) -> bool:
     part = part.split("(")[0].split("[")[0]
     return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _fx_private_attrs() -> frozenset:
+    """Every private attribute (one leading underscore) of torch.fx's objects on this torch:
+    a ``Node``, a ``Graph`` and a ``GraphModule`` and their classes (``Node._erased``,
+    ``Graph._graph_namespace``, ``GraphModule._code``...), less those every ``nn.Module``
+    has (``_modules``, ``_parameters``: a module's state, not fx's)."""
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    node = next(iter(gm.graph.nodes))
+    module = {a for o in (nn.Module(), nn.Module) for a in dir(o)}
+    return frozenset(a for o in (node, gm.graph, gm, torch.fx.Node, torch.fx.Graph,
+                                 torch.fx.GraphModule)
+                     for a in dir(o) if _private(a) and a not in module)
+
+
+#: the private attributes of fx objects (see :func:`_fx_private_attrs`). A node, a graph or a
+#: graph module is almost always a parameter, a loop variable or an item of a list whose
+#: origin the file does not show, so these names are flagged on any value: ``x._erased``,
+#: ``getattr(x, "_erased")``. The one exception is an object's own attribute, ``self._x`` or
+#: ``cls._x`` in a class that does not derive from a torch class: fxamp's classes may name
+#: their own fields ``_args`` or ``_root``; a subclass of ``fx.Tracer`` or ``fx.GraphModule``
+#: reading an inherited ``self._graph`` is flagged.
+FX_PRIVATE_ATTRS = _fx_private_attrs()
+
+
+def _own_receivers(tree: ast.AST, names: "TorchNames") -> Set[int]:
+    """ids of the ``self`` / ``cls`` names inside the methods of classes with no torch base
+    (their private attributes are the class's own)."""
+    own: Set[int] = set()
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef) or any(names.resolve(b) for b in cls.bases):
+            continue
+        for fn in cls.body:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                own |= {id(n) for n in ast.walk(fn)
+                        if isinstance(n, ast.Name) and n.id in ("self", "cls")}
+    return own
 
 
 def private_prefix(path: str) -> Optional[str]:
@@ -292,6 +344,7 @@ def private_torch_uses(source: str) -> List[str]:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             hits |= {(node.lineno, f"{node.module}.{a.name}") for a in node.names
                      if private_prefix(f"{node.module}.{a.name}")}
+    own = _own_receivers(tree, names)
     trees = [(0, tree)] + _annotations(tree)
     for line, sub in trees:
         for node in ast.walk(sub):
@@ -306,6 +359,13 @@ def private_torch_uses(source: str) -> List[str]:
                 hits.add((where, path))
             elif isinstance(node, ast.Attribute) and node.attr in PRIVATE_ATTRS:
                 hits.add((where, f"{ast.unparse(node.value)}.{node.attr}"))
+            elif isinstance(node, ast.Attribute) and node.attr in FX_PRIVATE_ATTRS and \
+                    id(node.value) not in own:
+                hits.add((where, f"{ast.unparse(node.value)}.{node.attr}"))
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in _NAMED_ATTR_CALLS \
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and \
+                    node.args[1].value in FX_PRIVATE_ATTRS:
+                hits.add((where, f"{ast.unparse(node.args[0])}.{node.args[1].value}"))
     # one line per use: drop a path another hit on its line extends (torch._C of torch._C.x)
     kept = {(n, p) for n, p in hits
             if not any(m == n and q != p and q.startswith(p) and q[len(p)] in ".(["
@@ -377,13 +437,24 @@ PLANTED = [
     ("def f(scaler, opt):\n    return scaler._found_inf_per_device(opt)\n",
      ["2: scaler._found_inf_per_device"]),
     ("def f(graph):\n    return graph._codegen\n", ["2: graph._codegen"]),
+    # fx internals on values whose origin the file does not show
+    ("def f(node):\n    return node._erased\n", ["2: node._erased"]),
+    ("def f(node, name):\n    node.graph._graph_namespace._rename_object(node, name)\n",
+     ["2: node.graph._graph_namespace"]),
+    ("def f(parts):\n    return [p for p in parts if not getattr(p, '_erased')]\n",
+     ["2: p._erased"]),
+    ("def f(gm):\n    return gm._code\n", ["2: gm._code"]),
+    ("import torch.fx as fx\nclass T(fx.Tracer):\n    def f(self):\n"
+     "        return self._graph_namespace\n", ["4: self._graph_namespace"]),
 ]
 
 #: code that names no private torch API
 CLEAN = ('"""torch._C in a docstring"""\nimport torch\nimport numpy as np\n'
          "x = torch.ops.aten._to_copy.default  # an op spelling\n"
          "v = torch.__version__\ny = np._NoValue\nname = 'torch._C'\n"
-         "class M(torch.nn.Module):\n    def f(self):\n        return self._modules\n")
+         "class M(torch.nn.Module):\n    def f(self):\n        return self._modules\n"
+         "class Own:\n    def f(self):\n        return self._args, self._root\n"
+         "def g(module):\n    return module._modules, module._parameters\n")
 
 
 @pytest.mark.parametrize("source,expected", PLANTED, ids=[p[0].split("\n")[-2][:40]

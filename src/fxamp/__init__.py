@@ -2,9 +2,10 @@
 from ._version import __version__
 from .errors import (CallStructureError, ExampleInputError, FxampError,  # noqa: E402
                      InputShapeError, ModeError, NotPlannedError, PlanFormatError,
-                     PolicyError, TraceError, UnsupportedModelError)
+                     PolicyError, RuleError, TraceError, UnsupportedModelError)
 from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
+from .rules import DecisionRule  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
 from .rewriter.inplace import rewritten  # noqa: E402
 from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
@@ -20,7 +21,7 @@ __all__ = [
     "__version__", "amp_rewrite", "plan_of", "diff", "Plan", "NodePrecision", "Policy",
     "Override", "FxampError", "TraceError", "PolicyError", "UnsupportedModelError",
     "PlanFormatError", "ExampleInputError", "InputShapeError", "CallStructureError", "ModeError",
-    "NotPlannedError", "audit",
+    "NotPlannedError", "RuleError", "DecisionRule", "audit",
     "Finding", "train",
     "RewriteConfig", "config_of", "weight_cache_bytes", "rewritten",
 ]

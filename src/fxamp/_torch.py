@@ -2,13 +2,14 @@
 
 fxamp needs a few of torch's names that are not public API (pytree flattening, fake-tensor
 exceptions, ``TorchDispatchMode``, ``_reparametrize_module``, the raw grad-mode switch,
-dispatcher and storage counters, the graph's code generator, ``OpOverload``, the fused
-``_foreach_copy_``), and every attribute a trace replaces (:data:`TRACE_PATCHES`: name,
-owner, attribute, what it does; applied by :func:`patched`, thread-aware, under one
-re-entrant trace lock, never at import; reset in a forked child, with torch.fx's module
-wrappers, when another thread held it). Every module of fxamp reaches them
-through this module, so a torch upgrade is checked (tests/test_torch_compat.py, also run on
-the oldest supported torch with ``pytest -m floor``) and mended here alone.
+dispatcher and storage counters, the graph's code generator, a node's erased flag and the
+graph's name table, ``OpOverload``, the fused ``_foreach_copy_``), and every attribute a
+trace replaces (:data:`TRACE_PATCHES`: name, owner, attribute, what it does; applied by
+:func:`patched`, thread-aware, under one re-entrant trace lock, never at import; reset in a
+forked child, with torch.fx's module wrappers, when another thread held it). Every module
+of fxamp reaches them through this module, so a torch upgrade is checked
+(tests/test_torch_compat.py, also run on the oldest supported torch with ``pytest -m
+floor``) and mended here alone.
 
 What stays elsewhere: the op vocabulary (``fxamp.oplists``, ``fxamp.autocast_tables``,
 ``fxamp.ops``) keeps the op *spellings* a graph's targets have (``torch._C._nn.linear``,
@@ -45,7 +46,8 @@ __all__ = [
     "OpOverloadPacket",
     "SET_GRAD", "IS_GRAD", "has_kernel_for_dispatch_key",
     "storage_use_count", "tensor_use_count", "in_dispatch_or_function_mode",
-    "is_functorch_wrapped", "functorch_active", "graph_codegen", "foreach_copy_",
+    "is_functorch_wrapped", "functorch_active", "graph_codegen", "node_erased",
+    "rename_node", "foreach_copy_",
     "Patch", "TRACE_PATCHES", "tracing", "tracing_thread", "patched", "format_target",
     "spelling_names", "spell_names", "SpellingTracer",
 ]
@@ -108,6 +110,32 @@ def graph_codegen(graph: fx.Graph) -> Any:
     """A graph's code generator (``Graph._codegen``: how its forward's signature and pytree
     in/out specs are written), to give another graph with ``set_codegen``."""
     return graph._codegen
+
+
+def node_erased(node: fx.Node) -> bool:
+    """Whether ``node`` was erased from its graph (``Node._erased``; an erased node keeps
+    its ``graph`` and ``users``, so nothing public tells).
+
+    Args:
+        node: any node, erased or not.
+
+    Returns:
+        True once ``graph.erase_node(node)`` has run.
+    """
+    return bool(node._erased)
+
+
+def rename_node(node: fx.Node, name: str) -> None:
+    """Give ``node`` the name ``name`` in its graph's namespace (``Graph._graph_namespace``),
+    also when the name was reserved by a node erased before: fx's own renaming would add a
+    suffix to it.
+
+    Args:
+        node: the node to rename.
+        name: its new name, which no other node of the graph may hold.
+    """
+    node.name = name
+    node.graph._graph_namespace._rename_object(node, name)
 
 
 def foreach_copy_(dsts: list, srcs: list) -> None:

@@ -1,9 +1,9 @@
 """RewriteConfig: everything a rewrite was asked for, made once and kept with the result.
 
-``amp_rewrite`` builds one :class:`RewriteConfig` from its arguments (policy, dtype and
-target folded into the :class:`~fxamp.policy.Policy`, the front end, the example keyword
+``amp_rewrite`` builds one ``RewriteConfig`` from its arguments (policy, dtype and
+target folded into the ``Policy``, the front end, the example keyword
 arguments, the calibration) and stores it on the rewritten module; whoever rewrites the same
-model again reads it there (:func:`fxamp.result.config_of`) instead of re-parsing the plan header:
+model again reads it there (``fxamp.result.config_of``) instead of re-parsing the plan header:
 the trainer's healing, the tolerance search, the audit and the CLI. After a rewrite the
 stored config's ``calibration`` is the collected value ranges (so rewriting again needs no
 data and gives the same range decisions).
@@ -16,9 +16,10 @@ from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
-from .errors import CalibrationDataError, FxampError, PolicyError
+from .errors import CalibrationDataError, FxampError, PolicyError, RuleError
 from .plan import Plan, RangeStats
 from .policy import Policy, dtype_name, make_policy, parse_compute_dtype
+from .rules import DecisionRule, user_rules
 
 #: the front ends (``frontends.REGISTRY`` names) each ``frontend=`` value tries, in order:
 #: "auto" tries fx, then export, then fx with runtime leaves (partial tracing), then eager
@@ -32,44 +33,112 @@ FRONTEND_ORDER: Dict[str, Tuple[str, ...]] = {
 FRONTENDS = tuple(FRONTEND_ORDER)
 
 Calibration = Union[None, Iterable[Any], Plan, Dict[str, RangeStats]]
+#: what ``rules=`` takes: one user rule object, several, or None
+Rules = Union[None, DecisionRule, Iterable[DecisionRule]]
 
 
 @dataclass(frozen=True)
 class RewriteConfig:
     """How to rewrite: the policy, the front end, the example keyword arguments, the
-    calibration (an iterable of input tuples, a Plan whose ranges to reuse, or ranges) and
-    torch.export's ``dynamic_shapes`` (None: the export front end's default)."""
+    calibration and torch.export's ``dynamic_shapes``. ``RewriteConfig.make`` builds one
+    from ``amp_rewrite``'s keyword arguments; ``fxamp.config_of(gm)`` reads a rewrite's.
+
+    Args:
+        policy: the ``Policy`` (dtype, target, overrides, rules).
+        frontend: ``"auto"``, ``"fx"`` or ``"export"``, as in ``amp_rewrite``.
+        example_kwargs: the forward's keyword arguments for the trace (not compared).
+        calibration: an iterable of input tuples, a ``Plan`` whose ranges to reuse, or
+            ranges (not compared).
+        dynamic_shapes: torch.export's ``dynamic_shapes`` (None: the export front end's
+            default; not compared).
+        rules: the user's decision rules (``fxamp.DecisionRule`` objects, run in order;
+            the policy's ``rules`` holds their names, so the plan header names them). A
+            policy naming a user rule (``user:NAME``, as a plan's header policy does) needs
+            the rule object of that name here: a plan file holds rule names, not their
+            code, so re-applying it without the object raises ``RuleError``.
+
+    Raises:
+        FxampError: an unknown front end.
+        CalibrationDataError: a ``calibration`` that is no collection of batches.
+        RuleError: a rule that is no ``DecisionRule``, or one the policy names is missing.
+    """
 
     policy: Policy
     frontend: str = "auto"
     example_kwargs: Optional[Dict[str, Any]] = field(default=None, compare=False)
     calibration: Calibration = field(default=None, compare=False)
     dynamic_shapes: Any = field(default=None, compare=False)
+    rules: Tuple[DecisionRule, ...] = ()
 
     def __post_init__(self) -> None:
         if self.frontend not in FRONTENDS:
             raise FxampError(f"unknown frontend {self.frontend!r}; valid: "
                              f"{', '.join(FRONTENDS)}")
         check_calibration(self.calibration)
+        rules = user_rules(self.rules)
+        names = tuple(str(rule.name) for rule in rules)
+        missing = [name for name in self.policy.rules if name not in names]
+        if missing:
+            raise RuleError(
+                f"the policy names the user rule{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(missing)}, but no rule object of that name was given (a plan "
+                "file records a rule's name, not its code); what to do: pass the rule "
+                f"objects too, amp_rewrite(..., rules=[...]) (on the command line --rule "
+                "MODULE:OBJECT)")
+        object.__setattr__(self, "rules", rules)
+        if names != self.policy.rules:  # (the policy names the rules that run, in order)
+            object.__setattr__(self, "policy", dataclasses.replace(self.policy, rules=names))
 
     @classmethod
     def make(cls, policy: Union[None, str, Policy] = None, dtype: Optional[torch.dtype] = None,
              target: str = "cuda", frontend: str = "auto",
              example_kwargs: Optional[Dict[str, Any]] = None,
              calibration_data: Calibration = None,
-             dynamic_shapes: Any = None) -> "RewriteConfig":
-        """The config of ``amp_rewrite``'s arguments; PolicyError when ``dtype`` and the
-        policy's ``compute=`` disagree, FxampError for an unknown front end."""
+             dynamic_shapes: Any = None, rules: Rules = None) -> "RewriteConfig":
+        """The config of ``amp_rewrite``'s arguments.
+
+        Args:
+            policy: a ``Policy`` or its text form.
+            dtype: the low-precision dtype (default float16, or the policy's ``compute=``).
+            target: ``"cuda"``, ``"cpu"`` or ``"tensorrt"``.
+            frontend: ``"auto"``, ``"fx"`` or ``"export"``.
+            example_kwargs: the forward's keyword arguments for the trace.
+            calibration_data: an iterable of input tuples, a ``Plan`` or ranges.
+            dynamic_shapes: torch.export's ``dynamic_shapes``.
+            rules: the user's decision rules (``fxamp.DecisionRule`` objects).
+
+        Returns:
+            The config.
+
+        Raises:
+            PolicyError: ``dtype`` and the policy's ``compute=`` disagree, or a bad policy.
+            FxampError: an unknown front end.
+            RuleError: a rule that is no DecisionRule, or one the policy names is missing.
+        """
         return cls(_policy(policy, dtype, target), frontend,
                    dict(example_kwargs) if example_kwargs else None, calibration_data,
-                   dynamic_shapes)
+                   dynamic_shapes, user_rules(rules))
 
     def replace(self, **changes: Any) -> "RewriteConfig":
-        """A copy with ``changes`` (dataclasses.replace)."""
+        """A copy with ``changes`` (``dataclasses.replace``).
+
+        Args:
+            **changes: new values of fields (``frontend="fx"``, ``policy=...``).
+
+        Returns:
+            The changed copy.
+        """
         return dataclasses.replace(self, **changes)
 
     def with_fp32(self, names: Iterable[str]) -> "RewriteConfig":
-        """A copy whose policy adds an ``fp32:NAME`` override per name."""
+        """A copy whose policy adds an ``fp32:NAME`` override per name.
+
+        Args:
+            names: node names (or patterns) to keep in FP32.
+
+        Returns:
+            The changed copy (``self`` when ``names`` is empty).
+        """
         names = list(names)
         if not names:
             return self
@@ -85,7 +154,7 @@ CALIBRATION_FORMS = ("an iterable of batches, each a tuple of the model's positi
 
 def check_calibration(data: Any) -> None:
     """Refuse a ``calibration_data`` that is no collection of batches (a number, a string,
-    one tensor) with :class:`CalibrationDataError`; the batches themselves are checked when
+    one tensor) with ``CalibrationDataError``; the batches themselves are checked when
     they are run."""
     if data is None or isinstance(data, (Plan, dict)):
         return

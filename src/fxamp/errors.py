@@ -72,6 +72,13 @@ class NotPlannedError(FxampError):
     first call planned it."""
 
 
+class RuleError(FxampError, TypeError):
+    """A decision rule given to ``amp_rewrite`` (``rules=``) is not a
+    ``fxamp.DecisionRule``, has no valid ``name``, is missing where the policy names it,
+    or its ``applies`` / ``decide`` failed or returned something that is no decision; the
+    message names the rule, the node and what to do."""
+
+
 class ExampleInputError(FxampError, ValueError):
     """The FP32 model itself fails on the example inputs (wrong shape, type or count)."""
 
@@ -97,14 +104,30 @@ EXCERPT_CHARS = 200
 
 def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
     """``repr(text)``, cut to its first ``limit`` characters with a note of its length when
-    longer, so a message never echoes a huge input whole."""
+    longer, so a message never echoes a huge input whole.
+
+    Args:
+        text: the user's input.
+        limit: the most characters shown.
+
+    Returns:
+        The quoted, possibly cut, text.
+    """
     if len(text) <= limit:
         return repr(text)
     return f"{text[:limit]!r}... ({len(text)} characters, the first {limit} shown)"
 
 
 def shorten(text: str, limit: int = EXCERPT_CHARS) -> str:
-    """``text`` unquoted, cut like :func:`excerpt`."""
+    """``text`` unquoted, cut like ``excerpt``.
+
+    Args:
+        text: the user's input.
+        limit: the most characters shown.
+
+    Returns:
+        The possibly cut text.
+    """
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters, the first {limit} shown)"
@@ -115,18 +138,39 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
 
 
 def is_library_file(path: str) -> bool:
-    """Whether ``path`` belongs to torch or fxamp (not the user's code)."""
+    """Whether ``path`` belongs to torch or fxamp (not the user's code).
+
+    Args:
+        path: a source file's path.
+
+    Returns:
+        True for a file of torch or fxamp.
+    """
     return os.path.abspath(path).startswith(_LIBRARY_DIRS)
 
 
 def short_path(path: str) -> str:
-    """``path`` relative to the working directory when it lies under it."""
+    """``path`` relative to the working directory when it lies under it.
+
+    Args:
+        path: a file's path.
+
+    Returns:
+        The relative path, or ``path`` unchanged.
+    """
     full, here = os.path.abspath(path), os.getcwd() + os.sep
     return full[len(here):] if full.startswith(here) else path
 
 
 def source_line(node: torch.fx.Node) -> str:
-    """The user's source line that created ``node`` (last frame outside torch), or ''."""
+    """The user's source line that created ``node`` (last frame outside torch and fxamp).
+
+    Args:
+        node: a traced node (its ``stack_trace`` is read).
+
+    Returns:
+        ``File "...", line N, in f: code``, or ``""`` when the trace names no such frame.
+    """
     trace = node.stack_trace or ""
     lines = trace.strip().splitlines()
     best = ""
@@ -141,7 +185,17 @@ def source_line(node: torch.fx.Node) -> str:
 
 
 def node_error(cls: type, node: Optional[torch.fx.Node], problem: str, fix: str) -> FxampError:
-    """Build an error of type ``cls`` naming ``node``, its source line and the fix."""
+    """Build an error of type ``cls`` naming ``node``, its source line and the fix.
+
+    Args:
+        cls: the ``FxampError`` subclass to build.
+        node: the node the error is about (None: the message names no node).
+        problem: what is wrong, one sentence.
+        fix: what to do, written after ``what to do:``.
+
+    Returns:
+        The error, to raise.
+    """
     parts = [problem]
     if node is not None:
         parts.append(f"node: {node.format_node()}")

@@ -19,10 +19,17 @@ from .policy import dtype_name
 class Plan:
     """The decisions of one rewrite, keyed by source node name, in graph order.
 
-    ``ranges`` holds the calibration statistics the rewrite used (if any), so a later
-    rewrite can reuse them without data: ``amp_rewrite(..., calibration_data=plan)``.
-    ``format_version`` is the text format the plan was read from (2 for plans made in
-    memory); a version-1 file has no end marker, so its truncation cannot be detected.
+    ``fxamp.plan_of(gm)`` gives a rewrite's plan; ``Plan.load`` / ``Plan.from_text`` read
+    a saved one.
+
+    Attributes:
+        nodes: source node name -> its ``NodePrecision``, in graph order.
+        header: the header lines (policy, target, dtype, front end, versions...).
+        ranges: the calibration statistics the rewrite used (if any), so a later rewrite
+            can reuse them without data: ``amp_rewrite(..., calibration_data=plan)``.
+        format_version: the text format the plan was read from (2 for plans made in
+            memory); a version-1 file has no end marker, so its truncation cannot be
+            detected.
     """
 
     nodes: Dict[str, NodePrecision] = field(default_factory=dict)
@@ -46,7 +53,14 @@ class Plan:
         return self.format_version >= 2
 
     def count(self, dtype: torch.dtype) -> int:
-        """How many nodes compute in ``dtype``."""
+        """How many nodes compute in ``dtype``.
+
+        Args:
+            dtype: a floating dtype (``torch.float16``).
+
+        Returns:
+            The number of nodes whose ``NodePrecision.dtype`` is ``dtype``.
+        """
         return sum(1 for p in self.nodes.values() if p.dtype == dtype)
 
     def to_text(self) -> str:
@@ -72,21 +86,47 @@ class Plan:
 
     @classmethod
     def from_text(cls, text: str) -> "Plan":
-        """Parse the text form (data only). Raises PlanFormatError naming the bad line; a
-        v2 text that stops before its end marker (a truncated file) is an error too."""
+        """Parse the text form (data only).
+
+        Args:
+            text: a plan's text, as ``to_text`` writes it.
+
+        Returns:
+            The plan; ``Plan.from_text(plan.to_text()) == plan``.
+
+        Raises:
+            PlanFormatError: a line that is not a plan line (the message names it), or a
+                v2 text that stops before its end marker (a truncated file).
+        """
         return parse(text, cls)
 
     def save(self, path: str) -> None:
-        """Write the text form to ``path`` atomically (the old file survives a failure;
-        OutputFileError names the cause)."""
+        """Write the text form to ``path`` atomically (the old file survives a failure).
+
+        Args:
+            path: the file to write.
+
+        Raises:
+            OutputFileError: the file cannot be written (the message names the cause).
+        """
         from .fileio import atomic_write_text
         atomic_write_text(path, self.to_text())
 
     @classmethod
     def load(cls, path: str) -> "Plan":
-        """Read a plan file written by :meth:`save` or ``fxamp plan``. OSError when it
-        cannot be read; PlanFormatError (naming the line) when it is not a complete plan,
-        including bytes that are not UTF-8."""
+        """Read a plan file written by ``Plan.save`` or ``fxamp plan``.
+
+        Args:
+            path: the plan file.
+
+        Returns:
+            The plan.
+
+        Raises:
+            OSError: the file cannot be read.
+            PlanFormatError: it is not a complete plan, including bytes that are not UTF-8
+                (the message names the line).
+        """
         with open(path, "rb") as fh:
             data = fh.read()
         try:
@@ -202,11 +242,24 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
          fmt: str = "text") -> str:
     """A readable diff of two plans; the empty string when they decide the same.
 
-    ``a`` and ``b`` are Plans or paths of plan files (read with :meth:`Plan.load`).
     Versions in the header are ignored; other header lines, changed, added and removed nodes
     and ``@range`` lines (a range decides fp16 vs fp32 when the plan is reused as
-    ``calibration_data``) are listed, then a one-line summary. ``fmt="markdown"`` gives a
-    table for a pull request.
+    ``calibration_data``) are listed, then a one-line summary.
+
+    Args:
+        a: the plan before: a ``Plan`` or the path of a plan file (read with
+            ``Plan.load``).
+        b: the plan after, the same way.
+        fmt: ``"text"`` (one line per change) or ``"markdown"`` (a table for a pull
+            request).
+
+    Returns:
+        The diff; ``""`` when the plans decide the same.
+
+    Raises:
+        ValueError: an unknown ``fmt``.
+        TypeError: ``a`` or ``b`` is neither a Plan nor a path.
+        PlanFormatError: a plan file is not a complete plan.
     """
     if fmt not in ("text", "markdown"):
         raise ValueError(f"unknown diff format {fmt!r}; valid: text, markdown")

@@ -1,8 +1,8 @@
-"""The plan's records: what one node computes in (:class:`NodePrecision`) and what it
-produced on calibration batches (:class:`RangeStats`).
+"""The plan's records: what one node computes in (``NodePrecision``) and what it
+produced on calibration batches (``RangeStats``).
 
-They sit below both the plan (:mod:`fxamp.plan`, which re-exports them) and its text form
-(:mod:`fxamp.plan_text`, which parses lines into them), so neither imports the other's
+They sit below both the plan (``fxamp.plan``, which re-exports them) and its text form
+(``fxamp.plan_text``, which parses lines into them), so neither imports the other's
 module to build one.
 """
 from __future__ import annotations
@@ -19,12 +19,16 @@ from .errors import shorten
 
 @dataclass(frozen=True)
 class NodePrecision:
-    """What one node computes in and why.
+    """What one node computes in and why: one line of a ``Plan``.
 
-    dtype: the node's floating output dtype. rule: "autocast" when it is what torch.autocast
-    does for the target, else the fxamp pass (or "user", "runtime") that decided.
-    reason: one sentence. op: torch-level label. module: module path ("" for the root).
-    inputs: the dtype its floating inputs are cast to (None: left as they come).
+    Attributes:
+        dtype: the node's floating output dtype (the dtype it computes in).
+        rule: ``"autocast"`` when it is what ``torch.autocast`` does for the target, else
+            the fxamp pass (or ``"user"``, ``"runtime"``) that decided.
+        reason: one human sentence.
+        op: the torch-level label of its target (``"linear"``, ``"Tensor.softmax"``).
+        module: the path of the module it belongs to (``""`` for the root).
+        inputs: the dtype its floating inputs are cast to (None: left as they come).
     """
 
     dtype: torch.dtype

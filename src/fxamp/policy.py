@@ -7,13 +7,17 @@ A policy is a frozen dataclass with a string form (after deepmind/jmp)::
 Items are separated by commas. ``key=value`` sets a field; ``fp32:PATTERN``,
 ``fp16:PATTERN`` or ``bf16:PATTERN`` is an override: every node whose name, module path or op
 label matches the glob PATTERN computes in that dtype (``rule="user"``). Later overrides win.
-``off:RULE`` switches one numerics rule off (:data:`NUMERICS_RULES`); ``numerics=off`` is
-the shorthand for all of them plus ``output=keep`` (the autocast mirror).
+``off:RULE`` switches one numerics rule off (``NUMERICS_RULES``); ``numerics=off`` is
+the shorthand for all of them plus ``output=keep`` (the autocast mirror). ``user:NAME`` names
+a user's decision rule (``fxamp.DecisionRule``) the rewrite runs: the policy, and so a
+plan's header, records its name; the rule object itself is given to ``amp_rewrite(...,
+rules=[...])``.
 """
 from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 from dataclasses import dataclass, field, replace
 from typing import FrozenSet, Optional, Sequence, Tuple, Union
 
@@ -49,6 +53,40 @@ _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
 #: the numerics rules ``off:RULE`` switches off one at a time (their plan rule names), in the
 #: order the rewrite runs them; ``numerics=off`` switches off all of them
 NUMERICS_RULES = ("softmax", "custom_ops", "norm_eps", "loss", "joins", "mask_fill")
+#: how a user's decision rule is named: ``user:`` and a word of letters, digits, ``_``,
+#: ``.`` and ``-`` (the plan's rule column and the policy item are this one name)
+USER_RULE_PREFIX = "user:"
+USER_RULE_NAME = re.compile(r"user:[A-Za-z_][A-Za-z0-9_.\-]*")
+
+
+def is_user_rule(name: object) -> bool:
+    """Whether ``name`` (a plan's rule column, a rule's ``name``) names a user's rule."""
+    return isinstance(name, str) and name.startswith(USER_RULE_PREFIX)
+
+
+def check_user_rule_name(name: object, what: str, error: type = PolicyError) -> str:
+    """``name`` when it is a valid user rule name (:data:`USER_RULE_NAME`).
+
+    Args:
+        name: the name to check.
+        what: whose name it is, for the message ("policy item", "rule KeepScales").
+        error: the FxampError subclass raised.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        PolicyError: (or ``error``) when it is no ``user:WORD``, saying how to spell it.
+    """
+    if isinstance(name, str) and USER_RULE_NAME.fullmatch(name):
+        return name
+    word = re.sub(r"[^A-Za-z0-9_.\-]+", "_", str(name).split(":")[-1]).strip("_") or "my_rule"
+    if word[0].isdigit():
+        word = "r" + word
+    raise error(f"{what} {name!r} is not a user rule name: a user rule is named "
+                      f"'user:WORD' (letters, digits, _ . -; the plan's rule column shows it "
+                      f"and tells it from fxamp's own rules); what to do: name it "
+                      f"'user:{word}'")
 
 
 def _suggest(word: str, valid: Sequence[str]) -> str:
@@ -109,7 +147,12 @@ def parse_compute_dtype(text: Union[str, torch.dtype]) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Override:
-    """Nodes matching ``pattern`` (name, module path or op label; a glob) compute in ``dtype``."""
+    """Nodes matching ``pattern`` compute in ``dtype``; written ``fp32:head.*``.
+
+    Args:
+        dtype: the dtype the matching nodes compute in.
+        pattern: a glob matched against a node's name, its module path or its op label.
+    """
 
     dtype: torch.dtype
     pattern: str
@@ -120,52 +163,62 @@ class Override:
 
 @dataclass(frozen=True)
 class Policy:
-    """What to rewrite to.
+    """What to rewrite to. ``Policy.parse`` reads the text form
+    (``"bf16,fp32:head.*,off:joins"``), which ``str(policy)`` writes.
 
-    compute: the low-precision dtype (float16 or bfloat16).
-    target: whose autocast op lists are mirrored, "cuda" or "cpu" (training); or "tensorrt",
-        a deployment plan: every floating op in the low dtype, FP32 only where a number
-        forces it (a value range on the example inputs or calibration data, a deep
-        reduction, a norm's eps, an op TensorRT has no FP16 kernel for), each with its
-        reason (``passes/deploy.py``).
-    overrides: per-node / per-module / per-op dtype overrides, later ones win.
-    output_dtype: dtype of the floating outputs the plan made low precision (default FP32,
-        like keep_io_types; an output the model converts itself keeps its dtype); None keeps
-        what the graph computes.
-    numerics: run the numerics passes (:data:`NUMERICS_RULES`: softmax, custom ops, norm eps,
-        loss, joins, and a deployment plan's attention-mask fills).
-        ``Policy.parse("numerics=off")`` turns all of them off and, unless an ``output=`` item
-        is given, also sets ``output_dtype=None`` (``output=keep``): with both,
-        the rewrite mirrors autocast exactly, whose outputs keep the dtype their op gave.
-        Setting the field directly changes only the rules.
-    rules_off: numerics rules switched off one at a time (``off:joins``); nothing else
-        changes (the output dtype neither). A rule runs when ``numerics`` is on and it is
-        not in ``rules_off`` (:meth:`runs`).
-    guard: (opt-in, off by default) a plan with ranges (calibration data, or any
-        deployment plan) checks at run time each low-precision node whose range was
-        measured: the first value past the limit the ranges rule kept it under (the low
-        dtype's max / 2, / 128 for a deployment target) logs one warning naming the node and
-        the value. Costs one reduction and one device sync per such node per call.
-    channels_last: run 2-D convolutions in NHWC: the weights of the graph's 4-D convs are
-        kept in channels_last memory format (in place: same Parameter objects, shared with
-        the model) and the graph's 4-D floating inputs are made channels_last on entry.
-    placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
-        low/FP32 boundary where that casts fewer bytes per step (``passes/placement.py``).
-        Independent of ``numerics``; off, casts sit where autocast puts them.
-    weights: how the FP32 weights reach low precision.
-        "cast" (default): every forward casts each weight it computes with in the graph, as
-        autocast does, and nothing is kept between steps ("cached", an older mode, now
-        means the same). "o2" (apex O2 style, ``fxamp/weight_cache.py``): low-precision
-        copies are kept between steps and ``fxamp.train.attach_optimizer(gm, optimizer)``
-        re-casts them right after each optimizer step, in one foreach operation, so forward
-        and backward cast no weight; ``fxamp.weight_cache_bytes(gm)`` reports the memory.
-        "stored" (inference and serving, ``rewriter/stored.py``; needs ``inplace=True``):
-        each Parameter is stored at rest in the dtype of the nodes that compute with it: one
-        read only by low-precision nodes is replaced in place by a low-precision Parameter
-        (its FP32 values rounded once: autocast's numbers), one read by an FP32 island stays
-        FP32, one read in both stays FP32 with one low-precision copy (the plan header's
-        ``stored_copies`` names it); no stored weight is cast per call. Training is refused
-        (``StoredWeightsError``): rewrite with "cast" to train.
+    Args:
+        compute: the low-precision dtype (float16 or bfloat16).
+        target: whose autocast op lists are mirrored, "cuda" or "cpu" (training); or "tensorrt",
+            a deployment plan: every floating op in the low dtype, FP32 only where a number
+            forces it (a value range on the example inputs or calibration data, a deep
+            reduction, a norm's eps, an op TensorRT has no FP16 kernel for), each with its
+            reason (``passes/deploy.py``).
+        overrides: per-node / per-module / per-op dtype overrides, later ones win.
+        output_dtype: dtype of the floating outputs the plan made low precision (default FP32,
+            like keep_io_types; an output the model converts itself keeps its dtype); None keeps
+            what the graph computes.
+        numerics: run the numerics passes (``NUMERICS_RULES``: softmax, custom ops, norm eps,
+            loss, joins, and a deployment plan's attention-mask fills).
+            ``Policy.parse("numerics=off")`` turns all of them off and, unless an ``output=`` item
+            is given, also sets ``output_dtype=None`` (``output=keep``): with both,
+            the rewrite mirrors autocast exactly, whose outputs keep the dtype their op gave.
+            Setting the field directly changes only the rules.
+        rules_off: numerics rules switched off one at a time (``off:joins``); nothing else
+            changes (the output dtype neither). A rule runs when ``numerics`` is on and it is
+            not in ``rules_off`` (``Policy.runs``).
+        guard: (opt-in, off by default) a plan with ranges (calibration data, or any
+            deployment plan) checks at run time each low-precision node whose range was
+            measured: the first value past the limit the ranges rule kept it under (the low
+            dtype's max / 2, / 128 for a deployment target) logs one warning naming the node and
+            the value. Costs one reduction and one device sync per such node per call.
+        channels_last: run 2-D convolutions in NHWC: the weights of the graph's 4-D convs are
+            kept in channels_last memory format (in place: same Parameter objects, shared with
+            the model) and the graph's 4-D floating inputs are made channels_last on entry.
+        rules: the names of the user's decision rules the rewrite runs (``user:NAME`` items;
+            ``fxamp.DecisionRule``), in the order they run. The rule objects are given
+            with ``amp_rewrite(..., rules=[...])`` (``fxamp.RewriteConfig``); a policy
+            naming a rule no object is given for is refused (``fxamp.RuleError``).
+        placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
+            low/FP32 boundary where that casts fewer bytes per step (``passes/placement/``).
+            Independent of ``numerics``; off, casts sit where autocast puts them.
+        weights: how the FP32 weights reach low precision.
+            "cast" (default): every forward casts each weight it computes with in the graph, as
+            autocast does, and nothing is kept between steps ("cached", an older mode, now
+            means the same). "o2" (apex O2 style, ``fxamp/weight_cache.py``): low-precision
+            copies are kept between steps and ``fxamp.train.attach_optimizer(gm, optimizer)``
+            re-casts them right after each optimizer step, in one foreach operation, so forward
+            and backward cast no weight; ``fxamp.weight_cache_bytes(gm)`` reports the memory.
+            "stored" (inference and serving, ``rewriter/stored.py``; needs ``inplace=True``):
+            each Parameter is stored at rest in the dtype of the nodes that compute with it: one
+            read only by low-precision nodes is replaced in place by a low-precision Parameter
+            (its FP32 values rounded once: autocast's numbers), one read by an FP32 island stays
+            FP32, one read in both stays FP32 with one low-precision copy (the plan header's
+            ``stored_copies`` names it); no stored weight is cast per call. Training is refused
+            (``StoredWeightsError``): rewrite with "cast" to train.
+
+    Raises:
+        PolicyError: an unknown weights mode, target or numerics rule, or a compute dtype
+            other than float16 / bfloat16.
     """
 
     compute: torch.dtype = torch.float16
@@ -178,8 +231,16 @@ class Policy:
     guard: bool = False
     placement: bool = True
     weights: str = "cast"
+    rules: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in self.rules:
+            check_user_rule_name(name, "policy rule")
+        if len(set(self.rules)) != len(self.rules):
+            twice = next(n for n in self.rules if list(self.rules).count(n) > 1)
+            raise PolicyError(f"user rule {twice!r} is named twice in the policy; what to do: "
+                              "name each rule once")
+        object.__setattr__(self, "rules", tuple(self.rules))
         if self.weights not in WEIGHT_MODES:
             raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         if self.compute not in (torch.float16, torch.bfloat16):
@@ -195,13 +256,35 @@ class Policy:
         object.__setattr__(self, "rules_off", frozenset(self.rules_off))
 
     def runs(self, rule: str) -> bool:
-        """Whether the numerics rule ``rule`` (one of :data:`NUMERICS_RULES`) runs."""
+        """Whether the numerics rule ``rule`` runs: ``numerics`` on and the rule not in
+        ``rules_off``.
+
+        Args:
+            rule: one of ``NUMERICS_RULES``.
+
+        Returns:
+            True when the rule runs.
+        """
         assert rule in NUMERICS_RULES, rule
         return self.numerics and rule not in self.rules_off
 
     @classmethod
     def parse(cls, text: str, base: Optional["Policy"] = None) -> "Policy":
-        """Parse the string form; fields it does not set come from ``base``."""
+        """Parse the string form (comma-separated items: ``bf16``, ``target=cpu``,
+        ``fp32:head.*``, ``off:joins``, ``numerics=off``, ``weights=o2``...).
+
+        Args:
+            text: the policy's text form, as ``str(policy)`` writes it.
+            base: the policy whose fields the text does not set are kept (default:
+                ``Policy()``); its overrides come first.
+
+        Returns:
+            The policy.
+
+        Raises:
+            PolicyError: an unknown key, dtype, rule or value, or an override without a
+                pattern; the message names the item.
+        """
         policy = base or cls()
         overrides = list(policy.overrides)
         output_given = False
@@ -215,7 +298,7 @@ class Policy:
                     raise PolicyError(f"unknown policy key {key!r}{_suggest(key, _KEYS)} in "
                                       f"{text!r}; valid keys: {', '.join(_KEYS)}, or "
                                       "DTYPE:PATTERN overrides, or off:RULE (rules: "
-                                      f"{', '.join(NUMERICS_RULES)})")
+                                      f"{', '.join(NUMERICS_RULES)}), or user:NAME")
                 if key == "compute":
                     policy = replace(policy, compute=parse_compute_dtype(value))
                 elif key == "target":
@@ -253,6 +336,10 @@ class Policy:
                     policy = replace(policy, numerics=on, rules_off=frozenset())
                     if not on and not output_given:
                         policy = replace(policy, output_dtype=None)
+            elif is_user_rule(item):
+                name = check_user_rule_name(item, "policy item")
+                if name not in policy.rules:
+                    policy = replace(policy, rules=policy.rules + (name,))
             elif item.partition(":")[0].strip().lower() == "off":
                 rule = item.partition(":")[2].strip().lower()
                 if rule not in NUMERICS_RULES:
@@ -288,17 +375,32 @@ class Policy:
             parts.append(f"weights={self.weights}")
         if self.output_dtype != (torch.float32 if self.numerics else None):
             parts.append(f"output={dtype_name(self.output_dtype) if self.output_dtype else 'keep'}")
+        parts.extend(self.rules)
         parts.extend(str(o) for o in self.overrides)
         return ",".join(parts)
 
     def overrides_matching(self, *names: str) -> Tuple[Override, ...]:
-        """Every override whose pattern matches any of ``names`` (node, module, op), in
-        order: the last one wins."""
+        """Every override whose pattern matches any of ``names``, in order: the last one
+        wins.
+
+        Args:
+            *names: a node's name, module path and op label (empty ones are skipped).
+
+        Returns:
+            The matching overrides.
+        """
         return tuple(o for o in self.overrides
                      if any(name and fnmatch.fnmatchcase(name, o.pattern) for name in names))
 
     def override_for(self, *names: str) -> Optional[Override]:
-        """The last override whose pattern matches any of ``names`` (node, module, op)."""
+        """The last override whose pattern matches any of ``names``.
+
+        Args:
+            *names: a node's name, module path and op label (empty ones are skipped).
+
+        Returns:
+            The override that wins, or None.
+        """
         found = self.overrides_matching(*names)
         return found[-1] if found else None
 

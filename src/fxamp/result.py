@@ -1,5 +1,5 @@
-"""What a rewrite leaves on the module it returns: one frozen :class:`Rewritten` under one
-attribute (:data:`ATTR`), read by :func:`plan_of` / :func:`config_of` / :func:`result_of`."""
+"""What a rewrite leaves on the module it returns: one frozen ``Rewritten`` under one
+attribute (``ATTR``), read by ``plan_of`` / ``config_of`` / ``result_of``."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from .policy import Policy
 from .program import RESULT
 
 #: the one attribute a rewritten module (and an in-place rewritten model) holds (defined in
-#: :mod:`fxamp.program`, which reads it on every call)
+#: ``fxamp.program``, which reads it on every call)
 ATTR = RESULT
 
 
@@ -21,7 +21,7 @@ ATTR = RESULT
 class Rewritten:
     """A rewrite's result: the plan it used, its policy, the label of the model it was made
     from (``nn.Linear``, ``MyNet``), for the top-level rewrite its config, and the
-    :class:`~fxamp.structure.Structure` and the call structure its program checks on each
+    ``Structure`` and the call structure its program checks on each
     call."""
 
     plan: Plan
@@ -57,7 +57,7 @@ def has_result(module: object) -> bool:
 
 
 def result_of(module: object) -> Rewritten:
-    """The :class:`Rewritten` ``module`` holds; FxampError when amp_rewrite did not make it."""
+    """The ``Rewritten`` ``module`` holds; FxampError when amp_rewrite did not make it."""
     value = getattr(module, ATTR, None)
     if isinstance(value, Pending):
         raise NotPlannedError(
@@ -77,12 +77,36 @@ def set_result(module: object, result: Rewritten) -> None:
 
 
 def plan_of(module: object) -> Plan:
-    """The Plan that amp_rewrite used to make ``module``."""
+    """The Plan that amp_rewrite used to make ``module``.
+
+    Args:
+        module: a module ``amp_rewrite`` returned (or rewrote in place).
+
+    Returns:
+        Its ``Plan``: one ``NodePrecision`` per source node, in graph order.
+
+    Raises:
+        NotPlannedError: ``module`` was rewritten in place without example inputs and has
+            not been called yet.
+        FxampError: ``amp_rewrite`` did not make ``module``.
+    """
     return result_of(module).plan
 
 
 def config_of(module: object) -> RewriteConfig:
-    """The RewriteConfig ``module`` was made with by ``amp_rewrite`` (FxampError if none)."""
+    """The RewriteConfig ``module`` was made with by ``amp_rewrite``.
+
+    Args:
+        module: a module ``amp_rewrite`` returned (or rewrote in place, planned or not).
+
+    Returns:
+        The ``RewriteConfig``; ``amp_rewrite(model, inputs, config=config_of(gm))`` makes
+        the same rewrite again.
+
+    Raises:
+        FxampError: ``amp_rewrite`` did not make ``module``, or it is a nested part of a
+            rewrite (read the config of the module ``amp_rewrite`` returned).
+    """
     pending = getattr(module, ATTR, None)
     if isinstance(pending, Pending):
         return pending.config

@@ -3,8 +3,8 @@
 By default (``weights=cast``) the rewritten graph casts each FP32 Parameter it computes with
 in low precision with ``Tensor.to``, as autocast does, and keeps nothing between steps. With
 ``weights=o2`` (Apex O2 style: bf16/fp16 copies of the weights live between steps, updated
-by the optimizer) the graph casts through :func:`cast_weight` (one node per weight and dtype,
-marked as a cast in the IR: ``ir.is_cast``) into a :class:`WeightCache` (a submodule
+by the optimizer) the graph casts through ``cast_weight`` (one node per weight and dtype,
+marked as a cast in the IR: ``ir.is_cast``) into a ``WeightCache`` (a submodule
 ``fxamp_weight_cache`` of the rewritten module, without parameters or buffers). The text
 below is about that cache.
 
@@ -21,7 +21,7 @@ Parameter's version counter. So:
 
 Gradients: a copy cast with grad mode on keeps a backward that is ``Tensor.to``'s (the
 low-precision gradient cast to the master's dtype; ``ToCopyBackward`` / ``CopyBackwards``, or
-:class:`_CastBack` for copies written without grad and for CPU weights of ``BIG`` bytes or
+``_CastBack`` for copies written without grad and for CPU weights of ``BIG`` bytes or
 more); it saves no tensor. Gradients reach the FP32 master exactly as without the cache
 (bit-identical, tested).
 
@@ -30,7 +30,7 @@ is re-cast in one ``torch._foreach_copy_`` per dtype and device; with grad, one 
 weight. A copy is overwritten in place only when nothing else holds it (tensor and storage
 use counts: no autograd graph saved it, no view or caller kept it), so an autograd graph
 still alive keeps the copies it saved; else the cast goes to a new tensor. On CPU the FP32
-gradient of a weight linked by :class:`_CastBack` is likewise written into the previous
+gradient of a weight linked by ``_CastBack`` is likewise written into the previous
 step's gradient memory once no ``.grad`` holds it. Reusing memory matters on CPU, where a
 fresh large tensor page-faults (measured: casting GPT-2-small's 124M weights into new tensors
 ~5x the time of casting into existing ones; training steps 147k page faults -> 100k).
@@ -62,7 +62,7 @@ from .runtime import fan_out
 
 log = logging.getLogger(__name__)
 
-#: CPU weights at least this large (bytes) are linked by :class:`_CastBack`, which keeps their
+#: CPU weights at least this large (bytes) are linked by ``_CastBack``, which keeps their
 #: FP32 gradient memory between steps: a fresh tensor of that size often page-faults (glibc
 #: mmaps it or trims the heap under it), worth one Python call per weight in backward;
 #: smaller ones keep torch's C++ backward
@@ -151,7 +151,7 @@ class _Slot:
         return self.usable(reuse_grad_copy) is not None
 
     def usable(self, reuse_grad_copy: bool) -> Optional[torch.Tensor]:
-        """The copy, read once, when it may serve again (see :meth:`fresh`); else None."""
+        """The copy, read once, when it may serve again (see ``fresh``); else None."""
         p, copy, key = self.param, self.copy, self.key
         if (p is not None and copy is not None and key == _key(p)
                 and copy._version == self.version
@@ -163,7 +163,7 @@ class _Slot:
         """``grad.to(dtype)``; on CPU (where a fresh large tensor page-faults) written into
         the previous step's gradient memory when nothing holds it any more (the optimizer's
         ``zero_grad(set_to_none=True)`` dropped it), and returned as a new alias of it
-        (:func:`_alias`)."""
+        (``_alias``)."""
         if (grad.device.type != "cpu" or grad.dtype == dtype or torch.is_grad_enabled()
                 or type(grad) is not torch.Tensor):
             return grad.to(dtype)  # (grad enabled: create_graph, keep the plain formula)
@@ -256,7 +256,7 @@ class WeightCache(nn.Module):
             return self._refresh(only_stale, owned)
 
     def _refresh(self, only_stale: bool = True, owned: Optional[set] = None) -> int:
-        """:meth:`refresh`, with the lock held."""
+        """``refresh``, with the lock held."""
         groups: Dict[tuple, List[_Slot]] = {}
         n = 0
         for slot in self.slots:
@@ -299,7 +299,7 @@ class WeightCache(nn.Module):
         """The low-precision copy of ``param`` for slot ``index``, cast if it changed (without
         grad: with every other changed weight, in one operation); ``grad``: a copy whose
         backward returns the gradient to ``param``. A fresh copy is served without the lock;
-        a stale one is filled under it (:meth:`_fill`)."""
+        a stale one is filled under it (``_fill``)."""
         slot = self.slots[index]
         self.served = True
         o2 = self.mode == "o2" and self.attached
@@ -316,7 +316,7 @@ class WeightCache(nn.Module):
             return self._fill(slot, param, grad, o2)
 
     def _fill(self, slot: _Slot, param: torch.Tensor, grad: bool, o2: bool) -> torch.Tensor:
-        """:meth:`get` for a copy that may be stale, with the lock held: checked again (another
+        """``get`` for a copy that may be stale, with the lock held: checked again (another
         thread may have filled it meanwhile), cast if stale, and served."""
         if slot.param is not param:
             slot.param, slot.key, slot.grad_copy = param, None, None
@@ -346,7 +346,7 @@ class WeightCache(nn.Module):
         """Cast one stale weight with grad mode on, into the old copy's memory when nothing
         else holds it. The copy's backward (``ToCopyBackward`` / ``CopyBackwards``, both
         ``grad.to(param.dtype)``; saving no tensor) serves the micro-batches of an
-        accumulation window. CPU weights of ``BIG`` bytes or more go through :class:`_CastBack`,
+        accumulation window. CPU weights of ``BIG`` bytes or more go through ``_CastBack``,
         whose backward also reuses the FP32 gradient memory (one Python call per weight)."""
         old, slot.copy, slot.grad_copy = slot.copy, None, None
         dtype = slot.dtype
@@ -408,8 +408,15 @@ def caches(gm: nn.Module) -> List[WeightCache]:
 
 
 def weight_cache_bytes(gm: nn.Module) -> int:
-    """Bytes of low-precision weight copies ``gm`` keeps between forwards (0 with the policy
-    ``weights=cast`` or before the first forward)."""
+    """Bytes of low-precision weight copies ``gm`` keeps between forwards.
+
+    Args:
+        gm: a module ``amp_rewrite`` returned, or a model it rewrote in place.
+
+    Returns:
+        The bytes of the cached copies; 0 with the policy ``weights=cast`` or before the
+        first forward.
+    """
     return sum(c.nbytes() for c in caches(gm))
 
 

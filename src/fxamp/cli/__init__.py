@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--input-shape", type=_shape, action="append",
                        help="shape of an FP32 input (random for export; on device meta, without "
                        "data, for the commands that only plan); repeat for several inputs")
+        p.add_argument("--rule", action="append", metavar="MODULE:RULE",
+                       help="a user decision rule (MODULE:NAME or FILE.py:NAME naming a "
+                       "fxamp.DecisionRule object or subclass, or a list of them); repeat "
+                       "for several")
 
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
     model_args(p)

@@ -180,25 +180,45 @@ def _unpack(spec: str, made: Any) -> Tuple[torch.nn.Module, Optional[tuple]]:
                        f"{_ACCEPTED}")
 
 
-def load_model(spec: str) -> Tuple[torch.nn.Module, Optional[tuple]]:
-    """Import MODULE:FACTORY (or FILE.py:FACTORY, a path from the current directory) and
-    call the factory: its model, and its inputs (None when it returned a model alone)."""
+def _loaded(spec: str, what: str, call: bool) -> Any:
+    """The object MODULE:NAME (or FILE.py:NAME, a path from the current directory) names;
+    called (:func:`_call`) when ``call``. ``what`` is NAME's part, for the messages."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise FactoryError(f"expected MODULE:FACTORY or FILE.py:FACTORY (e.g. "
+        raise FactoryError(f"expected MODULE:{what} or FILE.py:{what} (e.g. "
                            f"fxamp.demo:small_cnn, examples/audit_demo.py:build), got "
                            f"{excerpt(spec)}")
     added: List[str] = []
     try:
         module = _import(module_name, added)
-        factory = getattr(module, attr, None)
-        if factory is None:
+        found = getattr(module, attr, None)
+        if found is None:
             raise FactoryError(f"{module_name!r} has no attribute {attr!r}")
-        made: Any = _call(spec, factory)  # it may import lazily from its directory
+        return _call(spec, found) if call else found  # it may import from its directory
     finally:
         for entry in added:
             sys.path.remove(entry)
-    return _unpack(spec, made)
+
+
+def load_model(spec: str) -> Tuple[torch.nn.Module, Optional[tuple]]:
+    """Import MODULE:FACTORY (or FILE.py:FACTORY, a path from the current directory) and
+    call the factory: its model, and its inputs (None when it returned a model alone)."""
+    return _unpack(spec, _loaded(spec, "FACTORY", call=True))
+
+
+def load_rules(specs: Sequence[str]) -> List[Any]:
+    """The user rules of ``--rule`` options: each MODULE:NAME (or FILE.py:NAME) names a
+    ``fxamp.DecisionRule`` object, a list of them, or a DecisionRule subclass, made with no
+    arguments. What is no rule is refused when the config is made (RuleError)."""
+    from ..rules import DecisionRule
+
+    rules: List[Any] = []
+    for spec in specs:
+        found = _loaded(spec, "RULE", call=False)
+        if isinstance(found, type) and issubclass(found, DecisionRule):
+            found = _call(spec, found)
+        rules.extend(found if isinstance(found, (list, tuple)) else [found])
+    return rules
 
 
 def _no_inputs(spec: str) -> FactoryError:
@@ -312,10 +332,11 @@ def meta_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The one RewriteConfig of the model arguments (--policy, --dtype, --target,
-    --frontend) that every command rewriting a model uses."""
+    --frontend, --rule) that every command rewriting a model uses."""
     from ..config import RewriteConfig
 
-    return RewriteConfig.make(args.policy, args.dtype, args.target, args.frontend)
+    return RewriteConfig.make(args.policy, args.dtype, args.target, args.frontend,
+                              rules=load_rules(getattr(args, "rule", None) or []))
 
 
 def rewrite_from_args(args: argparse.Namespace, ranges: Any = None) -> Any:

@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Set
 
 from ..errors import FxampError
 from ..fileio import atomic_write_text
@@ -97,6 +97,14 @@ def _checked_plan(args: argparse.Namespace, committed: Any) -> Any:
     return plan_of(rewrite_from_args(args, merged))
 
 
+def user_rules_of(plan: Any) -> Set[str]:
+    """The user rules a plan names: in its header's policy and in its rule column."""
+    from ..policy import is_user_rule
+
+    named = {item.strip() for item in plan.policy.split(",") if is_user_rule(item.strip())}
+    return named | {p.rule for p in plan.nodes.values() if is_user_rule(p.rule)}
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from ..plan import diff
 
@@ -118,6 +126,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         write_result("check", text)
         print(f"fxamp check: the plan of {args.factory} differs from {args.plan}; review the "
               "change, then run again with --update to accept it", file=sys.stderr)
+        missing = sorted(user_rules_of(committed) - user_rules_of(plan))
+        if missing:
+            print(f"fxamp check: {args.plan} was made with the user rule"
+                  f"{'s' if len(missing) > 1 else ''} {', '.join(missing)}, which this run "
+                  "did not have (a plan file names its rules, not their code); what to do: "
+                  "give each with --rule MODULE:NAME", file=sys.stderr)
         return 1
     print(f"fxamp check: {args.factory} matches {args.plan} ({len(plan.nodes)} nodes)")
     return 0

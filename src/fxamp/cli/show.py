@@ -6,7 +6,7 @@ import argparse
 
 from ..errors import FxampError
 from ..fileio import atomic_write_text
-from .factory import rewrite_from_args, load_factory
+from .factory import load_factory, load_rules, rewrite_from_args
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -41,7 +41,8 @@ def _show_model_explorer(args: argparse.Namespace) -> int:
 
     model, inputs = load_factory(args.factory, args.input_shape or [])
     written = write_program_node_data(model, inputs, args.output, frontend=args.frontend,
-                                      dtype=args.dtype, target=args.target, policy=args.policy)
+                                      dtype=args.dtype, target=args.target, policy=args.policy,
+                                      rules=load_rules(args.rule or []))
     print(f"wrote {' and '.join(written)} (Model Explorer node data): open the model with "
           "model_explorer.visualize_pytorch(name, exported_program=torch.export.export(model, "
           "inputs)) and load the node data")

@@ -43,11 +43,29 @@ class Backend:
 
     def run(self, path: str, layers: List[LayerPrecision], inputs: Optional[Sequence[Any]],
             device: Optional[str]) -> str:
-        """Run the ONNX file at ``path``; fill ``actual`` of ``layers``; the device used."""
+        """Run the ONNX file at ``path`` and fill ``actual`` of ``layers``.
+
+        Args:
+            path: the ONNX file.
+            layers: its layers, as ``precision_report`` read them from the file.
+            inputs: the example inputs (None: random, dynamic dims 1).
+            device: an onnxruntime provider to ask for (None: the backend's default).
+
+        Returns:
+            The device used, in words.
+        """
         raise NotImplementedError
 
     def support(self, op_type: str, dtype: str = "fp16") -> Prediction:
-        """Its published table's answer for ``op_type`` (an ai.onnx op) in ``dtype``."""
+        """Its published table's answer for ``op_type`` in ``dtype``.
+
+        Args:
+            op_type: an ai.onnx op name.
+            dtype: ``"fp16"`` or ``"bf16"``.
+
+        Returns:
+            The ``Prediction``.
+        """
         raise NotImplementedError
 
 
@@ -119,8 +137,18 @@ def _unknown(backend: str, auto: bool) -> UnknownBackendError:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend a name or alias (``onnxruntime-cuda``) names; UnknownBackendError (an
-    FxampError and ValueError) listing the names for anything else."""
+    """The backend a name or alias (``onnxruntime-cuda``) names.
+
+    Args:
+        name: a name of ``REGISTRY`` or an alias.
+
+    Returns:
+        The ``Backend``.
+
+    Raises:
+        UnknownBackendError: anything else (an FxampError and ValueError listing the
+            names).
+    """
     if name in REGISTRY:
         return REGISTRY[name]
     if name in ALIASES:

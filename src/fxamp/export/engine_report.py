@@ -15,9 +15,9 @@ model). A node computing in FP32 there but FP16 in the file is a fallback. With 
 profiling on, the provider that ran each node is read back; where a GPU provider was asked for,
 a node run by the CPU provider is a fallback too.
 
-TensorRT: :func:`fxamp.export.trt_build.tensorrt_layers` builds an engine (TensorRT 10/11
+TensorRT: ``fxamp.export.trt_build.tensorrt_layers`` builds an engine (TensorRT 10/11
 Python API; NOT run by fxamp's tests: no TensorRT there) and reads its inspector JSON with
-:mod:`fxamp.export.trt_layers`, which is tested on NVIDIA's published engine files; an engine
+``fxamp.export.trt_layers``, which is tested on NVIDIA's published engine files; an engine
 built elsewhere can be read with ``precision_report(..., engine_info=FILE)``.
 """
 from __future__ import annotations
@@ -99,16 +99,31 @@ def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "aut
                      atol: float = 1e-2, engine_info: Any = None) -> PrecisionReport:
     """Per-layer precision of the ONNX model at ``path`` against ``plan`` on ``backend``.
 
-    plan: the fxamp Plan (default: the one export_onnx stored in the file). backend: a name
-    of :data:`fxamp.export.backends.REGISTRY` ("onnxruntime", "tensorrt") or "auto"
-    (TensorRT when it imports and a GPU exists); "onnxruntime-cuda" is onnxruntime on its
-    CUDA provider. inputs: the example inputs (default: random, dynamic dims 1). reference:
-    the FP32 PyTorch model; when given with ``inputs`` the report's ``numerics`` holds the
-    per-output errors (without raising; use :func:`check_numerics` to fail above
-    tolerance). device: an onnxruntime provider to ask for (default CUDA when available,
-    else CPU). engine_info: the inspector JSON of a TensorRT engine built from this file
-    elsewhere (path, text or dict; e.g. from ``trtexec --exportLayerInfo``): ``actual`` is
-    read from it, nothing is built or run.
+    Args:
+        path: an ONNX file ``export_onnx`` wrote.
+        plan: the fxamp Plan (default: the one ``export_onnx`` stored in the file).
+        backend: a name of ``fxamp.export.backends.REGISTRY`` (``"onnxruntime"``,
+            ``"tensorrt"``) or ``"auto"`` (TensorRT when it imports and a GPU exists);
+            ``"onnxruntime-cuda"`` is onnxruntime on its CUDA provider.
+        inputs: the example inputs (default: random, dynamic dims 1).
+        reference: the FP32 PyTorch model; when given with ``inputs`` the report's
+            ``numerics`` holds the per-output errors (without raising; use
+            ``check_numerics`` to fail above tolerance).
+        device: an onnxruntime provider to ask for (default CUDA when available, else CPU).
+        rtol: the relative tolerance of the ``numerics`` rows.
+        atol: the absolute tolerance of the ``numerics`` rows.
+        engine_info: the inspector JSON of a TensorRT engine built from this file
+            elsewhere (path, text or dict; e.g. from ``trtexec --exportLayerInfo``):
+            ``actual`` is read from it, nothing is built or run.
+
+    Returns:
+        The ``PrecisionReport``: per layer, the planned, exported and actual precision.
+
+    Raises:
+        UnknownBackendError: an unknown ``backend``.
+        BackendUnavailableError: the backend named is not available (the message says
+            what to do).
+        OSError: the file cannot be read.
     """
     if engine_info is not None:
         model = _load(path)
@@ -143,7 +158,7 @@ def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "aut
 def _true_fp16(path: str, session: Any, inputs: Sequence[Any], refs: List[Any],
                rows: List[Dict[str, Any]]) -> None:
     """Add each row's true-FP16 result (``onnx.reference``, every op in its declared type):
-    ``true_fp16_max_abs`` and ``true_fp16_ok`` (within :data:`TRUE_FP16_RTOL` of the output's
+    ``true_fp16_max_abs`` and ``true_fp16_ok`` (within ``TRUE_FP16_RTOL`` of the output's
     scale); left out when the reference evaluator cannot run the file."""
     import numpy as np
     import onnx
@@ -176,8 +191,20 @@ def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: flo
     true FP16 (``onnx.reference``): ``true_fp16_max_abs``, ``true_fp16_ok`` (within
     ``TRUE_FP16_RTOL`` of max|ref|). ``ok`` is the backend's result alone.
 
-    Raises :class:`NumericsError` (an FxampError) when an output is over tolerance, unless
-    ``raise_on_error`` is False.
+    Args:
+        path: the ONNX file.
+        model_fp32: the FP32 PyTorch model (run in eval mode; its mode is restored).
+        example_inputs: the inputs of both (a tuple, or one tensor).
+        rtol: the relative tolerance, of the largest |ref|.
+        atol: the absolute tolerance.
+        raise_on_error: raise when an output is over tolerance (else only report it).
+        device: an onnxruntime provider to ask for (default CUDA when available, else CPU).
+
+    Returns:
+        One dict per output, with the keys above.
+
+    Raises:
+        NumericsError: an output is over tolerance and ``raise_on_error`` is True.
     """
     import numpy as np
     import onnxruntime as ort

@@ -6,10 +6,10 @@ file is stored in the model's ``metadata_props`` ("fxamp.exporter"), with the pl
 ("fxamp.plan") so a report can be made from the file alone.
 
 The dynamo exporter's graph is taken unoptimised: fxamp folds BatchNorm into its Conv
-(:mod:`fxamp.export.fold`) and the constant subgraphs (:mod:`fxamp.export.constants`) from the
+(``fxamp.export.fold``) and the constant subgraphs (``fxamp.export.constants``) from the
 FP32 values, rounding each weight once, then runs onnxscript's optimizer. The rest of the
-post-processing is in :mod:`fxamp.export.repairs` (weight casts, lost eps, type repair, eps,
-provenance) and :mod:`fxamp.export.cast_pairs` (Casts only at real precision boundaries).
+post-processing is in ``fxamp.export.repairs`` (weight casts, lost eps, type repair, eps,
+provenance) and ``fxamp.export.cast_pairs`` (Casts only at real precision boundaries).
 """
 from __future__ import annotations
 
@@ -88,9 +88,9 @@ def _fx_names(ep: Any, gm: fx.GraphModule) -> Dict[str, str]:
 
 def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
                    opset: Optional[int]) -> Tuple[Any, Dict[str, str], Any]:
-    """The dynamo exporter's graph, unoptimised (:func:`_fold_and_optimize` runs the
+    """The dynamo exporter's graph, unoptimised (``_fold_and_optimize`` runs the
     optimizer once fxamp has folded the constants from their FP32 values). The exporter is
-    given the graph with its weights cast already (:mod:`.weight_view`: half the ops to
+    given the graph with its weights cast already (``.weight_view``: half the ops to
     trace on a CNN); the file is what the casting graph exports to."""
     kwargs: Dict[str, Any] = {"dynamo": True, "verbose": False, "optimize": False}
     if opset is not None:
@@ -221,18 +221,35 @@ def _eval_reference(reference: Optional[torch.nn.Module]) -> Any:
 def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                 opset: Optional[int] = None, exporter: str = "auto",
                 reference: Optional[torch.nn.Module] = None) -> str:
-    """Export a model made by ``fxamp.amp_rewrite`` to ONNX; return ``path``.
+    """Export a model made by ``fxamp.amp_rewrite`` to ONNX.
 
     Before the file is written, the exported graph is run with onnxruntime and compared with
     the rewritten model on the example inputs and a second, different input (see
-    :mod:`fxamp.export.verify`): a graph that disagrees (a traced value-dependent branch) is
-    refused with an ExportError. The casts of the rewritten graph become ONNX Cast nodes and
-    FP16 initializers (the weight casts are constant-folded), FP32 islands stay FP32. The
-    export is for inference: modules are put in eval mode for it (their flags are restored).
-    ``exporter``: "auto" (dynamo, then TorchScript), "dynamo" or "torchscript".
-    ``reference``: the FP32 model the file is checked against (default: ``gm`` with its
-    casts made FP32, see :func:`fxamp.export.reference.fp32_reference`); the check never
-    runs an FP16 op in PyTorch.
+    ``fxamp.export.verify``): a graph that disagrees (a traced value-dependent branch) is
+    refused. The casts of the rewritten graph become ONNX Cast nodes and FP16 initializers
+    (the weight casts are constant-folded), FP32 islands stay FP32. The export is for
+    inference: modules are put in eval mode for it (their flags are restored). The file's
+    metadata holds the plan and what the export repaired.
+
+    Args:
+        gm: a GraphModule ``fxamp.amp_rewrite`` made.
+        example_inputs: the forward's arguments to export with (a tuple, or one tensor).
+        path: the ``.onnx`` file to write (atomically; a model over 1.8 GB gets its
+            weights in ``path + ".data"``).
+        opset: the ONNX opset (default: the exporter's).
+        exporter: ``"auto"`` (dynamo, then TorchScript), ``"dynamo"`` or
+            ``"torchscript"``.
+        reference: the FP32 model the file is checked against (default: ``gm`` with its
+            casts made FP32, see ``fxamp.export.reference.fp32_reference``); the check
+            never runs an FP16 op in PyTorch.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ExportError: onnx, onnxscript or onnxruntime is missing, an unknown ``exporter``,
+            every exporter failed, or the exported graph disagrees with the model.
+        FxampError: ``gm`` was not made by ``amp_rewrite``.
     """
     try:
         import onnx

@@ -64,8 +64,13 @@ _NAMES = {"fp16": ("FP16", "fp16", "float16", "FP16"), "bf16": ("BF16", "bf16", 
 class Prediction:
     """A documented (not measured) answer: can ``backend`` run ``op_type`` in the dtype?
 
-    supported: True / False, or None when the op is not in the table. note: one sentence,
-    starting with "prediction (<source>)". source: the document it comes from.
+    Attributes:
+        op_type: the ai.onnx op name.
+        backend: the backend or table key asked about.
+        dtype: ``"fp16"`` or ``"bf16"``.
+        supported: True / False, or None when the op is not in the table.
+        note: one sentence, starting with "prediction (<source>)".
+        source: the document it comes from.
     """
 
     op_type: str

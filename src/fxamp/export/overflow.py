@@ -100,8 +100,16 @@ def find_overflow(gm: fx.GraphModule, inputs: tuple) -> Optional[Overflow]:
 
 
 def run_true_fp16(proto: Any, feed: Dict[str, Any]) -> List[Any]:
-    """The outputs of ONNX model ``proto`` on ``feed`` (name -> numpy array), every op computed
-    in its declared type by ``onnx.reference.ReferenceEvaluator``."""
+    """The outputs of an ONNX model with every op computed in its declared type (by
+    ``onnx.reference.ReferenceEvaluator``).
+
+    Args:
+        proto: the ONNX model (a ``ModelProto``).
+        feed: input name -> numpy array.
+
+    Returns:
+        The outputs, in the graph's order.
+    """
     from onnx.reference import ReferenceEvaluator
 
     return ReferenceEvaluator(proto).run(None, feed)

@@ -26,9 +26,21 @@ _DTYPES = ("fp16", "bf16")
 
 
 def predict(op_type: str, backend: str, dtype: str = "fp16") -> Prediction:
-    """The documented support of ``op_type`` (an ai.onnx op name) in ``dtype`` on
-    ``backend``: a backend name ("tensorrt", "onnxruntime": its CUDA provider's table) or a
-    table key ("onnxruntime-cuda")."""
+    """The documented support of ``op_type`` in ``dtype`` on ``backend``.
+
+    Args:
+        op_type: an ai.onnx op name (``"LayerNormalization"``).
+        backend: a backend name (``"tensorrt"``, ``"onnxruntime"``: its CUDA provider's
+            table) or a table key (``"onnxruntime-cuda"``).
+        dtype: ``"fp16"`` or ``"bf16"``.
+
+    Returns:
+        The ``Prediction`` (``supported`` None when the op is not in the table).
+
+    Raises:
+        ValueError: another ``dtype``.
+        UnknownBackendError: an unknown ``backend``.
+    """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'fp16' or 'bf16', got {dtype!r}")
     found = _BY_TABLE.get(backend) or get_backend(backend)
@@ -36,7 +48,15 @@ def predict(op_type: str, backend: str, dtype: str = "fp16") -> Prediction:
 
 
 def predict_fp16(op_type: str, backend: str) -> Prediction:
-    """:func:`predict` for FP16."""
+    """``predict`` for FP16.
+
+    Args:
+        op_type: an ai.onnx op name.
+        backend: a backend name or table key, as for ``predict``.
+
+    Returns:
+        The ``Prediction``.
+    """
     return predict(op_type, backend, "fp16")
 
 

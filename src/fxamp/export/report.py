@@ -20,7 +20,7 @@ within schema version 1, none removed or renamed.
 ``predictions`` (added within version 1; absent in older documents, read as ``{}``): for a
 layer planned fp16/bf16, backend ("tensorrt", "onnxruntime-cuda") -> a note, for each backend
 whose PUBLISHED operator table says it cannot run the op in that dtype (see
-:mod:`fxamp.export.predict`). These are predictions from documentation, not measurements:
+``fxamp.export.predict``). These are predictions from documentation, not measurements:
 they do not set ``fallback`` and do not count in ``summary``. Each note starts with
 "prediction (<source>)".
 """
@@ -43,7 +43,18 @@ SCHEMA = "fxamp.precision_report/1"
 
 @dataclass
 class PrecisionReport:
-    """What the backend really runs, per layer, against the fxamp plan."""
+    """What the backend really runs, per layer, against the fxamp plan;
+    ``fxamp.export.precision_report`` makes one.
+
+    Attributes:
+        layers: one ``LayerPrecision`` per ONNX node: planned, exported and actual
+            precision, the fx node and module it came from.
+        backend: the backend that ran the model (``"onnxruntime"``, ``"tensorrt"``).
+        device: what it ran on (an onnxruntime provider, or ``"inspector JSON"``).
+        model: the ONNX file's name.
+        exporter: the exporter that wrote the file (``"dynamo"``, ``"torchscript"``).
+        numerics: per-output errors against the FP32 model, when it was given.
+    """
 
     layers: List[LayerPrecision] = field(default_factory=list)
     backend: str = ""
@@ -57,7 +68,7 @@ class PrecisionReport:
 
     def add_predictions(self) -> "PrecisionReport":
         """Fill each layer's ``predictions`` (where empty) from the static operator tables of
-        :mod:`fxamp.export.predict`: which backends are documented not to run the op in its
+        ``fxamp.export.predict``: which backends are documented not to run the op in its
         planned fp16/bf16. Runs on construction; call again after changing layers."""
         for layer in self.layers:
             if not layer.predictions:
@@ -81,6 +92,7 @@ class PrecisionReport:
         return [layer for layer in self.layers if layer.fx_node]
 
     def summary(self) -> str:
+        """One line: layers, mapped layers, fallbacks and the numerics' worst error."""
         n = len(self.layers)
         line = (f"{self.backend} ({self.device}): {n} layers, {len(self.mapped)} mapped to fx "
                 f"nodes, {len(self.fallbacks)} fallbacks (precision differs from the plan)")
@@ -100,6 +112,7 @@ class PrecisionReport:
 
     # -- JSON ------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
+        """The report as the dict ``to_json`` writes."""
         return {"schema": SCHEMA, "model": self.model, "backend": self.backend,
                 "device": self.device, "exporter": self.exporter,
                 "summary": {"layers": len(self.layers), "mapped": len(self.mapped),
@@ -108,11 +121,29 @@ class PrecisionReport:
                 "layers": [asdict(layer) for layer in self.layers]}
 
     def to_json(self, indent: int = 2) -> str:
-        """The report as JSON (schema ``fxamp.precision_report/1``, see the module doc)."""
+        """The report as JSON (schema ``fxamp.precision_report/1``, see the module doc).
+
+        Args:
+            indent: the JSON indentation.
+
+        Returns:
+            The JSON text, ending with a newline.
+        """
         return json.dumps(self.to_dict(), indent=indent, sort_keys=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> "PrecisionReport":
+        """Read a report ``to_json`` wrote.
+
+        Args:
+            text: the JSON text.
+
+        Returns:
+            The report.
+
+        Raises:
+            FxampError: the text is not a ``fxamp.precision_report/1`` document.
+        """
         data = json.loads(text)
         if data.get("schema") != SCHEMA:
             raise FxampError(f"not a {SCHEMA} document (schema={data.get('schema')!r})")
@@ -213,8 +244,18 @@ class PrecisionReport:
                 f"{predicted}</body></html>\n")
 
     def save(self, path: str) -> str:
-        """Write the report atomically; the format follows the extension (.json,
-        .html/.htm, else markdown)."""
+        """Write the report atomically.
+
+        Args:
+            path: the file; the format follows its extension (``.json``, ``.html`` /
+                ``.htm``, else markdown).
+
+        Returns:
+            ``path``.
+
+        Raises:
+            OutputFileError: the file cannot be written.
+        """
         ext = path.rpartition(".")[2].lower()
         text = (self.to_json() if ext == "json" else self.to_html() if ext in ("html", "htm")
                 else self.to_markdown())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+import torch
 import torch.nn as nn
 
 from .. import _torch
@@ -47,20 +48,23 @@ assert all(name in REGISTRY for names in FRONTEND_ORDER.values() for name in nam
 
 def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
                   state: Optional[ModelState] = None, dynamic_shapes: Any = None,
-                  whole_graph: bool = False, inference: bool = False) -> Capture:
+                  whole_graph: bool = False, inference: bool = False,
+                  compute: Optional[torch.dtype] = None) -> Capture:
     """What the first front end (in the order ``frontend`` asks for) that takes ``model``
     gives: a :class:`Traced` graph, or :class:`Children` to rewrite one by one.
     ``whole_graph``: only front ends giving one graph of the whole model (calibration,
     decisions fixed by node name). ``state`` (the model's snapshot) is restored after each
     front end that fails; ``dynamic_shapes`` goes to torch.export. ``inference``: the
-    eval-mode graph alone (one trace, not one per mode). When none takes it:
+    eval-mode graph alone (one trace, not one per mode). ``compute``: the plan's low dtype
+    (values the code reads from tensors' dtypes follow autocast's run with it). When none
+    takes it:
     the one front end's TraceError, or one naming each front end's failure. A quantized
     model, and example inputs on meta for a model on another device, are refused before
     any front end tries (:mod:`.model_checks`)."""
     check_not_quantized(model)
     check_example_device(model, args, kwargs)
     request = Request(tuple(args), dict(kwargs), frontend, state or ModelState(model),
-                      dynamic_shapes, inference=inference)
+                      dynamic_shapes, inference=inference, compute=compute)
     order: List[Frontend] = [REGISTRY[name] for name in FRONTEND_ORDER[frontend]]
     if whole_graph:
         order = [fe for fe in order if fe.graph]

@@ -21,7 +21,7 @@ import inspect
 import io
 import logging
 import threading
-from typing import Any, Dict, Iterable, Iterator, List
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.fx as fx
@@ -40,6 +40,7 @@ from .fx import trace_error
 from .aten_inputs import ShapeCheck, batch_inputs, flat_inputs, plain_containers, plain_inputs_hook
 from .base import Request, Traced
 from .buffer_writes import export_write_backs
+from .dtype_reads import follow_run_time_dtypes
 from .hooks import hooked_modules, without_root_hooks
 from .modes import align, follow_mode, reads_training, root_flag
 
@@ -247,7 +248,8 @@ def _export_in_mode(model: nn.Module, train: bool, args: tuple, kwargs: Dict[str
 
 def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
                  frontend: str = "export", dynamic_shapes: Any = None,
-                 inference: bool = False) -> fx.GraphModule:
+                 inference: bool = False,
+                 compute: Optional[torch.dtype] = None) -> fx.GraphModule:
     """Export ``model`` (non-strict) and return its unlifted GraphModule, following
     ``train()`` / ``eval()``; raise TraceError naming the line that stops torch.export.
 
@@ -259,13 +261,22 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
     is the base, and the eval-mode graph, exported with static shapes (it is only compared
     with the base: 2-4x cheaper), supplies the constants that follow the mode. Only where
     they do not align is a mode exported again (with the dynamic shapes). ``inference``:
-    the eval-mode graph alone, exported once."""
+    the eval-mode graph alone, exported once. ``compute``: the plan's low dtype; values the
+    code reads from tensors' dtypes follow autocast's run (:mod:`.dtype_reads`)."""
     args, kwargs = plain_containers((tuple(args), dict(kwargs)))
+
+    def followed(gm: fx.GraphModule, train: bool) -> fx.GraphModule:
+        follow_run_time_dtypes(gm, model, args, compute, lambda: _export_in_mode(
+            model, train, args, kwargs, frontend, dynamic_shapes))
+        return gm
+
     mode = model.training
     if inference:  # (the eval-mode graph alone)
-        return _export_in_mode(model, False, args, kwargs, frontend, dynamic_shapes)
+        return followed(_export_in_mode(model, False, args, kwargs, frontend,
+                                        dynamic_shapes), False)
     if not reads_training(model):
-        return _export_in_mode(model, mode, args, kwargs, frontend, dynamic_shapes)
+        return followed(_export_in_mode(model, mode, args, kwargs, frontend, dynamic_shapes),
+                        mode)
     try:
         base = _export_in_mode(model, True, args, kwargs, frontend, dynamic_shapes)
     except TraceError as err:
@@ -273,14 +284,14 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
             raise  # the model's own mode: its error is the one raised
         only = _export_in_mode(model, False, args, kwargs, frontend, dynamic_shapes)
         warn_mode_only(model, only, False, err, "exports")
-        return only
+        return followed(only, False)
     try:
         other = _export_in_mode(model, False, args, kwargs, frontend, STATIC)
     except TraceError as err:
         if not mode:  # an eval-mode model that exports in train mode only
             raise
         warn_mode_only(model, base, True, err, "exports")
-        return base
+        return followed(base, True)
     aligned = align(base.graph, other.graph, (base, other))
     if aligned is None and not mode:
         log.debug("%s: train and static eval graphs do not align; exporting eval mode "
@@ -289,10 +300,11 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
         aligned = align(base.graph, other.graph, (base, other))
         if aligned is None:
             warn_one_mode(model, other, False, "exports")
-            return other
+            return followed(other, False)
     if aligned is None:
         warn_one_mode(model, base, True, "exports")
-        return base
+        return followed(base, True)
+    followed(base, True)  # (before the mode's constants become reads of the flag)
     follow_mode(base.graph, aligned, keep_train=True, flag_of=root_flag)
     checkpointing.share_modes(checkpointing.aligned_pairs(aligned, True))
     base.graph.lint()
@@ -339,7 +351,7 @@ class AtenFrontend:
         with without_root_hooks(model):
             try:
                 gm = export_trace(model, request.args, request.kwargs, request.asked,
-                                  request.dynamic_shapes, request.inference)
+                                  request.dynamic_shapes, request.inference, request.compute)
             except TraceError:
                 # low-precision inputs (a child of a rewritten model, given the bf16
                 # activations it gets under autocast) are exported as FP32 where they fail:
@@ -349,7 +361,7 @@ class AtenFrontend:
                 if _same_leaves((args, kwargs), (request.args, request.kwargs)):
                     raise
                 gm = export_trace(model, args, kwargs, request.asked,
-                                  request.dynamic_shapes, request.inference)
+                                  request.dynamic_shapes, request.inference, request.compute)
         checkpointing.warn_unseen(model, gm.graph)
         if request.errors:
             log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Protocol, Tuple, Union
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
@@ -82,6 +83,9 @@ class Request:
     errors: Dict[str, TraceError] = field(default_factory=dict)
     #: capture the eval-mode graph alone (a deployment plan: the file is for inference)
     inference: bool = False
+    #: the plan's low dtype: values the code reads from tensors' dtypes follow autocast's
+    #: run with it (torch.export front end, :mod:`.dtype_reads`); None: the FP32 trace's
+    compute: Optional[torch.dtype] = None
 
 
 class Frontend(Protocol):

@@ -144,23 +144,31 @@ class Alignment:
                 return False
         elif a.target != b.target:
             return False
-        values_a, values_b = _arguments(a), _arguments(b)
+        values_a, values_b = node_arguments(a), node_arguments(b)
         if values_a is None or values_b is None or values_a[2] != values_b[2]:
             return False  # (an ATen call's schema, or the (args, kwargs) tree structure)
         changes = []
         for index, (va, vb) in enumerate(zip(values_a[0], values_b[0])):
             if self.same_value(va, vb) or _same_slice_start(a, index, va, vb):
                 continue
-            if type(va) is bool and type(vb) is bool:
-                changes.append(Change(a, b, index, va))
-            elif isinstance(va, float) and (vb is None or (type(vb) in (int, float)
-                                                        and vb == 0)):
-                changes.append(Change(a, b, index, va))  # dropout p: p in train, 0 in eval
-            else:
+            change = self.change(a, b, index, va, vb)
+            if change is None:
                 return False
+            changes.append(change)
         self.changes += changes
         self.match[b] = a
         return True
+
+    def change(self, a: fx.Node, b: fx.Node, index: int, va: Any, vb: Any) -> Optional[Any]:
+        """The record of argument ``index`` differing, ``va`` in ``a`` (train graph) and
+        ``vb`` in ``b`` (eval graph), where such a difference may be followed; None where
+        it may not (the graphs do not align). Here: a bool, and a float that is 0.0 in eval
+        mode (dropout's ``p``)."""
+        if type(va) is bool and type(vb) is bool:
+            return Change(a, b, index, va)
+        if isinstance(va, float) and (vb is None or (type(vb) in (int, float) and vb == 0)):
+            return Change(a, b, index, va)  # dropout p: p in train, 0 in eval
+        return None
 
 
 #: the prefix of the tensor constants a tracer stores on the root (numbered by a counter)
@@ -207,7 +215,7 @@ def _schema_args(node: fx.Node) -> Optional[List[Tuple[str, bool, Any]]]:
     return out
 
 
-def _arguments(node: fx.Node
+def node_arguments(node: fx.Node
                ) -> Optional[Tuple[List[Any], Callable[[List[Any]], None], Any]]:
     """The node's argument values in order (an ATen call's by its schema, defaults filled
     in; any other node's flattened), a function that writes changed values back, and what
@@ -270,13 +278,15 @@ def _is_batches_tracked(node: fx.Node) -> bool:
             and str(node.args[0].target).endswith("num_batches_tracked"))
 
 
-def align(train: fx.Graph, eval_: fx.Graph, roots: Tuple[nn.Module, nn.Module]
-          ) -> Optional[Alignment]:
+def align(train: fx.Graph, eval_: fx.Graph, roots: Tuple[nn.Module, nn.Module],
+          aligned: Optional[Alignment] = None) -> Optional[Alignment]:
     """Match the train-mode graph with the eval-mode one (``roots``: the modules their
     ``get_attr`` targets are read from, train's first); None when they differ in more than
     constants that follow the mode, identity ops and batch norm's batch count. Size
-    computations are left out of the matching: two exports order them differently."""
-    aligned = Alignment()
+    computations are left out of the matching: two exports order them differently.
+    ``aligned``: the (empty) alignment to fill, whose :meth:`Alignment.change` says which
+    differences may be followed (by default a train/eval :class:`Alignment`)."""
+    aligned = Alignment() if aligned is None else aligned
     others = [n for n in eval_.nodes if not _is_size(n)]
     j = 0
     for node in train.nodes:
@@ -344,7 +354,7 @@ def follow_mode(graph: fx.Graph, aligned: Alignment, keep_train: bool,
         return False
     for change in aligned.changes:
         node = change.train if keep_train else change.eval
-        found = _arguments(node)
+        found = node_arguments(node)
         assert found is not None
         values, write, _ = found
         path = flag_of(node)

@@ -10,7 +10,6 @@ from typing import Dict, Optional
 
 import torch.fx as fx
 
-from .. import ops
 from ..ir import Decision
 from .rule import DecisionRule
 
@@ -25,6 +24,3 @@ class AnnotateRule(DecisionRule):
     def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
         """The node's decision (its op label included)."""
         raise NotImplementedError
-
-    def label(self, node: fx.Node) -> str:
-        return ops.label(node, self.gm)

@@ -15,6 +15,10 @@ values:
   (``|a| @ |b|`` with the op itself: it bounds every partial accumulation).
 
 Each is a ``(value, what)`` pair: ``what`` names the value for the plan's reason.
+
+:func:`row_spread` measures how flat a LayerNorm's rows are: a row whose spread is a small
+part of its magnitude (``3 + 1e-4 * x``) loses its spread when rounded to FP16, and a small
+eps scales that rounding up to the output (``passes/norm_eps.py`` reads it).
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ import torch.nn.functional as F
 from .._torch import CONV_BASE, CONV_TRANSPOSE_BASE, INSTANCE_NORM_BASE
 
 Peak = Tuple[float, str]
+#: (the smallest ratio of a row's normalising spread to its magnitude, that row's spread,
+#: that row's magnitude)
+Spread = Tuple[float, float, float]
 
 _SUM_OF_SQUARES = "its variance's sum of squares"
 
@@ -189,3 +196,50 @@ def inner_peak(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict) -> Opt
     except (RuntimeError, TypeError, ValueError, AttributeError, IndexError):
         return None  # a call whose inner numbers cannot be told: judged by its output
     return None
+
+
+def _layer_norm_eps(module: Optional[nn.Module], args: tuple, kwargs: dict) -> Optional[float]:
+    if module is not None:
+        return float(module.eps)  # type: ignore[union-attr, arg-type]
+    eps = _arg(args, kwargs, 4, "eps", 1e-5)
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
+
+
+def row_spread(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict) -> Optional[Spread]:
+    """For a LayerNorm (module or function) on these input values: each normalised row's
+    spread ``max(sqrt(var + eps), max |x - mean|)`` (what its output is scaled by) over its
+    magnitude ``max |x|``; the row with the smallest ratio, as (ratio, spread, magnitude).
+    None for any other node or an all-zero input. A low dtype rounds each value by up to
+    half its ``eps`` times the magnitude, so that much over the ratio reaches the output.
+
+    Args:
+        node: the node called.
+        root: the graph module (a call_module node's module is looked up in it).
+        args: the call's input values.
+        kwargs: the call's keyword values.
+
+    Returns:
+        (ratio, spread, magnitude) of the flattest row, or None.
+    """
+    if op_name(node, root) != "layer_norm":
+        return None
+    module = root.get_submodule(str(node.target)) if node.op == "call_module" else None
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.numel():
+        return None
+    shape = (module.normalized_shape if module is not None  # type: ignore[union-attr]
+             else _arg(args, kwargs, 1, "normalized_shape"))
+    eps = _layer_norm_eps(module, args, kwargs)
+    if shape is None or eps is None:
+        return None
+    n = len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
+    rows = x.detach().double().reshape(-1, *x.shape[x.dim() - n:]).flatten(1)
+    dev = rows - rows.mean(dim=1, keepdim=True)
+    spread = torch.maximum(torch.sqrt(dev.pow(2).mean(dim=1) + eps), dev.abs().amax(dim=1))
+    magnitude = rows.abs().amax(dim=1)
+    seen = magnitude > 0
+    if not bool(seen.any()):
+        return None
+    ratio = torch.where(seen, spread / magnitude.clamp_min(1e-300), torch.inf)
+    i = int(ratio.argmin())
+    return float(ratio[i]), float(spread[i]), float(magnitude[i])

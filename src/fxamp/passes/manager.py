@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..plan import RangeStats
 from ..policy import Policy
+from ..rules import DecisionRule
 from . import PassResult
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,16 @@ class PassContext:
     its name (``passes/inner_values.py``).
     smallest: for a deployment target whose calibration batches were run, the smallest
     magnitude of each node's output (``passes/norm_eps.py`` reads a variance's).
+    spread: measured with ``smallest``, how flat each LayerNorm's input rows are
+    (``passes/inner_values.row_spread``; ``passes/norm_eps.py`` reads it).
     annotate: the pass list's annotate step (set by the PassManager from the step marked
     ``annotates``; the decision steps re-run it after a change).
     session: the annotate step's fake-tensor session (one per rewrite).
     state: the model's state snapshot, restored after each run of its code (annotate's).
     scope: the rewrite's override record (which overrides matched; ``fxamp.overrides``).
     nested: the plans of submodules rewritten on their own, by path.
+    rules: the user's decision rules (``RewriteConfig.rules``), run by the ``user_rules``
+    step.
     """
 
     policy: Policy
@@ -51,11 +56,13 @@ class PassContext:
     ranges: Optional[Dict[str, RangeStats]] = None
     inner: Optional[Dict[str, Tuple[float, str]]] = None
     smallest: Optional[Dict[str, float]] = None
+    spread: Optional[Dict[str, Tuple[float, float, float]]] = None
     annotate: Optional[Callable[[fx.GraphModule, "PassContext"], PassResult]] = None
     session: Any = None
     state: Any = None
     scope: Any = None
     nested: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    rules: Tuple[DecisionRule, ...] = ()
     log: List[str] = dataclasses.field(default_factory=list)  # "step: modified" lines
 
 

@@ -16,11 +16,22 @@ example and calibration inputs, :func:`fxamp.passes.ranges.measure`): its eps is
 where the statistic it is added to gets small enough for the eps to count
 (:func:`eps_matters`); elsewhere the statistics stay FP16, as the ONNX tools write them. A
 training plan fences it whatever the inputs (a batch later in training may be constant).
+
+A deployment plan also judges each LayerNorm by its input rows seen
+(:func:`fxamp.passes.inner_values.row_spread`). A row that is nearly constant
+(``3 + 1e-4 * x``) has a spread far below its magnitude. FP16 rounds each value by up to
+2^-11 of the magnitude, and the norm divides by the spread, so that rounding reaches the
+output. With a large eps the division is damped; with eps 1e-12 it is not, and the output is
+0 or noise where FP32 gives the row's pattern. Where the low dtype's rounding exceeds
+:data:`FLAT_ERROR` of a row's spread (:func:`rows_lost`), the norm and the node that makes
+its input (back through views and dropout) run in FP32. The file then holds an FP32
+LayerNormalization over FP32 values, which onnxruntime's CPU kernel computes right
+(tests/test_export_flat_rows.py).
 """
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -49,6 +60,10 @@ NORM_FUNCTIONS = (F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm,
 _REDUCTIONS = {"mean", "var", "sum", "std", "square"}
 _STATS_INPUTS = {"pow", "square", "mul", "sub", "abs"}  # ops.name: dunders stripped
 _ROOTS = {"rsqrt", "sqrt", "reciprocal", "pow"}
+_LAYER_NORMS = (F.layer_norm, torch.ops.aten.layer_norm.default)
+#: the largest part of a LayerNorm row's normalising spread that the low dtype's rounding of
+#: the row may reach (the output is off by that much of its unit scale)
+FLAT_ERROR = 2.0 ** -6
 
 
 
@@ -105,6 +120,96 @@ def eps_matters(eps: float, smallest: float, dtype: torch.dtype) -> bool:
     smallest normal (0 * inf on a constant row): then the eps is lost in ``dtype``."""
     info = torch.finfo(dtype)
     return smallest < max(info.tiny, eps / info.eps)
+
+
+def rows_lost(ratio: float, dtype: torch.dtype) -> bool:
+    """Whether ``dtype``'s rounding of a row (half its eps, times the row's magnitude) is
+    over :data:`FLAT_ERROR` of its normalising spread, for a row whose spread is ``ratio``
+    times its magnitude (:func:`fxamp.passes.inner_values.row_spread`).
+
+    Args:
+        ratio: the row's normalising spread over its magnitude.
+        dtype: the low dtype the row would be rounded to.
+
+    Returns:
+        True where the norm would scale the rounding past :data:`FLAT_ERROR` of its output.
+    """
+    return torch.finfo(dtype).eps / 2 > FLAT_ERROR * ratio
+
+
+def _flat_rows(gm: fx.GraphModule, policy: Policy, node: fx.Node,
+               spread: Optional[Dict[str, Tuple[float, float, float]]]
+               ) -> Dict[fx.Node, Decision]:
+    """A LayerNorm planned in the low dtype whose input rows seen are so flat that the low
+    dtype's rounding of them is lost in the output (:func:`rows_lost`): the norm in fp32,
+    and the node that makes its input too, so the rows reach it unrounded.
+
+    Args:
+        gm: the graph being planned.
+        policy: the rewrite's policy (its low dtype).
+        node: the node the rule looks at.
+        spread: each LayerNorm's flattest input row seen (``PassContext.spread``), or None
+            where no values were seen.
+
+    Returns:
+        The decisions, by node (empty where the rule does not apply).
+    """
+    seen = None if spread is None else spread.get(node.name)
+    if seen is None or not _is_low(node, policy) or not rows_lost(seen[0], policy.compute):
+        return {}
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if not isinstance(module, nn.LayerNorm):
+            return {}
+        eps = module.eps
+    elif ops.is_call(node, _LAYER_NORMS):
+        eps = ops.arg(node, "eps")
+    else:
+        return {}
+    ratio, width, size = seen
+    low = dtype_name(policy.compute)
+    rows = (f"rows seen are nearly constant: spread {width:.3g} on values up to {size:.3g}, "
+            f"so {low}'s rounding of them is {torch.finfo(policy.compute).eps / 2 / ratio:.2g}"
+            f" of their spread")
+    eps_text = f" and eps={eps:g} does not damp it" if isinstance(eps, float) else ""
+    out = {node: Decision(torch.float32, Rule.NORM_EPS,
+                          f"its {rows}, which the norm scales up to its output{eps_text}: "
+                          "the norm and its input in fp32")}
+    feeds = Decision(torch.float32, Rule.NORM_EPS, f"feeds {node.name}, whose {rows}: made "
+                     "in fp32 so the rows keep their spread")
+    for src in _makers(gm, node):
+        if _is_low(src, policy):  # a mover that follows its input follows it to fp32
+            out[src] = feeds
+    return out
+
+
+_PASSES_VALUES = (nn.Dropout, nn.Identity)
+
+
+def _makers(gm: fx.GraphModule, node: fx.Node, depth: int = 8) -> List[fx.Node]:
+    """The node that computes ``node``'s first input and the nodes that only pass its values
+    on to ``node`` (views, dropout, clone): what makes the input a LayerNorm sees.
+
+    Args:
+        gm: the graph (to tell a Dropout or Identity module).
+        node: the LayerNorm.
+        depth: at most this many nodes.
+
+    Returns:
+        The nodes, the nearest first.
+    """
+    out: List[fx.Node] = []
+    src = node.args[0] if node.args else None
+    while isinstance(src, fx.Node) and src.op in ("call_function", "call_method",
+                                                  "call_module") and len(out) < depth:
+        out.append(src)
+        passes = ops.moves_values(src) or ops.name(src) in ("dropout", "alias") or (
+            src.op == "call_module" and isinstance(gm.get_submodule(str(src.target)),
+                                                   _PASSES_VALUES))
+        if not passes:
+            break
+        src = src.args[0] if src.args else None
+    return out
 
 
 def _hand_written(gm: fx.GraphModule, policy: Policy, node: fx.Node,
@@ -256,16 +361,18 @@ class NormEpsRule(DecisionRule):
     def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         super().__init__(gm, ctx)
         self.smallest: Optional[Dict[str, float]] = None
+        self.spread: Optional[Dict[str, Tuple[float, float, float]]] = None
         if is_deploy(self.policy.target):  # judged on the values seen (ranges.measure)
             measure(gm, ctx)
-            self.smallest = ctx.smallest
+            self.smallest, self.spread = ctx.smallest, ctx.spread
 
     def applies(self, node: fx.Node) -> bool:
         return _is_low(node, self.policy)
 
     def decide(self, node: fx.Node) -> Dict[fx.Node, Decision]:
         return {**_hand_written(self.gm, self.policy, node, self.smallest),
-                **_kernel(self.gm, self.policy, node)}
+                **_kernel(self.gm, self.policy, node),
+                **_flat_rows(self.gm, self.policy, node, self.spread)}
 
 
 #: the norm eps pass: ``(gm, ctx) -> PassResult``

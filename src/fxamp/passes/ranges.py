@@ -28,7 +28,7 @@ from .. import ir
 from ..ir import Decision, Rule
 from ..policy import dtype_name, is_deploy
 from ..progress import track
-from .inner_values import inner_peak
+from .inner_values import Spread, inner_peak, row_spread
 from .mask_fill import MASK_PATH
 from .manager import PassContext
 from .rule import DecisionRule, rule_pass
@@ -47,12 +47,14 @@ DEPLOY_MARGIN = 128.0
 class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, tiny: float,
                  inner: Optional[Dict[str, Tuple[float, str]]] = None,
-                 smallest: Optional[Dict[str, float]] = None) -> None:
+                 smallest: Optional[Dict[str, float]] = None,
+                 spread: Optional[Dict[str, Spread]] = None) -> None:
         super().__init__(gm)
         self.tiny = tiny
         self.acc: Dict[str, list] = {}
         self.inner = inner  # node -> (largest inner value, its name), when measured
         self.smallest = smallest  # node -> smallest magnitude of its output, when measured
+        self.spread = spread  # LayerNorm node -> its flattest input row, when measured
         self.current: Optional[fx.Node] = None  # the node running (named when it fails)
 
     def run_node(self, n: fx.Node) -> Any:
@@ -65,6 +67,11 @@ class _Recorder(fx.Interpreter):
                 old = self.inner.get(n.name)
                 if old is None or peak[0] > old[0]:
                     self.inner[n.name] = peak
+            spread = self.spread
+            flat = row_spread(n, self.module, args, kwargs) if spread is not None else None
+            if spread is not None and flat is not None and (
+                    n.name not in spread or flat[0] < spread[n.name][0]):
+                spread[n.name] = flat
         leaves, _ = tree_flatten(result)
         floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if floats and n.op != "output":
@@ -126,13 +133,16 @@ def _run_batch(recorder: _Recorder, gm: fx.GraphModule, batch: tuple, count: int
 def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any], dtype: torch.dtype,
                    example: Optional[tuple] = None,
                    inner: Optional[Dict[str, Tuple[float, str]]] = None,
-                   smallest: Optional[Dict[str, float]] = None) -> Dict[str, RangeStats]:
+                   smallest: Optional[Dict[str, float]] = None,
+                   spread: Optional[Dict[str, Spread]] = None) -> Dict[str, RangeStats]:
     """Run the FP32 graph on calibration batches and record each node's ranges; a batch
     that does not fit, or no batch at all, is a :class:`CalibrationDataError`. ``inner``: a
     dict filled with the largest number each node computes inside (see
     :mod:`fxamp.passes.inner_values`), when given; ``smallest``: one filled with the
-    smallest magnitude of each node's output (a variance's smallest value)."""
-    recorder = _Recorder(gm, torch.finfo(dtype).tiny, inner, smallest)
+    smallest magnitude of each node's output (a variance's smallest value); ``spread``: one
+    filled with each LayerNorm's flattest input row (measured with ``inner``:
+    :func:`fxamp.passes.inner_values.row_spread`)."""
+    recorder = _Recorder(gm, torch.finfo(dtype).tiny, inner, smallest, spread)
     buffers = {name: b.clone() for name, b in gm.named_buffers()}
     count = 0
     with torch.no_grad(), reparametrize_module(gm, buffers, strict=False):
@@ -219,40 +229,44 @@ def measure(gm: fx.GraphModule, ctx: PassContext) -> None:
     """The statistics the range-based rules read, collected once per rewrite: ``ctx.ranges``
     (given, or from ``ctx.calibration``); for a deployment target also ``ctx.inner`` (the
     numbers each node computes inside) and, where batches were run, ``ctx.smallest`` (the
-    smallest magnitude of each node's output)."""
+    smallest magnitude of each node's output) and ``ctx.spread`` (each LayerNorm's flattest
+    input row)."""
     deploy = is_deploy(ctx.policy.target)
     if ctx.ranges is None:
         data = ctx.calibration
         inner: Optional[Dict[str, Tuple[float, str]]] = {} if deploy else None
         smallest: Optional[Dict[str, float]] = {} if deploy else None
+        spread: Optional[Dict[str, Spread]] = {} if deploy else None
         ctx.ranges = ({} if data is None else dict(data) if isinstance(data, dict)
                       else collect_ranges(gm, data, ctx.policy.compute,
                                           tuple(ctx.inputs) if ctx.inputs else None,
-                                          inner, smallest))
+                                          inner, smallest, spread))
         if inner is not None and not isinstance(data, dict) and data is not None:
-            ctx.inner, ctx.smallest = inner, smallest
+            ctx.inner, ctx.smallest, ctx.spread = inner, smallest, spread
     if deploy and ctx.inner is None:
-        ctx.inner, ctx.smallest = _example_inner(gm, ctx, ctx.policy.compute)
+        ctx.inner, ctx.smallest, ctx.spread = _example_inner(gm, ctx, ctx.policy.compute)
 
 
 def _example_inner(gm: fx.GraphModule, ctx: PassContext, dtype: torch.dtype
-                   ) -> Tuple[Dict[str, Tuple[float, str]], Optional[Dict[str, float]]]:
-    """The inner values and smallest magnitudes of a deployment plan given its ranges (a
-    plan's ``@range`` lines): measured on the example inputs when they are real tensors,
-    else none."""
+                   ) -> Tuple[Dict[str, Tuple[float, str]], Optional[Dict[str, float]],
+                              Optional[Dict[str, Spread]]]:
+    """The inner values, smallest magnitudes and LayerNorm row spreads of a deployment plan
+    given its ranges (a plan's ``@range`` lines): measured on the example inputs when they
+    are real tensors, else none."""
     inputs = tuple(ctx.inputs or ())
     leaves = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
     if not inputs or any(t.device.type == "meta" or type(t) is not torch.Tensor
                          for t in leaves):
-        return {}, None
+        return {}, None, None
     inner: Dict[str, Tuple[float, str]] = {}
     smallest: Dict[str, float] = {}
+    spread: Dict[str, Spread] = {}
     try:
-        collect_ranges(gm, [inputs], dtype, inputs, inner, smallest)
+        collect_ranges(gm, [inputs], dtype, inputs, inner, smallest, spread)
     except Exception as err:  # noqa: BLE001 - the ranges given are the calibration
         log.info("inner values not measured on the example inputs: %s", err)
-        return {}, None
-    return inner, smallest
+        return {}, None, None
+    return inner, smallest, spread
 
 
 def _params_max(gm: fx.GraphModule, node: fx.Node) -> float:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..policy import Policy
 from . import PassResult
-from .. import ir, ops
+from .. import _torch, ir, ops
 from ..ir import Decision, Rule, fix
 from .manager import PassContext
 from .rule import DecisionRule
@@ -198,8 +198,7 @@ def _rename(node: fx.Node, name: str) -> None:
     graph = node.graph
     if any(n.name == name for n in graph.nodes if n is not node):
         raise RuntimeError(f"fxamp internal error: node name {name!r} is still in use")
-    node.name = name
-    graph._graph_namespace._rename_object(node, name)
+    _torch.rename_node(node, name)
 
 
 def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match) -> fx.Node:
@@ -212,7 +211,7 @@ def _replace(gm: fx.GraphModule, final: fx.Node, match: _Match) -> fx.Node:
     graph.erase_node(final)
     _rename(new, name)
     for part in match.parts:  # consumers first: erasing one frees the next
-        if not part._erased and not part.users:
+        if not _torch.node_erased(part) and not part.users:
             graph.erase_node(part)
     return new
 
@@ -225,7 +224,9 @@ class SoftmaxRule(DecisionRule):
     name = RULE
 
     def _match(self, node: fx.Node) -> Optional[_Match]:
-        return None if node._erased else _match_softmax(node) or _match_log(node, self.gm)
+        if _torch.node_erased(node):
+            return None
+        return _match_softmax(node) or _match_log(node, self.gm)
 
     def applies(self, node: fx.Node) -> bool:
         return self._match(node) is not None
@@ -247,7 +248,7 @@ def stable_softmax(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     rule = SoftmaxRule(gm, ctx)
     modified = False
     for node in list(gm.graph.nodes):
-        if node._erased or not rule.applies(node):
+        if _torch.node_erased(node) or not rule.applies(node):
             continue
         d = rule.decide(node)[node]
         new = rule.rewrite(node)

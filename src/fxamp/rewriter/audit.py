@@ -1,7 +1,7 @@
 """``fxamp.audit``: rewrite the model as asked, then read the result with the check passes
-(:func:`fxamp.passes.audit.audit_graph` and friends, which know nothing of the rewriter).
+(``fxamp.passes.audit.audit_graph`` and friends, which know nothing of the rewriter).
 
-The rewrite runs with one :class:`~fxamp.config.RewriteConfig` (front end and example
+The rewrite runs with one ``RewriteConfig`` (front end and example
 kwargs included), so the audited decisions are exactly the rewrite's. When the rewrite
 refuses the model for a banned op it is rewritten again with an ``fp32:<node>`` override per
 banned node, so those are reported rather than raised.
@@ -52,21 +52,40 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
           batch: Any = None, steps_per_epoch: Optional[int] = None,
           onnx: Optional[str] = None, config: Optional[RewriteConfig] = None
           ) -> List[Finding]:
-    """Audit ``model`` for mixed precision: a list of :class:`Finding`, changing nothing.
+    """Audit ``model`` for mixed precision: a list of ``Finding``, changing nothing.
 
-    The model is rewritten with :func:`fxamp.amp_rewrite` as asked (same ``frontend`` and
+    The model is rewritten with ``fxamp.amp_rewrite`` as asked (same ``frontend`` and
     ``example_kwargs``; the rewrite shares the model's Parameters and leaves the model as it
     was) and every rewritten graph is read: the top graph, graphs nested in it, and for the
     eager front end each rewritten child; the parts that run under torch.autocast at run time
     are listed (``runs-under-autocast``) and their norm modules checked. A model the rewrite
     refuses for a banned op is rewritten again with an ``fp32:<node>`` override per banned
-    node, so those are reported rather than raised. ``config`` (a RewriteConfig, e.g.
-    ``fxamp.config_of(gm)``) replaces dtype, target, policy, frontend and example_kwargs.
+    node, so those are reported rather than raised. The optional training and deployment
+    context is read by ``passes/audit/context.py``.
 
-    Optional training and deployment context (see :mod:`fxamp.passes.audit.context`):
-    ``optimizer`` (its param dtypes and eps), ``scaler`` (a ``torch.amp.GradScaler``: enabled,
-    its device, ``growth_interval`` against ``steps_per_epoch``), ``batch`` (one data batch:
-    input dtypes and ranges) and ``onnx`` (an exported ONNX file: opset, dynamic axes).
+    Args:
+        model: the FP32 model to audit (left unchanged).
+        example_inputs: the forward's positional arguments (a tuple, or one tensor).
+        example_kwargs: the forward's keyword arguments.
+        dtype: the low-precision dtype.
+        target: ``"cuda"``, ``"cpu"`` or ``"tensorrt"``, as in ``amp_rewrite``.
+        policy: a ``Policy`` or its text form.
+        frontend: the front end, as in ``amp_rewrite``.
+        optimizer: the training optimizer: its param dtypes and eps are checked.
+        scaler: a ``torch.amp.GradScaler``: whether it is enabled, its device, its
+            ``growth_interval`` against ``steps_per_epoch``.
+        batch: one data batch: its input dtypes and ranges are checked.
+        steps_per_epoch: optimizer steps per epoch, for the scaler's growth interval.
+        onnx: the path of an exported ONNX file: its opset and dynamic axes are checked.
+        config: a ``RewriteConfig`` (e.g. ``fxamp.config_of(gm)``) given instead of
+            ``dtype``, ``target``, ``policy``, ``frontend`` and ``example_kwargs``.
+
+    Returns:
+        The findings, those of the graphs first, then those of the context.
+
+    Raises:
+        FxampError: the model cannot be rewritten for another reason than a banned op
+            (the subclass names the cause, as ``amp_rewrite`` does).
     """
     if config is None:
         config = RewriteConfig(make_policy(policy, dtype, target), frontend,

@@ -239,7 +239,8 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
             f"({model.__dict__['forward']!r}); inplace=True replaces it. what to do: "
             "rewrite with inplace=False and use the returned module")
     root = BlocksRoot(model, paths, config)
-    inner = RewriteConfig(dataclasses.replace(config.policy, output_dtype=None), "auto")
+    inner = RewriteConfig(dataclasses.replace(config.policy, output_dtype=None), "auto",
+                          rules=config.rules)
     counted = root.planner(plan)
     for path in paths:
         install(model.get_submodule(path), None, counted, inner)

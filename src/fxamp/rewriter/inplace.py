@@ -85,7 +85,7 @@ def _outside_compile(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _eager_planning() -> Dict[str, Callable[..., Any]]:
-    """Fill :data:`_EAGER` (once per process)."""
+    """Fill ``_EAGER`` (once per process)."""
     if not _EAGER:
         for name in _PLANNING:
             _EAGER[name] = torch.compiler.disable(getattr(InplaceForward, name).plain)
@@ -293,7 +293,7 @@ def _planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
 @contextlib.contextmanager
 def planning(model: nn.Module, lock: Any) -> Iterator[None]:
     """``model`` with its own forward back for the planning thread while it is planned on
-    a call; other threads' calls wait for the plan (see :func:`_planning_forward`)."""
+    a call; other threads' calls wait for the plan (see ``_planning_forward``)."""
     taken = _take(model)
     model.__dict__["forward"] = _planning_forward(model, lock)
     try:
@@ -388,7 +388,18 @@ def reinstall(model: nn.Module, gm: nn.Module, plan: Optional[Planner] = None) -
 
 def rewritten(model: nn.Module) -> nn.Module:
     """The rewritten module an in-place rewrite put inside ``model`` (``model`` itself
-    when it is a rewritten module already)."""
+    when it is a rewritten module already).
+
+    Args:
+        model: a model ``amp_rewrite(..., inplace=True)`` rewrote, or a module it returned.
+
+    Returns:
+        The rewritten module whose graph the model's forward runs.
+
+    Raises:
+        NotPlannedError: ``model`` is planned on its first call and has not been called.
+        FxampError: ``amp_rewrite`` did not rewrite ``model``.
+    """
     if isinstance(model.__dict__.get(RESULT), Pending):
         result_of(model)  # (raises NotPlannedError: planned on its first call)
     gm = model.__dict__.get(ATTR)

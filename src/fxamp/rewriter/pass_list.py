@@ -23,6 +23,7 @@ from ..passes.casts import insert_casts
 from ..passes.manager import PassContext, Step, fixpoint
 from ..passes.placement import place_casts
 from ..passes.ranges import keep_in_range
+from ..passes.rule import user_rules
 from ..frontends.aten import quiet_torch_logs
 from ..frontends.common import nested_lines
 
@@ -50,6 +51,9 @@ def pass_list() -> List[Step]:
             Step("loss", loss.loss_in_fp32, numerics("loss"), decides=True),
             Step("joins", joins.consistent_joins, numerics("joins"), decides=True),
             Step("ranges", keep_in_range, decides=True),
+            # the user's rules (amp_rewrite(..., rules=[...])) decide last: fxamp's own
+            # rules leave the nodes they decide alone
+            Step("user_rules", user_rules, lambda ctx: bool(ctx.rules), decides=True),
         ]),
         Step("placement", place_casts, lambda ctx: ctx.policy.placement, decides=True),
         Step("banned", check_banned),

@@ -15,6 +15,7 @@ from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from ..ir import fix
+from ..rules import DecisionRule
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
@@ -86,7 +87,7 @@ def _rewrite_submodules(model: nn.Module, paths: Sequence[str],
     on the example inputs as its inputs) where one takes it; returns them by path. The
     others (``what`` says what becomes of them) are left out."""
     inner = RewriteConfig(dataclasses.replace(config.policy, output_dtype=None),
-                          "auto")  # values flow on in their dtype
+                          "auto", rules=config.rules)  # values flow on in their dtype
     done: Dict[str, nn.Module] = {}
     for path in paths:
         if path not in calls:
@@ -125,56 +126,82 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
                 frontend: str = "auto", dynamic_shapes: Any = None,
-                config: Optional[RewriteConfig] = None, inplace: bool = False) -> nn.Module:
+                config: Optional[RewriteConfig] = None, inplace: bool = False,
+                rules: Union[None, DecisionRule, Sequence[DecisionRule]] = None
+                ) -> nn.Module:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule`` (for the "eager"
     front end, a copy of the model whose children are such modules).
 
     Each node computes in the dtype ``torch.autocast(target, dtype)`` would give it (or the
     policy's override, or a numerics pass's decision), with explicit casts; Parameters stay
-    FP32 and shared with ``model``. ``example_inputs`` (a tuple of the forward's arguments)
-    decide dtypes exactly. ``calibration_data`` (an iterable of input tuples, or a Plan whose
-    ranges to reuse) keeps in FP32 the nodes whose values pass the low dtype's range.
+    FP32 and shared with ``model``. When the rewrite fails, the model is run once in FP32 on
+    the example inputs: if that fails too, the model's own error is raised
+    (``ExampleInputError``). The model is left exactly as it was (see
+    ``frontends/state.py``). The config of the rewrite is stored on the result
+    (``fxamp.config_of``).
 
-    ``frontend``: "fx" (torch.fx.symbolic_trace), "export" (torch.export, ATen-level, needs
-    the example inputs; keyword arguments go in ``example_kwargs``) or "auto": fx, then
-    export, then fx with the submodules neither can take kept as calls that run under
-    torch.autocast (``rule="runtime"``). The plan header records which one took the model.
+    Args:
+        model: the FP32 model to rewrite.
+        example_inputs: the forward's positional arguments (a tuple, or one tensor); they
+            decide dtypes exactly. Optional with ``inplace=True``, where the model is
+            planned on its first call.
+        example_kwargs: the forward's keyword arguments for the trace.
+        dtype: the low-precision dtype, ``torch.float16`` (the default) or
+            ``torch.bfloat16``; it must agree with the policy's ``compute=``.
+        target: what the plan is for: ``"cuda"`` or ``"cpu"`` mirror that device's
+            autocast; ``"tensorrt"`` is a deployment plan.
+        policy: a ``Policy`` or its text form (``"fp32:head.*,eps=off"``).
+        calibration_data: an iterable of input tuples, a ``Plan`` whose ranges to reuse,
+            or its ranges: the nodes whose values pass the low dtype's range stay in FP32.
+        frontend: ``"fx"`` (``torch.fx.symbolic_trace``), ``"export"`` (``torch.export``,
+            ATen-level, needs the example inputs) or ``"auto"``: fx, then export, then fx
+            with the submodules neither can take kept as calls that run under
+            ``torch.autocast`` (``rule="runtime"``), then "eager" (the forward stays
+            Python, its children are rewritten). The plan header records which one took
+            the model.
+        dynamic_shapes: ``torch.export``'s own spelling, passed to it: which input
+            dimensions the export front end keeps symbolic. By default the batch (dim 0
+            of every tensor input) and the sequence (dim 1 of integer inputs: token ids,
+            masks), all others static. (fx graphs take any size: the fx front end ignores
+            it.)
+        config: a ``RewriteConfig`` (e.g. ``config_of(gm)`` of an earlier rewrite) given
+            instead of ``example_kwargs``, ``dtype``, ``target``, ``policy``,
+            ``calibration_data``, ``frontend`` and ``dynamic_shapes``.
+        rules: the user's decision rules (``fxamp.DecisionRule`` objects, or one), run in
+            order after fxamp's own decisions (docs/rules.md); the plan's rule column names
+            what each decided, and the policy (the plan header) names the rules.
+        inplace: return ``model`` itself, its forward computing with the rewritten module
+            (same object and class: its other methods, wrappers, hooks and ``state_dict``
+            keys stay; ``train()``/``eval()`` reach the graph; see
+            ``rewriter/inplace.py``). A model with blocks keeps its module tree, each
+            block planned on its first call (``rewriter/blocks.py``). A call in a mode or
+            of a structure no graph of an in-place model covers is planned on that call.
+            The inference policy ``weights=stored`` (``rewriter/stored.py``) needs it.
 
-    ``dynamic_shapes`` (torch.export's own spelling, passed to it) says which input
-    dimensions the export front end keeps symbolic; by default the batch (dim 0 of every
-    tensor input) and the sequence (dim 1 of integer inputs: token ids, masks), all others
-    static. A call of the result with another size on a static dimension raises
-    InputShapeError. (fx graphs take any size: the fx front end ignores it.)
+    Returns:
+        The rewritten module (``model`` itself with ``inplace=True``); ``fxamp.plan_of``
+        gives its plan.
 
-    ``dtype`` defaults to float16 (or the policy's ``compute=``; the two must agree).
-    When the rewrite fails, the model is run once in FP32 on the example inputs: if that
-    fails too, the model's own error is raised (``ExampleInputError``). The model is left
-    exactly as it was (see ``frontends/state.py``).
-
-    ``config``: a :class:`~fxamp.config.RewriteConfig` (e.g. ``config_of(gm)`` of an
-    earlier rewrite) given instead of the keyword arguments above. The config of the
-    rewrite is stored on the result (``fxamp.config_of``).
-
-    ``inplace=True`` returns ``model`` itself, its forward computing with the rewritten
-    module (same object and class: its other methods, wrappers, hooks and ``state_dict``
-    keys stay; ``train()``/``eval()`` reach the graph; see ``rewriter/inplace.py``). It
-    needs no example inputs: the model is then planned on its first call, from that call's
-    arguments, and a model with blocks keeps its module tree, each block planned on its
-    first call (``rewriter/blocks.py``). A call in a mode or of a structure no graph of an
-    in-place model covers is planned on that call; a returned module refuses it
-    (``ModeError``, ``CallStructureError``).
-    The inference policy ``weights=stored`` (``rewriter/stored.py``) needs
-    ``inplace=True``: the model's own Parameters are stored in low precision; with
-    ``inplace=False`` it is refused (``PolicyError``).
+    Raises:
+        PolicyError: a bad policy, or ``weights=stored`` with ``inplace=False``.
+        ExampleInputError: the model fails in FP32 on the example inputs too.
+        TraceError: no front end can trace the model (the message names the node).
+        RuleError: a rule that is no ``DecisionRule``, or a decision that is none.
+        FxampError: ``config`` together with the keyword arguments it holds; the
+            subclass names any other bad input.
+        InputShapeError: (raised by the result) a call with another size on a static
+            dimension of an exported graph.
+        ModeError: (raised by a returned, not in-place, result) a call in a mode no
+            graph covers; ``CallStructureError`` for a call structure no graph covers.
     """
     if config is None:
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
-                                    calibration_data, dynamic_shapes)
+                                    calibration_data, dynamic_shapes, rules)
     elif (policy, dtype, frontend, example_kwargs, calibration_data, target,
-          dynamic_shapes) != (None, None, "auto", None, None, "cuda", None):
+          dynamic_shapes, rules) != (None, None, "auto", None, None, "cuda", None, None):
         raise FxampError("amp_rewrite takes either config= or the keyword arguments it "
                          "holds (policy, dtype, target, frontend, example_kwargs, "
-                         "calibration_data, dynamic_shapes), not both; what to do: "
+                         "calibration_data, dynamic_shapes, rules), not both; what to do: "
                          "config.replace(...)")
     if config.policy.weights == "stored" and not inplace:
         raise PolicyError(
@@ -189,7 +216,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
 
 def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]],
                  config: RewriteConfig, inplace: bool) -> nn.Module:
-    """:func:`amp_rewrite` with its config made."""
+    """``amp_rewrite`` with its config made."""
     pol = config.policy
     example_kwargs = config.example_kwargs
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
@@ -244,7 +271,7 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
     None), or a structure change since its plan (``why`` says which). Planned with any
     outer autocast off, grad mode on, outside inference mode, with the model's own call
     hooks off (they ran on this call, and run on the next ones, around the new graph), on
-    copies of the call's Python objects (:func:`isolated`), and with the RNG states of the
+    copies of the call's Python objects (``isolated``), and with the RNG states of the
     CPU and the initialised CUDA devices put back after (the user's run is unchanged);
     returns the new rewritten module (the in-place forward keeps it)."""
     name = type(model).__name__
@@ -362,7 +389,7 @@ def _kept(config: RewriteConfig, gm: nn.Module) -> RewriteConfig:
 def rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
             fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]] = None,
             scope: Optional[Scope] = None) -> fx.GraphModule:
-    """The pipeline behind amp_rewrite (one :class:`Rewrite`). ``fixed`` maps node names to
+    """The pipeline behind amp_rewrite (one ``Rewrite``). ``fixed`` maps node names to
     (dtype, rule, reason) decisions made outside the passes (the tolerance search).
     ``scope``: the override record of the enclosing rewrite's submodule this one is (none:
     a top-level rewrite, which raises PolicyError when an override matches no node)."""
@@ -410,9 +437,9 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
 
 class Rewrite:
     """One rewrite of one model, its state in fields and its steps as methods, in order:
-    :meth:`capture` (a front end's graph, or the children of an eager root), :meth:`decide`
-    (the pass list: every node's precision), :meth:`build` (the plan, the result on the
-    rewritten module), :meth:`result`."""
+    ``capture`` (a front end's graph, or the children of an eager root), ``decide``
+    (the pass list: every node's precision), ``build`` (the plan, the result on the
+    rewritten module), ``result``."""
 
     def __init__(self, model: nn.Module, inputs: tuple, config: RewriteConfig,
                  fixed: Optional[Dict[str, Tuple[torch.dtype, str, str]]],
@@ -449,7 +476,7 @@ class Rewrite:
                 self.model, self.example, self.kwargs, self.config.frontend, self.state,
                 self.config.dynamic_shapes,
                 whole_graph=_needs_graph(self.fixed, calibration) or is_deploy(pol.target),
-                inference=is_deploy(pol.target))
+                inference=is_deploy(pol.target), compute=pol.compute)
         except TraceError:
             self.state.restore()
             raise
@@ -487,7 +514,8 @@ class Rewrite:
             fix(node, dtype, rule, reason)
         self.ctx = PassContext(pol, flat, calibration=_calibration(calibration),
                                ranges=_given_ranges(calibration), state=self.state,
-                               scope=self.scope, nested=self.nested)
+                               scope=self.scope, nested=self.nested,
+                               rules=self.config.rules)
         self.gm = PassManager(pass_list())(src, self.ctx).graph_module  # (compiled)
 
     def build(self) -> None:

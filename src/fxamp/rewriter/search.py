@@ -58,7 +58,17 @@ def max_relative_error(outputs: List[Any], references: List[Any]) -> float:
 
 @dataclass
 class SearchResult:
-    """What a search found: the rewritten model, the FP32 nodes it chose, what it cost."""
+    """What a search found: the rewritten model, the FP32 nodes it chose, what it cost.
+
+    Attributes:
+        graph_module: the model rewritten with the chosen nodes in FP32.
+        fp32_nodes: the names of the nodes the search keeps in FP32, beyond the policy.
+        evaluations: how many times the model was rewritten and run on the data (the
+            scoring pass counts as one).
+        error: the rewritten model's error against FP32 on the data (the metric's value).
+        met: whether ``error`` is at most the ``rtol`` asked for.
+        history: ``(number of FP32 nodes, error)`` of each evaluation, in order.
+    """
 
     graph_module: fx.GraphModule
     fp32_nodes: List[str]
@@ -189,10 +199,34 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
            frontend: str = "auto", config: Optional[RewriteConfig] = None) -> SearchResult:
     """Find a small set of FP32 nodes so the rewrite's error against FP32 is at most ``rtol``.
 
-    ``metric(outputs, references) -> float`` (lists over the batches) replaces the default
-    max relative output error. ``frontend`` as in amp_rewrite; ``config`` (a RewriteConfig,
-    e.g. ``fxamp.config_of(gm)``) replaces policy, dtype, target and frontend. The scoring
-    pass traces with the same front end as the rewrites.
+    Each low-precision node is scored by its error when it alone runs in low precision;
+    groups of the worst ones (1, 2, 4... nodes) are kept in FP32 until the error meets
+    ``rtol``, then the group is bisected to the smallest prefix that does. The scoring pass
+    traces with the same front end as the rewrites.
+
+    Args:
+        model: the FP32 model (left unchanged).
+        example_inputs: the forward's arguments to trace with (a tuple, or one tensor).
+        data: the batches to measure the error on (each a tuple of the forward's
+            arguments, or one tensor); the FP32 model's outputs on them are the reference.
+        rtol: the largest error accepted.
+        metric: ``metric(outputs, references) -> float`` (lists over the batches); by
+            default the largest relative output error.
+        dtype: the low-precision dtype.
+        target: the device whose autocast the plan mirrors (``"cuda"``, ``"cpu"``,
+            ``"tensorrt"``), as in ``amp_rewrite``.
+        policy: a ``Policy`` or its text form, the starting point of the search.
+        frontend: the front end, as in ``amp_rewrite``.
+        config: a ``RewriteConfig`` (e.g. ``fxamp.config_of(gm)``) given instead of
+            ``policy``, ``dtype``, ``target`` and ``frontend``.
+
+    Returns:
+        The ``SearchResult``; ``met`` is False (and a warning is logged) when even every
+        low-precision node in FP32 leaves the error above ``rtol``.
+
+    Raises:
+        FxampError: ``data`` holds no batch, or the model cannot be rewritten (the
+            subclass says why, as ``amp_rewrite`` does).
     """
     evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target,
                         frontend, config)
@@ -249,7 +283,30 @@ def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], 
                     policy: Union[None, str, Policy] = None, frontend: str = "auto",
                     config: Optional[RewriteConfig] = None) -> SearchResult:
     """Polygraphy-style baseline: bisect the shortest FP32 prefix, and the shortest FP32
-    suffix, of the low-precision nodes in graph order; keep the smaller."""
+    suffix, of the low-precision nodes in graph order; keep the smaller.
+
+    Args:
+        model: the FP32 model (left unchanged).
+        example_inputs: the forward's arguments to trace with (a tuple, or one tensor).
+        data: the batches to measure the error on (each a tuple of the forward's
+            arguments, or one tensor).
+        rtol: the largest error accepted.
+        metric: ``metric(outputs, references) -> float`` (lists over the batches); by
+            default the largest relative output error.
+        dtype: the low-precision dtype.
+        target: the device whose autocast the plan mirrors, as in ``amp_rewrite``.
+        policy: a ``Policy`` or its text form.
+        frontend: the front end, as in ``amp_rewrite``.
+        config: a ``RewriteConfig`` given instead of ``policy``, ``dtype``, ``target`` and
+            ``frontend``.
+
+    Returns:
+        The ``SearchResult`` (the plan marks its FP32 nodes ``rule="bisect"``); ``met`` is
+        False when neither every prefix nor every suffix meets ``rtol``.
+
+    Raises:
+        FxampError: ``data`` holds no batch, or the model cannot be rewritten.
+    """
     evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target,
                         frontend, config)
     error, gm = evaluate([], rule=Rule.BISECT)

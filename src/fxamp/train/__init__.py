@@ -1,4 +1,4 @@
-"""fxamp.train: a small, explicit training step around :class:`torch.amp.GradScaler`.
+"""fxamp.train: a small, explicit training step around ``torch.amp.GradScaler``.
 
 ::
 
@@ -10,7 +10,7 @@
         if r.skipped:
             log.warning("%s", r.overflow)   # node, module path and source line
 
-One :meth:`Trainer.step` is one micro-batch: ``loss = loss_fn(model, *batch)``,
+One ``Trainer.step`` is one micro-batch: ``loss = loss_fn(model, *batch)``,
 ``scaler.scale(loss / accumulation).backward()``; after ``accumulation`` micro-batches:
 ``scaler.unscale_(opt)`` -> optional ``clip_grad_norm_`` -> ``scaler.step(opt)`` ->
 ``scaler.update()`` -> ``opt.zero_grad(set_to_none=True)`` -> ``scheduler.step()`` unless the
@@ -33,7 +33,7 @@ first N-1 consecutive overflows skip the step but keep the scale: ``scaler.updat
 usual (back-off, growth tracker reset) and is followed by ``scaler.update(scale_before)``,
 GradScaler's documented way to set the scale. The N-th consecutive overflow and every further
 one back off; a finite step resets the count. ``min_scale`` raises
-:class:`ScaleUnderflowError` once the scale falls below it (fp16 only: with bfloat16 the
+``ScaleUnderflowError`` once the scale falls below it (fp16 only: with bfloat16 the
 scaler is disabled and ``min_scale`` raises at construction).
 
 **No non-finite step is applied.** GradScaler checks the *scaled* gradients; after a long
@@ -43,14 +43,14 @@ norm of the unscaled gradients anyway (for clipping and the history); when it is
 and GradScaler found nothing, it sets GradScaler's found-inf flags so ``scaler.step`` skips
 and ``update`` backs off. The scale never goes below ``SCALE_FLOOR`` (2**-24), so it can
 grow back. After ``max_consecutive_skips`` (default 50) skipped steps in a row the trainer
-raises :class:`TrainingDivergedError` naming the node where the non-finite values start
+raises ``TrainingDivergedError`` naming the node where the non-finite values start
 (localised on the last batch) and what to do. ``state_dict()`` includes the RNG states
-(:mod:`fxamp.train.rng`), so a resume with dropout is bit-identical.
+(``fxamp.train.rng``), so a resume with dropout is bit-identical.
 
 **Overflow localisation and healing.** On a skipped step the micro-batches of the window are
-replayed through the GraphModule in a :class:`torch.fx.Interpreter` (first node whose output
+replayed through the GraphModule in a ``torch.fx.Interpreter`` (first node whose output
 is inf/NaN) with gradient hooks on every node output (first node, in backward order, whose
-gradient is non-finite under the step's loss scale); see :func:`localize`. With
+gradient is non-finite under the step's loss scale); see ``localize``. With
 ``heal=True`` a low-precision node that caused ``heal_after`` forward overflows is moved to
 FP32: the original model is rewritten with the policy plus ``fp32:NODE``, the plan entry gets
 ``rule="heal"``, and the new GraphModule (same Parameters, so the optimizer carries on)

@@ -1,9 +1,9 @@
 """Overflow localisation: replay a batch through a rewritten GraphModule, node by node.
 
-The forward pass runs in a :class:`torch.fx.Interpreter` that checks every node's output
+The forward pass runs in a ``torch.fx.Interpreter`` that checks every node's output
 for inf/NaN; a tensor hook on every node output that requires grad records, during the
 (scaled) backward pass, the first node in backward order whose gradient is non-finite.
-Nothing in the model changes: gradients are taken with :func:`torch.autograd.grad` (no
+Nothing in the model changes: gradients are taken with ``torch.autograd.grad`` (no
 ``.grad`` is written), buffers (BatchNorm running stats) are restored and the RNG is forked.
 """
 from __future__ import annotations
@@ -27,16 +27,25 @@ __all__ = ["Overflow", "localize"]
 
 @dataclass(frozen=True)
 class Overflow:
-    """Where a batch first produced inf/NaN in a rewritten graph.
+    """Where a batch first produced inf/NaN in a rewritten graph; ``str(overflow)`` says it
+    in one line.
 
-    phase: "forward" (a node's output is non-finite), "loss" (the model's outputs are finite
-    but the loss is not), "backward" (a node's gradient, in backward order, became
-    non-finite under the loss scale) or "none" (the replay stayed finite: the overflow did
-    not reproduce, e.g. it came from another rank or a non-deterministic op).
-    node: the plan node blamed (a cast node is blamed on the node it feeds); module: its module
-    path; source: the user's source line; dtype: what the plan computes it in.
-    forward_node / backward_node: the raw graph nodes found in each pass ("" if none);
-    parameter: the first parameter whose gradient is non-finite ("" if none).
+    Attributes:
+        phase: "forward" (a node's output is non-finite), "loss" (the model's outputs are
+            finite but the loss is not), "backward" (a node's gradient, in backward order,
+            became non-finite under the loss scale) or "none" (the replay stayed finite:
+            the overflow did not reproduce, e.g. it came from another rank or a
+            non-deterministic op).
+        node: the plan node blamed (a cast node is blamed on the node it feeds).
+        module: its module path.
+        source: the user's source line.
+        dtype: what the plan computes it in.
+        op: its op label.
+        forward_node: the raw graph node the forward pass found ("" if none).
+        backward_node: the raw graph node the backward pass found ("" if none).
+        parameter: the first parameter whose gradient is non-finite ("" if none).
+        scale: the loss scale of the replay.
+        step: the optimizer step of the failing batch (-1: not given).
     """
 
     phase: str
@@ -167,9 +176,25 @@ def localize(gm: fx.GraphModule, loss_fn: Callable[..., torch.Tensor], *batch: A
              scale: float = 1.0, step: int = -1) -> Overflow:
     """Replay ``loss_fn(model, *batch)`` through ``gm`` and say where inf/NaN first appear.
 
-    ``loss_fn`` gets a stand-in for ``gm`` that runs in a :class:`torch.fx.Interpreter`;
-    the loss is multiplied by ``scale`` (the loss scale of the failing step) before the
-    backward pass, so a gradient that overflowed under the scale overflows again.
+    Nothing in the model changes (see the module docstring).
+
+    Args:
+        gm: a GraphModule ``amp_rewrite`` made.
+        loss_fn: ``loss_fn(model, *batch) -> loss``; it gets a stand-in for ``gm`` that
+            runs in a ``torch.fx.Interpreter``.
+        *batch: the batch to replay.
+        scale: the loss scale of the failing step: the loss is multiplied by it before
+            the backward pass, so a gradient that overflowed under the scale overflows
+            again.
+        step: the optimizer step, recorded in the result.
+
+    Returns:
+        The ``Overflow``: the first node whose output (forward) or gradient (backward) is
+        non-finite, or ``phase="none"`` when the replay stays finite.
+
+    Raises:
+        FxampError: ``gm`` was not made by ``amp_rewrite``, or ``loss_fn`` returned no
+            tensor.
     """
     plan = plan_of(gm)
     replays: List[_Replay] = []

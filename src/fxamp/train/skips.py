@@ -1,5 +1,5 @@
 """The trainer's skip policy: the loss-scale floor, the limit on consecutive skipped steps,
-and the error raised when it is reached. See :mod:`fxamp.train` ("No non-finite step is
+and the error raised when it is reached. See ``fxamp.train`` ("No non-finite step is
 applied")."""
 from __future__ import annotations
 

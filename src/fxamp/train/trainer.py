@@ -1,9 +1,9 @@
-"""Trainer: one explicit optimizer step around :class:`torch.amp.GradScaler`.
+"""Trainer: one explicit optimizer step around ``torch.amp.GradScaler``.
 
-See the package docstring (:mod:`fxamp.train`) for the step order, how a skipped step is
+See the package docstring (``fxamp.train``) for the step order, how a skipped step is
 detected, hysteresis, healing and distributed training.
 
-:class:`Trainer` keeps the step itself here; its other methods live in mixins, one topic per
+``Trainer`` keeps the step itself here; its other methods live in mixins, one topic per
 module: non-finite gradients, the scale update and the skipped window (``nonfinite.py``),
 healing (``healing.py``) and checkpoints (``checkpoint.py``).
 """
@@ -47,16 +47,20 @@ class ScaleUnderflowError(FxampError):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one :meth:`Trainer.step` call did.
+    """What one ``Trainer.step`` call did.
 
-    loss: the micro-batch's loss (as returned by ``loss_fn``, before any scaling).
-    stepped: this call ended an accumulation window (an optimizer step was attempted).
-    skipped: the optimizer step was skipped because a gradient was inf/NaN.
-    scale: the loss scale after the update (1.0 without a scaler).
-    grad_norm: total norm of the unscaled gradients (None on non-final micro-batches).
-    overflow: where the overflow came from (only on skipped steps with localisation on).
-    healed: the node moved to FP32 after this step ("" if none).
-    grad_stats: per-parameter inf/NaN/zero gradient counts, when asked for.
+    Attributes:
+        loss: the micro-batch's loss (as returned by ``loss_fn``, before any scaling).
+        micro_step: how many micro-batches the trainer has run, this one included.
+        step: the index of the optimizer step this micro-batch belongs to (0-based;
+            skipped steps count).
+        stepped: this call ended an accumulation window (an optimizer step was attempted).
+        skipped: the optimizer step was skipped because a gradient was inf/NaN.
+        scale: the loss scale after the update (1.0 without a scaler).
+        grad_norm: total norm of the unscaled gradients (None on non-final micro-batches).
+        overflow: where the overflow came from (only on skipped steps with localisation on).
+        healed: the node moved to FP32 after this step ("" if none).
+        grad_stats: per-parameter inf/NaN/zero gradient counts, when asked for.
     """
 
     loss: float
@@ -79,34 +83,44 @@ class Trainer(NonFiniteMixin, HealingMixin, CheckpointMixin):
     """Scale -> backward -> (every ``accumulation`` micro-batches) unscale_ -> clip ->
     ``scaler.step`` -> ``scaler.update`` -> ``zero_grad(set_to_none=True)`` -> scheduler.
 
-    model: a GraphModule made by :func:`fxamp.amp_rewrite`, or a
-        ``DistributedDataParallel`` wrapping one.
-    optimizer: an optimizer over the model's (FP32, shared) Parameters; one over another
-        copy's Parameters (which would train nothing) raises FxampError.
-    scaler: a :class:`torch.amp.GradScaler`; None makes ``GradScaler(device)``, enabled
-        when the plan computes in float16 and disabled for bfloat16 (no scaling; a step whose
-        gradients are non-finite is still skipped).
-    accumulation: micro-batches per optimizer step; each loss is divided by it.
-    clip_grad_norm: max total norm of the unscaled gradients (None: no clipping; the norm
-        is still measured for the history).
-    scheduler: an LR scheduler, stepped after each optimizer step that was not skipped.
-    min_scale: raise :class:`ScaleUnderflowError` when the scale falls below this (fp16 only:
-        with the scaler disabled, e.g. bfloat16, there is no scale and passing it raises).
-        Whatever it is, the scale never goes below :data:`SCALE_FLOOR`.
-    max_consecutive_skips: raise :class:`TrainingDivergedError`, naming the node where the
-        non-finite values start, after this many optimizer steps in a row were skipped
-        (default :data:`MAX_CONSECUTIVE_SKIPS`; None: never). No step whose gradients are not
-        all finite is ever applied, whether GradScaler noticed or not.
-    hysteresis: back off the scale only on the N-th consecutive overflow (1: every overflow,
-        GradScaler's own behaviour).
-    localize_on_skip: replay the failing batch to name the node that overflowed (logged).
-    heal: move a node to FP32 once it caused ``heal_after`` forward overflows (needs
-        ``original_model`` and ``example_inputs``, the arguments of the first rewrite).
-    heal_backward: also count backward overflows (off: those are what the loss scale is for).
-    record_grad_stats: put per-parameter inf/NaN/zero gradient counts in every StepResult.
-    tensorboard: a log directory or a SummaryWriter; scalars are written only if
-        ``torch.utils.tensorboard`` imports (checked on first use).
-    device: the device type the scaler works on ("cpu" or "cuda").
+    Args:
+        model: a GraphModule made by ``fxamp.amp_rewrite``, or a
+            ``DistributedDataParallel`` wrapping one.
+        optimizer: an optimizer over the model's (FP32, shared) Parameters; one over another
+            copy's Parameters (which would train nothing) raises FxampError.
+        scaler: a ``torch.amp.GradScaler``; None makes ``GradScaler(device)``, enabled
+            when the plan computes in float16 and disabled for bfloat16 (no scaling; a step whose
+            gradients are non-finite is still skipped).
+        accumulation: micro-batches per optimizer step; each loss is divided by it.
+        clip_grad_norm: max total norm of the unscaled gradients (None: no clipping; the norm
+            is still measured for the history).
+        scheduler: an LR scheduler, stepped after each optimizer step that was not skipped.
+        min_scale: raise ``ScaleUnderflowError`` when the scale falls below this (fp16 only:
+            with the scaler disabled, e.g. bfloat16, there is no scale and passing it raises).
+            Whatever it is, the scale never goes below ``SCALE_FLOOR``.
+        max_consecutive_skips: raise ``TrainingDivergedError``, naming the node where the
+            non-finite values start, after this many optimizer steps in a row were skipped
+            (default ``MAX_CONSECUTIVE_SKIPS``; None: never). No step whose gradients are not
+            all finite is ever applied, whether GradScaler noticed or not.
+        hysteresis: back off the scale only on the N-th consecutive overflow (1: every overflow,
+            GradScaler's own behaviour).
+        localize_on_skip: replay the failing batch to name the node that overflowed (logged).
+        heal: move a node to FP32 once it caused ``heal_after`` forward overflows (needs
+            ``original_model`` and ``example_inputs``, the arguments of the first rewrite).
+        heal_after: how many forward overflows a node may cause before ``heal`` moves it.
+        heal_backward: also count backward overflows (off: those are what the loss scale is for).
+        original_model: the FP32 model ``model`` was rewritten from (for ``heal``).
+        example_inputs: the example inputs of that rewrite (for ``heal``).
+        record_grad_stats: put per-parameter inf/NaN/zero gradient counts in every StepResult.
+        tensorboard: a log directory or a SummaryWriter; scalars are written only if
+            ``torch.utils.tensorboard`` imports (checked on first use).
+        device: the device type the scaler works on ("cpu" or "cuda").
+
+    Raises:
+        FxampError: ``model`` was not made by ``amp_rewrite``; the optimizer holds other
+            Parameters; a non-positive ``accumulation``, ``hysteresis`` or
+            ``max_consecutive_skips``; ``heal`` without ``original_model`` and
+            ``example_inputs``, or with DDP; ``min_scale`` with a disabled scaler.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -200,7 +214,12 @@ class Trainer(NonFiniteMixin, HealingMixin, CheckpointMixin):
         return float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0
 
     def grad_stats(self) -> Dict[str, Dict[str, int]]:
-        """Per-parameter counts of inf, NaN and zero gradient elements (current ``.grad``)."""
+        """Per-parameter counts of inf, NaN and zero gradient elements (current ``.grad``).
+
+        Returns:
+            Parameter name -> ``{"inf", "nan", "zero", "numel", "none"}`` counts (``none``
+            is 1 for a Parameter without a gradient).
+        """
         names = {id(p): n for n, p in self.gm.named_parameters()}
         out: Dict[str, Dict[str, int]] = {}
         for i, p in enumerate(self.params):
@@ -215,7 +234,16 @@ class Trainer(NonFiniteMixin, HealingMixin, CheckpointMixin):
 
     def localize(self, loss_fn: LossFn, *batch: Any, scale: Optional[float] = None) -> Overflow:
         """Replay ``loss_fn(model, *batch)`` and say which node first goes inf/NaN, in the
-        forward pass or (under the current loss scale) in the backward pass."""
+        forward pass or (under the current loss scale) in the backward pass.
+
+        Args:
+            loss_fn: ``loss_fn(model, *batch) -> loss``, as given to ``step``.
+            *batch: the batch to replay.
+            scale: the loss scale to replay under (default: the current scale).
+
+        Returns:
+            The ``Overflow`` (``phase="none"`` when the replay stays finite).
+        """
         return localize(self.gm, loss_fn, *batch, scale=self.scale if scale is None else scale,
                         step=self.steps)
 
@@ -232,7 +260,22 @@ class Trainer(NonFiniteMixin, HealingMixin, CheckpointMixin):
     # ------------------------------------------------------------------ step
     def step(self, loss_fn: LossFn, *batch: Any) -> StepResult:
         """One micro-batch: ``loss = loss_fn(model, *batch)``, scaled backward; after every
-        ``accumulation`` micro-batches, the optimizer step (see the class docstring)."""
+        ``accumulation`` micro-batches, the optimizer step (see the class docstring).
+
+        Args:
+            loss_fn: ``loss_fn(model, *batch) -> loss``, a one-element tensor; ``model`` is
+                the module given to the Trainer.
+            *batch: the micro-batch, passed to ``loss_fn`` after the model.
+
+        Returns:
+            The ``StepResult`` (``stepped`` False before the last micro-batch of a window;
+            ``skipped`` and ``overflow`` when the step was skipped).
+
+        Raises:
+            FxampError: ``loss_fn`` returned something other than a one-element tensor.
+            ScaleUnderflowError: the scale fell below ``min_scale``.
+            TrainingDivergedError: ``max_consecutive_skips`` steps in a row were skipped.
+        """
         self._window.append((loss_fn, batch))
         self.micro_steps += 1
         last = len(self._window) >= self.accumulation

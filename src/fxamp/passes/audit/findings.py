@@ -1,7 +1,7 @@
 """The audit's findings and the graph helpers its checks share: a ``Finding`` (severity, code,
 node, source line, message, fix), ``summary``, and reading a rewritten graph (the value
 behind fxamp's casts, shapes, the module a node calls, the ATen op names it runs — asked of
-:mod:`fxamp.ops`).
+``fxamp.ops``).
 """
 from __future__ import annotations
 
@@ -22,11 +22,15 @@ LOW = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Finding:
-    """One audit finding.
+    """One audit finding; ``str(finding)`` is its one-line form.
 
-    severity: "error" | "warning" | "info". code: a short stable id. node: the source node's
-    name. source: the user's source line ("" when unknown). message: what is wrong, with the
-    numbers. fix: what to do.
+    Attributes:
+        severity: ``"error"``, ``"warning"`` or ``"info"``.
+        code: a short stable id (``"norm-eps"``).
+        node: the source node's name.
+        source: the user's source line (``""`` when unknown).
+        message: what is wrong, with the numbers.
+        fix: what to do.
     """
 
     severity: str

@@ -1,0 +1,206 @@
+"""Dtypes the model reads at run time, on the torch.export front end.
+
+torch.export runs the forward once, in FP32, and bakes every Python value the code computes
+into the graph. Where that value comes from a tensor's dtype, the FP32 trace freezes
+what FP32 gives, while under ``torch.autocast`` the same code sees a low-precision tensor:
+
+- ``c.to(h.dtype)`` / ``c.to(h)``: ``aten.to.dtype(c, torch.float32)`` in the graph, a
+  no-op there; under autocast, where ``h`` is a Linear's output, a cast to bf16;
+- ``y.to(x.device)``: torch.export fills in ``y``'s traced dtype
+  (``aten.to.dtype_layout(y, dtype=torch.float32, ...)``), which casts a bf16 ``y`` back to
+  FP32 at run time;
+- ``torch.finfo(scores.dtype).min``: FP32's minimum, which cannot be written into a bf16
+  tensor (``masked_fill`` raises) and is not the value autocast's run fills in.
+
+So when the FP32 graph has such values (FP32 as a dtype argument, or one of FP32's ``finfo``
+constants), the model is exported a second time under ``torch.autocast`` (the device of the
+inputs, the plan's compute dtype; the same dynamic shapes, so that both graphs spell sizes
+alike), the two graphs are matched node by node (:func:`.modes.align`, with
+:class:`RunTimeReads` saying what may differ), and every
+argument that differs takes the autocast trace's value: each node is then planned as what
+autocast does with the run-time dtype. Where a no-op ``to`` of the FP32 trace stands for the
+tensor itself (the tracer hands the same tensor on under the ``to`` node's name), a use that
+reads the tensor under autocast is pointed back at the tensor.
+
+Where the two graphs do not match (the code branches on a dtype), the FP32 graph is kept and
+a warning names the first node that differs and its source line. A device without autocast
+(``meta``) keeps the FP32 graph, with a warning where the graph has such values.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .._torch import tree_flatten
+from ..errors import source_line
+from .modes import Alignment, align, node_arguments
+
+__all__ = ["follow_run_time_dtypes", "RunTimeReads"]
+
+log = logging.getLogger(__name__)
+
+#: ATen spellings of ``Tensor.to`` a non-strict export records: on a tensor that already
+#: has the dtype they are no-ops that return the tensor itself
+_TO = tuple(getattr(torch.ops.aten.to, name) for name in ("dtype", "dtype_layout", "device",
+                                                          "other")
+            if hasattr(torch.ops.aten.to, name))
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: the constants ``torch.finfo(x.dtype)`` gives for an FP32 ``x``
+_FP32_CONSTANTS = frozenset(float(getattr(torch.finfo(torch.float32), name))
+                            for name in ("min", "max", "eps", "tiny"))
+
+
+def _may_read_dtype(value: Any) -> bool:
+    """An argument value of the FP32 trace that may come from a tensor's dtype: FP32 itself,
+    or one of FP32's ``finfo`` constants (``finfo(x.dtype).min``, ``eps``...)."""
+    if isinstance(value, (list, tuple)):
+        return any(_may_read_dtype(v) for v in value)
+    if isinstance(value, torch.dtype):
+        return value == torch.float32
+    return type(value) is float and value in _FP32_CONSTANTS
+
+
+def has_dtype_values(graph: fx.Graph) -> bool:
+    """Whether any call in ``graph`` has an argument that may come from a tensor's dtype."""
+    return any(node.op == "call_function" and any(
+        _may_read_dtype(v) for v in (*node.args, *node.kwargs.values()))
+        for node in graph.nodes)
+
+
+def _noop_to_source(node: Any) -> Optional[fx.Node]:
+    """The tensor a no-op ``to`` of the FP32 trace stands for (same dtype in and out)."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _TO
+            and node.args and isinstance(node.args[0], fx.Node)):
+        return None
+    out, src = node.meta.get("val"), node.args[0].meta.get("val")
+    if isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) \
+            and out.dtype == src.dtype:
+        return node.args[0]
+    return None
+
+
+class RunTimeReads(Alignment):
+    """The FP32 graph matched with the graph traced under autocast: what may differ is a
+    floating dtype and a float constant (each a value read from a tensor's dtype), and a
+    no-op ``to`` standing for its tensor; ``changes`` holds ``(node, index, value)``: the
+    autocast trace's value of argument ``index``, and ``rewires`` holds
+    ``(node, no-op to, tensor)``: a use to point back at the tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rewires: List[Tuple[fx.Node, fx.Node, fx.Node]] = []
+        self._user: Optional[fx.Node] = None
+
+    def compare(self, a: fx.Node, b: fx.Node, roots: Tuple[nn.Module, nn.Module]) -> bool:
+        self._user, kept = a, len(self.rewires)
+        try:
+            if super().compare(a, b, roots):
+                return True
+            del self.rewires[kept:]  # (nothing is recorded for a pair that does not match)
+            return False
+        finally:
+            self._user = None
+
+    def same_value(self, a: Any, b: Any) -> bool:
+        if super().same_value(a, b):
+            return True
+        source = _noop_to_source(a) if isinstance(b, fx.Node) else None
+        if source is not None and self._user is not None \
+                and self.resolve(source) is self.match.get(b):
+            self.rewires.append((self._user, a, source))
+            return True
+        return False
+
+    def change(self, a: fx.Node, b: fx.Node, index: int, va: Any, vb: Any) -> Optional[Any]:
+        if (va in _FLOATS and vb in _FLOATS) or (type(va) is float and type(vb) is float):
+            return (a, index, vb)
+        return None
+
+
+def follow_run_time_dtypes(gm: fx.GraphModule, model: nn.Module, args: tuple,
+                           compute: Optional[torch.dtype],
+                           trace: Callable[[], fx.GraphModule]) -> int:
+    """Give ``gm`` (the FP32 export of ``model`` called with ``args``) the values autocast's
+    run reads from tensors' dtypes (see the module docstring); ``trace`` exports the model
+    again (the same dynamic shapes and mode). Returns how many arguments changed."""
+    if compute is None or not has_dtype_values(gm.graph):
+        return 0
+    name = type(model).__name__
+    device = _device_type(model, args)
+    if device not in ("cpu", "cuda"):
+        first = next(n for n in gm.graph.nodes if n.op == "call_function" and any(
+            _may_read_dtype(v) for v in (*n.args, *n.kwargs.values())))
+        log.warning("%s: %s has a dtype or a float constant that may come from a tensor's "
+                    "dtype (%s); on %s there is no torch.autocast to trace what it is at run "
+                    "time, so it keeps the FP32 trace's value; what to do: rewrite with "
+                    "example inputs on the device the model trains on", name, first.name,
+                    source_line(first) or "source unknown", device)
+        return 0
+    try:
+        with torch.autocast(device, compute):
+            other = trace()
+    except Exception as err:  # noqa: BLE001 - the FP32 graph stays; autocast's own run fails
+        log.info("%s: no export under torch.autocast (%s: %s); dtypes read at run time keep "
+                 "the FP32 trace's values", name, type(err).__name__, err)
+        return 0
+    reads = RunTimeReads()
+    if align(gm.graph, other.graph, (gm, other), reads) is None:
+        log.warning("%s computes other ops under torch.autocast than in FP32 (it branches on a "
+                    "dtype%s); the graph follows the FP32 trace: where the code reads a "
+                    "tensor's dtype, the rewritten model keeps FP32's value", name,
+                    _first_difference(gm.graph, other.graph))
+        return 0
+    for user, noop, source in reads.rewires:
+        user.replace_input_with(noop, source)
+    for node, index, value in reads.changes:
+        found = _write(node, index, value)
+        log.debug("%s: %s argument %d follows the run-time dtype: %r", name, node.name, index,
+                  found)
+    if reads.changes or reads.rewires:
+        log.info("%s: %d values read from tensors' dtypes follow autocast's run (%s)", name,
+                 len(reads.changes) + len(reads.rewires),
+                 ", ".join(sorted({n.name for n, _, _ in reads.changes})))
+        gm.graph.lint()
+        gm.recompile()
+    return len(reads.changes) + len(reads.rewires)
+
+
+def _write(node: fx.Node, index: int, value: Any) -> Any:
+    """Set argument ``index`` (by the node's schema) of ``node`` to ``value``."""
+    found = node_arguments(node)
+    assert found is not None
+    values, write, _ = found
+    values[index] = value
+    write(values)
+    return value
+
+
+def _device_type(model: nn.Module, args: tuple) -> str:
+    """The device type the call runs on: its first tensor argument's, else the model's."""
+    for leaf in tree_flatten(args)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.device.type
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device.type
+    return "cpu"
+
+
+def _tensor_calls(graph: fx.Graph) -> List[fx.Node]:
+    """The calls of ``graph`` that compute tensors (not sizes, not checks)."""
+    return [n for n in graph.nodes if n.op == "call_function"
+            and isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def _first_difference(a: fx.Graph, b: fx.Graph) -> str:
+    """``": first at NODE, SOURCE"`` for the first tensor call that differs between the
+    graphs (by its op), or ""."""
+    calls_a, calls_b = _tensor_calls(a), _tensor_calls(b)
+    for x, y in zip(calls_a, calls_b):
+        if x.target != y.target:
+            line = source_line(x)
+            return f": first at {x.name}" + (f", {line}" if line else "")
+    return ""
