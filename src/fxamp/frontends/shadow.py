@@ -25,6 +25,7 @@ copies of the buffers, as before (``frontends/state.py``, ``buffer_writes.py``).
 from __future__ import annotations
 
 import collections
+import functools
 import types
 import weakref
 from typing import Any, Dict, Optional, Tuple
@@ -91,12 +92,19 @@ class Shadow:
 
     def _item(self, value: Any) -> Any:
         """A value held by a module of the model, as its shadow holds it: a module of the
-        model is its shadow, a method bound to one is bound to the shadow."""
+        model is its shadow, a method bound to one is bound to the shadow, and so is a
+        ``functools.partial`` of one (accelerate's hooked ``forward``)."""
         if isinstance(value, nn.Module):
             return self.of.get(id(value), value)
         if isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module) \
                 and id(value.__self__) in self.of:
             return types.MethodType(value.__func__, self.of[id(value.__self__)])
+        if type(value) is functools.partial and any(
+                isinstance(a, nn.Module) and id(a) in self.of for a in value.args):
+            bound = functools.partial(value.func, *map(self._item, value.args),
+                                      **value.keywords)
+            bound.__dict__.update({k: self._item(v) for k, v in vars(value).items()})
+            return bound
         return value
 
     def _copy(self, value: Any, memo: Dict[int, Any], outer: Optional["Shadow"]) -> Any:
