@@ -26,20 +26,23 @@ import fxamp
 CHILD_TIMEOUT_S = 30.0
 
 
-#: by model id: the events its next forward signals and waits on (set by the test)
+#: by model token: the events its next forward signals and waits on (set by the test)
 _ARMED: Dict[int, Dict[str, threading.Event]] = {}
 
 
 class Waits(nn.Module):
     """Two linears; its forward, where the test armed it, tells the test that the rewrite
-    is in flight and waits for it to fork."""
+    is in flight and waits for it to fork. (Armed by a token object it holds: the rewrite
+    runs the forward of a shadow of the model, another module object holding the same
+    attributes.)"""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin1, self.lin2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.token = object()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        armed = _ARMED.pop(id(self), None)
+        armed = _ARMED.pop(id(self.token), None)
         if armed:
             armed["inside"].set()
             armed["forked"].wait(CHILD_TIMEOUT_S)
@@ -80,7 +83,7 @@ def _fork_during_a_rewrite(start: Callable[[Callable[[], None]], Any]) -> int:
     own = _torch_own()
     model = Waits()
     inside, forked = threading.Event(), threading.Event()
-    _ARMED[id(model)] = {"inside": inside, "forked": forked}
+    _ARMED[id(model.token)] = {"inside": inside, "forked": forked}
     errors = []
 
     def rewrite() -> None:

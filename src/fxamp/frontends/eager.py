@@ -39,6 +39,7 @@ from .base import Children, Request
 from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
 from .common import in_output_dtype, nested_header, nested_lines
 from .hooks import share_call_hooks, without_call_hooks
+from .shadow import real_of
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
     nested: Dict[str, Plan] = {}
     runtime: List[str] = [name for name in calls if name not in children]
     for name, sub in children.items():
-        child = model.get_submodule(name)
+        child = real_of(model.get_submodule(name))  # (the user's: read and shared after)
         _as_planned(sub, name in fp32_inputs, _planned_dtypes(calls.get(name)), child)
         _reading_from(sub, child)
         share_call_hooks(sub, child)

@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from ..errors import CallStructureError, FxampError, UnsupportedModelError
 from ..frontends.hooks import ROOT_HOOKS
+from ..frontends.shadow import Shadow
 from ..program import call_key
 from ..result import ATTR as RESULT, Pending, has_result, result_of
 from ..structure import StructureChanged, mirrors
@@ -219,6 +220,7 @@ class InplaceForward:
             self.__signature__ = inspect.signature(gm.forward)
         except (TypeError, ValueError):
             pass
+        model.__dict__["forward"] = self  # (last: see install)
         if structure is not None:
             structure.inplace = True  # (the model's flags are the graph's)
             structure.take()  # (the model as it is now: its forward the rewritten one)
@@ -379,8 +381,6 @@ def install(model: nn.Module, gm: Optional[nn.Module], plan: Optional[Planner] =
             f"({model.__dict__['forward']!r}); inplace=True replaces it. what to do: "
             "rewrite with inplace=False and use the returned module")
     forward = InplaceForward(model, _keywords(model.forward), plan, config)
-    model.__dict__["forward"] = forward
-    register(model)
     if gm is None:
         model.__dict__[ATTR] = None
         model.__dict__[RESULT] = Pending(config, type(model).__name__)
@@ -389,8 +389,10 @@ def install(model: nn.Module, gm: Optional[nn.Module], plan: Optional[Planner] =
                 type(model).forward.__get__(model))
         except (TypeError, ValueError):
             pass
-    else:
-        forward.put(gm)
+        model.__dict__["forward"] = forward
+    else:  # (the forward is set last: another thread's call runs the FP32 forward until
+        forward.put(gm)  # then, never an in-place forward without its graph)
+    register(model)
     return model
 
 
@@ -418,21 +420,24 @@ def take(model: nn.Module) -> Dict[str, Any]:
     return {k: model.__dict__.pop(k) for k in keys if k in model.__dict__}
 
 
-@contextlib.contextmanager
-def uninstalled(model: nn.Module) -> Iterator[None]:
-    """``model`` with its own forward back for a while (another rewrite of it: healing,
-    the search, a new policy); the in-place rewrite is put back after."""
-    taken = take(model)
-    try:
-        yield
-    finally:
-        model.__dict__.update(taken)
+def uninstalled(model: nn.Module) -> nn.Module:
+    """A shadow of ``model`` (``frontends/shadow.py``) with its own forward back, for
+    another rewrite of it (healing, the search, a new policy): the model itself keeps its
+    in-place rewrite, so other threads' calls compute with it until the new one is
+    installed."""
+    shadow = Shadow(model).root
+    take(shadow)
+    return shadow
 
 
 def reinstall(model: nn.Module, gm: nn.Module, plan: Optional[Planner] = None) -> nn.Module:
-    """Replace the in-place rewrite ``model`` computes with by ``gm``."""
-    take(model)
-    return install(model, gm, plan)
+    """Replace the in-place rewrite ``model`` computes with by ``gm`` (until it is in
+    place, other threads' calls compute with the old one)."""
+    old = model.__dict__.get("forward")
+    names = old.names if isinstance(old, InplaceForward) else _keywords(
+        type(model).forward.__get__(model))
+    InplaceForward(model, names, plan).put(gm)
+    return model
 
 
 def rewritten(model: nn.Module) -> nn.Module:

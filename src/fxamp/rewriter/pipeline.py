@@ -29,7 +29,8 @@ from ..frontends.common import MODE, as_tuple, nested_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.model_checks import check_parameter_dtypes
-from ..frontends.hooks import check_global_hooks, copy_root_hooks, without_root_hooks
+from ..frontends.hooks import check_global_hooks, copy_root_hooks
+from ..frontends.shadow import Shadow
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
@@ -238,9 +239,9 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
                 and earlier is not None and earlier.weights != "stored":
             take(model)  # (a new policy, planned on its first call as below)
             return _amp_rewrite(model, None, config, inplace)
-        with uninstalled(model):
-            gm = _amp_rewrite(model, example_inputs, config, False)
-        _retake(gm)  # (the model's in-place forward is back)
+        # (a shadow with its own forward back: the model keeps computing with its rewrite
+        # for other threads until the new one is in place)
+        gm = _amp_rewrite(uninstalled(model), example_inputs, config, False)
         if inplace and pol.weights == "stored":
             store_weights(model, gm)
         return reinstall(model, gm, _plan_call) if inplace else gm
@@ -303,8 +304,8 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
         config = config.replace(example_kwargs=dict(kwargs) or None)
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
-                torch.random.fork_rng(devices=devices), without_root_hooks(model):
-            gm = _rewrite_top(model, args, config)  # (the model's hooks: on its own call)
+                torch.random.fork_rng(devices=devices):
+            gm = _rewrite_top(model, args, config, on_call=True)
     if config.policy.weights == "stored":
         restore_stored(model, gm, swaps)
         store_weights(model, gm)
@@ -348,22 +349,20 @@ def isolated(value: Any) -> Any:
         return value
 
 
-def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
+def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig,
+                 on_call: bool = False) -> nn.Module:
     """The top-level rewrite: the model is left exactly as it was, and the FP32 model's own
-    error is raised when it fails on the example inputs."""
+    error is raised when it fails on the example inputs.
+
+    What is traced is a shadow of the model's module tree (``frontends/shadow.py``: no
+    other thread sees the trace swap or set anything on the model's modules); the result
+    holds the model's own modules. ``on_call``: an in-place model planned on one of its
+    calls (its call hooks run around the new graph, not in it)."""
     with _torch.tracing():  # another thread's rewrite waits (see _torch.TRACE_PATCHES)
-        with parts_off(model) as taken:
-            gm = _rewrite_locked(model, args, config)
-        if taken:
-            _retake(gm)  # (the parts' in-place forwards are back: no change of the model)
-        return gm
-
-
-def _retake(gm: nn.Module) -> None:
-    """``gm``'s record of its model's structure taken again (the model as it is now)."""
-    structure = result_of(gm).structure if has_result(gm) else None
-    if structure is not None:
-        structure.take()
+        shadow = Shadow(model, on_call)
+        with parts_off(shadow.root):  # (the shadow's parts: the model's keep their rewrites)
+            gm = _rewrite_locked(shadow.root, args, config)
+        return shadow.to_real(gm)
 
 
 def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
