@@ -331,12 +331,13 @@ def registry() -> Dict[str, Tuple[str, Callable]]:
             reg[f"huggingface/{k}"] = ("huggingface", lambda k=k: _hf_generic(k))
     for module, name in TIMM_PICKS.items():
         reg[f"timm/{name}"] = (f"timm {module}", lambda name=name: _timm(name))
-    for family, models in (("torchvision classification", cov._tv_classification()),
-                           ("torchvision segmentation", cov._tv_segmentation()),
+    for family, models in (("torchvision segmentation", cov._tv_segmentation()),
                            ("torchvision detection", cov._tv_detection())):
         reg.update({k: (family, b) for k, (_, b) in models.items()})
     for name in torchvision.models.list_models(module=torchvision.models.video):
         reg[f"torchvision/{name}"] = ("torchvision video", lambda name=name: _tv_video(name))
+    reg.update({k: ("torchvision classification", b)
+                for k, (_, b) in cov._tv_classification().items()})
     return reg
 
 

@@ -58,6 +58,7 @@ CLASSES = ("identical", "close", "different", "refused", "crashed", "skipped (au
            "skipped (build fails)")
 PARTIAL_DIR = "FXAMP_ZOO_PARTIAL_DIR"     # where a child leaves its record as it goes
 THREADS = "FXAMP_ZOO_THREADS"
+CPU_LIMIT = "FXAMP_ZOO_CPU_S"             # the child's CPU-time limit (RLIMIT_CPU)
 
 
 # ---------------------------------------------------------------------------------------
@@ -208,6 +209,10 @@ def run_one(key: str) -> Dict[str, Any]:
     import fxamp
     if os.environ.get(THREADS):
         torch.set_num_threads(int(os.environ[THREADS]))
+    if os.environ.get(CPU_LIMIT):     # SIGXCPU past it: the parent classes it as a timeout
+        import resource
+        limit = int(float(os.environ[CPU_LIMIT]))
+        resource.setrlimit(resource.RLIMIT_CPU, (limit, limit + 10))
     _REG.update(zm.registry())
     rec = empty_record(key)
     rec["stage"] = "build"
@@ -270,6 +275,8 @@ def run_isolated(key: str, timeout: float, partial_dir: str) -> Dict[str, Any]:
     reached (on autocast's side: skipped; on fxamp's: crashed)."""
     base = {**empty_record(key), "class": "crashed"}
     rec = cov.run_isolated(key, timeout, script=__file__, base=base)
+    if "signal 24" in rec.get("failure", ""):   # SIGXCPU: the CPU-time limit
+        rec["failure"] = f"timeout: no result within {os.environ[CPU_LIMIT]} s of CPU time"
     if rec.get("class") == "crashed" and not rec.get("traceback"):
         part = Path(partial_dir, re.sub(r"\W", "_", key) + ".json")
         if part.exists():
@@ -411,7 +418,13 @@ def main() -> None:
     ap.add_argument("--family", help="regex: the models whose family matches (timm modules "
                                      "are 'timm <module>')")
     ap.add_argument("--limit", type=int, help="the first N models")
-    ap.add_argument("--timeout", type=float, default=120, help="seconds per model (120)")
+    ap.add_argument("--timeout", type=float, default=120,
+                    help="CPU seconds per model (120); the wall-clock limit is --wall")
+    ap.add_argument("--wall", type=float, default=None,
+                    help="wall seconds per model (default: 3x --timeout; a loaded machine "
+                         "stretches wall time, not CPU time)")
+    ap.add_argument("--resume", metavar="FILE",
+                    help="keep the records of an earlier run's --json and run only the rest")
     ap.add_argument("--jobs", type=int, default=1,
                     help="models run at once (1); each child then uses one thread")
     ap.add_argument("--write", action="store_true",
@@ -458,12 +471,17 @@ def main() -> None:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if ns.jobs > 1:
         os.environ[THREADS] = "1"
+    os.environ[CPU_LIMIT] = str(ns.timeout)
+    done = {r["key"]: r for r in json.loads(Path(ns.resume).read_text())["rows"]} \
+        if ns.resume else {}
     partial = tempfile.mkdtemp(prefix="fxamp-zoo-")
     os.environ[PARTIAL_DIR] = partial
-    rows: Dict[str, Dict[str, Any]] = {}
+    rows: Dict[str, Dict[str, Any]] = {k: r for k, r in done.items() if k in keys}
     t0 = time.perf_counter()
+    wall = ns.wall or 3 * ns.timeout
     with concurrent.futures.ThreadPoolExecutor(max(1, ns.jobs)) as pool:
-        futures = {pool.submit(run_isolated, k, ns.timeout, partial): k for k in keys}
+        futures = {pool.submit(run_isolated, k, wall, partial): k for k in keys
+                   if k not in rows}
         for fut in concurrent.futures.as_completed(futures):
             rec = fut.result()
             rows[rec["key"]] = rec
