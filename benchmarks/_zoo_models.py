@@ -190,7 +190,8 @@ def _tv_video(name: str):
     import torch
     import torchvision
     model = torchvision.models.get_model(name, weights=None)
-    shape = (BATCH, 3, 8, 64, 64) if name != "s3d" else (BATCH, 3, 16, 64, 64)
+    # S3D ends in a (2, 7, 7) average pool: 16 frames of 224x224 at least
+    shape = (BATCH, 3, 8, 64, 64) if name != "s3d" else (BATCH, 3, 16, 224, 224)
     return model, (torch.randn(*shape),), {}, "clips " + "x".join(map(str, shape[2:]))
 
 
@@ -201,7 +202,7 @@ def detection_targets(name: str, n: int = BATCH) -> List[Dict[str, Any]]:
     out = []
     for i in range(n):
         t: Dict[str, Any] = {"boxes": torch.tensor([[8.0 + i, 10.0, 40.0, 50.0 - i]]),
-                             "labels": torch.tensor([1 + i])}
+                             "labels": torch.tensor([1])}   # Keypoint R-CNN has 2 classes
         if "maskrcnn" in name:
             mask = torch.zeros(1, 64, 64, dtype=torch.uint8)
             mask[:, 10:50, 8:40] = 1

@@ -412,6 +412,19 @@ the first difference is a dtype.
     cov.DOC.write_text(text)
 
 
+def shown_args(argv: List[str]) -> List[str]:
+    """The command line without the local files of --json / --resume (paths of this machine)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--json", "--resume"):
+            skip = True
+        elif not a.startswith(("--json=", "--resume=")):
+            out.append(a)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", help="regex: the models whose key (family/name) matches")
@@ -453,7 +466,12 @@ def main() -> None:
         rows = list(merged.values())
         print(table(rows) + "\n\n" + counts(rows))
         if ns.write:
-            write_doc(rows, saved["command"], saved["date"], saved["elapsed_s"],
+            runs = [json.loads(Path(f).read_text()) for f in ns.from_json]
+            elapsed = sum(run["elapsed_s"] for run in runs)
+            main_run = max(runs, key=lambda run: len(run["rows"]))   # its command is shown
+            words = [w for w in shown_args(shlex.split(main_run["command"]))
+                     if not w.startswith("/")]
+            write_doc(rows, " ".join(shlex.quote(w) for w in words), saved["date"], elapsed,
                       saved["excluded"], ns.note)
         return
     _REG.update(zm.registry())
@@ -466,8 +484,7 @@ def main() -> None:
     keys = [k for k in keys if k not in zm.EXCLUDED]
     if ns.limit:
         keys = keys[:ns.limit]
-    cmd = "python benchmarks/zoo.py " + " ".join(
-        shlex.quote(a) for a in sys.argv[1:] if not a.startswith("--json"))
+    cmd = "python benchmarks/zoo.py " + " ".join(shlex.quote(a) for a in shown_args(sys.argv[1:]))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if ns.jobs > 1:
         os.environ[THREADS] = "1"
