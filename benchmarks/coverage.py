@@ -480,15 +480,19 @@ def _short(text: str, width: int) -> str:
 # ---------------------------------------------------------------------------------------
 # the driver (parent process)
 # ---------------------------------------------------------------------------------------
-def run_isolated(key: str, timeout: float) -> Dict[str, Any]:
-    """Run one model in a child process; a timeout or a crash becomes the row's failure."""
+def run_isolated(key: str, timeout: float, script: Optional[str] = None,
+                 base: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Run one model in a child process (``script --one key``, this file by default; the
+    child prints its record on a line starting with MARK); a timeout or a crash becomes the
+    row's failure, on top of ``base`` (this script's empty record by default)."""
     family = key.split("/", 1)[0]
-    base = {"key": key, "family": family, "model": key.split("/", 1)[1], "frontend": "",
-            "nodes": None, "rewrite_s": None, "error": None, "error_note": "", "stage": "",
-            "input": "", "note": ""}
+    if base is None:
+        base = {"key": key, "family": family, "model": key.split("/", 1)[1], "frontend": "",
+                "nodes": None, "rewrite_s": None, "error": None, "error_note": "",
+                "stage": "", "input": "", "note": ""}
     with tempfile.TemporaryFile("w+") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, __file__, "--one", key], stdout=log,
+        proc = subprocess.Popen([sys.executable, script or __file__, "--one", key], stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
@@ -697,7 +701,20 @@ exception type with its first line.
     text += "\n".join(f"- `{k}`: {v}" for k, v in excluded.items()) or "- none"
     text += "\n"
     DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(text)
+    DOC.write_text(text + kept_region(ZOO_START, ZOO_END))
+
+
+#: the region of docs/coverage.md that benchmarks/zoo.py writes; coverage.py keeps it as is
+ZOO_START = "<!-- zoo sweep: written by benchmarks/zoo.py -->"
+ZOO_END = "<!-- end of zoo sweep -->"
+
+
+def kept_region(start: str, end: str) -> str:
+    """The text of docs/coverage.md from the line ``start`` to the line ``end`` (both kept),
+    with a blank line before it; "" when the file has no such region."""
+    old = DOC.read_text() if DOC.exists() else ""
+    i, j = old.find(start), old.find(end)
+    return "" if i < 0 or j < i else "\n" + old[i:j + len(end)] + "\n"
 
 
 def main() -> None:

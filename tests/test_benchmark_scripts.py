@@ -125,3 +125,20 @@ def test_runtime_overhead_prints_every_variant_and_fxamp_holds_nothing_between_s
     for name in ("fxamp", "fxamp inplace", "fxamp blocks"):
         assert rows[name][-1] == "0.00", out  # extra bytes held per parameter
         assert float(rows[name][-2]) <= 1.3, out  # Python calls per forward / fp32's
+
+
+def test_zoo_sweep_classes_two_tiny_models_identical_to_autocast():
+    """zoo.py runs a training step and an eval forward per model against autocast and prints
+    one row per model with its class, then the counts per class and per family."""
+    out = _run("benchmarks/zoo.py", "--limit", "2", "--only",
+               r"^(timm/test_resnet|huggingface/bert)$", "--timeout", "300")
+    models_table = out.split("\n\n")[0]  # the counts follow, after a blank line
+    rows = {cells[1]: cells for cells in
+            ([c.strip() for c in line.split("|")[1:-1]] for line in models_table.splitlines()
+             if line.startswith("| ") and not line.startswith("| family"))}
+    assert set(rows) == {"test_resnet", "bert"}, out
+    for name, cells in rows.items():
+        # class; the training step's outputs/loss and gradients, the eval forward: all equal
+        assert cells[3] == "identical" and cells[4:7] == ["0", "0", "0"], out
+    assert "- identical: 2 (of 2)" in out, out
+    assert "| timm | 1 | 1 |" in out and "| huggingface | 1 | 1 |" in out, out
