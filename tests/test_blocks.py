@@ -293,3 +293,29 @@ def test_torchvision_stochastic_depth_and_shifted_windows_train_like_autocast(na
         grads.append({k: p.grad for k, p in m.named_parameters()})
     assert fxamp.plan_of(model).header["frontend"] == "blocks"
     assert not _equal_grads(*grads)
+
+
+@pytest.mark.slow
+def test_hf_beit_with_drop_path_trains_then_evaluates_like_autocast():
+    """A block assembled from rewritten children, one traced for train mode only (BEiT's
+    drop path): the block is that mode's only, so its first eval call is planned anew
+    instead of running the train-mode child (which refused with ModeError)."""
+    torch.manual_seed(0)
+    cfg = transformers.BeitConfig(image_size=32, patch_size=8, hidden_size=32,
+                                  num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, use_relative_position_bias=True,
+                                  drop_path_rate=0.1)
+    model = transformers.BeitModel(cfg).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    outs = []
+    for m, autocast in ((ref, True), (model, False)):
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            train = m(x).last_hidden_state
+        m.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            outs.append((train.float(), m(x).last_hidden_state.float()))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])

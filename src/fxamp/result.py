@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from .config import RewriteConfig
 from .errors import FxampError, NotPlannedError
@@ -69,6 +69,20 @@ def result_of(module: object) -> Rewritten:
         raise FxampError(f"{type(module).__name__} was not made by fxamp.amp_rewrite; what "
                          "to do: call fxamp.amp_rewrite(model, example_inputs) first")
     return value
+
+
+def one_mode(modules: Iterable[object]) -> Optional[bool]:
+    """The training mode that rewritten ``modules`` hold a graph for only (``Rewritten.mode``;
+    a model assembled from them or calling them is that mode's only too); None when every
+    one follows the mode.
+
+    Args:
+        modules: rewritten modules (others are passed over).
+    """
+    for module in modules:
+        if has_result(module) and result_of(module).mode is not None:
+            return result_of(module).mode
+    return None
 
 
 def set_result(module: object, result: Rewritten) -> None:

@@ -32,7 +32,7 @@ from ..ir import Rule
 from ..ops import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
-from ..result import Rewritten, plan_of, set_result
+from ..result import Rewritten, one_mode, plan_of, set_result
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
@@ -346,7 +346,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                                         label, name)
     header = nested_header(dict(header, frontend="eager"), runtime, nested)
     set_result(result, Rewritten(Plan(nodes=nodes, header=header), pol,
-                                 module_label(model)))
+                                 module_label(model), mode=one_mode(children.values())))
     return result
 
 

@@ -20,7 +20,7 @@ from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
 from ..program import DEVICES
-from ..result import Rewritten, has_result, plan_of, result_of, set_result
+from ..result import Rewritten, has_result, one_mode, plan_of, result_of, set_result
 from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
@@ -545,8 +545,10 @@ class Rewrite:
                      type(model).__name__, ", ".join(sorted(set(given) - set(stats))))
         plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, self.nested),
                     ranges=stats)
-        set_result(gm, Rewritten(plan, pol, ops.module_label(model),
-                                 mode=src.meta.get(MODE) if hasattr(src, "meta") else None))
+        mode = src.meta.get(MODE) if hasattr(src, "meta") else None
+        if mode is None:  # (a nested part traced for one mode only makes the graph so)
+            mode = one_mode(src.get_submodule(path) for path in self.nested)
+        set_result(gm, Rewritten(plan, pol, ops.module_label(model), mode=mode))
         _copy_training_flags(model, gm)
         complete_state(model, gm)
         copy_root_hooks(model, gm)
