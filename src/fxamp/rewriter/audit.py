@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .. import ops
-from ..config import RewriteConfig
+from ..config import RewriteConfig, model_target
 from ..errors import FxampError
 from ..frontends import trace_model
 from ..passes.audit.findings import Finding
@@ -46,7 +46,7 @@ def _banned_nodes(model: nn.Module, args: tuple, config: RewriteConfig) -> List[
 
 def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = None, *,
           example_kwargs: Optional[Dict[str, Any]] = None,
-          dtype: torch.dtype = torch.float16, target: str = "cuda",
+          dtype: torch.dtype = torch.float16, target: Optional[str] = None,
           policy: Union[None, str, Policy] = None, frontend: str = "auto",
           optimizer: Optional[torch.optim.Optimizer] = None, scaler: Any = None,
           batch: Any = None, steps_per_epoch: Optional[int] = None,
@@ -62,6 +62,7 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
     refuses for a banned op is rewritten again with an ``fp32:<node>`` override per banned
     node, so those are reported rather than raised. ``config`` (a RewriteConfig, e.g.
     ``fxamp.config_of(gm)``) replaces dtype, target, policy, frontend and example_kwargs.
+    ``target`` defaults, as in amp_rewrite, to the device the model is on.
 
     Optional training and deployment context (see :mod:`fxamp.passes.audit.context`):
     ``optimizer`` (its param dtypes and eps), ``scaler`` (a ``torch.amp.GradScaler``: enabled,
@@ -69,6 +70,7 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
     input dtypes and ranges) and ``onnx`` (an exported ONNX file: opset, dynamic axes).
     """
     if config is None:
+        target = target or model_target(model, (example_inputs, example_kwargs))
         config = RewriteConfig(make_policy(policy, dtype, target), frontend,
                                dict(example_kwargs) if example_kwargs else None)
     pol = config.policy

@@ -119,7 +119,7 @@ def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str]
 
 def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
                 *, example_kwargs: Optional[Dict[str, Any]] = None,
-                dtype: Optional[torch.dtype] = None, target: str = "cuda",
+                dtype: Optional[torch.dtype] = None, target: Optional[str] = None,
                 policy: Union[None, str, Policy] = None,
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
@@ -146,6 +146,13 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
     InputShapeError. (fx graphs take any size: the fx front end ignores it.)
 
     ``dtype`` defaults to float16 (or the policy's ``compute=``; the two must agree).
+    ``target`` ("cuda" or "cpu": whose autocast lists the plan mirrors; "tensorrt": a
+    deployment plan) defaults to the device the model is on when it is planned (its first
+    floating Parameter or buffer, else the example inputs'; ``meta`` plans for "cuda"; see
+    :func:`fxamp.config.model_target`): at the rewrite, or, for an in-place rewrite without
+    example inputs, at its first call. A policy's ``target=`` wins; the plan header and
+    ``config_of`` record the target used. A plan run on a CPU or CUDA device other than its
+    target logs one warning per rewritten module on its first call.
     When the rewrite fails, the model is run once in FP32 on the example inputs: if that
     fails too, the model's own error is raised (``ExampleInputError``). The model is left
     exactly as it was (see ``frontends/state.py``).
@@ -170,7 +177,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
                                     calibration_data, dynamic_shapes)
     elif (policy, dtype, frontend, example_kwargs, calibration_data, target,
-          dynamic_shapes) != (None, None, "auto", None, None, "cuda", None):
+          dynamic_shapes) != (None, None, "auto", None, None, None, None):
         raise FxampError("amp_rewrite takes either config= or the keyword arguments it "
                          "holds (policy, dtype, target, frontend, example_kwargs, "
                          "calibration_data, dynamic_shapes), not both; what to do: "
@@ -188,9 +195,10 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
 
 def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]],
                  config: RewriteConfig, inplace: bool) -> nn.Module:
-    """:func:`amp_rewrite` with its config made."""
-    pol = config.policy
+    """:func:`amp_rewrite` with its config made (its target resolved here unless an
+    in-place rewrite without example inputs plans it on its first call)."""
     example_kwargs = config.example_kwargs
+    pol = config.for_model(model, (example_inputs, example_kwargs)).policy
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
         if inplace and example_inputs is None and not example_kwargs \
                 and config_of_blocks(model) == config:
@@ -231,7 +239,7 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
                          "pass e.g. (torch.randn(1, 3, 224, 224),), or rewrite with "
                          "inplace=True, which plans the model on its first call")
     args = () if example_inputs is None else as_tuple(example_inputs)
-    gm = _rewrite_top(model, args, config)
+    gm = _rewrite_top(model, args, config.for_model(model, (args, example_kwargs)))
     if inplace and pol.weights == "stored":
         store_weights(model, gm)
     return install(model, gm, _plan_call) if inplace else gm
@@ -263,7 +271,8 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
             raise UnsupportedModelError(f"{name} changed after its in-place rewrite ({why}) "
                                         f"and cannot be planned again: {err}") from None
         args, kwargs = isolated((args, kwargs))
-        config = config.replace(example_kwargs=dict(kwargs) or None)
+        config = config.replace(example_kwargs=dict(kwargs) or None).for_model(
+            model, (args, kwargs))
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
                 torch.random.fork_rng(devices=devices), without_root_hooks(model):

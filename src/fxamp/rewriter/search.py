@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 from .._torch import reparametrize_module, tree_flatten, tree_map
 
-from ..config import RewriteConfig
+from ..config import RewriteConfig, model_target
 from ..errors import FxampError
 from ..ir import Rule
 from ..frontends import graph_inputs, trace_model
@@ -171,9 +171,11 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
 
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
              metric: Optional[Metric], policy: Union[None, str, Policy], dtype: torch.dtype,
-             target: str, frontend: str, config: Optional[RewriteConfig]) -> _Evaluator:
+             target: Optional[str], frontend: str,
+             config: Optional[RewriteConfig]) -> _Evaluator:
     check_model(model)
     if config is None:
+        target = target or model_target(model, example_inputs)
         config = RewriteConfig(make_policy(policy, dtype, target), frontend)
     batches = [as_tuple(b) for b in data]
     if not batches:
@@ -185,14 +187,15 @@ def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
 @shows("search", unit="eval")
 def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: float = 1e-2,
            metric: Optional[Metric] = None, dtype: torch.dtype = torch.float16,
-           target: str = "cuda", policy: Union[None, str, Policy] = None,
+           target: Optional[str] = None, policy: Union[None, str, Policy] = None,
            frontend: str = "auto", config: Optional[RewriteConfig] = None) -> SearchResult:
     """Find a small set of FP32 nodes so the rewrite's error against FP32 is at most ``rtol``.
 
     ``metric(outputs, references) -> float`` (lists over the batches) replaces the default
     max relative output error. ``frontend`` as in amp_rewrite; ``config`` (a RewriteConfig,
-    e.g. ``fxamp.config_of(gm)``) replaces policy, dtype, target and frontend. The scoring
-    pass traces with the same front end as the rewrites.
+    e.g. ``fxamp.config_of(gm)``) replaces policy, dtype, target and frontend. ``target``
+    defaults, as in amp_rewrite, to the device the model is on. The scoring pass traces
+    with the same front end as the rewrites.
     """
     evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target,
                         frontend, config)
@@ -245,7 +248,7 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
 @shows("bisection", unit="eval")
 def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], *,
                     rtol: float = 1e-2, metric: Optional[Metric] = None,
-                    dtype: torch.dtype = torch.float16, target: str = "cuda",
+                    dtype: torch.dtype = torch.float16, target: Optional[str] = None,
                     policy: Union[None, str, Policy] = None, frontend: str = "auto",
                     config: Optional[RewriteConfig] = None) -> SearchResult:
     """Polygraphy-style baseline: bisect the shortest FP32 prefix, and the shortest FP32
