@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -14,7 +14,7 @@ from .. import _torch, ops
 from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
-from ..ir import fix
+from ..ir import Rule, fix
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
@@ -337,6 +337,9 @@ def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.
             try:
                 gm = rewrite(model, args, config)
                 set_result(gm, result_of(gm).replace(config=_kept(config, gm)))
+                note = fast_path_note(model, plan_of(gm))
+                if note:
+                    plan_of(gm).header[FAST_PATH] = note
                 return gm
             except Exception:
                 # when the FP32 model itself fails on the example inputs, that is the cause:
@@ -352,6 +355,53 @@ def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.
         torch.set_grad_enabled(grad)
         state.restore()
         report_side_effects(model, state.restored)
+
+
+#: the plan header field naming the modules whose eval under autocast takes PyTorch's fused
+#: fast path (:func:`fast_path_note`)
+FAST_PATH = "fast_path"
+#: the torch.nn modules whose forward takes a fused kernel ("fast path") in eval under no_grad
+_FAST_PATH_MODULES = (nn.TransformerEncoderLayer, nn.MultiheadAttention)
+
+
+def fast_path_note(model: nn.Module, plan: Plan) -> str:
+    """The plan header's note on the modules that take PyTorch's fused fast path in eval
+    under ``no_grad`` (``nn.TransformerEncoderLayer``, and ``nn.MultiheadAttention`` outside
+    one) and whose ops the plan computes; "" when there is none. A module the plan keeps as
+    a call (``rule="runtime"``: fx keeps ``nn.MultiheadAttention`` so) runs under autocast,
+    fast path and all, and is not named.
+
+    Their fast-path guard asks ``torch.is_autocast_enabled()`` without a device, which is
+    False inside ``torch.autocast("cpu")``, so such a call under CPU autocast runs the fused
+    kernel, while a rewritten graph always computes the regular path (the one autocast takes
+    in training and with grad): the eval outputs differ by low-precision rounding
+    (docs/behaviour.md, "Limits", gives the measured size).
+
+    Args:
+        model: the model being rewritten.
+        plan: its plan.
+
+    Returns:
+        The header value: the module paths and why, or "".
+    """
+    calls = {p.module for p in plan.nodes.values() if p.rule == Rule.RUNTIME}
+    found: List[Tuple[str, str]] = []
+    skipped: List[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, _FAST_PATH_MODULES) or any(
+                path.startswith(p + ".") for p in [*skipped, *(p for p, _ in found)]):
+            continue
+        if path in calls:
+            skipped.append(path)
+        else:
+            found.append((path, type(module).__name__))
+    if not found:
+        return ""
+    names = " ".join(f"{p or '(root)'}={kind}" for p, kind in found)
+    return (f"{names}: in eval under no_grad, torch.autocast runs PyTorch's fused fast path "
+            "for these; this plan computes their regular path (autocast's with grad and in "
+            "training), so eval outputs differ by rounding; "
+            "torch.backends.mha.set_fastpath_enabled(False) makes autocast take it too")
 
 
 def _kept(config: RewriteConfig, gm: nn.Module) -> RewriteConfig:
