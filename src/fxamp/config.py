@@ -137,7 +137,8 @@ def model_target(model: nn.Module, inputs: Any = None) -> str:
     Returns:
         "cpu" or "cuda".
     """
-    tensors = itertools.chain(model.parameters(), model.buffers())
+    tensors = itertools.chain(model.parameters(), model.buffers()) \
+        if isinstance(model, nn.Module) else ()  # (not a module: refused by its checks)
     found = next((t for t in tensors if t.is_floating_point()), None)
     if found is None:
         found = _first_tensor(inputs)
