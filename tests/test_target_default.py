@@ -126,6 +126,50 @@ def test_an_inplace_rewrite_without_example_follows_the_device_of_its_first_call
     assert fxamp.config_of(model).policy.target == "cpu"
 
 
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.lin(x))
+
+
+class Stack(nn.Module):
+    """Repeated blocks: an in-place rewrite without example plans each block on its call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_blocks_without_target_follow_the_device_and_a_cuda_plan_warns_per_plan(caplog):
+    torch.manual_seed(0)
+    model = Stack()
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        fxamp.amp_rewrite(model, dtype=BF16, inplace=True)
+        model(X)
+        model(X)
+    assert _policy(model) == "compute=bf16,target=cpu" and WARNING not in caplog.text
+    assert fxamp.plan_of(model).nodes["blocks.0/norm"].dtype is BF16  # CPU autocast's lists
+    caplog.clear()
+    cuda = Stack()
+    with caplog.at_level(logging.WARNING, logger="fxamp"):
+        fxamp.amp_rewrite(cuda, dtype=BF16, target="cuda", inplace=True)
+        cuda(X)
+        cuda(X)
+    # once per plan object, not per block: the first block's plan and the one the blocks
+    # identical to it share
+    assert 1 <= caplog.text.count(WARNING) < len(cuda.blocks)
+
+
 def test_search_without_target_follows_the_model():
     result = fxamp.search(_net(), (X,), [(X,)], rtol=10.0, dtype=BF16)
     assert _policy(result.graph_module) == "compute=bf16,target=cpu"

@@ -94,9 +94,10 @@ def _refuse_mode(program: Any, mode: bool) -> None:
 def _check_device(program: Any, result: Any, args: tuple, kwargs: dict) -> None:
     """On a Program's first call: one warning when it runs on a CPU or CUDA device whose
     autocast lists are not the ones its plan mirrors (a plan for "cuda" run on the CPU, or
-    the reverse). The device is that of the first floating Parameter or buffer the Program
-    reads, else of the first tensor argument; a deployment plan, or a call on another
-    device (``meta``), is not checked.
+    the reverse); once per plan object, so the blocks that share one do not each warn.
+    The device is that of the first floating Parameter or buffer the Program reads, else
+    of the first tensor argument; a deployment plan, or a call on another device
+    (``meta``), is not checked.
 
     Args:
         program: the Program being called (marked checked in its ``__dict__``).
@@ -106,8 +107,10 @@ def _check_device(program: Any, result: Any, args: tuple, kwargs: dict) -> None:
     """
     program.__dict__[DEVICE_CHECKED] = True
     target = result.policy.target
-    if target not in ("cpu", "cuda"):
+    shared = getattr(result.plan, "__dict__", {})  # (identical blocks share one plan: once)
+    if target not in ("cpu", "cuda") or DEVICE_CHECKED in shared:
         return
+    shared[DEVICE_CHECKED] = True
     tensors = itertools.chain(program.parameters(), program.buffers())
     found = next((t for t in tensors if t.is_floating_point()), None)
     if found is None:
