@@ -70,6 +70,9 @@ def test_the_plan_header_names_the_layers_that_take_the_fast_path():
     assert note.startswith("layers.0=TransformerEncoderLayer layers.1=TransformerEncoderLayer:")
     assert "set_fastpath_enabled(False)" in note
     assert fxamp.Plan.from_text(fxamp.plan_of(gm).to_text()).header["fast_path"] == note
+    # inside torch.autocast("cuda") the guard sees autocast and takes the regular path
+    cuda = fxamp.amp_rewrite(_encoder(), (_input(0),), dtype=BF16, target="cuda")
+    assert "fast_path" not in fxamp.plan_of(cuda).header
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -337,8 +337,8 @@ def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.
             try:
                 gm = rewrite(model, args, config)
                 set_result(gm, result_of(gm).replace(config=_kept(config, gm)))
-                note = fast_path_note(model, plan_of(gm))
-                if note:
+                note = fast_path_note(model, plan_of(gm)) if pol.target == "cpu" else ""
+                if note:  # (inside torch.autocast("cuda") the guard sees it: no fast path)
                     plan_of(gm).header[FAST_PATH] = note
                 return gm
             except Exception:
@@ -372,10 +372,11 @@ def fast_path_note(model: nn.Module, plan: Plan) -> str:
     fast path and all, and is not named.
 
     Their fast-path guard asks ``torch.is_autocast_enabled()`` without a device, which is
-    False inside ``torch.autocast("cpu")``, so such a call under CPU autocast runs the fused
-    kernel, while a rewritten graph always computes the regular path (the one autocast takes
-    in training and with grad): the eval outputs differ by low-precision rounding
-    (docs/behaviour.md, "Limits", gives the measured size).
+    False inside ``torch.autocast("cpu")`` (True inside CUDA's, so only a "cpu" plan gets
+    the note): such a call under CPU autocast runs the fused kernel, while a rewritten graph
+    always computes the regular path (the one autocast takes in training and with grad),
+    so the eval outputs differ by low-precision rounding (docs/behaviour.md, "Limits",
+    gives the measured size).
 
     Args:
         model: the model being rewritten.
@@ -389,7 +390,8 @@ def fast_path_note(model: nn.Module, plan: Plan) -> str:
     skipped: List[str] = []
     for path, module in model.named_modules():
         if not isinstance(module, _FAST_PATH_MODULES) or any(
-                path.startswith(p + ".") for p in [*skipped, *(p for p, _ in found)]):
+                not p or path.startswith(p + ".")
+                for p in [*skipped, *(p for p, _ in found)]):
             continue
         if path in calls:
             skipped.append(path)
