@@ -40,7 +40,7 @@ def _computing(plan):
 def test_tensorrt_plan_runs_autocasts_fp32_list_ops_in_fp16():
     torch.manual_seed(0)
     model, x = Block().eval(), (torch.randn(2, 5, 16),)
-    cuda = fxamp.plan_of(fxamp.amp_rewrite(model, x))
+    cuda = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="cuda"))
     trt = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt"))
     assert cuda.nodes["norm"].dtype == torch.float32  # training: autocast's fp32 list
     assert cuda.nodes["softmax"].dtype == torch.float32

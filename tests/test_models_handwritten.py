@@ -422,7 +422,8 @@ def test_categories_are_visible_in_the_plan():
     assert cpu["exp"].inputs is None and cpu["exp"].dtype == torch.bfloat16
     assert cpu["mse_loss"].inputs == torch.float32 and cpu["cross_entropy"].dtype == torch.float32
 
-    opt = fxamp.plan_of(autocast_rewrite(make("fp32_opt")[0], MODELS["fp32_opt"][1]())).nodes
+    opt = fxamp.plan_of(autocast_rewrite(make("fp32_opt")[0], MODELS["fp32_opt"][1](),
+                                         target="cuda")).nodes
     assert opt["softmax"].inputs == torch.float32 and "no dtype given" in opt["softmax"].reason
     assert opt["cumsum_1"].inputs is None and opt["cumsum_1"].dtype == torch.float16
     assert "dtype it is given" in opt["log_softmax_1"].reason

@@ -149,4 +149,4 @@ def test_the_readme_plan_block_is_real_output():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     block = readme.split("## The plan\n", 1)[1].split("```\n", 2)[1]
     model, inputs = small_cnn()
-    assert fxamp.plan_of(fxamp.amp_rewrite(model, inputs)).to_text() == block
+    assert fxamp.plan_of(fxamp.amp_rewrite(model, inputs, target="cuda")).to_text() == block

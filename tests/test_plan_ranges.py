@@ -93,7 +93,8 @@ def test_fxamp_diff_exits_1_on_a_changed_range(calibrated, tmp_path, capsys):
 def test_check_of_a_calibrated_plan_uses_its_ranges_and_update_keeps_them(tmp_path, capsys):
     from fxamp.demo import small_cnn
     model, inputs = small_cnn()
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, calibration_data=[inputs]))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, target="cuda",
+                                           calibration_data=[inputs]))
     assert plan.ranges
     path = tmp_path / "model.plan"
     plan.save(str(path))

@@ -69,7 +69,7 @@ def _case(rule: str, model_and_inputs) -> tuple:
         mask = torch.ones(2, 4, 4)
         mask[1, :, 2:] = 0
         return "placement=off,target=tensorrt", MaskedScores(), (torch.randn(2, 4, 8), mask)
-    return ("placement=off", *model_and_inputs)
+    return ("placement=off,target=cuda", *model_and_inputs)
 
 
 def _rule_lines(policy: str, model: nn.Module, inputs: tuple) -> Dict[str, List[str]]:

@@ -11,14 +11,16 @@ data and gives the same range decisions).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
+import torch.nn as nn
 
 from .errors import CalibrationDataError, FxampError, PolicyError, RuleError
 from .plan import Plan, RangeStats
-from .policy import Policy, dtype_name, make_policy, parse_compute_dtype
+from .policy import Policy, dtype_name, make_policy, names_target, parse_compute_dtype
 from .rules import DecisionRule, user_rules
 
 #: the front ends (``frontends.REGISTRY`` names) each ``frontend=`` value tries, in order:
@@ -56,6 +58,12 @@ class RewriteConfig:
             policy naming a user rule (``user:NAME``, as a plan's header policy does) needs
             the rule object of that name here: a plan file holds rule names, not their
             code, so re-applying it without the object raises ``RuleError``.
+        follow_device: no target was given (neither ``target=`` nor the policy's
+            ``target=``), so the plan is for the device the model is on when it is planned
+            (``model_target``); the policy's target is a placeholder until then. An in-place
+            rewrite without example inputs keeps it until its first call; every other
+            rewrite resolves it at once (``for_model``), and the config a rewrite stores
+            never has it.
 
     Raises:
         FxampError: an unknown front end.
@@ -69,6 +77,7 @@ class RewriteConfig:
     calibration: Calibration = field(default=None, compare=False)
     dynamic_shapes: Any = field(default=None, compare=False)
     rules: Tuple[DecisionRule, ...] = ()
+    follow_device: bool = False
 
     def __post_init__(self) -> None:
         if self.frontend not in FRONTENDS:
@@ -91,7 +100,7 @@ class RewriteConfig:
 
     @classmethod
     def make(cls, policy: Union[None, str, Policy] = None, dtype: Optional[torch.dtype] = None,
-             target: str = "cuda", frontend: str = "auto",
+             target: Optional[str] = None, frontend: str = "auto",
              example_kwargs: Optional[Dict[str, Any]] = None,
              calibration_data: Calibration = None,
              dynamic_shapes: Any = None, rules: Rules = None) -> "RewriteConfig":
@@ -100,7 +109,9 @@ class RewriteConfig:
         Args:
             policy: a ``Policy`` or its text form.
             dtype: the low-precision dtype (default float16, or the policy's ``compute=``).
-            target: ``"cuda"``, ``"cpu"`` or ``"tensorrt"``.
+            target: ``"cuda"``, ``"cpu"`` or ``"tensorrt"``; None (and no ``target=`` in
+                the policy): the config follows the model's device (``follow_device``;
+                "cuda" until ``for_model`` resolves it).
             frontend: ``"auto"``, ``"fx"`` or ``"export"``.
             example_kwargs: the forward's keyword arguments for the trace.
             calibration_data: an iterable of input tuples, a ``Plan`` or ranges.
@@ -115,9 +126,28 @@ class RewriteConfig:
             FxampError: an unknown front end.
             RuleError: a rule that is no DecisionRule, or one the policy names is missing.
         """
-        return cls(_policy(policy, dtype, target), frontend,
+        follow = target is None and not names_target(policy)
+        return cls(_policy(policy, dtype, target or "cuda"), frontend,
                    dict(example_kwargs) if example_kwargs else None, calibration_data,
-                   dynamic_shapes, user_rules(rules))
+                   dynamic_shapes, user_rules(rules), follow)
+
+    def for_model(self, model: nn.Module, inputs: Any = None) -> "RewriteConfig":
+        """This config with its target resolved: when it follows the device, the policy's
+        target becomes ``model_target`` of ``model`` (and ``inputs``); else itself.
+
+        Args:
+            model: the model about to be planned.
+            inputs: its example inputs (positional and keyword), for a model without
+                Parameters or buffers.
+
+        Returns:
+            A config whose ``follow_device`` is False.
+        """
+        if not self.follow_device:
+            return self
+        target = model_target(model, inputs)
+        return self.replace(policy=dataclasses.replace(self.policy, target=target),
+                            follow_device=False)
 
     def replace(self, **changes: Any) -> "RewriteConfig":
         """A copy with ``changes`` (``dataclasses.replace``).
@@ -144,6 +174,42 @@ class RewriteConfig:
             return self
         return self.replace(policy=Policy.parse(",".join(f"fp32:{n}" for n in names),
                                                 base=self.policy))
+
+
+def _first_tensor(value: Any, depth: int = 0) -> Optional[torch.Tensor]:
+    """The first tensor in ``value`` (nested tuples, lists and dict values), or None."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if depth > 8:
+        return None
+    items = value.values() if isinstance(value, dict) else value \
+        if isinstance(value, (tuple, list)) else ()
+    for item in items:
+        found = _first_tensor(item, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def model_target(model: nn.Module, inputs: Any = None) -> str:
+    """The target a rewrite given none plans for: the device type of ``model``'s first
+    floating Parameter or buffer, else of the first tensor in ``inputs``; "cpu" for a CPU
+    device, "cuda" for every other (``meta``, the device the CLI plans on, included) and
+    when neither has a tensor.
+
+    Args:
+        model: the model being rewritten.
+        inputs: its example inputs (any nesting of tuples, lists and dicts), or None.
+
+    Returns:
+        "cpu" or "cuda".
+    """
+    tensors = itertools.chain(model.parameters(), model.buffers()) \
+        if isinstance(model, nn.Module) else ()  # (not a module: refused by its checks)
+    found = next((t for t in tensors if t.is_floating_point()), None)
+    if found is None:
+        found = _first_tensor(inputs)
+    return "cpu" if found is not None and found.device.type == "cpu" else "cuda"
 
 
 #: what ``calibration_data`` takes, for the errors

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -47,14 +47,17 @@ def digits_like(n: int, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_demo(steps: int = 30, dtype: torch.dtype = torch.float16,
-             target: str = "cuda") -> Dict[str, object]:
-    """Rewrite SmallCNN, train it a few steps with GradScaler, return losses and the plan."""
+             target: Optional[str] = None) -> Dict[str, object]:
+    """Rewrite SmallCNN, train it a few steps with GradScaler, return losses and the plan.
+
+    The model trains on CUDA when there is a GPU, else on the CPU; ``target`` (default: that
+    device) is whose autocast lists the plan mirrors."""
     from . import amp_rewrite, plan_of
 
     model, example = small_cnn()
-    gm = amp_rewrite(model, example, dtype=dtype, target=target)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gm.to(device)
+    model.to(device)
+    gm = amp_rewrite(model, tuple(x.to(device) for x in example), dtype=dtype, target=target)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
     x, y = digits_like(512)

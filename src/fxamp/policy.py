@@ -405,6 +405,24 @@ class Policy:
         return found[-1] if found else None
 
 
+def names_target(policy: Union[None, str, Policy]) -> bool:
+    """Whether ``policy`` fixes the target itself: a :class:`Policy` (it holds one), or a
+    string with a ``target=`` item (which wins over ``amp_rewrite``'s ``target=``).
+
+    Args:
+        policy: what ``amp_rewrite`` was given as ``policy=``.
+
+    Returns:
+        True when the policy's own target is the one the plan is for.
+    """
+    if isinstance(policy, Policy):
+        return True
+    if not isinstance(policy, str):
+        return False
+    return any(item.partition("=")[0].strip().lower() == "target"
+               for item in policy.split(",") if "=" in item)
+
+
 def make_policy(policy: Union[None, str, Policy], dtype: torch.dtype, target: str) -> Policy:
     """The policy amp_rewrite uses: ``policy`` if a Policy, else parsed over dtype/target."""
     if isinstance(policy, Policy):

@@ -13,9 +13,12 @@ A call of a Program runs, in this order and on every exit path:
    tuple and set lookup; another structure is refused naming the argument;
 3. the mode check: a graph traced for one training mode only (its model traces differently
    in train and eval mode) refuses a call in the other with ``ModeError``;
-4. every ``torch.autocast`` around the call turned off (the plan says each node's dtype, the
+4. on the Program's first call only (one ``__dict__`` lookup on the later ones), the device
+   check: a plan for one of "cpu" / "cuda" run on the other logs one warning naming both
+   (their autocast lists differ, so its numbers are not that device's autocast's);
+5. every ``torch.autocast`` around the call turned off (the plan says each node's dtype, the
    casts are explicit), and turned back on in a ``finally``, also when the graph raises;
-5. the graph (the generated ``forward``); an exported graph's failing input guard (a bare
+6. the graph (the generated ``forward``); an exported graph's failing input guard (a bare
    ``AssertionError: Guard failed: ...``) is raised as ``InputShapeError`` naming the
    condition and the inputs it reads (:func:`guard_error`).
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import logging
 import re
 from typing import Any, Callable, Optional, Tuple
@@ -50,6 +54,9 @@ _ENABLED = torch.is_autocast_enabled
 _SET = torch.set_autocast_enabled
 _COMPILING = torch.compiler.is_compiling
 _WARNED: list = []
+#: the key a Program's ``__dict__`` holds once its first call's device was checked against
+#: its plan's target (:func:`_check_device`)
+DEVICE_CHECKED = "fxamp_device_checked"
 #: the attribute the rewrite's result is kept under (the one definition; ``fxamp.result.ATTR``
 #: and ``fxamp.structure`` read it from here)
 RESULT = "fxamp_result"
@@ -67,8 +74,9 @@ def _note_outer_autocast(was: Tuple[str, ...]) -> None:
         _WARNED.append(True)
         log.warning("a rewritten model was called under torch.autocast(%s): autocast is "
                     "turned off inside it, so every node computes in the dtype its plan "
-                    "says (the casts are explicit); the autocast is neither needed nor "
-                    "used around it", ", ".join(was))
+                    "says (the casts are explicit); the model does not need it, and what "
+                    "you compute with its outputs inside it (a loss) runs under it as usual",
+                    ", ".join(was))
 
 
 def _refuse_mode(program: Any, mode: bool) -> None:
@@ -81,6 +89,43 @@ def _refuse_mode(program: Any, mode: bool) -> None:
         f"inplace=True, which plans each mode on its first call in it; or rewrite a copy in "
         f"{other} mode for those calls: amp_rewrite(copy.deepcopy(model)."
         f"{'train' if other == 'train' else 'eval'}(), ...)")
+
+
+def _check_device(program: Any, result: Any, args: tuple, kwargs: dict) -> None:
+    """On a Program's first call: one warning when it runs on a CPU or CUDA device whose
+    autocast lists are not the ones its plan mirrors (a plan for "cuda" run on the CPU, or
+    the reverse); once per plan object, so the blocks that share one do not each warn.
+    The device is that of the first floating Parameter or buffer the Program reads, else
+    of the first tensor argument; a deployment plan, or a call on another device
+    (``meta``), is not checked.
+
+    Args:
+        program: the Program being called (marked checked in its ``__dict__``).
+        result: its rewrite's result (``result.policy.target``, ``result.source``).
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+    """
+    program.__dict__[DEVICE_CHECKED] = True
+    target = result.policy.target
+    shared = getattr(result.plan, "__dict__", {})  # (identical blocks share one plan: once)
+    if target not in ("cpu", "cuda") or DEVICE_CHECKED in shared:
+        return
+    shared[DEVICE_CHECKED] = True
+    tensors = itertools.chain(program.parameters(), program.buffers())
+    found = next((t for t in tensors if t.is_floating_point()), None)
+    if found is None:
+        found = next((a for a in itertools.chain(args, kwargs.values())
+                      if isinstance(a, torch.Tensor)), None)
+    device = None if found is None else found.device.type
+    if device not in ("cpu", "cuda") or device == target:
+        return
+    model = (result.source or type(program).__name__).rsplit(".", 1)[-1]
+    log.warning("%s was planned for target=%s (the dtypes torch.autocast(%r) gives each op) "
+                "but runs on %s, whose autocast lists differ: its numbers are not those of "
+                "torch.autocast(%r) on this device. what to do: rewrite it with "
+                "target=%r (or without target=: the plan then follows the device the model "
+                "is on when it is planned; move the model there before amp_rewrite)",
+                model, target, target, device, device, device)
 
 
 #: how torch.export's input guard (an exported graph's ``_guards_fn``) words a failure
@@ -131,6 +176,8 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
                 args, kwargs = calls.admit(args, kwargs)  # (refused, or made the graph's)
             if result.mode is not None and self.training is not result.mode:
                 _refuse_mode(self, result.mode)
+            if DEVICE_CHECKED not in own:  # (once per module: its first call's device)
+                _check_device(self, result, args, kwargs)
         was = tuple(filter(_ENABLED, DEVICES))
         if not was:
             try:

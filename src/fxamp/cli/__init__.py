@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=dtype_help + " (default fp16, or the policy's compute=)")
         p.add_argument("--target", default="cuda", choices=list(TARGETS),
                        help="cuda or cpu: whose autocast lists to mirror (training; default "
-                       "cuda); tensorrt: a deployment plan, all FP16 except where numbers "
-                       "or the engine need FP32")
+                       "cuda: a plan file is the same on every machine, whatever device the "
+                       "factory's model is on); tensorrt: a deployment plan, all FP16 except "
+                       "where numbers or the engine need FP32")
         p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
         p.add_argument("--frontend", default="auto", choices=list(FRONTENDS),
                        help="torch.fx, torch.export, or auto: fx, then export, then fx "
@@ -172,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
     m.add_argument("--dtype", default=torch.float16, type=_compute_dtype,
                    help=dtype_help + " (default fp16)")
-    m.add_argument("--target", default="cuda", choices=list(TRAINING_TARGETS))
+    m.add_argument("--target", default=None, choices=list(TRAINING_TARGETS),
+                   help="whose autocast lists to mirror (default: the device the demo "
+                   "trains on: cuda when there is a GPU, else cpu)")
     m.set_defaults(func=cmd_demo, result_on_stdout=True)
     return parser
 

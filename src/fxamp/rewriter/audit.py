@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .. import ops
-from ..config import RewriteConfig
+from ..config import RewriteConfig, model_target
 from ..errors import FxampError
 from ..frontends import trace_model
 from ..passes.audit.findings import Finding
@@ -46,7 +46,7 @@ def _banned_nodes(model: nn.Module, args: tuple, config: RewriteConfig) -> List[
 
 def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = None, *,
           example_kwargs: Optional[Dict[str, Any]] = None,
-          dtype: torch.dtype = torch.float16, target: str = "cuda",
+          dtype: torch.dtype = torch.float16, target: Optional[str] = None,
           policy: Union[None, str, Policy] = None, frontend: str = "auto",
           optimizer: Optional[torch.optim.Optimizer] = None, scaler: Any = None,
           batch: Any = None, steps_per_epoch: Optional[int] = None,
@@ -68,7 +68,8 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
         example_inputs: the forward's positional arguments (a tuple, or one tensor).
         example_kwargs: the forward's keyword arguments.
         dtype: the low-precision dtype.
-        target: ``"cuda"``, ``"cpu"`` or ``"tensorrt"``, as in ``amp_rewrite``.
+        target: ``"cuda"``, ``"cpu"`` or ``"tensorrt"``, as in ``amp_rewrite`` (by default
+            the device the model is on).
         policy: a ``Policy`` or its text form.
         frontend: the front end, as in ``amp_rewrite``.
         optimizer: the training optimizer: its param dtypes and eps are checked.
@@ -88,6 +89,7 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
             (the subclass names the cause, as ``amp_rewrite`` does).
     """
     if config is None:
+        target = target or model_target(model, (example_inputs, example_kwargs))
         config = RewriteConfig(make_policy(policy, dtype, target), frontend,
                                dict(example_kwargs) if example_kwargs else None)
     pol = config.policy

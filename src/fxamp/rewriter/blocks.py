@@ -137,7 +137,9 @@ class BlocksRoot:
         """The model's plan from its blocks' plans: one line per block, and the nodes of
         each distinct plan once, under the first block that has it (the others' lines name
         it)."""
-        model, policy = self.model, self.config.policy
+        model = self.model
+        config = self.config.for_model(model)  # (no target given: the device it ran on)
+        policy = config.policy
         nodes: Dict[str, NodePrecision] = {}
         first: Dict[str, str] = {}  # a plan's lines (repr) -> the first block path with it
         nested: Dict[str, Plan] = {}
@@ -168,7 +170,7 @@ class BlocksRoot:
                                 "glue": "the model's own forward under torch.autocast"},
                                (), nested)
         result = Rewritten(Plan(nodes=nodes, header=header), policy, module_label(model),
-                           self.config)
+                           config)
         model.__dict__[RESULT] = result
         self.composed = self.planned
 
@@ -281,7 +283,8 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
             "rewrite with inplace=False and use the returned module")
     root = BlocksRoot(model, paths, config)
     inner = RewriteConfig(dataclasses.replace(config.policy, output_dtype=None), "auto",
-                          rules=config.rules)
+                          rules=config.rules,
+                          follow_device=config.follow_device)
     counted = root.planner(plan)
     for path in paths:
         block = model.get_submodule(path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -14,7 +14,7 @@ from .. import _torch, ops
 from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
-from ..ir import fix
+from ..ir import Rule, fix
 from ..rules import DecisionRule
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
@@ -122,7 +122,7 @@ def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str]
 
 def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
                 *, example_kwargs: Optional[Dict[str, Any]] = None,
-                dtype: Optional[torch.dtype] = None, target: str = "cuda",
+                dtype: Optional[torch.dtype] = None, target: Optional[str] = None,
                 policy: Union[None, str, Policy] = None,
                 calibration_data: Union[None, Iterable[Any], Plan,
                                         Dict[str, RangeStats]] = None,
@@ -150,7 +150,13 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         dtype: the low-precision dtype, ``torch.float16`` (the default) or
             ``torch.bfloat16``; it must agree with the policy's ``compute=``.
         target: what the plan is for: ``"cuda"`` or ``"cpu"`` mirror that device's
-            autocast; ``"tensorrt"`` is a deployment plan.
+            autocast; ``"tensorrt"`` is a deployment plan. By default the device the model
+            is on when it is planned (its first floating Parameter or buffer, else the
+            example inputs'; ``meta`` plans for ``"cuda"``; ``fxamp.config.model_target``):
+            at the rewrite, or, in place without example inputs, at its first call. A
+            policy's ``target=`` wins; the plan header and ``config_of`` record the target
+            used. A plan run on a CPU or CUDA device other than its target logs one warning
+            per rewritten module on its first call.
         policy: a ``Policy`` or its text form (``"fp32:head.*,eps=off"``).
         calibration_data: an iterable of input tuples, a ``Plan`` whose ranges to reuse,
             or its ranges: the nodes whose values pass the low dtype's range stay in FP32.
@@ -199,7 +205,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
                                     calibration_data, dynamic_shapes, rules)
     elif (policy, dtype, frontend, example_kwargs, calibration_data, target,
-          dynamic_shapes, rules) != (None, None, "auto", None, None, "cuda", None, None):
+          dynamic_shapes, rules) != (None, None, "auto", None, None, None, None, None):
         raise FxampError("amp_rewrite takes either config= or the keyword arguments it "
                          "holds (policy, dtype, target, frontend, example_kwargs, "
                          "calibration_data, dynamic_shapes, rules), not both; what to do: "
@@ -217,9 +223,10 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
 
 def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]],
                  config: RewriteConfig, inplace: bool) -> nn.Module:
-    """``amp_rewrite`` with its config made."""
-    pol = config.policy
+    """``amp_rewrite`` with its config made (its target resolved here unless an in-place
+    rewrite without example inputs plans it on its first call)."""
     example_kwargs = config.example_kwargs
+    pol = config.for_model(model, (example_inputs, example_kwargs)).policy
     check_overlap(model, pol, inplace)  # (another policy's in-place rewrite of a part of it)
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
         if inplace and example_inputs is None and not example_kwargs \
@@ -269,7 +276,7 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
                          "pass e.g. (torch.randn(1, 3, 224, 224),), or rewrite with "
                          "inplace=True, which plans the model on its first call")
     args = () if example_inputs is None else as_tuple(example_inputs)
-    gm = _rewrite_top(model, args, config)
+    gm = _rewrite_top(model, args, config.for_model(model, (args, example_kwargs)))
     if inplace and pol.weights == "stored":
         store_weights(model, gm)
     return install(model, gm, _plan_call) if inplace else gm
@@ -301,7 +308,8 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
             raise UnsupportedModelError(f"{name} changed after its in-place rewrite ({why}) "
                                         f"and cannot be planned again: {err}") from None
         args, kwargs = isolated((args, kwargs))
-        config = config.replace(example_kwargs=dict(kwargs) or None)
+        config = config.replace(example_kwargs=dict(kwargs) or None).for_model(
+            model, (args, kwargs))
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
                 torch.random.fork_rng(devices=devices):
@@ -375,6 +383,9 @@ def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.
             try:
                 gm = rewrite(model, args, config)
                 set_result(gm, result_of(gm).replace(config=_kept(config, gm)))
+                note = fast_path_note(model, plan_of(gm)) if pol.target == "cpu" else ""
+                if note:  # (inside torch.autocast("cuda") the guard sees it: no fast path)
+                    plan_of(gm).header[FAST_PATH] = note
                 return gm
             except Exception:
                 # when the FP32 model itself fails on the example inputs, that is the cause:
@@ -390,6 +401,55 @@ def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.
         torch.set_grad_enabled(grad)
         state.restore()
         report_side_effects(model, state.restored)
+
+
+#: the plan header field naming the modules whose eval under autocast takes PyTorch's fused
+#: fast path (:func:`fast_path_note`)
+FAST_PATH = "fast_path"
+#: the torch.nn modules whose forward takes a fused kernel ("fast path") in eval under no_grad
+_FAST_PATH_MODULES = (nn.TransformerEncoderLayer, nn.MultiheadAttention)
+
+
+def fast_path_note(model: nn.Module, plan: Plan) -> str:
+    """The plan header's note on the modules that take PyTorch's fused fast path in eval
+    under ``no_grad`` (``nn.TransformerEncoderLayer``, and ``nn.MultiheadAttention`` outside
+    one) and whose ops the plan computes; "" when there is none. A module the plan keeps as
+    a call (``rule="runtime"``: fx keeps ``nn.MultiheadAttention`` so) runs under autocast,
+    fast path and all, and is not named.
+
+    Their fast-path guard asks ``torch.is_autocast_enabled()`` without a device, which is
+    False inside ``torch.autocast("cpu")`` (True inside CUDA's, so only a "cpu" plan gets
+    the note): such a call under CPU autocast runs the fused kernel, while a rewritten graph
+    always computes the regular path (the one autocast takes in training and with grad),
+    so the eval outputs differ by low-precision rounding (docs/behaviour.md, "Limits",
+    gives the measured size).
+
+    Args:
+        model: the model being rewritten.
+        plan: its plan.
+
+    Returns:
+        The header value: the module paths and why, or "".
+    """
+    calls = {p.module for p in plan.nodes.values() if p.rule == Rule.RUNTIME}
+    found: List[Tuple[str, str]] = []
+    skipped: List[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, _FAST_PATH_MODULES) or any(
+                not p or path.startswith(p + ".")
+                for p in [*skipped, *(p for p, _ in found)]):
+            continue
+        if path in calls:
+            skipped.append(path)
+        else:
+            found.append((path, type(module).__name__))
+    if not found:
+        return ""
+    names = " ".join(f"{p or '(root)'}={kind}" for p, kind in found)
+    return (f"{names}: in eval under no_grad, torch.autocast runs PyTorch's fused fast path "
+            "for these; this plan computes their regular path (autocast's with grad and in "
+            "training), so eval outputs differ by rounding; "
+            "torch.backends.mha.set_fastpath_enabled(False) makes autocast take it too")
 
 
 def _kept(config: RewriteConfig, gm: nn.Module) -> RewriteConfig:

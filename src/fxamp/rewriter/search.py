@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 from .._torch import reparametrize_module, tree_flatten, tree_map
 
-from ..config import RewriteConfig
+from ..config import RewriteConfig, model_target
 from ..errors import FxampError
 from ..ir import Rule
 from ..frontends import graph_inputs, trace_model
@@ -181,9 +181,11 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
 
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
              metric: Optional[Metric], policy: Union[None, str, Policy], dtype: torch.dtype,
-             target: str, frontend: str, config: Optional[RewriteConfig]) -> _Evaluator:
+             target: Optional[str], frontend: str,
+             config: Optional[RewriteConfig]) -> _Evaluator:
     check_model(model)
     if config is None:
+        target = target or model_target(model, example_inputs)
         config = RewriteConfig(make_policy(policy, dtype, target), frontend)
     batches = [as_tuple(b) for b in data]
     if not batches:
@@ -195,7 +197,7 @@ def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
 @shows("search", unit="eval")
 def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: float = 1e-2,
            metric: Optional[Metric] = None, dtype: torch.dtype = torch.float16,
-           target: str = "cuda", policy: Union[None, str, Policy] = None,
+           target: Optional[str] = None, policy: Union[None, str, Policy] = None,
            frontend: str = "auto", config: Optional[RewriteConfig] = None) -> SearchResult:
     """Find a small set of FP32 nodes so the rewrite's error against FP32 is at most ``rtol``.
 
@@ -214,7 +216,8 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
             default the largest relative output error.
         dtype: the low-precision dtype.
         target: the device whose autocast the plan mirrors (``"cuda"``, ``"cpu"``,
-            ``"tensorrt"``), as in ``amp_rewrite``.
+            ``"tensorrt"``), as in ``amp_rewrite``; by default the device the model is
+            on.
         policy: a ``Policy`` or its text form, the starting point of the search.
         frontend: the front end, as in ``amp_rewrite``.
         config: a ``RewriteConfig`` (e.g. ``fxamp.config_of(gm)``) given instead of
@@ -279,7 +282,7 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
 @shows("bisection", unit="eval")
 def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], *,
                     rtol: float = 1e-2, metric: Optional[Metric] = None,
-                    dtype: torch.dtype = torch.float16, target: str = "cuda",
+                    dtype: torch.dtype = torch.float16, target: Optional[str] = None,
                     policy: Union[None, str, Policy] = None, frontend: str = "auto",
                     config: Optional[RewriteConfig] = None) -> SearchResult:
     """Polygraphy-style baseline: bisect the shortest FP32 prefix, and the shortest FP32
