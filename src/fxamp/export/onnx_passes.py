@@ -72,7 +72,7 @@ ONNX_STEPS: List[OnnxStep] = [
              "once"),
     OnnxStep("constants", lambda ctx: fold_constants(ctx.model),
              "each constant subgraph (a weight's Transpose, a Conv's zero bias) becomes one "
-             "initializer, computed from the FP32 sources, rounded once", when=_dynamo),
+             "initializer, computed from the FP32 sources, rounded once"),
     OnnxStep("optimize", _optimize, "onnxscript's optimizer: its fusions and no-op rules",
              when=_dynamo),
     OnnxStep("constants_again", lambda ctx: fold_constants(ctx.model),
