@@ -3,7 +3,8 @@ the fixed sequence of post-processing calls wrote before the steps were declared
 byte for byte (the graph without its metadata, every initializer, the per-step counts in the
 file's metadata), on a CNN with BatchNorm (both exporters: the TorchScript file's weights
 changed since, on purpose, see ``EXPECTED``), a transformer block, an LSTM and a
-hand-written RMSNorm whose eps the optimizer deletes."""
+hand-written RMSNorm whose eps the optimizer deletes; and the step list in
+``docs/architecture.md`` is ``ONNX_STEPS``."""
 from __future__ import annotations
 
 import collections
@@ -169,3 +170,20 @@ EXPECTED: Dict[str, Dict[str, Any]] = {
 def test_onnx_steps_write_the_same_file_as_before(kind, tmp_path):
     assert fingerprint(export(kind, tmp_path)) == EXPECTED[kind]
 
+
+def documented_steps() -> list:
+    """(step, what) of each row of the table in docs/architecture.md, "The ONNX stage"."""
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("\n## The ONNX stage\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].isdigit():
+            rows.append((cells[1].strip("`"), cells[4]))
+    return rows
+
+
+def test_architecture_page_lists_the_onnx_steps_in_order():
+    from fxamp.export.onnx_passes import ONNX_STEPS
+
+    assert documented_steps() == [(step.name, step.what) for step in ONNX_STEPS]
