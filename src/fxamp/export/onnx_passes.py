@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 from .cast_pairs import simplify_casts
 from .constants import fold_constants
@@ -95,22 +95,20 @@ ONNX_STEPS: List[OnnxStep] = [
 ]
 
 
-def run_onnx_steps(model: Any, exporter: str, program: Any = None,
-                   steps: Optional[List[OnnxStep]] = None) -> OnnxContext:
+def run_onnx_steps(model: Any, exporter: str, program: Any = None) -> OnnxContext:
     """Run the ONNX steps in order on an exported model.
 
     Args:
         model: the exporter's ``ModelProto`` (changed in place; a step may replace it).
         exporter: the exporter that made it, ``"dynamo"`` or ``"torchscript"``.
         program: the dynamo exporter's ``ExportedProgram`` (None for TorchScript).
-        steps: the steps to run (default: :data:`ONNX_STEPS`).
 
     Returns:
         The context: ``ctx.model`` is the final model; ``ctx.counts`` maps each step that
         ran to its count.
     """
     ctx = OnnxContext(model, exporter, program)
-    for step in ONNX_STEPS if steps is None else steps:
+    for step in ONNX_STEPS:
         if not step.when(ctx):
             continue
         ctx.counts[step.name] = step.run(ctx)
