@@ -119,6 +119,28 @@ def test_resnet18_conv_weights_are_the_once_rounded_fp32_fold(tmp_path, target):
     assert mismatched_convs(model, x, path) == []
 
 
+def test_resnet18_conv_weights_from_the_torchscript_exporter_are_the_once_rounded_fold(
+        tmp_path):
+    """The TorchScript exporter's own constant folding would write the weights FP16 before
+    fxamp folds BatchNorm into them (rounded twice: about a quarter of them an ulp off)."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.2, 3.0)
+            m.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(1, 3, 64, 64)
+    gm = fxamp.amp_rewrite(model, (x,), target="cuda")
+    path = export_onnx(gm, (x,), str(tmp_path / "r.onnx"), reference=model,
+                       exporter="torchscript")
+    proto = onnx.load(str(path))
+    assert {p.key: p.value for p in proto.metadata_props}["fxamp.exporter"] == "torchscript"
+    assert "BatchNormalization" not in [n.op_type for n in proto.graph.node]
+    assert mismatched_convs(model, x, path) == []
+
+
 def test_swin_has_no_transpose_of_an_initializer(tmp_path):
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)

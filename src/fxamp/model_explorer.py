@@ -130,7 +130,7 @@ def annotate_onnx(path: str, report: Any) -> None:
     ONNX adapter of Model Explorer shows them in the node's side panel."""
     import onnx
 
-    from .export.repairs import set_meta
+    from .export.onnx_metadata import set_meta
     from .fileio import atomic_write_bytes
 
     model = onnx.load(path)

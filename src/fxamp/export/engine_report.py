@@ -30,10 +30,10 @@ from ..plan import Plan
 from ..ir import Rule
 from ..policy import dtype_name
 from .backends import ONNXRUNTIME, TENSORRT, alias_device, choose
-from .onnx_export import FX_NODE, MODULE
+from .onnx_metadata import FX_NODE, MODULE, NOTE, get_meta
 from .onnx_types import ONNX_FLOAT_NAMES, compute_dtype
 from .ort_layers import feeds, providers
-from .repairs import NOTE, get_meta, value_types
+from .repairs import value_types
 from .errors import NumericsError
 from .layers import LayerPrecision
 from .report import PrecisionReport

@@ -17,7 +17,8 @@ import logging
 from typing import Any, Dict
 
 from .constants import FLOATS, Constants, drop_dead
-from .repairs import NOTE, astype, get_meta, set_meta
+from .onnx_metadata import NOTE, get_meta, set_meta
+from .repairs import astype
 
 log = logging.getLogger(__name__)
 

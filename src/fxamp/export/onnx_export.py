@@ -5,11 +5,11 @@ runs first; if it fails the TorchScript exporter (``dynamo=False``) is tried. Wh
 file is stored in the model's ``metadata_props`` ("fxamp.exporter"), with the plan's text
 ("fxamp.plan") so a report can be made from the file alone.
 
-The dynamo exporter's graph is taken unoptimised: fxamp folds BatchNorm into its Conv
-(``fxamp.export.fold``) and the constant subgraphs (``fxamp.export.constants``) from the
-FP32 values, rounding each weight once, then runs onnxscript's optimizer. The rest of the
-post-processing is in ``fxamp.export.repairs`` (weight casts, lost eps, type repair, eps,
-provenance) and ``fxamp.export.cast_pairs`` (Casts only at real precision boundaries).
+The dynamo exporter's graph is taken unoptimised; the steps run on the exported file are
+declared in ``fxamp.export.onnx_passes`` (``ONNX_STEPS``: BatchNorm and constant folds from
+the FP32 values, each weight rounded once, onnxscript's optimizer, the weight-cast fold,
+repairs, Cast pairs); then every node gets its provenance (the plan node, the module) and the
+file its metadata (``fxamp.export.onnx_metadata``).
 """
 from __future__ import annotations
 
@@ -30,19 +30,13 @@ from ..frontends.common import training_flags
 from ..progress import shows
 from ..rewriter import plan_of
 from ..frontends.common import as_tuple
-from .repairs import (FX_NODE_RE, fix_eps, fold_weight_casts, get_meta, repair_types,
-                      restore_tiny_adds, set_meta)
-from .cast_pairs import simplify_casts
-from .constants import fold_constants
-from .fold import fold_batchnorm
+from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, get_meta, set_meta
+from .onnx_passes import run_onnx_steps
 from .errors import ExportError
 from .verify import check_export
 from .weight_view import low_weights_view, restore_weight_casts
 
 log = logging.getLogger(__name__)
-
-FX_NODE = "fxamp.fx_node"
-MODULE = "fxamp.module"
 
 
 @contextlib.contextmanager
@@ -88,7 +82,7 @@ def _fx_names(ep: Any, gm: fx.GraphModule) -> Dict[str, str]:
 
 def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
                    opset: Optional[int]) -> Tuple[Any, Dict[str, str], Any]:
-    """The dynamo exporter's graph, unoptimised (``_fold_and_optimize`` runs the
+    """The dynamo exporter's graph, unoptimised (the ONNX steps, ``.onnx_passes``, run the
     optimizer once fxamp has folded the constants from their FP32 values). The exporter is
     given the graph with its weights cast already (``.weight_view``: half the ops to
     trace on a CNN); the file is what the casting graph exports to."""
@@ -106,11 +100,14 @@ def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
 
 
 def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]) -> Any:
+    """The TorchScript exporter's graph, without its constant folding: that would write
+    each weight FP16 before the ONNX steps fold BatchNorm from the FP32 weight (a folded
+    weight rounded twice); the ONNX steps fold the constants instead."""
     import onnx
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.onnx")
-        kwargs: Dict[str, Any] = {"dynamo": False}
+        kwargs: Dict[str, Any] = {"dynamo": False, "do_constant_folding": False}
         if opset is not None:
             kwargs["opset_version"] = opset
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
@@ -119,22 +116,7 @@ def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int])
         return onnx.load(path)
 
 
-# -- post-processing -------------------------------------------------------------------
-def _fold_and_optimize(model: Any, exporter: str) -> Tuple[Any, int, int]:
-    """BatchNorm and the constant subgraphs folded from the FP32 values (each weight rounded
-    once), then, for the dynamo exporter's graph, onnxscript's optimizer (the one
-    ``torch.onnx.export`` runs by default) and a second fold of what it leaves. Returns the
-    model, the BatchNorms and the constant values folded."""
-    bn_folded = fold_batchnorm(model)
-    if exporter != "dynamo":
-        return model, bn_folded, 0
-    import onnxscript.optimizer
-
-    constants = fold_constants(model)
-    model = onnxscript.optimizer.optimize(model)
-    return model, bn_folded, constants + fold_constants(model)
-
-
+# -- provenance ----------------------------------------------------------------------
 def _fx_node_of(node: Any, mapping: Optional[Dict[str, str]]) -> Optional[str]:
     if mapping is None:
         return None
@@ -283,12 +265,9 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
             except Exception as err:  # noqa: BLE001
                 raise ExportError(f"both ONNX exporters failed; dynamo: {error or '-'}; "
                                   f"torchscript: {type(err).__name__}: {err}") from err
-    model, bn_folded, constants = _fold_and_optimize(model, used)
-    folded = fold_weight_casts(model)
-    restored = restore_tiny_adds(model, ep) if ep is not None else 0
-    repaired = repair_types(model)
-    eps_fixed = fix_eps(model)
-    casts_removed = simplify_casts(model)
+    steps = run_onnx_steps(model, used, ep)
+    model, counts = steps.model, steps.counts
+    repaired, eps_fixed = counts["types"], counts["eps"]
     _annotate(model, gm, mapping)
     # a traced graph (TorchScript) holds the branches the example took: check the file on a
     # second input too; torch.export's graph is checked the same way (cheap insurance)
@@ -296,11 +275,13 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
         checked, true_fp16 = check_export(model, gm, inputs, used,
                                           _eval_reference(reference))
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, "fxamp.plan": plan.to_text(),
-            "fxamp.folded_weight_casts": str(folded + constants),
-            "fxamp.restored_eps_adds": str(restored),
+            "fxamp.folded_weight_casts": str(sum(counts.get(name, 0) for name in (
+                "constants", "constants_again", "weight_casts"))),
+            "fxamp.restored_eps_adds": str(counts.get("eps_adds", 0)),
             "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed),
-            "fxamp.checked_inputs": str(checked), "fxamp.folded_batchnorms": str(bn_folded),
-            "fxamp.removed_casts": str(casts_removed),
+            "fxamp.checked_inputs": str(checked),
+            "fxamp.folded_batchnorms": str(counts["batchnorm"]),
+            "fxamp.removed_casts": str(counts["casts"]),
             "fxamp.true_fp16_error": "-" if true_fp16 is None else f"{true_fp16:.3g}"}
     if error:
         meta["fxamp.dynamo_error"] = error

@@ -1,4 +1,4 @@
-"""ONNX graph repairs run after export, and the metadata_props helpers.
+"""ONNX graph repairs run after export (the metadata helpers: :mod:`fxamp.export.onnx_metadata`).
 
 After export fxamp post-processes the graph (counts in metadata_props "fxamp.*"):
 
@@ -23,17 +23,15 @@ After export fxamp post-processes the graph (counts in metadata_props "fxamp.*")
 from __future__ import annotations
 
 import logging
-import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch.fx as fx
 
+from .onnx_metadata import FX_NODE_RE, NOTE, get_meta, set_meta
 from .onnx_types import ONNX_FLOAT_NAMES
 
 log = logging.getLogger(__name__)
 
-NOTE = "fxamp.note"
-FX_NODE_RE = re.compile(r"^%([^\s:]+)")
 _EPS_CONSUMERS = {"Sqrt", "Reciprocal", "Div", "Pow"}
 
 
@@ -64,22 +62,6 @@ def value_types(model: Any) -> Dict[str, int]:
 _SAME_TYPE_OPS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sub", "Mul", "Div",
                   "BatchNormalization", "LayerNormalization", "InstanceNormalization",
                   "GroupNormalization", "PRelu"}
-
-
-def set_meta(node: Any, key: str, value: str) -> None:
-    for prop in node.metadata_props:
-        if prop.key == key:
-            prop.value = value
-            return
-    entry = node.metadata_props.add()
-    entry.key, entry.value = key, value
-
-
-def get_meta(node: Any, key: str) -> Optional[str]:
-    for prop in node.metadata_props:
-        if prop.key == key:
-            return prop.value
-    return None
 
 
 def repair_types(model: Any) -> int:
