@@ -252,7 +252,9 @@ def test_hf_trainer_default_columns_and_neftune_train_like_trainer_bf16(tmp_path
 def test_lora_on_llama_q_k_v_o_trains_like_peft_under_autocast():
     """PEFT's lora.Linear ends with ``result.to(torch_result_dtype)``, the dtype read from
     the base layer's output at run time (bf16 under autocast): the rewritten q/k/v/o give
-    autocast's bf16, so RoPE and attention sum the LoRA gradients as autocast does."""
+    autocast's bf16 (the export front end traces that read as autocast's run sees it, so no
+    cast of their outputs is needed), so RoPE and attention sum the LoRA gradients as
+    autocast does."""
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_llama(), peft.LoraConfig(
         r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0))
@@ -263,7 +265,7 @@ def test_lora_on_llama_q_k_v_o_trains_like_peft_under_autocast():
     ids = _ids()
     _rewrite(model, True, ids)
     line = fxamp.plan_of(model).nodes["base_model.model/model/layers.0/self_attn/q_proj"]
-    assert line.dtype == BF16 and "its dtype under torch.autocast" in line.reason
+    assert line.dtype == BF16
     runs = []
     for m, autocast in ((model, False), (ref, True)):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)

@@ -30,8 +30,8 @@ def test_one_frozen_result_under_one_attribute(inplace):
     assert names == {ATTR}  # (besides what the graph itself reads)
 
 
-def test_a_rule_must_name_a_rule_member():
-    with pytest.raises(TypeError, match="must be a member of fxamp.ir.Rule"):
+def test_a_rule_must_name_a_rule_member_or_a_user_word():
+    with pytest.raises(fxamp.RuleError, match="is not a user rule name.*name it 'user:heal'"):
         class Bad(DecisionRule):  # noqa: F841 - the class statement is the test
             name = "heal"
 

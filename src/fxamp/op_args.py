@@ -106,3 +106,48 @@ def arg(node: "torch.fx.Node", key: str, index: Optional[int] = None, default: A
     if bound is not None:
         return bound.get(key, default)
     return default
+
+
+#: ``node.meta`` key: the FP32 trace's values of arguments that the graph holds another
+#: value for (a dtype read at run time that follows autocast's run, a mask fill written as
+#: FP16's lowest), by position (int) or keyword (str): what the FP32 model computes with
+FP32_VALUES = "fxamp_fp32_values"
+
+
+def keep_fp32_values(node: "torch.fx.Node", args: tuple, kwargs: Dict[str, Any]) -> None:
+    """Record, before ``node``'s arguments change from ``args`` / ``kwargs`` (its FP32
+    ones), each plain value that changes, so FP32 runs of the graph can put it back.
+
+    Args:
+        node: the node whose arguments were just changed.
+        args: its positional arguments before the change.
+        kwargs: its keyword arguments before the change.
+    """
+    saved = node.meta.setdefault(FP32_VALUES, {})
+    for i, (old, new) in enumerate(zip(args, node.args)):
+        if old is not new and not isinstance(old, torch.fx.Node):
+            saved.setdefault(i, old)
+    for key, old in kwargs.items():
+        if node.kwargs.get(key) is not old and not isinstance(old, torch.fx.Node):
+            saved.setdefault(key, old)
+
+
+def fp32_values(node: "torch.fx.Node", args: tuple, kwargs: Dict[str, Any]
+                ) -> Tuple[tuple, Dict[str, Any]]:
+    """``args`` / ``kwargs`` of ``node`` (as an interpreter fetched them) with the FP32
+    model's own values back (:func:`keep_fp32_values`); unchanged for any other node.
+
+    Args:
+        node: the node about to run.
+        args: its positional argument values.
+        kwargs: its keyword argument values.
+
+    Returns:
+        The arguments an FP32 run of the model passes.
+    """
+    saved = node.meta.get(FP32_VALUES)
+    if not saved:
+        return args, kwargs
+    args = tuple(saved.get(i, a) if i in saved else a for i, a in enumerate(args))
+    kwargs = {k: saved[k] if k in saved else v for k, v in kwargs.items()}
+    return args, kwargs

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from .._torch import tree_flatten
 from ..errors import source_line
+from ..op_args import keep_fp32_values
 from .modes import Alignment, align, node_arguments
 
 __all__ = ["follow_run_time_dtypes", "RunTimeReads"]
@@ -174,8 +175,10 @@ def _write(node: fx.Node, index: int, value: Any) -> Any:
     found = node_arguments(node)
     assert found is not None
     values, write, _ = found
+    before = (node.args, dict(node.kwargs))
     values[index] = value
     write(values)
+    keep_fp32_values(node, *before)  # (FP32 runs of the graph, the ranges', put it back)
     return value
 
 

@@ -90,6 +90,13 @@ class Shadow:
                 if getattr(self.root, kind, None):
                     self.root.__dict__[kind] = collections.OrderedDict()
 
+    def release(self) -> None:
+        """Forget this tree's shadows once the rewrite that needed them is done (the map
+        from each shadow to its tree holds the tree, and the tree its shadows: without this
+        the user's modules, which the tree names, would stay alive for good)."""
+        for shadow in self.of.values():
+            _TREE.pop(shadow, None)
+
     def _item(self, value: Any) -> Any:
         """A value held by a module of the model, as its shadow holds it: a module of the
         model is its shadow, a method bound to one is bound to the shadow, and so is a

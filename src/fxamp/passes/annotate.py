@@ -338,6 +338,16 @@ def _fake_inputs(mode: FakeTensorMode, example_inputs: tuple) -> tuple:
                     tuple(example_inputs))
 
 
+def _alone(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object on ``tensor``'s data, with its ``requires_grad``: the fake of it
+    is made without reading the model's tensor's ``.grad``, which another thread training
+    the model may be setting (torch reads it unlocked: a crash, not an error)."""
+    alone = tensor.detach()
+    if tensor.requires_grad:
+        alone.requires_grad_(True)
+    return alone
+
+
 class FakeSession:
     """One fake-tensor world per rewrite: the fake mode, the graph's parameters and inputs as
     fakes, and each node's fake result. Annotating again with the same session re-executes
@@ -348,7 +358,7 @@ class FakeSession:
         self.gm = gm
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         with self.mode:
-            self.state = {name: self.mode.from_tensor(t) for name, t in
+            self.state = {name: self.mode.from_tensor(_alone(t)) for name, t in
                           list(gm.named_parameters(remove_duplicate=False))
                           + list(gm.named_buffers(remove_duplicate=False))}
             self.inputs = _fake_inputs(self.mode, example_inputs)

@@ -23,6 +23,7 @@ from .._torch import reparametrize_module, tree_flatten
 
 from ..config import CALIBRATION_FORMS
 from ..errors import CalibrationDataError, node_error
+from ..op_args import fp32_values
 from ..plan import RangeStats
 from .. import ir
 from ..ir import Decision, Rule
@@ -56,6 +57,12 @@ class _Recorder(fx.Interpreter):
         self.smallest = smallest  # node -> smallest magnitude of its output, when measured
         self.spread = spread  # LayerNorm node -> its flattest input row, when measured
         self.current: Optional[fx.Node] = None  # the node running (named when it fails)
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> Tuple[tuple, Dict[str, Any]]:
+        """fx's, with the FP32 model's own values where the graph holds others (a dtype
+        read at run time that follows autocast's run): the ranges are the FP32 model's."""
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return fp32_values(n, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n

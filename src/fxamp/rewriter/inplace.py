@@ -420,13 +420,13 @@ def take(model: nn.Module) -> Dict[str, Any]:
     return {k: model.__dict__.pop(k) for k in keys if k in model.__dict__}
 
 
-def uninstalled(model: nn.Module) -> nn.Module:
-    """A shadow of ``model`` (``frontends/shadow.py``) with its own forward back, for
-    another rewrite of it (healing, the search, a new policy): the model itself keeps its
-    in-place rewrite, so other threads' calls compute with it until the new one is
-    installed."""
-    shadow = Shadow(model).root
-    take(shadow)
+def uninstalled(model: nn.Module) -> Shadow:
+    """A shadow of ``model`` (``frontends/shadow.py``) whose root has its own forward back,
+    for another rewrite of it (healing, the search, a new policy): the model itself keeps
+    its in-place rewrite, so other threads' calls compute with it until the new one is
+    installed. The caller releases the shadow (``Shadow.release``) when done."""
+    shadow = Shadow(model)
+    take(shadow.root)
     return shadow
 
 

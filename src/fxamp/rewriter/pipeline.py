@@ -226,6 +226,8 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
     """``amp_rewrite`` with its config made (its target resolved here unless an in-place
     rewrite without example inputs plans it on its first call)."""
     example_kwargs = config.example_kwargs
+    if not isinstance(model, nn.Module):
+        check_model(model)  # (names what it is before anything reads it as a module)
     pol = config.for_model(model, (example_inputs, example_kwargs)).policy
     check_overlap(model, pol, inplace)  # (another policy's in-place rewrite of a part of it)
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
@@ -248,7 +250,11 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
             return _amp_rewrite(model, None, config, inplace)
         # (a shadow with its own forward back: the model keeps computing with its rewrite
         # for other threads until the new one is in place)
-        gm = _amp_rewrite(uninstalled(model), example_inputs, config, False)
+        shadow = uninstalled(model)
+        try:
+            gm = _amp_rewrite(shadow.root, example_inputs, config, False)
+        finally:
+            shadow.release()
         if inplace and pol.weights == "stored":
             store_weights(model, gm)
         return reinstall(model, gm, _plan_call) if inplace else gm
@@ -368,9 +374,12 @@ def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig,
     calls (its call hooks run around the new graph, not in it)."""
     with _torch.tracing():  # another thread's rewrite waits (see _torch.TRACE_PATCHES)
         shadow = Shadow(model, on_call)
-        with parts_off(shadow.root):  # (the shadow's parts: the model's keep their rewrites)
-            gm = _rewrite_locked(shadow.root, args, config)
-        return shadow.to_real(gm)
+        try:
+            with parts_off(shadow.root):  # (the shadow's parts: the model's keep theirs)
+                gm = _rewrite_locked(shadow.root, args, config)
+            return shadow.to_real(gm)
+        finally:
+            shadow.release()
 
 
 def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
