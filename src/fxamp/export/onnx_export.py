@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch.export.graph_signature import InputKind
 
 from .._version import __version__
 from ..fileio import atomic_directory
@@ -32,6 +33,7 @@ from ..rewriter import plan_of
 from ..frontends.common import as_tuple
 from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, get_meta, set_meta
 from .onnx_passes import run_onnx_steps
+from .program import exported_program
 from .errors import ExportError
 from .verify import check_export
 from .weight_view import low_weights_view, restore_weight_casts
@@ -85,18 +87,49 @@ def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
     """The dynamo exporter's graph, unoptimised (the ONNX steps, ``.onnx_passes``, run the
     optimizer once fxamp has folded the constants from their FP32 values). The exporter is
     given the graph with its weights cast already (``.weight_view``: half the ops to
-    trace on a CNN); the file is what the casting graph exports to."""
+    trace on a CNN); the file is what the casting graph exports to. An ATen graph (the
+    ``torch.export`` front end's) goes to the exporter as the ``ExportedProgram`` it is
+    (``.program``), without a second ``torch.export``; any other graph, or one the
+    exporter refuses in that form, is exported (captured) as a module."""
     kwargs: Dict[str, Any] = {"dynamo": True, "verbose": False, "optimize": False}
     if opset is not None:
         kwargs["opset_version"] = opset
-    view, sources = low_weights_view(gm) if isinstance(gm, fx.GraphModule) else (gm, {})
-    with contextlib.redirect_stdout(io.StringIO()):
-        program = torch.onnx.export(view, inputs, **kwargs)
+    if not isinstance(gm, fx.GraphModule):
+        with contextlib.redirect_stdout(io.StringIO()):
+            program = torch.onnx.export(gm, inputs, **kwargs)
+        return program.model_proto, {}, program.exported_program
+    view, sources = low_weights_view(gm)
+    program, mapping = _export_program(view, inputs, kwargs)
+    if program is None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            program = torch.onnx.export(view, inputs, **kwargs)
+        mapping = _fx_names(program.exported_program, view)
     proto = program.model_proto
     restore_weight_casts(proto, sources)
-    mapping = (_fx_names(program.exported_program, view) if isinstance(gm, fx.GraphModule)
-               else {})
     return proto, mapping, program.exported_program
+
+
+def _export_program(view: fx.GraphModule, inputs: tuple, kwargs: Dict[str, Any]
+                    ) -> Tuple[Any, Dict[str, str]]:
+    """``view`` exported from its own ATen graph (:func:`.program.exported_program`): the
+    exporter's program and the names of ``view``'s nodes; (None, {}) where the graph does
+    not fit or the exporter refuses the program (the caller then captures ``view``)."""
+    try:
+        built = exported_program(view, inputs)
+        if built is None:
+            return None, {}
+        ep, renamed = built
+        with contextlib.redirect_stdout(io.StringIO()):
+            program = torch.onnx.export(ep, inputs, input_names=[
+                s.arg.name for s in ep.graph_signature.input_specs
+                if s.kind == InputKind.USER_INPUT], **kwargs)
+    except Exception as err:  # noqa: BLE001 - the capture below is the fallback
+        log.info("exporting the rewritten graph as it is failed (%s: %s); capturing it "
+                 "with torch.export", type(err).__name__, str(err).splitlines()[0]
+                 if str(err) else "")
+        return None, {}
+    names = _fx_names(program.exported_program, ep.graph_module)
+    return program, {k: renamed.get(v, v) for k, v in names.items()}
 
 
 def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]) -> Any:
