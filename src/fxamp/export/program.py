@@ -13,8 +13,11 @@ decomposition pass then runs on it, as on any exported program: the file is the 
 second export gave, node for node. The graph the plan was made on is the graph exported, and
 each node keeps its name, so every plan decision still maps to its ONNX node.
 
-A graph this does not fit (the fx front end's Python-level graphs, calls kept opaque,
-subgraphs, non-tensor inputs) gets None, and is exported as before.
+fxamp's own run-time calls are what they are in an inference export: a ``fan_out`` is the
+shared cast it hands on, a check nothing reads (input dtypes, range guards) is left out, as
+is ``torch.export``'s input guard. A graph this does not fit otherwise (the fx front end's
+Python-level graphs, other Python functions, calls kept opaque, subgraphs, non-tensor
+inputs) gets None, and is exported as before.
 """
 from __future__ import annotations
 
@@ -29,13 +32,32 @@ from torch.export.graph_signature import (ExportGraphSignature, InputKind, Input
                                           OutputKind, OutputSpec, TensorArgument)
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .._torch import FakeTensorMode, OpOverload, graph_codegen, tree_flatten
+from .._torch import (TRAINING_VERIFIER, FakeTensorMode, OpOverload, graph_codegen,
+                      tree_flatten)
 from ..passes import fetch_attr
+from ..runtime import check_input_dtypes, fan_out, range_guard
 
 log = logging.getLogger(__name__)
 
 #: the input guard ``torch.export``'s unlifted module calls (the export checks shapes itself)
 GUARDS = "_guards_fn"
+#: fxamp's run-time checks a graph calls for their effect alone (nothing to export)
+CHECKS = (check_input_dtypes, range_guard)
+
+
+def _dropped(node: fx.Node) -> bool:
+    """A node the program leaves out: the input guard, and run-time checks nothing uses."""
+    return not node.users and (node.op == "call_module" and node.target == GUARDS
+                               or node.op == "call_function" and node.target in CHECKS)
+
+
+def _shared(node: fx.Node) -> Optional[fx.Node]:
+    """The shared cast a ``fan_out`` hands its consumer (what it returns without grad, as
+    in an inference export), or None for any other node."""
+    if node.op == "call_function" and node.target is fan_out and len(node.args) >= 3 \
+            and isinstance(node.args[2], fx.Node) and set(node.kwargs) <= {"flat_linear"}:
+        return node.args[2]
+    return None
 
 
 def _cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
@@ -55,11 +77,14 @@ def _aten(target: object) -> bool:
 
 def _fits(gm: fx.GraphModule) -> bool:
     """Whether ``gm`` is an ATen graph this module can hand over: calls of ATen ops, plan
-    casts, reads of tensors and the input guard only."""
+    casts, reads of tensors, and what the program leaves out or hands on (``_dropped``,
+    ``_shared``)."""
     for node in gm.graph.nodes:
+        if _dropped(node) or _shared(node) is not None:
+            continue
         if node.op == "call_function" and not _aten(node.target):
             return False  # (a function of fxamp's or the model's, kept in the graph)
-        if node.op == "call_module" and node.target != GUARDS or \
+        if node.op == "call_module" or \
                 node.op == "call_method" and _cast_dtype(node) is None:
             return False
         if node.op == "get_attr" and not isinstance(fetch_attr(gm, str(node.target)),
@@ -124,7 +149,10 @@ def exported_program(gm: fx.GraphModule, inputs: tuple
         new.meta["val"] = mode.from_tensor(value)
         specs.append(InputSpec(InputKind.USER_INPUT, TensorArgument(new.name), None))
     for node in nodes:
-        if node in env or node.op == "call_module":  # (the guard: nothing uses it)
+        if node in env or _dropped(node):
+            continue
+        if _shared(node) is not None:
+            env[node] = env[_shared(node)]
             continue
         dtype = _cast_dtype(node)
         if dtype is not None:
@@ -134,7 +162,7 @@ def exported_program(gm: fx.GraphModule, inputs: tuple
         else:
             new = graph.node_copy(node, lambda arg: env[arg])
         env[node] = new
-    renamed = {new.name: old.name for old, new in env.items()}
+    renamed = {new.name: old.name for old, new in env.items() if _shared(old) is None}
     if any(k != v for k, v in renamed.items()):
         log.debug("exported program renamed nodes: %s",
                   {k: v for k, v in renamed.items() if k != v})
@@ -151,5 +179,6 @@ def exported_program(gm: fx.GraphModule, inputs: tuple
     calls = [ModuleCallEntry("", ModuleCallSignature(inputs=[], outputs=[],
                                                      in_spec=info.in_spec,
                                                      out_spec=info.out_spec))]
-    program = ExportedProgram(module, graph, signature, state, {}, calls)
+    program = ExportedProgram(module, graph, signature, state, {}, calls,
+                              verifiers=[TRAINING_VERIFIER])
     return program, renamed
