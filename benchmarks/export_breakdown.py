@@ -48,6 +48,7 @@ STAGES = [
     ("torch.onnx._internal.exporter._core", "_exported_program_to_onnx_program",
      "ONNX translation"),
     ("fxamp.export.onnx_export", "_fold_and_optimize", "folds + optimizer"),
+    ("fxamp.export.onnx_export", "run_onnx_steps", "ONNX steps (folds, optimizer)"),
     ("fxamp.export.onnx_export", "check_export", "check of the file"),
 ]
 
