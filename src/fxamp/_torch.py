@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.fx._pytree as _fx_pytree
 import torch.utils._pytree as _pytree
+from torch._export.verifier import TrainingIRVerifier
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import (DataDependentOutputException,
                                            DynamicOutputShapeException, FakeTensorMode,
@@ -43,7 +44,7 @@ __all__ = [
     "tree_flatten_with_path", "tree_flatten_spec", "PYTREE_REGISTER",
     "reparametrize_module", "DataDependentOutputException", "DynamicOutputShapeException",
     "FakeTensorMode", "unset_fake_temporarily", "TorchDispatchMode", "OpOverload",
-    "OpOverloadPacket",
+    "OpOverloadPacket", "TRAINING_VERIFIER",
     "SET_GRAD", "IS_GRAD", "has_kernel_for_dispatch_key",
     "storage_use_count", "tensor_use_count", "in_dispatch_or_function_mode",
     "is_functorch_wrapped", "functorch_active", "graph_codegen", "node_erased",
@@ -67,6 +68,10 @@ PYTREE_REGISTER = "torch.utils._pytree.register_pytree_node"
 #: ``torch.nn.utils.stateless._reparametrize_module``: a context manager that runs a module
 #: with some parameters/buffers swapped for given tensors (``tie_weights``, ``strict``)
 reparametrize_module = _reparametrize_module
+
+#: the verifier of ``torch.export``'s own programs (``torch._export.verifier``, dialect
+#: "TRAINING": in-place ATen ops allowed), for an ExportedProgram built from such a graph
+TRAINING_VERIFIER = TrainingIRVerifier
 
 #: the raw grad-mode switch a graph calls at a kept ``torch.no_grad`` region's boundaries
 SET_GRAD = torch._C._set_grad_enabled

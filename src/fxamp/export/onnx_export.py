@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch.export.graph_signature import InputKind
 
 from .._version import __version__
 from ..fileio import atomic_directory
@@ -32,11 +33,18 @@ from ..rewriter import plan_of
 from ..frontends.common import as_tuple
 from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, get_meta, set_meta
 from .onnx_passes import run_onnx_steps
+from .program import exported_program
 from .errors import ExportError
 from .verify import check_export
 from .weight_view import low_weights_view, restore_weight_casts
 
 log = logging.getLogger(__name__)
+
+#: the file's metadata key saying which graph the exporter translated: the planned graph
+#: itself (``PLANNED``) or a new capture of it (``CAPTURED``)
+CAPTURE = "fxamp.capture"
+PLANNED = "planned graph"
+CAPTURED = "captured again"
 
 
 @contextlib.contextmanager
@@ -81,22 +89,57 @@ def _fx_names(ep: Any, gm: fx.GraphModule) -> Dict[str, str]:
 
 
 def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
-                   opset: Optional[int]) -> Tuple[Any, Dict[str, str], Any]:
+                   opset: Optional[int]) -> Tuple[Any, Dict[str, str], Any, str]:
     """The dynamo exporter's graph, unoptimised (the ONNX steps, ``.onnx_passes``, run the
     optimizer once fxamp has folded the constants from their FP32 values). The exporter is
     given the graph with its weights cast already (``.weight_view``: half the ops to
-    trace on a CNN); the file is what the casting graph exports to."""
+    trace on a CNN); the file is what the casting graph exports to. An ATen graph (the
+    ``torch.export`` front end's) goes to the exporter as the ``ExportedProgram`` it is
+    (``.program``), without a second ``torch.export``; any other graph, or one the
+    exporter refuses in that form, is exported (captured) as a module. Returns the model,
+    the exporter's node names -> the plan's, the exporter's program and ``PLANNED`` or
+    ``CAPTURED``."""
     kwargs: Dict[str, Any] = {"dynamo": True, "verbose": False, "optimize": False}
     if opset is not None:
         kwargs["opset_version"] = opset
-    view, sources = low_weights_view(gm) if isinstance(gm, fx.GraphModule) else (gm, {})
-    with contextlib.redirect_stdout(io.StringIO()):
-        program = torch.onnx.export(view, inputs, **kwargs)
+    if not isinstance(gm, fx.GraphModule):
+        with contextlib.redirect_stdout(io.StringIO()):
+            program = torch.onnx.export(gm, inputs, **kwargs)
+        return program.model_proto, {}, program.exported_program, CAPTURED
+    view, sources = low_weights_view(gm)
+    program, mapping = _export_program(view, inputs, kwargs)
+    capture = PLANNED
+    if program is None:
+        capture = CAPTURED
+        with contextlib.redirect_stdout(io.StringIO()):
+            program = torch.onnx.export(view, inputs, **kwargs)
+        mapping = _fx_names(program.exported_program, view)
     proto = program.model_proto
     restore_weight_casts(proto, sources)
-    mapping = (_fx_names(program.exported_program, view) if isinstance(gm, fx.GraphModule)
-               else {})
-    return proto, mapping, program.exported_program
+    return proto, mapping, program.exported_program, capture
+
+
+def _export_program(view: fx.GraphModule, inputs: tuple, kwargs: Dict[str, Any]
+                    ) -> Tuple[Any, Dict[str, str]]:
+    """``view`` exported from its own ATen graph (:func:`.program.exported_program`): the
+    exporter's program and the names of ``view``'s nodes; (None, {}) where the graph does
+    not fit or the exporter refuses the program (the caller then captures ``view``)."""
+    try:
+        built = exported_program(view, inputs)
+        if built is None:
+            return None, {}
+        ep, renamed = built
+        with contextlib.redirect_stdout(io.StringIO()):
+            program = torch.onnx.export(ep, inputs, input_names=[
+                s.arg.name for s in ep.graph_signature.input_specs
+                if s.kind == InputKind.USER_INPUT], **kwargs)
+    except Exception as err:  # noqa: BLE001 - the capture below is the fallback
+        log.info("exporting the rewritten graph as it is failed (%s: %s); capturing it "
+                 "with torch.export", type(err).__name__, str(err).splitlines()[0]
+                 if str(err) else "")
+        return None, {}
+    names = _fx_names(program.exported_program, ep.graph_module)
+    return program, {k: renamed.get(v, v) for k, v in names.items()}
 
 
 def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]) -> Any:
@@ -243,13 +286,13 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     inputs = as_tuple(example_inputs)
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ExportError(f"exporter must be auto, dynamo or torchscript, got {exporter!r}")
-    used, error = "", ""
+    used, error, capture = "", "", CAPTURED
     mapping: Optional[Dict[str, str]] = None
     ep = None
     with _eval_mode(gm):
         if exporter in ("auto", "dynamo"):
             try:
-                model, mapping, ep = _export_dynamo(gm, inputs, opset)
+                model, mapping, ep, capture = _export_dynamo(gm, inputs, opset)
                 used = "dynamo"
             except Exception as err:  # noqa: BLE001 - any exporter failure: try the next
                 error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -274,7 +317,8 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     with _eval_mode(gm):
         checked, true_fp16 = check_export(model, gm, inputs, used,
                                           _eval_reference(reference))
-    meta = {"fxamp.version": __version__, "fxamp.exporter": used, "fxamp.plan": plan.to_text(),
+    meta = {"fxamp.version": __version__, "fxamp.exporter": used, CAPTURE: capture,
+            "fxamp.plan": plan.to_text(),
             "fxamp.folded_weight_casts": str(sum(counts.get(name, 0) for name in (
                 "constants", "constants_again", "weight_casts"))),
             "fxamp.restored_eps_adds": str(counts.get("eps_adds", 0)),
