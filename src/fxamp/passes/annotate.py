@@ -358,8 +358,9 @@ class FakeSession:
         self.gm = gm
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         with self.mode:
-            self.state = {name: self.mode.from_tensor(_alone(t)) for name, t in
-                          list(gm.named_parameters(remove_duplicate=False))
+            alone: Dict[int, torch.Tensor] = {}  # (a tied weight: one fake for its names)
+            self.state = {name: self.mode.from_tensor(alone.setdefault(id(t), _alone(t)))
+                          for name, t in list(gm.named_parameters(remove_duplicate=False))
                           + list(gm.named_buffers(remove_duplicate=False))}
             self.inputs = _fake_inputs(self.mode, example_inputs)
         self.home = (observe.device_of(tuple(example_inputs))
