@@ -160,6 +160,18 @@ class RewriteConfig:
         """
         return dataclasses.replace(self, **changes)
 
+    def for_part(self) -> "RewriteConfig":
+        """The config a part of the model (a block, a child rewritten on its own) is
+        rewritten with: this one's policy, rules and device, its outputs kept in the dtype
+        they have (the values flow on into the rest of the model), the front ends tried in
+        the default order.
+
+        Returns:
+            The part's config.
+        """
+        return RewriteConfig(dataclasses.replace(self.policy, output_dtype=None), "auto",
+                             rules=self.rules, follow_device=self.follow_device)
+
     def with_fp32(self, names: Iterable[str]) -> "RewriteConfig":
         """A copy whose policy adds an ``fp32:NAME`` override per name.
 

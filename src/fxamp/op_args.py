@@ -124,12 +124,20 @@ def keep_fp32_values(node: "torch.fx.Node", args: tuple, kwargs: Dict[str, Any])
         kwargs: its keyword arguments before the change.
     """
     saved = node.meta.setdefault(FP32_VALUES, {})
-    for i, (old, new) in enumerate(zip(args, node.args)):
-        if old is not new and not isinstance(old, torch.fx.Node):
-            saved.setdefault(i, old)
-    for key, old in kwargs.items():
-        if node.kwargs.get(key) is not old and not isinstance(old, torch.fx.Node):
+    changed = [(i, old) for i, (old, new) in enumerate(zip(args, node.args)) if old is not new]
+    changed += [(key, old) for key, old in kwargs.items() if node.kwargs.get(key) is not old]
+    for key, old in changed:  # (fx rebuilds containers of nodes: those are no values)
+        if not _holds_node(old):
             saved.setdefault(key, old)
+
+
+def _holds_node(value: Any) -> bool:
+    """Whether ``value`` is or contains an fx node."""
+    if isinstance(value, (tuple, list)):
+        return any(_holds_node(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_node(v) for v in value.values())
+    return isinstance(value, torch.fx.Node)
 
 
 def fp32_values(node: "torch.fx.Node", args: tuple, kwargs: Dict[str, Any]

@@ -20,7 +20,6 @@ import torch.fx as fx
 from .._torch import tree_leaves, tree_map
 
 from ..op_args import fp32_values
-from ..passes.mask_fill import restore_fill
 from ..result import has_result
 from ..weight_cache import is_cast_node
 
@@ -61,8 +60,9 @@ class _Fp32Run(fx.Interpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         if is_cast_node(n):  # an FP16 copy of an FP32 master weight: the master
             return args[0]
-        args, kwargs = restore_fill(n, _widen(args), _widen(kwargs))  # the model's own fill
-        args, kwargs = fp32_values(n, args, kwargs)  # (and its own dtypes, read at run time)
+        # the model's own values where the graph holds others (a mask fill written as fp16's
+        # lowest, a dtype read at run time that follows autocast)
+        args, kwargs = fp32_values(n, _widen(args), _widen(kwargs))
         if n.op == "call_module":
             sub = self.fetch_attr(str(n.target))
             if isinstance(sub, fx.GraphModule) and has_result(sub):

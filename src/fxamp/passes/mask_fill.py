@@ -21,8 +21,9 @@ gives the fill rule "mask_fill" and its reason (``passes/deploy.py``). A fully p
 is uniform in true FP16 while its scores stay within 16 of each other's rounding at 65504
 (FP16's spacing there is 32); onnxruntime's CPU provider, which runs the add in FP32, keeps
 the scores' differences on such a row instead. The original value is kept in the node's
-meta (:data:`MASK_FILL`), so the FP32 reference an exported file is checked against computes
-what the model computes.
+meta (``op_args.keep_fp32_values``), so the FP32 reference an exported file is checked
+against computes what the model computes; :data:`MASK_FILL` names the fill for its plan
+reason.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .. import ops
+from ..op_args import keep_fp32_values
 from ..policy import is_deploy
 from . import PassResult
 from .manager import PassContext
@@ -136,12 +138,14 @@ def mask_fills(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not path:
             continue
         key, value = found
+        before = (node.args, dict(node.kwargs))
         if isinstance(key, int):
             args = list(node.args)
             args[key] = FP16_LOWEST
             node.args = tuple(args)
         else:
             node.kwargs = {**node.kwargs, key: FP16_LOWEST}
+        keep_fp32_values(node, *before)  # (the FP32 reference computes the model's fill)
         node.meta[MASK_FILL] = (key, value)
         for member in path:
             member.meta[MASK_PATH] = True
@@ -165,18 +169,3 @@ def fill_reason(node: fx.Node) -> Optional[str]:
     return (f"an attention mask's fill {found[1]:.3g} is written as fp16's lowest "
             f"{FP16_LOWEST:g}: exp gives 0 for both after the softmax, a fully padded row "
             "stays finite, and the mask arithmetic runs in fp16")
-
-
-def restore_fill(node: fx.Node, args: tuple, kwargs: Dict[str, Any]
-                 ) -> Tuple[tuple, Dict[str, Any]]:
-    """``args`` / ``kwargs`` of a rewritten fill with the model's own value back (the FP32
-    reference's view of the node); any other node's unchanged."""
-    found = node.meta.get(MASK_FILL)
-    if found is None:
-        return args, kwargs
-    key, value = found
-    if isinstance(key, int):
-        args = tuple(value if i == key else a for i, a in enumerate(args))
-    else:
-        kwargs = {**kwargs, key: value}
-    return args, kwargs

@@ -19,7 +19,6 @@ dtypes its plan computes (``output=keep``), as autocast would.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 import logging
 from collections import Counter
@@ -282,9 +281,7 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
             f"({model.__dict__['forward']!r}); inplace=True replaces it. what to do: "
             "rewrite with inplace=False and use the returned module")
     root = BlocksRoot(model, paths, config)
-    inner = RewriteConfig(dataclasses.replace(config.policy, output_dtype=None), "auto",
-                          rules=config.rules,
-                          follow_device=config.follow_device)
+    inner = config.for_part()
     counted = root.planner(plan)
     for path in paths:
         block = model.get_submodule(path)

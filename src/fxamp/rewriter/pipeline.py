@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -47,6 +46,18 @@ log = logging.getLogger(__name__)
 
 
 
+def check_module(model: Any) -> None:
+    """Refuse anything but an ``nn.Module``, naming what it is.
+
+    Args:
+        model: what amp_rewrite was given.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
+            "what to do: wrap the callable in an nn.Module")
+
+
 def check_model(model: Any, sharded_ok: bool = False) -> None:
     """Refuse what amp_rewrite cannot take, naming it.
 
@@ -57,10 +68,7 @@ def check_model(model: Any, sharded_ok: bool = False) -> None:
             parameters this call computes with); not to a submodule, whose hooks its graph
             would not call.
     """
-    if not isinstance(model, nn.Module):
-        raise UnsupportedModelError(
-            f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
-            "what to do: wrap the callable in an nn.Module")
+    check_module(model)
     sharded = next((path for path, m in model.named_modules()
                     if is_fully_sharded(m) and (path or not sharded_ok)), None)
     if sharded is not None:
@@ -87,8 +95,7 @@ def _rewrite_submodules(model: nn.Module, paths: Sequence[str],
     """Rewrite each submodule in ``paths`` on its own (any front end, the calls captured
     on the example inputs as its inputs) where one takes it; returns them by path. The
     others (``what`` says what becomes of them) are left out."""
-    inner = RewriteConfig(dataclasses.replace(config.policy, output_dtype=None),
-                          "auto", rules=config.rules)  # values flow on in their dtype
+    inner = config.for_part()  # values flow on in their dtype
     done: Dict[str, nn.Module] = {}
     for path in paths:
         if path not in calls:
@@ -226,8 +233,7 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
     """``amp_rewrite`` with its config made (its target resolved here unless an in-place
     rewrite without example inputs plans it on its first call)."""
     example_kwargs = config.example_kwargs
-    if not isinstance(model, nn.Module):
-        check_model(model)  # (names what it is before anything reads it as a module)
+    check_module(model)  # (before anything reads it as a module)
     pol = config.for_model(model, (example_inputs, example_kwargs)).policy
     check_overlap(model, pol, inplace)  # (another policy's in-place rewrite of a part of it)
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
