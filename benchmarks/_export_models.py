@@ -252,16 +252,22 @@ def norm_large() -> Example:
 class FlatRowsNorm(nn.Module):
     """A LayerNorm with BERT's eps (1e-12) over rows that are constant or nearly so
     (``3 + 1e-4 * x``): their spread is below FP16's spacing at 3, and the eps does not damp
-    the norm's division by it."""
+    the norm's division by it. ``offset`` 0 and ``scale`` 1 give ordinary rows.
 
-    def __init__(self) -> None:
+    Args:
+        offset: what every row is near.
+        scale: how far its values are from it.
+    """
+
+    def __init__(self, offset: float = 3.0, scale: float = 1e-4) -> None:
         super().__init__()
+        self.offset, self.scale = offset, scale
         self.up = nn.Linear(16, 64)
         self.norm = nn.LayerNorm(64, eps=1e-12)
         self.head = nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(3 + 1e-4 * self.up(x)))
+        return self.head(self.norm(self.offset + self.scale * self.up(x)))
 
 
 def _flat_batch() -> tuple:

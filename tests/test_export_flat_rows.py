@@ -24,7 +24,7 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 # the model benchmarks/export_peers.py compares with the peers ("norm_flat")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _export_models import check_batches, norm_flat  # noqa: E402
+from _export_models import FlatRowsNorm, check_batches, norm_flat  # noqa: E402
 
 
 def _plan(model, x, policy=None):
@@ -86,23 +86,10 @@ def test_the_fp16_norm_over_those_rows_is_still_refused(tmp_path):
     assert not (tmp_path / "m.onnx").exists()
 
 
-class Normal(nn.Module):
-    """BERT's LayerNorm (eps 1e-12) over ordinary rows."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(16, 64)
-        self.norm = nn.LayerNorm(64, eps=1e-12)
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.up(x)))
-
-
 @pytest.mark.slow
 def test_a_normal_layernorm_stays_one_fused_fp16_layernormalization(tmp_path):
     torch.manual_seed(0)
-    model, x = Normal().eval(), (torch.randn(4, 16),)
+    model, x = FlatRowsNorm(0.0, 1.0).eval(), (torch.randn(4, 16),)  # ordinary rows
     files = {}
     for policy in (None, "off:norm_eps"):
         gm = fxamp.amp_rewrite(model, x, target="tensorrt", policy=policy)

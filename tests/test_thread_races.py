@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -102,6 +102,36 @@ def test_a_thread_trains_unchanged_while_the_main_thread_rewrites_the_model():
         assert torch.equal(model.bn.running_mean, start.bn.running_mean)
 
 
+def _calls_during(model: nn.Module, x: torch.Tensor, rewrite: Callable[[], Any]
+                  ) -> Tuple[List[Any], Any]:
+    """The outputs of another thread's no-grad calls of ``model`` (at least 4, and on until
+    ``rewrite()`` returns), and what ``rewrite()`` returned; the thread's error is raised."""
+    outs: List[Any] = []
+    errors: List[BaseException] = []
+    done = threading.Event()
+
+    def caller() -> None:
+        try:
+            while len(outs) < 4 or not done.is_set():
+                with torch.no_grad():
+                    outs.append(model(x))
+                time.sleep(0.001)
+        except BaseException as err:  # noqa: BLE001 - raised below
+            errors.append(err)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        result = rewrite()
+    finally:
+        done.set()
+        thread.join(60)
+    assert not thread.is_alive(), "the caller hangs"
+    if errors:
+        raise errors[0]
+    return outs, result
+
+
 def test_a_thread_calling_the_model_gets_fp32_or_rewritten_outputs_during_an_inplace_rewrite():
     base = _net().eval()
     x = _x(7)
@@ -111,29 +141,8 @@ def test_a_thread_calling_the_model_gets_fp32_or_rewritten_outputs_during_an_inp
     assert not torch.equal(fp32, rewritten)
     for _ in range(ROUNDS):
         model = copy.deepcopy(base)
-        outs: List[Any] = []
-        errors: List[BaseException] = []
-        done = threading.Event()
-
-        def caller() -> None:
-            try:  # (at least 4 calls, and on until the rewrite is done)
-                while len(outs) < 4 or not done.is_set():
-                    with torch.no_grad():
-                        outs.append(model(x))
-                    time.sleep(0.001)
-            except BaseException as err:  # noqa: BLE001 - raised below
-                errors.append(err)
-
-        thread = threading.Thread(target=caller)
-        thread.start()
-        try:
-            same = fxamp.amp_rewrite(model, (x,), inplace=True, **BF16)
-        finally:
-            done.set()
-            thread.join(60)
-        assert not thread.is_alive(), "the caller hangs"
-        if errors:
-            raise errors[0]
+        outs, same = _calls_during(model, x, lambda: fxamp.amp_rewrite(
+            model, (x,), inplace=True, **BF16))
         assert same is model
         with torch.no_grad():
             assert torch.equal(model(x), rewritten)
@@ -154,29 +163,8 @@ def test_a_thread_calling_an_inplace_model_gets_the_old_or_new_plan_while_it_is_
     assert not torch.equal(old, new)
     for _ in range(ROUNDS):
         model = fxamp.amp_rewrite(copy.deepcopy(base), (x,), inplace=True, **BF16)
-        outs: List[Any] = []
-        errors: List[BaseException] = []
-        done = threading.Event()
-
-        def caller() -> None:
-            try:  # (at least 4 calls, and on until the rewrite is done)
-                while len(outs) < 4 or not done.is_set():
-                    with torch.no_grad():
-                        outs.append(model(x))
-                    time.sleep(0.001)
-            except BaseException as err:  # noqa: BLE001 - raised below
-                errors.append(err)
-
-        thread = threading.Thread(target=caller)
-        thread.start()
-        try:
-            fxamp.amp_rewrite(model, (x,), inplace=True, **fp16)
-        finally:
-            done.set()
-            thread.join(60)
-        assert not thread.is_alive(), "the caller hangs"
-        if errors:
-            raise errors[0]
+        outs, _ = _calls_during(model, x, lambda: fxamp.amp_rewrite(
+            model, (x,), inplace=True, **fp16))
         with torch.no_grad():
             assert torch.equal(model(x), new)
         for i, out in enumerate(outs):
