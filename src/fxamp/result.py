@@ -78,10 +78,14 @@ def one_mode(modules: Iterable[object]) -> Optional[bool]:
 
     Args:
         modules: rewritten modules (others are passed over).
+
+    Returns:
+        True (train) or False (eval), or None.
     """
     for module in modules:
-        if has_result(module) and result_of(module).mode is not None:
-            return result_of(module).mode
+        mode = result_of(module).mode if has_result(module) else None
+        if mode is not None:
+            return mode
     return None
 
 

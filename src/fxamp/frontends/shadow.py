@@ -127,8 +127,9 @@ class Shadow:
         else:
             copied = type(value)(self._item(v) for v in value)
         memo[id(value)] = copied
-        mine, theirs = outer.copies.get(id(value), (None, value)) if outer else (None, value)
-        self.copies[id(copied)] = (copied, theirs if mine is value else value)
+        entry = outer.copies.get(id(value)) if outer else None
+        user = entry[1] if entry is not None and entry[0] is value else value
+        self.copies[id(copied)] = (copied, user)  # (a shadow's copy stands for the user's)
         return copied
 
     def to_real(self, result: nn.Module) -> nn.Module:
@@ -143,9 +144,9 @@ class Shadow:
         Returns:
             ``result`` (the user's model when it is the shadow's root).
         """
-        shadows = {id(s): s for s in self.of.values()}
+        shadows = self.real  # (id of each shadow -> the user's module)
         if id(result) in shadows:
-            return self.real[id(result)]
+            return shadows[id(result)]
         seen: set = set()
         todo = [result]
         while todo:
@@ -165,13 +166,13 @@ class Shadow:
                     module.__dict__[name] = self.copies[id(value)][1]
             done = module.__dict__.get(ATTR)
             if isinstance(done, Rewritten) and done.structure is not None:
-                self._watch_real(module, done, shadows)
+                self._watch_real(module, done)
         return result
 
-    def _watch_real(self, module: nn.Module, done: Rewritten, shadows: Dict[int, Any]) -> None:
+    def _watch_real(self, module: nn.Module, done: Rewritten) -> None:
         structure = done.structure
         watched = structure.model
-        if watched is None or id(watched) not in shadows:
+        if watched is None or id(watched) not in self.real:
             return
         set_result(module, done.replace(structure=Structure(
             self.real[id(watched)], module, structure.hooked, structure.inplace)))

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch.nn as nn
 
 from ..errors import OverlappingRewriteError
 from ..policy import Policy, dtype_name
-from ..result import ATTR as RESULT
 from .blocks import BlocksRoot
-from .inplace import ATTR, InplaceForward, installed, planning_forward
+from .inplace import InplaceForward, installed, take
 
 
 def inplace_policy(module: nn.Module) -> Optional[Policy]:
@@ -146,31 +144,20 @@ def check_overlap(model: nn.Module, policy: Policy, inplace: bool) -> None:
             f"policy='{policy}', inplace=True))")
 
 
-_KEYS = ("forward", ATTR, RESULT)
-
-
 @contextlib.contextmanager
-def parts_off(model: nn.Module) -> Iterator[List[nn.Module]]:
-    """``model``'s parts (:func:`parts`) with their own forwards back for this thread while
-    ``model`` is traced (its plan computes their nodes once; a part's graph is no submodule
-    of the model, so torch.fx could not trace its call); another thread's call of a part
-    waits for the trace, then runs the part's rewrite (never its plain FP32 forward). Their
-    rewrites are put back after. Yields the parts taken off.
+def parts_off(model: nn.Module) -> Iterator[None]:
+    """``model``'s parts (:func:`parts`) with their own forwards back while ``model`` is
+    traced (its plan computes their nodes once; a part's graph is no submodule of the model,
+    so torch.fx could not trace its call); their rewrites are put back after. ``model`` is
+    the shadow a rewrite traces (``frontends/shadow.py``), so its parts are shadows too,
+    private to this rewrite: the model's own parts keep their rewrites for other threads.
 
     Args:
-        model: the module being rewritten.
+        model: the module being rewritten (a shadow).
     """
-    found = parts(model)
-    lock = threading.Lock()
-    taken: List[Tuple[nn.Module, Dict[str, Any]]] = []
-    with lock:
-        try:
-            for _, sub, _ in found:
-                taken.append((sub, {k: sub.__dict__.pop(k) for k in _KEYS
-                                    if k in sub.__dict__}))
-                sub.__dict__["forward"] = planning_forward(sub, lock)
-            yield [sub for sub, _ in taken]
-        finally:
-            for sub, keys in taken:
-                sub.__dict__.pop("forward", None)
-                sub.__dict__.update(keys)
+    taken = [(sub, take(sub)) for _, sub, _ in parts(model)]
+    try:
+        yield
+    finally:
+        for sub, kept in taken:
+            sub.__dict__.update(kept)

@@ -234,7 +234,8 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
     rewrite without example inputs plans it on its first call)."""
     example_kwargs = config.example_kwargs
     check_module(model)  # (before anything reads it as a module)
-    pol = config.for_model(model, (example_inputs, example_kwargs)).policy
+    resolved = config.for_model(model, (example_inputs, example_kwargs))  # (its target)
+    pol = resolved.policy
     check_overlap(model, pol, inplace)  # (another policy's in-place rewrite of a part of it)
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
         if inplace and example_inputs is None and not example_kwargs \
@@ -288,7 +289,7 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
                          "pass e.g. (torch.randn(1, 3, 224, 224),), or rewrite with "
                          "inplace=True, which plans the model on its first call")
     args = () if example_inputs is None else as_tuple(example_inputs)
-    gm = _rewrite_top(model, args, config.for_model(model, (args, example_kwargs)))
+    gm = _rewrite_top(model, args, resolved)
     if inplace and pol.weights == "stored":
         store_weights(model, gm)
     return install(model, gm, _plan_call) if inplace else gm
