@@ -115,15 +115,15 @@ def _spread(rows, eps=1e-12):
 def test_row_spread_finds_the_flattest_row_and_when_fp16_loses_it():
     torch.manual_seed(0)
     normal = torch.randn(3, 64)
-    ratio, _, _ = _spread(normal)
+    ratio, _, _, _ = _spread(normal)
     assert ratio > 0.25 and not rows_lost(ratio, torch.float16)
     flat = torch.cat([normal, 3 + 1e-4 * torch.randn(1, 64)])
-    ratio, spread, size = _spread(flat)  # the flat row, not the normal ones
-    assert size == pytest.approx(3, rel=1e-3) and spread < 1e-3
+    ratio, spread, size, eps = _spread(flat)  # the flat row, not the normal ones
+    assert size == pytest.approx(3, rel=1e-3) and spread < 1e-3 and eps == 1e-12
     assert rows_lost(ratio, torch.float16)
     assert torch.finfo(torch.float16).eps / 2 / ratio > FLAT_ERROR
     constant = torch.full((2, 64), 3.0)  # exactly constant: spread is sqrt(eps)
-    ratio, spread, _ = _spread(constant)
+    ratio, spread, _, _ = _spread(constant)
     assert spread == pytest.approx(1e-6) and rows_lost(ratio, torch.float16)
 
 

@@ -117,6 +117,19 @@ def graph_codegen(graph: fx.Graph) -> Any:
     return graph._codegen
 
 
+#: the submodule torch.export's unlifted module calls to check its inputs' shapes
+INPUT_GUARD = "_guards_fn"
+
+
+def is_input_guard(node: fx.Node) -> bool:
+    """Whether ``node`` calls torch.export's input-shape check (``_guards_fn``).
+
+    Args:
+        node: a node of an exported graph.
+    """
+    return node.op == "call_module" and node.target == INPUT_GUARD
+
+
 def node_erased(node: fx.Node) -> bool:
     """Whether ``node`` was erased from its graph (``Node._erased``; an erased node keeps
     its ``graph`` and ``users``, so nothing public tells).

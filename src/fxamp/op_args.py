@@ -156,6 +156,6 @@ def fp32_values(node: "torch.fx.Node", args: tuple, kwargs: Dict[str, Any]
     saved = node.meta.get(FP32_VALUES)
     if not saved:
         return args, kwargs
-    args = tuple(saved.get(i, a) if i in saved else a for i, a in enumerate(args))
-    kwargs = {k: saved[k] if k in saved else v for k, v in kwargs.items()}
+    args = tuple(saved.get(i, a) for i, a in enumerate(args))
+    kwargs = {k: saved.get(k, v) for k, v in kwargs.items()}
     return args, kwargs

@@ -33,21 +33,19 @@ from torch.export.graph_signature import (ExportGraphSignature, InputKind, Input
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .._torch import (TRAINING_VERIFIER, FakeTensorMode, OpOverload, graph_codegen,
-                      tree_flatten)
+                      is_input_guard, tree_flatten)
 from ..passes import fetch_attr
 from ..runtime import check_input_dtypes, fan_out, range_guard
 
 log = logging.getLogger(__name__)
 
-#: the input guard ``torch.export``'s unlifted module calls (the export checks shapes itself)
-GUARDS = "_guards_fn"
 #: fxamp's run-time checks a graph calls for their effect alone (nothing to export)
 CHECKS = (check_input_dtypes, range_guard)
 
 
 def _dropped(node: fx.Node) -> bool:
     """A node the program leaves out: the input guard, and run-time checks nothing uses."""
-    return not node.users and (node.op == "call_module" and node.target == GUARDS
+    return not node.users and (is_input_guard(node)  # (the export checks shapes itself)
                                or node.op == "call_function" and node.target in CHECKS)
 
 

@@ -17,8 +17,8 @@ After export fxamp post-processes the graph (counts in metadata_props "fxamp.*")
 * eps: a zero FP16/BF16 scalar constant added before a Sqrt/Reciprocal/Div/Pow (an eps that
   underflowed) is replaced by the dtype's smallest normal; ``epsilon`` attributes equal to 0
   are set to 1e-5. Attributes are FP32 in ONNX, so LayerNorm's eps=1e-12 survives as 1e-12.
-* provenance: every node the exporter tied to an fx node gets ``metadata_props``
-  "fxamp.fx_node" (the node name in the rewritten graph, the plan's name) and "fxamp.module".
+(Provenance, each node's "fxamp.fx_node" and "fxamp.module", is written by ``onnx_export``
+with the helpers of ``onnx_metadata``.)
 """
 from __future__ import annotations
 

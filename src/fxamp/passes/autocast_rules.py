@@ -22,7 +22,7 @@ from typing import Any, Optional, Tuple, Type
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from .._torch import tree_flatten
+from .._torch import is_input_guard, tree_flatten
 
 from .. import ir, ops
 from ..ir import Decision, Rule
@@ -103,7 +103,7 @@ class GuardsRule(AnnotateRule):
     name = Rule.AUTOCAST
 
     def applies(self, node: fx.Node) -> bool:
-        return node.op == "call_module" and node.target == "_guards_fn"
+        return is_input_guard(node)
 
     def decision(self, node: fx.Node, args: tuple, kwargs: dict) -> Decision:
         return Decision(None, self.name, "torch.export's check of the input shapes",

@@ -33,8 +33,8 @@ from .._torch import CONV_BASE, CONV_TRANSPOSE_BASE, INSTANCE_NORM_BASE
 
 Peak = Tuple[float, str]
 #: (the smallest ratio of a row's normalising spread to its magnitude, that row's spread,
-#: that row's magnitude)
-Spread = Tuple[float, float, float]
+#: that row's magnitude, the LayerNorm's eps)
+Spread = Tuple[float, float, float, float]
 
 _SUM_OF_SQUARES = "its variance's sum of squares"
 
@@ -76,17 +76,30 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> A
     return kwargs.get(name, default)
 
 
+def _normalised(module: Optional[nn.Module], args: tuple, kwargs: dict
+                ) -> Optional[Tuple[torch.Tensor, int]]:
+    """A LayerNorm's or RMSNorm's floating input and how many trailing dimensions it
+    normalises over (from the module, else the call's ``normalized_shape``); None where
+    there is none."""
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.numel():
+        return None
+    shape = (module.normalized_shape if module is not None  # type: ignore[union-attr]
+             else _arg(args, kwargs, 1, "normalized_shape"))
+    if shape is None:
+        return None
+    return x, len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
+
+
 def _norm(module: Optional[nn.Module], args: tuple, kwargs: dict, kind: str) -> Optional[Peak]:
     x = args[0] if args else None
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.numel():
         return None
     if kind in ("layer_norm", "rms_norm"):
-        shape = (module.normalized_shape if module is not None  # type: ignore[union-attr]
-                 else _arg(args, kwargs, 1, "normalized_shape"))
-        if shape is None:
+        found = _normalised(module, args, kwargs)
+        if found is None:
             return None
-        n = len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
-        dims = tuple(range(x.dim() - n, x.dim()))
+        dims = tuple(range(x.dim() - found[1], x.dim()))
         centred = kind == "layer_norm"
         return (_sum_sq_dev(x, dims, centred),
                 _SUM_OF_SQUARES if centred else "its sum of squares")
@@ -219,20 +232,16 @@ def row_spread(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict) -> Opt
         kwargs: the call's keyword values.
 
     Returns:
-        (ratio, spread, magnitude) of the flattest row, or None.
+        (ratio, spread, magnitude) of the flattest row and the norm's eps, or None.
     """
     if op_name(node, root) != "layer_norm":
         return None
     module = root.get_submodule(str(node.target)) if node.op == "call_module" else None
-    x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not x.numel():
-        return None
-    shape = (module.normalized_shape if module is not None  # type: ignore[union-attr]
-             else _arg(args, kwargs, 1, "normalized_shape"))
+    found = _normalised(module, args, kwargs)
     eps = _layer_norm_eps(module, args, kwargs)
-    if shape is None or eps is None:
+    if found is None or eps is None:
         return None
-    n = len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
+    x, n = found
     rows = x.detach().double().reshape(-1, *x.shape[x.dim() - n:]).flatten(1)
     dev = rows - rows.mean(dim=1, keepdim=True)
     spread = torch.maximum(torch.sqrt(dev.pow(2).mean(dim=1) + eps), dev.abs().amax(dim=1))
@@ -242,4 +251,4 @@ def row_spread(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict) -> Opt
         return None
     ratio = torch.where(seen, spread / magnitude.clamp_min(1e-300), torch.inf)
     i = int(ratio.argmin())
-    return float(ratio[i]), float(spread[i]), float(magnitude[i])
+    return float(ratio[i]), float(spread[i]), float(magnitude[i]), eps

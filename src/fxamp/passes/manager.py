@@ -56,7 +56,7 @@ class PassContext:
     ranges: Optional[Dict[str, RangeStats]] = None
     inner: Optional[Dict[str, Tuple[float, str]]] = None
     smallest: Optional[Dict[str, float]] = None
-    spread: Optional[Dict[str, Tuple[float, float, float]]] = None
+    spread: Optional[Dict[str, Tuple[float, float, float, float]]] = None
     annotate: Optional[Callable[[fx.GraphModule, "PassContext"], PassResult]] = None
     session: Any = None
     state: Any = None

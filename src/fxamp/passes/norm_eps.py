@@ -31,7 +31,7 @@ LayerNormalization over FP32 values, which onnxruntime's CPU kernel computes rig
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.fx as fx
@@ -45,6 +45,7 @@ from ..policy import Policy, dtype_name, is_deploy
 from . import fetch_attr
 from .manager import PassContext
 from .ranges import measure
+from .inner_values import Spread
 from .rule import DecisionRule, rule_pass
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,6 @@ NORM_FUNCTIONS = (F.layer_norm, F.group_norm, F.instance_norm, F.batch_norm,
 _REDUCTIONS = {"mean", "var", "sum", "std", "square"}
 _STATS_INPUTS = {"pow", "square", "mul", "sub", "abs"}  # ops.name: dunders stripped
 _ROOTS = {"rsqrt", "sqrt", "reciprocal", "pow"}
-_LAYER_NORMS = (F.layer_norm, torch.ops.aten.layer_norm.default)
 #: the largest part of a LayerNorm row's normalising spread that the low dtype's rounding of
 #: the row may reach (the output is off by that much of its unit scale)
 FLAT_ERROR = 2.0 ** -6
@@ -138,7 +138,7 @@ def rows_lost(ratio: float, dtype: torch.dtype) -> bool:
 
 
 def _flat_rows(gm: fx.GraphModule, policy: Policy, node: fx.Node,
-               spread: Optional[Dict[str, Tuple[float, float, float]]]
+               spread: Optional[Dict[str, Spread]]
                ) -> Dict[fx.Node, Decision]:
     """A LayerNorm planned in the low dtype whose input rows seen are so flat that the low
     dtype's rounding of them is lost in the output (:func:`rows_lost`): the norm in fp32,
@@ -157,21 +157,12 @@ def _flat_rows(gm: fx.GraphModule, policy: Policy, node: fx.Node,
     seen = None if spread is None else spread.get(node.name)
     if seen is None or not _is_low(node, policy) or not rows_lost(seen[0], policy.compute):
         return {}
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        if not isinstance(module, nn.LayerNorm):
-            return {}
-        eps = module.eps
-    elif ops.is_call(node, _LAYER_NORMS):
-        eps = ops.arg(node, "eps")
-    else:
-        return {}
-    ratio, width, size = seen
+    ratio, width, size, eps = seen  # (measured on LayerNorms only, with their eps)
     low = dtype_name(policy.compute)
     rows = (f"rows seen are nearly constant: spread {width:.3g} on values up to {size:.3g}, "
             f"so {low}'s rounding of them is {torch.finfo(policy.compute).eps / 2 / ratio:.2g}"
             f" of their spread")
-    eps_text = f" and eps={eps:g} does not damp it" if isinstance(eps, float) else ""
+    eps_text = f" and eps={eps:g} does not damp it"
     out = {node: Decision(torch.float32, Rule.NORM_EPS,
                           f"its {rows}, which the norm scales up to its output{eps_text}: "
                           "the norm and its input in fp32")}
@@ -361,7 +352,7 @@ class NormEpsRule(DecisionRule):
     def __init__(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         super().__init__(gm, ctx)
         self.smallest: Optional[Dict[str, float]] = None
-        self.spread: Optional[Dict[str, Tuple[float, float, float]]] = None
+        self.spread: Optional[Dict[str, Spread]] = None
         if is_deploy(self.policy.target):  # judged on the values seen (ranges.measure)
             measure(gm, ctx)
             self.smallest, self.spread = ctx.smallest, ctx.spread

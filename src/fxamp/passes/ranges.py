@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.fx as fx
-from .._torch import reparametrize_module, tree_flatten
+from .._torch import is_input_guard, reparametrize_module, tree_flatten
 
 from ..config import CALIBRATION_FORMS
 from ..errors import CalibrationDataError, node_error
@@ -74,11 +74,11 @@ class _Recorder(fx.Interpreter):
                 old = self.inner.get(n.name)
                 if old is None or peak[0] > old[0]:
                     self.inner[n.name] = peak
-            spread = self.spread
-            flat = row_spread(n, self.module, args, kwargs) if spread is not None else None
-            if spread is not None and flat is not None and (
-                    n.name not in spread or flat[0] < spread[n.name][0]):
-                spread[n.name] = flat
+            if self.spread is not None:
+                flat = row_spread(n, self.module, args, kwargs)
+                if flat is not None and (n.name not in self.spread
+                                         or flat[0] < self.spread[n.name][0]):
+                    self.spread[n.name] = flat
         leaves, _ = tree_flatten(result)
         floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if floats and n.op != "output":
@@ -126,7 +126,7 @@ def _run_batch(recorder: _Recorder, gm: fx.GraphModule, batch: tuple, count: int
         node = recorder.current
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         where = f" at node {node.name!r}" if node is not None else ""
-        if node is not None and node.op == "call_module" and node.target == "_guards_fn":
+        if node is not None and is_input_guard(node):
             raise CalibrationDataError(
                 f"calibration batch {count} ({_shapes(batch)}) does not fit the exported "
                 f"graph's inputs: torch.export's shape check says {first}{like}\n  what to "
