@@ -11,7 +11,6 @@ data and gives the same range decisions).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
@@ -21,7 +20,8 @@ import torch.nn as nn
 from .errors import CalibrationDataError, FxampError, PolicyError, RuleError
 from .plan import Plan, RangeStats
 from .policy import Policy, dtype_name, make_policy, names_target, parse_compute_dtype
-from .rules import DecisionRule, user_rules
+from .rules import DecisionRule, checked_rules
+from .runtime import first_device
 
 #: the front ends (``frontends.REGISTRY`` names) each ``frontend=`` value tries, in order:
 #: "auto" tries fx, then export, then fx with runtime leaves (partial tracing), then eager
@@ -84,7 +84,7 @@ class RewriteConfig:
             raise FxampError(f"unknown frontend {self.frontend!r}; valid: "
                              f"{', '.join(FRONTENDS)}")
         check_calibration(self.calibration)
-        rules = user_rules(self.rules)
+        rules = checked_rules(self.rules)
         names = tuple(str(rule.name) for rule in rules)
         missing = [name for name in self.policy.rules if name not in names]
         if missing:
@@ -129,7 +129,7 @@ class RewriteConfig:
         follow = target is None and not names_target(policy)
         return cls(_policy(policy, dtype, target or "cuda"), frontend,
                    dict(example_kwargs) if example_kwargs else None, calibration_data,
-                   dynamic_shapes, user_rules(rules), follow)
+                   dynamic_shapes, rules, follow)  # (checked in __post_init__)
 
     def for_model(self, model: nn.Module, inputs: Any = None) -> "RewriteConfig":
         """This config with its target resolved: when it follows the device, the policy's
@@ -188,21 +188,6 @@ class RewriteConfig:
                                                 base=self.policy))
 
 
-def _first_tensor(value: Any, depth: int = 0) -> Optional[torch.Tensor]:
-    """The first tensor in ``value`` (nested tuples, lists and dict values), or None."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if depth > 8:
-        return None
-    items = value.values() if isinstance(value, dict) else value \
-        if isinstance(value, (tuple, list)) else ()
-    for item in items:
-        found = _first_tensor(item, depth + 1)
-        if found is not None:
-            return found
-    return None
-
-
 def model_target(model: nn.Module, inputs: Any = None) -> str:
     """The target a rewrite given none plans for: the device type of ``model``'s first
     floating Parameter or buffer, else of the first tensor in ``inputs``; "cpu" for a CPU
@@ -216,12 +201,7 @@ def model_target(model: nn.Module, inputs: Any = None) -> str:
     Returns:
         "cpu" or "cuda".
     """
-    tensors = itertools.chain(model.parameters(), model.buffers()) \
-        if isinstance(model, nn.Module) else ()  # (not a module: refused by its checks)
-    found = next((t for t in tensors if t.is_floating_point()), None)
-    if found is None:
-        found = _first_tensor(inputs)
-    return "cpu" if found is not None and found.device.type == "cpu" else "cuda"
+    return "cpu" if first_device(model, inputs) == "cpu" else "cuda"
 
 
 #: what ``calibration_data`` takes, for the errors

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 _MISSING = object()
 _CALLS = ("call_function", "call_method")
+#: the ``op`` of the nodes that compute (calls of functions, methods and modules): the ones a
+#: plan decides
+OP_NODES = ("call_function", "call_method", "call_module")
 
 
 #: autocast's tables (the category of :func:`category`): low dtype, fp32, fp32 unless a dtype

@@ -217,8 +217,9 @@ class Policy:
             (``StoredWeightsError``): rewrite with "cast" to train.
 
     Raises:
-        PolicyError: an unknown weights mode, target or numerics rule, or a compute dtype
-            other than float16 / bfloat16.
+        PolicyError: an unknown weights mode, target or numerics rule, a compute dtype
+            other than float16 / bfloat16, or a user rule name that is no ``user:WORD``
+            or is named twice.
     """
 
     compute: torch.dtype = torch.float16

@@ -34,16 +34,16 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
 import logging
 import re
+import weakref
 from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.fx as fx
 
 from .errors import InputShapeError, ModeError
-from .runtime import OWN, own_autocast_depth
+from .runtime import OWN, first_device, own_autocast_depth
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ _WARNED: list = []
 #: the key a Program's ``__dict__`` holds once its first call's device was checked against
 #: its plan's target (:func:`_check_device`)
 DEVICE_CHECKED = "fxamp_device_checked"
+#: the plans whose device was checked, by id (held weakly: a plan is no key of its own)
+_PLANS_CHECKED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 #: the attribute the rewrite's result is kept under (the one definition; ``fxamp.result.ATTR``
 #: and ``fxamp.structure`` read it from here)
 RESULT = "fxamp_result"
@@ -107,16 +109,11 @@ def _check_device(program: Any, result: Any, args: tuple, kwargs: dict) -> None:
     """
     program.__dict__[DEVICE_CHECKED] = True
     target = result.policy.target
-    shared = getattr(result.plan, "__dict__", {})  # (identical blocks share one plan: once)
-    if target not in ("cpu", "cuda") or DEVICE_CHECKED in shared:
+    plan = result.plan  # (identical blocks share one plan: it warns once)
+    if target not in ("cpu", "cuda") or _PLANS_CHECKED.get(id(plan)) is plan:
         return
-    shared[DEVICE_CHECKED] = True
-    tensors = itertools.chain(program.parameters(), program.buffers())
-    found = next((t for t in tensors if t.is_floating_point()), None)
-    if found is None:
-        found = next((a for a in itertools.chain(args, kwargs.values())
-                      if isinstance(a, torch.Tensor)), None)
-    device = None if found is None else found.device.type
+    _PLANS_CHECKED[id(plan)] = plan
+    device = first_device(program, (args, kwargs))
     if device not in ("cpu", "cuda") or device == target:
         return
     model = (result.source or type(program).__name__).rsplit(".", 1)[-1]

@@ -159,7 +159,7 @@ class DecisionRule:
         return ir.precision(node)
 
 
-def user_rules(rules: Union[None, DecisionRule, Iterable[DecisionRule]]
+def checked_rules(rules: Union[None, DecisionRule, Iterable[DecisionRule]]
                ) -> Tuple[DecisionRule, ...]:
     """The user's rules as a tuple, each checked.
 
@@ -191,7 +191,7 @@ def user_rules(rules: Union[None, DecisionRule, Iterable[DecisionRule]]
         if name is None:
             raise RuleError(f"{label} has no name; what to do: set name = 'user:WORD' on the "
                             "class (the plan's rule column shows it)")
-        if isinstance(name, Rule) or not is_user_rule(name):
+        if not is_user_rule(name):
             raise RuleError(f"{label} is named {str(name)!r}, which is no user rule name "
                             f"(fxamp's own rules are not given to rules=); what to do: name "
                             f"it 'user:WORD'")

@@ -4,9 +4,10 @@ run-time calls (hooked modules, grad-mode switches)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -216,6 +217,25 @@ def call_with_params(module: nn.Module, params: Dict[str, torch.Tensor], *args: 
     (``params`` copied: an fx Interpreter, as torch.export runs, passes an immutable dict,
     which ``functional_call`` would update.)"""
     return torch.func.functional_call(module, dict(params), args, kwargs, strict=False)
+
+
+def first_device(module: Any, inputs: Any = None) -> Optional[str]:
+    """The device type a module computes on: its first floating Parameter or buffer's, else
+    the first tensor's in ``inputs`` (any nesting); None where there is neither.
+
+    Args:
+        module: an ``nn.Module`` (anything else has no tensors of its own).
+        inputs: its call's arguments, or None.
+
+    Returns:
+        A device type ("cpu", "cuda", "meta"...), or None.
+    """
+    if isinstance(module, nn.Module):
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.is_floating_point():
+                return tensor.device.type
+    leaves, _ = tree_flatten(inputs)
+    return next((leaf.device.type for leaf in leaves if isinstance(leaf, torch.Tensor)), None)
 
 
 def device_type(args: Any) -> str:

@@ -20,11 +20,12 @@ import torch.fx as fx
 from .._torch import tree_leaves, tree_map
 
 from ..op_args import fp32_values
+from ..ops import OP_NODES
 from ..result import has_result
 from ..weight_cache import is_cast_node
 
 _LOW = (torch.float16, torch.bfloat16)
-_CALLS = ("call_function", "call_method", "call_module")
+_CALLS = OP_NODES
 
 #: the true-FP16 check's tolerance: an output may differ from FP32 by this much of its scale
 #: (its largest |value|); FP16 rounding of a sound plan gives ~1e-3, a wrong file ~1

@@ -19,7 +19,7 @@ from .._torch import (DataDependentOutputException, DynamicOutputShapeException,
                       FakeTensorMode, reparametrize_module, tree_flatten, tree_map,
                       unset_fake_temporarily)
 
-from .. import ir
+from .. import ir, ops
 from ..ir import Decision, Rule
 from ..errors import FxampError, UnsupportedModelError, node_error
 from ..plan import NodePrecision
@@ -86,7 +86,7 @@ def _cast(dtype: Optional[torch.dtype]) -> Callable[[Any], Any]:
 
 
 _VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
-_CALLS = ("call_function", "call_method", "call_module")
+_CALLS = ops.OP_NODES
 def _real_stand_in(value: Any, device: Optional[torch.device] = None) -> Any:
     if not isinstance(value, torch.Tensor):
         return value

@@ -36,7 +36,7 @@ from .mask_fill import fill_reason  # rule "mask_fill"
 #: a reduction of more values than this per output runs in FP32 in a deployment plan
 DEEP_REDUCTION = 4096
 
-_CALLS = ("call_function", "call_method", "call_module")
+_CALLS = ops.OP_NODES
 
 
 def _floats(node: fx.Node, gm: torch.nn.Module, args: tuple, kwargs: dict) -> list:

@@ -25,7 +25,7 @@ from ..config import CALIBRATION_FORMS
 from ..errors import CalibrationDataError, node_error
 from ..op_args import fp32_values
 from ..plan import RangeStats
-from .. import ir
+from .. import ir, ops
 from ..ir import Decision, Rule
 from ..policy import dtype_name, is_deploy
 from ..progress import track
@@ -67,7 +67,7 @@ class _Recorder(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
         result = super().run_node(n)
-        if self.inner is not None and n.op in ("call_function", "call_method", "call_module"):
+        if self.inner is not None and n.op in ops.OP_NODES:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             peak = inner_peak(n, self.module, args, kwargs)
             if peak is not None and math.isfinite(peak[0]):

@@ -21,17 +21,15 @@ from typing import Any, Dict, Mapping, Type
 import torch.fx as fx
 
 from .. import ir
-from ..errors import FxampError, RuleError
+from ..errors import FxampError, RuleError, source_line
+from ..ops import OP_NODES
 from ..ir import Decision
 from ..policy import is_user_rule
 from ..rules import DECISION_DTYPES, DecisionRule
 from . import PassResult
 from .manager import Pass, PassContext
 
-__all__ = ["DecisionRule", "apply_rule", "rule_pass", "user_rules", "OP_NODES"]
-
-#: the nodes a user's rule is asked about: the graph's ops
-OP_NODES = ("call_function", "call_method", "call_module")
+__all__ = ["DecisionRule", "apply_rule", "rule_pass", "user_rules"]
 
 
 def apply_rule(rule: DecisionRule) -> bool:
@@ -60,8 +58,8 @@ def rule_pass(rule_class: Type[DecisionRule]) -> Pass:
 
 def _where(rule: DecisionRule, node: fx.Node) -> str:
     """``rule 'user:x' (KeepScales) at node mul_1 (mul): <source line>``."""
-    trace = (node.stack_trace or "").strip().splitlines()
-    line = f"; {trace[-2].strip()}" if len(trace) >= 2 else ""
+    where = source_line(node)
+    line = f"; {where}" if where else ""
     return (f"rule {str(rule.name)!r} ({type(rule).__qualname__}) at node {node.name} "
             f"({node.format_node()}){line}")
 

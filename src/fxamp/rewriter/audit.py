@@ -37,7 +37,7 @@ def _banned_nodes(model: nn.Module, args: tuple, config: RewriteConfig) -> List[
         return []
     names = []
     for node in src.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
+        if node.op not in ops.OP_NODES:
             continue
         if ops.category(node, src, config.policy.target) == ops.BANNED:
             names.append(node.name)

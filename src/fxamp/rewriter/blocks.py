@@ -32,11 +32,11 @@ from ..ir import Rule
 from ..ops import module_label
 from ..plan import NodePrecision, Plan
 from ..errors import FxampError
-from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of
+from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of, result_of
 from ..runtime import device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from .._version import __version__
-from .inplace import ATTR, InplaceForward, Planner, install, register
+from .inplace import ATTR, InplaceForward, Planner, install, register, take
 from .stored import store_like
 
 log = logging.getLogger(__name__)
@@ -253,6 +253,9 @@ def bound_to(gm: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:
         block: an identical block (same :func:`share_key`).
     """
     memo: Dict[int, Any] = {}
+    if has_result(gm):  # (the plan is frozen: the copies share it, and warn once for it)
+        plan = result_of(gm).plan
+        memo[id(plan)] = plan
     theirs = dict(block.named_modules(remove_duplicate=False))
     for path, mine in source.named_modules(remove_duplicate=False):
         other = theirs[path]
@@ -286,8 +289,7 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
     for path in paths:
         block = model.get_submodule(path)
         if isinstance(block.__dict__.get("forward"), InplaceForward):
-            for key in ("forward", ATTR, RESULT):  # (its own rewrite, of this policy)
-                block.__dict__.pop(key, None)
+            take(block)  # (its own rewrite, of this policy)
         install(block, None, counted, inner)
     model.__dict__["forward"] = root
     model.__dict__[RESULT] = Pending(config, type(model).__name__)
@@ -311,8 +313,7 @@ def uninstall_blocks(model: nn.Module) -> None:
     for path in root.paths:
         block = model.get_submodule(path)
         if isinstance(block.__dict__.get("forward"), InplaceForward):
-            for key in ("forward", ATTR, RESULT):
-                block.__dict__.pop(key, None)
+            take(block)
     for key in ("forward", RESULT):
         model.__dict__.pop(key, None)
 

@@ -85,7 +85,7 @@ class CutModel:
         return grad
 
     def _free_kind(self, n: fx.Node) -> Optional[str]:
-        if n not in self.values or n.op not in ("call_function", "call_method", "call_module"):
+        if n not in self.values or n.op not in ops.OP_NODES:
             return None
         p = ir.precision(n)
         if p.rule != Rule.AUTOCAST or p.inputs is not None or ir.fixed(n) is not None:
