@@ -36,7 +36,7 @@ The two tables are data modules of their own, re-exported here: :data:`TENSORRT_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .ort_cuda_ops import ORT_CUDA_TYPES
 from .tensorrt_ops import TENSORRT_TYPES
@@ -86,51 +86,54 @@ def _check(dtype: str) -> None:
         raise ValueError(f"dtype must be 'fp16' or 'bf16', got {dtype!r}")
 
 
+def _asked(op_type: str, backend: str, dtype: str, table: Dict[str, Any],
+           where: str) -> Tuple[Callable[[Optional[bool], str], Prediction], Any,
+                                Optional[Prediction]]:
+    """What ``backend``'s ``table`` holds for ``op_type``: the maker of its predictions (a
+    verdict and the sentence after "prediction (<source>): "), the table's entry, and the
+    answer when the op is not in the table (``where`` names the table)."""
+    _check(dtype)
+    source = SOURCES[backend]["short"]
+
+    def answer(supported: Optional[bool], text: str) -> Prediction:
+        return Prediction(op_type, backend, dtype, supported, f"prediction ({source}): {text}",
+                          source)
+    if op_type not in table:
+        return answer, None, answer(None, f"{op_type} is not in the {where}; no prediction")
+    return answer, table[op_type], None
+
+
 def tensorrt_support(op_type: str, dtype: str = "fp16") -> Prediction:
     """What onnx-tensorrt's operator table says of ``op_type`` (an ai.onnx op) in ``dtype``."""
-    _check(dtype)
-    backend = "tensorrt"
-    source = SOURCES[backend]["short"]
-    head = f"prediction ({source}): "
-    trt_name, ort_name, _, upper = _NAMES[dtype]
-    if op_type not in TENSORRT_TYPES:
-        return Prediction(op_type, backend, dtype, None, head + f"{op_type} is not in the "
-                          "TensorRT operator table; no prediction", source)
-    types = TENSORRT_TYPES[op_type]
+    answer, types, unknown = _asked(op_type, "tensorrt", dtype, TENSORRT_TYPES,
+                                    "TensorRT operator table")
+    if unknown is not None:
+        return unknown
+    upper = _NAMES[dtype][0]
     if types is None:
-        return Prediction(op_type, backend, dtype, False, head + f"TensorRT does not "
-                          f"support {op_type} at all; the ONNX parser will reject it",
-                          source)
-    if trt_name in types.split():
-        return Prediction(op_type, backend, dtype, True, head + f"TensorRT lists {upper} "
-                          f"for {op_type}", source)
-    return Prediction(op_type, backend, dtype, False, head + f"TensorRT has no {upper} "
-                      f"{op_type} (types: {types.replace(' ', ', ')}); it will run in "
-                      "FP32", source)
+        return answer(False, f"TensorRT does not support {op_type} at all; the ONNX parser "
+                      "will reject it")
+    if upper in types.split():
+        return answer(True, f"TensorRT lists {upper} for {op_type}")
+    return answer(False, f"TensorRT has no {upper} {op_type} (types: "
+                  f"{types.replace(' ', ', ')}); it will run in FP32")
 
 
 def ort_cuda_support(op_type: str, dtype: str = "fp16") -> Prediction:
     """What onnxruntime's kernel table says of ``op_type`` (an ai.onnx op) in ``dtype`` on its
     CUDA execution provider."""
-    _check(dtype)
-    backend = "onnxruntime-cuda"
-    source = SOURCES[backend]["short"]
-    head = f"prediction ({source}): "
-    trt_name, ort_name, _, upper = _NAMES[dtype]
+    answer, entry, unknown = _asked(op_type, "onnxruntime-cuda", dtype, ORT_CUDA_TYPES,
+                                    "onnxruntime CUDA table here")
+    if unknown is not None:
+        return unknown
+    upper, ort_name = _NAMES[dtype][0], _NAMES[dtype][1]
     label = "onnxruntime's CUDA provider"
-    if op_type not in ORT_CUDA_TYPES:
-        return Prediction(op_type, backend, dtype, None, head + f"{op_type} is not in the "
-                          "onnxruntime CUDA table here; no prediction", source)
-    entry = ORT_CUDA_TYPES[op_type]
     if entry is None:
-        return Prediction(op_type, backend, dtype, False, head + f"{label} has no {op_type} "
-                          "kernel; it will run on another provider (CPU), not in "
-                          f"{upper} on the GPU", source)
-    opset, types = entry
+        return answer(False, f"{label} has no {op_type} kernel; it will run on another "
+                      f"provider (CPU), not in {upper} on the GPU")
+    opset, _, types = entry.partition(" ")
     if ort_name in types.split():
-        return Prediction(op_type, backend, dtype, True, head + f"{label} registers {upper} "
-                          f"{op_type} (opset {opset})", source)
-    return Prediction(op_type, backend, dtype, False, head + f"{label} has no {upper} "
-                      f"{op_type} kernel (opset {opset}: {types.replace(' ', ', ')}); it will "
-                      f"not run in {upper} there (onnxruntime casts it to FP32 or places it on "
-                      "another provider)", source)
+        return answer(True, f"{label} registers {upper} {op_type} (opset {opset})")
+    return answer(False, f"{label} has no {upper} {op_type} kernel (opset {opset}: "
+                  f"{types.replace(' ', ', ')}); it will not run in {upper} there "
+                  "(onnxruntime casts it to FP32 or places it on another provider)")

@@ -92,25 +92,27 @@ def check_example_device(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) 
     own = {t.device.type for t in itertools.chain(model.parameters(), model.buffers())}
     name = type(model).__name__
     if "meta" in example and own - {"meta"}:
-        device = sorted(own - {"meta"})[0]
-        raise ExampleInputError(
-            f"the example inputs are on device meta and {name}'s Parameters and buffers on "
-            f"{', '.join(sorted(own - {'meta'}))}: {name} does not run on them (every call "
-            f"would mix meta and {device} tensors), so its plan cannot be made from them; "
-            f"what to do: pass example inputs on {device} (real tensors of the same shapes "
-            f"and dtypes, e.g. torch.randn(shape, device={device!r})), or, for the plan alone "
-            "without allocating inputs, rewrite a copy of the model moved to meta "
-            "(copy.deepcopy(model).to('meta'), as `fxamp plan --input-shape` does)")
-    if "meta" in own and example - {"meta"}:
-        device = sorted(example - {"meta"})[0]
-        raise ExampleInputError(
-            f"{name}'s Parameters or buffers are on device meta and the example inputs on "
-            f"{', '.join(sorted(example - {'meta'}))}: {name} does not run on them (every "
-            f"call would mix meta and {device} tensors), so its plan cannot be made from "
-            "them; what to do: for the plan alone, pass example inputs on meta too "
-            "(torch.empty(shape, device='meta')); to run the rewritten model, give it its "
-            f"weights on {device} first (model.to_empty(device={device!r}) and "
-            "load_state_dict)")
+        meta_side, other_side, other = ("the example inputs are",
+                                         f"{name}'s Parameters and buffers", own - {"meta"})
+        other_dev = sorted(other)[0]
+        advice = (f"pass example inputs on {other_dev} (real tensors of the same shapes and "
+                  f"dtypes, e.g. torch.randn(shape, device={other_dev!r})), or, for the plan "
+                  "alone without allocating inputs, rewrite a copy of the model moved to meta "
+                  "(copy.deepcopy(model).to('meta'), as `fxamp plan --input-shape` does)")
+    elif "meta" in own and example - {"meta"}:
+        meta_side, other_side, other = (f"{name}'s Parameters or buffers are",
+                                         "the example inputs", example - {"meta"})
+        other_dev = sorted(other)[0]
+        advice = ("for the plan alone, pass example inputs on meta too (torch.empty(shape, "
+                  "device='meta')); to run the rewritten model, give it its weights on "
+                  f"{other_dev} first (model.to_empty(device={other_dev!r}) and "
+                  "load_state_dict)")
+    else:
+        return
+    raise ExampleInputError(
+        f"{meta_side} on device meta and {other_side} on {', '.join(sorted(other))}: {name} does "
+        f"not run on them (every call would mix meta and {other_dev} tensors), so its plan "
+        f"cannot be made from them; what to do: {advice}")
 
 
 #: the Parameter dtypes fxamp refuses: it keeps FP32 master weights and casts per op
