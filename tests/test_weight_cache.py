@@ -1,4 +1,4 @@
-"""The default weights=cast (every forward casts, nothing kept; "cached" is its old alias)
+"""The default weights=cast (every forward casts, nothing kept)
 and the apex-O2-style weights=o2, whose low-precision copies live between steps
 (fxamp/weight_cache.py, train/o2.py): same numbers, same gradients on the FP32 masters,
 fewer casts with o2."""
@@ -58,7 +58,7 @@ def _launches(fn) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("policy", ["weights=cached", "weights=o2"])
+@pytest.mark.parametrize("policy", ["weights=cast", "weights=o2"])
 def test_gradient_accumulation_grads_and_masters_identical_to_casting_every_forward(policy):
     a, ga, b, gb = _pair(policy)
     opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
@@ -79,7 +79,7 @@ def test_gradient_accumulation_grads_and_masters_identical_to_casting_every_forw
         opt_a.zero_grad(); opt_b.zero_grad()
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
-    if policy == "weights=cached":  # the old name of weights=cast: no copies kept
+    if policy == "weights=cast":  # the default: no copies kept
         assert fxamp.Policy.parse(fxamp.plan_of(gb).policy).weights == "cast"
         assert not caches(gb)
         assert fxamp.weight_cache_bytes(gb) == 0
@@ -94,7 +94,7 @@ def test_gradient_accumulation_grads_and_masters_identical_to_casting_every_forw
 
 def test_o2_eval_loop_casts_weights_once_and_launches_fewer_casts():
     a, ga, b, gb = _pair("weights=o2")
-    _, _, c, gc = _pair("weights=cached")  # the default's old name: casts every forward
+    _, _, c, gc = _pair("weights=cast")  # the default: casts every forward
     x = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
         want = ga(x)
@@ -173,7 +173,7 @@ def test_weight_cache_bytes_only_with_o2():
     eligible = sum(p.numel() * 2 for p in b.parameters() if p is not b.ln.weight
                    and p is not b.ln.bias)  # LayerNorm stays FP32 on the CPU list
     assert fxamp.weight_cache_bytes(gb) == eligible
-    _, _, c, gc = _pair("weights=cached")  # the old name of the default weights=cast
+    _, _, c, gc = _pair("weights=cast")  # the default
     for g in (ga, gc):  # the default keeps nothing, and has no cache submodule
         g(x)
         with torch.no_grad():
@@ -191,8 +191,8 @@ def test_policy_weights_field_and_string():
     assert p.weights == "o2" and "weights=o2" in str(p)
     assert fxamp.Policy.parse(str(p)) == p
     assert fxamp.Policy().weights == "cast" and "weights" not in str(fxamp.Policy())
-    assert fxamp.Policy.parse("weights=cached").weights == "cast"  # the older name
-    assert fxamp.Policy.parse("weights=cached") == fxamp.Policy.parse("weights=cast")
+    with pytest.raises(PolicyError, match="weights takes cast, o2"):
+        fxamp.Policy.parse("weights=cached")  # an older name of weights=cast, removed
     assert fxamp.Policy.parse("weights=cast") == fxamp.Policy()
     with pytest.raises(PolicyError, match="weights takes cast, o2"):
         fxamp.Policy.parse("weights=sometimes")

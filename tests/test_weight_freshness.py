@@ -111,10 +111,10 @@ def _autocast_eval(model: nn.Module) -> torch.Tensor:
 
 
 def test_default_keeps_no_copies_and_eval_after_any_weight_change_equals_autocast():
-    """The default (weights=cast, "cached" its old alias) holds no weight copy: every eval
+    """The default (weights=cast, also spelt out) holds no weight copy: every eval
     forward after an optimizer step (fused: no version bump), a write through ``.data`` or
     ``load_state_dict`` computes with the new weights, as autocast does."""
-    for policy in (None, "weights=cached"):
+    for policy in (None, "weights=cast"):
         model = _mlp()
         gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy=policy)
         assert not caches(gm) and not hasattr(gm, "fxamp_weight_cache")

@@ -47,8 +47,6 @@ _KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement"
          "guard")
 #: how weights reach low precision: see Policy.weights
 WEIGHT_MODES = ("cast", "o2", "stored")
-#: older spellings that parse as another mode
-_WEIGHT_ALIASES = {"cached": "cast"}
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
 #: the numerics rules ``off:RULE`` switches off one at a time (their plan rule names), in the
 #: order the rewrite runs them; ``numerics=off`` switches off all of them
@@ -203,11 +201,11 @@ class Policy:
             Independent of ``numerics``; off, casts sit where autocast puts them.
         weights: how the FP32 weights reach low precision.
             "cast" (default): every forward casts each weight it computes with in the graph, as
-            autocast does, and nothing is kept between steps ("cached", an older mode, now
-            means the same). "o2" (apex O2 style, ``fxamp/weight_cache.py``): low-precision
-            copies are kept between steps and ``fxamp.train.attach_optimizer(gm, optimizer)``
-            re-casts them right after each optimizer step, in one foreach operation, so forward
-            and backward cast no weight; ``fxamp.weight_cache_bytes(gm)`` reports the memory.
+            autocast does, and nothing is kept between steps. "o2" (apex O2 style,
+            ``fxamp/weight_cache.py``): low-precision copies are kept between steps and
+            ``fxamp.train.attach_optimizer(gm, optimizer)`` re-casts them right after each
+            optimizer step, in one foreach operation, so forward and backward cast no weight;
+            ``fxamp.weight_cache_bytes(gm)`` reports the memory.
             "stored" (inference and serving, ``rewriter/stored.py``; needs ``inplace=True``):
             each Parameter is stored at rest in the dtype of the nodes that compute with it: one
             read only by low-precision nodes is replaced in place by a low-precision Parameter
@@ -321,7 +319,6 @@ class Policy:
                         raise PolicyError(f"placement takes on or off, got {value!r}")
                     policy = replace(policy, placement=value.lower() in _ON)
                 elif key == "weights":
-                    value = _WEIGHT_ALIASES.get(value.lower(), value)
                     if value.lower() not in WEIGHT_MODES:
                         raise PolicyError(f"weights takes {', '.join(WEIGHT_MODES)} (cast "
                                           f"every forward; keep copies re-cast in the "

@@ -205,10 +205,9 @@ class WeightCache(nn.Module):
     """Low-precision copies of the weights of one rewritten graph (no parameters, no
     buffers: nothing in ``state_dict``; copies are dropped on deepcopy and pickling)."""
 
-    def __init__(self, mode: str = "cached") -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.slots: List[_Slot] = []
-        self.mode = mode  # "cached" or "o2" (the policy's weights)
         self.attached = False  # o2: an optimizer re-casts the copies (train/o2.py)
         self._warned = False
         self.hits = 0
@@ -263,7 +262,7 @@ class WeightCache(nn.Module):
             p = slot.param
             if p is None or not _cacheable(p):
                 continue
-            if (only_stale and slot.fresh(self.mode == "o2")
+            if (only_stale and slot.fresh(True)
                     and (owned is None or id(p) not in owned)):
                 continue
             if not _allocated(p):
@@ -302,7 +301,7 @@ class WeightCache(nn.Module):
         a stale one is filled under it (``_fill``)."""
         slot = self.slots[index]
         self.served = True
-        o2 = self.mode == "o2" and self.attached
+        o2 = self.attached
         if slot.param is param and (o2 or not grad):
             copy = slot.usable(o2)
             out = copy if copy is None or not grad else slot.grad_copy
@@ -322,7 +321,7 @@ class WeightCache(nn.Module):
             slot.param, slot.key, slot.grad_copy = param, None, None
         key = _key(param)
         if not slot.fresh(o2) or (grad and not o2):
-            if (self.mode == "o2" and not self.attached and not self._warned and grad
+            if (not self.attached and not self._warned and grad
                     and slot.copy is not None):
                 self._warned = True
                 log.warning("policy weights=o2 but no optimizer re-casts the weights: the "
@@ -369,7 +368,7 @@ class WeightCache(nn.Module):
         self.casts += 1
 
     def __deepcopy__(self, memo: dict) -> "WeightCache":
-        new = WeightCache(self.mode)
+        new = WeightCache()
         new.slots = [_Slot(s.dtype) for s in self.slots]
         new.training = self.training
         return new

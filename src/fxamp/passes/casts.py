@@ -92,7 +92,7 @@ class _Builder:
         self.reserved = {n.name for n in src.graph.nodes}
         # weights=o2: weight casts go through a WeightCache the optimizer step re-casts
         # (fxamp/weight_cache.py); otherwise each weight is cast in the graph, as autocast does
-        self.cache = weight_cache.WeightCache(policy.weights) if policy.weights == "o2" else None
+        self.cache = weight_cache.WeightCache() if policy.weights == "o2" else None
         self.cache_node: Optional[fx.Node] = None
 
     def name(self, candidate: str) -> str:
