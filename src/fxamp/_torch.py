@@ -62,6 +62,15 @@ keystr = _pytree.keystr
 tree_flatten_with_path = _pytree.tree_flatten_with_path
 #: flatten a value along an exported program's input spec (``torch.fx._pytree``)
 tree_flatten_spec = _fx_pytree.tree_flatten_spec
+
+
+def first_child_spec(spec: Any) -> Any:
+    """The first child of pytree ``spec`` (an ``ExportedProgram``'s ``in_spec``: the spec
+    of its positional arguments), or None when it has none. ``TreeSpec.child`` where torch
+    has it (``children_specs`` is deprecated there), else ``children_specs``."""
+    if spec is None or not spec.num_children:
+        return None
+    return spec.child(0) if hasattr(spec, "child") else spec.children_specs[0]
 #: the spelling of torch's pytree registration, named in error advice
 PYTREE_REGISTER = "torch.utils._pytree.register_pytree_node"
 

@@ -37,7 +37,7 @@ import functools
 import logging
 import re
 import weakref
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -62,6 +62,18 @@ _PLANS_CHECKED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDicti
 #: the attribute the rewrite's result is kept under (the one definition; ``fxamp.result.ATTR``
 #: and ``fxamp.structure`` read it from here)
 RESULT = "fxamp_result"
+
+
+class EntryCheck(Protocol):
+    """What a Program checks each call's arguments against (``Rewritten.calls``; the one
+    kind is ``fxamp.frontends.calls.CallStructure``): the call keys (:func:`call_key`) it
+    takes as they are, and ``admit`` for any other call."""
+
+    direct: Set[Tuple[Any, ...]]
+
+    def admit(self, args: tuple, kwargs: Dict[str, Any]) -> Tuple[tuple, Dict[str, Any]]:
+        """The call's arguments as the graph takes them, or a ``CallStructureError``."""
+        ...
 
 
 def call_key(args: tuple, kwargs: dict) -> tuple:

@@ -10,7 +10,8 @@ from .config import RewriteConfig
 from .errors import FxampError, NotPlannedError
 from .plan import Plan
 from .policy import Policy
-from .program import RESULT
+from .program import RESULT, EntryCheck
+from .structure import Structure
 
 #: the one attribute a rewritten module (and an in-place rewritten model) holds (defined in
 #: ``fxamp.program``, which reads it on every call)
@@ -21,17 +22,18 @@ ATTR = RESULT
 class Rewritten:
     """A rewrite's result: the plan it used, its policy, the label of the model it was made
     from (``nn.Linear``, ``MyNet``), for the top-level rewrite its config, and the
-    ``Structure`` and the call structure its program checks on each
-    call."""
+    ``Structure`` and the call structure its program checks on each call. Built once, at
+    the end of the rewrite; a later change of plan (healing, the tolerance search) or of the
+    model it reads (a shadow's rewrite moved onto the real model) stores a new one."""
 
     plan: Plan
     policy: Policy
     source: str = ""
     config: Optional[RewriteConfig] = None
     #: what the graphs read of the model, checked on each call (``fxamp.structure``)
-    structure: Any = field(default=None, compare=False, repr=False)
+    structure: Optional[Structure] = field(default=None, compare=False, repr=False)
     #: the example's call structure, checked on each call (``fxamp.frontends.calls``)
-    calls: Any = field(default=None, compare=False, repr=False)
+    calls: Optional[EntryCheck] = field(default=None, compare=False, repr=False)
     #: the training mode the graph was traced for: None when it follows the mode (both
     #: modes trace alike, or their difference became reads of ``training``), True / False
     #: when only that mode's graph could be kept; a call in the other mode never runs it

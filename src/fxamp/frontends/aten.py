@@ -379,10 +379,10 @@ class AtenFrontend:
         return []  # (hooked models are refused)
 
     def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
-               kwargs: Dict[str, Any]) -> None:
+               kwargs: Dict[str, Any]) -> Optional[calls.CallStructure]:
         outline(gm)  # checkpoint regions run under torch.utils.checkpoint again
         gm.register_forward_pre_hook(ShapeCheck(traced.graph_module, model, args, kwargs),
                                      with_kwargs=True)
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
-        calls.attach(gm, model, args, kwargs, values=True)
+        return calls.call_structure(gm, model, args, kwargs, values=True)
 

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .._torch import first_child_spec
 from ..errors import CalibrationDataError
 
 
@@ -30,8 +31,7 @@ def batch_inputs(gm: fx.GraphModule, batch: tuple, count: int) -> tuple:
     """:func:`flat_inputs` of calibration batch number ``count``; a batch with more
     positional inputs than the export took is a CalibrationDataError (the flattening would
     drop the extra ones)."""
-    spec = getattr(gm, "_in_spec", None)
-    args_spec = spec.children_specs[0] if spec is not None and spec.children_specs else None
+    args_spec = first_child_spec(getattr(gm, "_in_spec", None))
     if args_spec is not None and len(batch) > args_spec.num_children:
         raise CalibrationDataError(
             f"calibration batch {count} has {len(batch)} inputs, the exported model takes "

@@ -22,7 +22,8 @@ be called like the model: pre-hooks).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Protocol, Tuple, Union
+from typing import (TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Protocol,
+                    Tuple, Union)
 
 import torch
 import torch.fx as fx
@@ -30,6 +31,9 @@ import torch.nn as nn
 
 from ..errors import TraceError
 from .state import ModelState
+
+if TYPE_CHECKING:
+    from .calls import CallStructure
 
 
 class Traced(NamedTuple):
@@ -118,6 +122,7 @@ class GraphFrontend(Frontend, Protocol):
         ...
 
     def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
-               kwargs: Dict[str, Any]) -> None:
-        """Make the rewritten ``gm`` callable like ``model`` (pre-hooks)."""
+               kwargs: Dict[str, Any]) -> Optional["CallStructure"]:
+        """Make the rewritten ``gm`` callable like ``model`` (pre-hooks); the call
+        structure it checks on entry (``Rewritten.calls``), or None."""
         ...

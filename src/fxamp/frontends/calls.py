@@ -21,14 +21,13 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-from typing import Any, Dict, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..errors import CallStructureError
 from ..program import call_key
-from ..result import result_of, set_result
 
 log = logging.getLogger(__name__)
 
@@ -197,10 +196,10 @@ def _shown(value: Any) -> str:
     return "left out" if value is _MISSING else repr(value)
 
 
-def attach(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-           values: bool = False) -> None:
-    """Keep the example's :class:`CallStructure` on the rewritten module ``gm`` (a
-    Program) for its entry check; nothing when the model's forward cannot be read.
+def call_structure(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
+                   values: bool = False) -> Optional["CallStructure"]:
+    """The example's :class:`CallStructure`, which the rewritten module ``gm`` (a Program)
+    checks on entry (``Rewritten.calls``); None when the model's forward cannot be read.
 
     Args:
         gm: the rewritten module.
@@ -209,6 +208,9 @@ def attach(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
         kwargs: the example's keyword arguments.
         values: the graph holds the example's Python scalars (bool, int, float, str) as
             constants (torch.export specialises them): a call with another value is refused.
+
+    Returns:
+        The call structure, or None.
     """
     try:
         signature = inspect.signature(model.forward)
@@ -216,5 +218,5 @@ def attach(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
                                   dict(kwargs), inspect.signature(gm.forward), values)
     except (TypeError, ValueError) as err:
         log.debug("%s: call structure not checked: %s", type(model).__name__, err)
-        return
-    set_result(gm, result_of(gm).replace(calls=structure))
+        return None
+    return structure

@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .._torch import tree_map
-from ..plan import Plan
+from ..ir import Rule
+from ..plan import NodePrecision, Plan
+from ..policy import Policy
 
 
 def as_tuple(inputs: Any) -> tuple:
@@ -139,3 +141,71 @@ def packed_sequence_failure(exc: BaseException) -> bool:
                 return True
             tb = tb.tb_next
     return False
+
+
+#: the plan header field naming the modules whose eval under autocast takes PyTorch's fused
+#: fast path (:func:`fast_path_note`)
+FAST_PATH = "fast_path"
+#: the torch.nn modules whose forward takes a fused kernel ("fast path") in eval under no_grad
+_FAST_PATH_MODULES = (nn.TransformerEncoderLayer, nn.MultiheadAttention)
+
+
+def fast_path_note(model: nn.Module, nodes: Dict[str, NodePrecision]) -> str:
+    """The plan header's note on the modules that take PyTorch's fused fast path in eval
+    under ``no_grad`` (``nn.TransformerEncoderLayer``, and ``nn.MultiheadAttention`` outside
+    one) and whose ops the plan computes; "" when there is none. A module the plan keeps as
+    a call (``rule="runtime"``: fx keeps ``nn.MultiheadAttention`` so) runs under autocast,
+    fast path and all, and is not named.
+
+    Their fast-path guard asks ``torch.is_autocast_enabled()`` without a device, which is
+    False inside ``torch.autocast("cpu")`` (True inside CUDA's, so only a "cpu" plan gets
+    the note): such a call under CPU autocast runs the fused kernel, while a rewritten graph
+    always computes the regular path (the one autocast takes in training and with grad),
+    so the eval outputs differ by low-precision rounding (docs/behaviour.md, "Limits",
+    gives the measured size).
+
+    Args:
+        model: the model being rewritten.
+        nodes: its plan's nodes.
+
+    Returns:
+        The header value: the module paths and why, or "".
+    """
+    calls = {p.module for p in nodes.values() if p.rule == Rule.RUNTIME}
+    found: List[Tuple[str, str]] = []
+    skipped: List[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, _FAST_PATH_MODULES) or any(
+                not p or path.startswith(p + ".")
+                for p in [*skipped, *(p for p, _ in found)]):
+            continue
+        if path in calls:
+            skipped.append(path)
+        else:
+            found.append((path, type(module).__name__))
+    if not found:
+        return ""
+    names = " ".join(f"{p or '(root)'}={kind}" for p, kind in found)
+    return (f"{names}: in eval under no_grad, torch.autocast runs PyTorch's fused fast path "
+            "for these; this plan computes their regular path (autocast's with grad and in "
+            "training), so eval outputs differ by rounding; "
+            "torch.backends.mha.set_fastpath_enabled(False) makes autocast take it too")
+
+
+def top_header(model: nn.Module, policy: Policy, header: Dict[str, str],
+               nodes: Dict[str, NodePrecision]) -> Dict[str, str]:
+    """A top-level plan's header: ``header`` with, for a "cpu" plan, the note on the modules
+    that take PyTorch's fused fast path in eval (:func:`fast_path_note`; inside
+    ``torch.autocast("cuda")`` the guard sees autocast: no fast path, no note).
+
+    Args:
+        model: the model being rewritten.
+        policy: the rewrite's policy.
+        header: the plan header made so far.
+        nodes: the plan's nodes.
+
+    Returns:
+        The header (a new dict when a note is added).
+    """
+    note = fast_path_note(model, nodes) if policy.target == "cpu" else ""
+    return dict(header, **{FAST_PATH: note}) if note else header

@@ -29,6 +29,7 @@ from .._torch import reparametrize_module, tree_flatten, tree_map, tree_unflatte
 
 from ..errors import FxampError
 from ..ir import Rule
+from ..config import RewriteConfig
 from ..ops import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
@@ -37,7 +38,7 @@ from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
 from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
-from .common import in_output_dtype, nested_header, nested_lines
+from .common import in_output_dtype, nested_header, nested_lines, top_header
 from .hooks import share_call_hooks, without_call_hooks
 from .shadow import real_of
 
@@ -278,15 +279,16 @@ def _put(result: nn.Module, model: nn.Module, path: str, sub: nn.Module) -> None
 def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
                calls: Dict[str, Tuple[tuple, dict, Any]], children: Dict[str, nn.Module],
                header: Dict[str, str], fp32_inputs: Sequence[str] = (),
-               autocast_calls: Optional[Dict[str, Tuple[tuple, dict, Any]]] = None
-               ) -> nn.Module:
+               autocast_calls: Optional[Dict[str, Tuple[tuple, dict, Any]]] = None,
+               config: Optional[RewriteConfig] = None) -> nn.Module:
     """The model with its own forward eager under autocast and its children rewritten.
     ``calls`` are the children's first calls (:func:`submodule_calls`), ``children`` the
     rewritten ones by name (those missing stay under autocast, ``rule="runtime"``);
     ``fp32_inputs``: the children planned for the FP32 model's inputs; ``autocast_calls``:
     the children's first calls with the model under ``torch.autocast`` (a child whose
     rewritten output has another dtype gets its output cast to autocast's:
-    :func:`_output_casts`)."""
+    :func:`_output_casts`); ``config``: a top-level rewrite's config, kept on the result
+    (an eager root takes no calibration: it is kept as given)."""
     result = copy.copy(model)
     result._modules = dict(model._modules)
     _warn_fp32_plans(model, [name for name in fp32_inputs if name in children],
@@ -345,8 +347,11 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                                         f"torch.autocast ({dtype_name(low)}) at run time",
                                         label, name)
     header = nested_header(dict(header, frontend="eager"), runtime, nested)
+    if config is not None:  # (the top-level rewrite)
+        header = top_header(model, pol, header, nodes)
     set_result(result, Rewritten(Plan(nodes=nodes, header=header), pol,
-                                 module_label(model), mode=one_mode(children.values())))
+                                 module_label(model), config,
+                                 mode=one_mode(children.values())))
     return result
 
 

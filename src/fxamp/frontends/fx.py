@@ -389,9 +389,9 @@ class FxFrontend:
         return mark_hooked_runtime(traced.graph_module)
 
     def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
-               kwargs: Dict[str, Any]) -> None:
+               kwargs: Dict[str, Any]) -> Optional[calls.CallStructure]:
         outline(gm)  # checkpoint regions run under torch.utils.checkpoint again
-        calls.attach(gm, model, args, kwargs)
+        return calls.call_structure(gm, model, args, kwargs)
 
 
 #: partial tracing gives up after this many untraceable submodules

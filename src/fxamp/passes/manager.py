@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import torch.fx as fx
 
-from ..plan import RangeStats
+from ..overrides import Scope
+from ..plan import Plan, RangeStats
 from ..policy import Policy
 from ..rules import DecisionRule
 from . import PassResult
@@ -24,6 +25,15 @@ log = logging.getLogger(__name__)
 
 #: a decision group reaching no fixpoint after this many sweeps is an internal error
 MAX_SWEEPS = 8
+
+
+class Restorable(Protocol):
+    """A snapshot of the model's state (``fxamp.frontends.state.ModelState``), put back
+    after each run of the model's code."""
+
+    def restore(self) -> Any:
+        """Put the model's state back as it was when the snapshot was taken."""
+        ...
 
 
 @dataclasses.dataclass
@@ -52,16 +62,16 @@ class PassContext:
 
     policy: Policy
     inputs: tuple = ()
-    calibration: Any = None
+    calibration: Optional[Iterable[Any]] = None
     ranges: Optional[Dict[str, RangeStats]] = None
     inner: Optional[Dict[str, Tuple[float, str]]] = None
     smallest: Optional[Dict[str, float]] = None
     spread: Optional[Dict[str, Tuple[float, float, float, float]]] = None
     annotate: Optional[Callable[[fx.GraphModule, "PassContext"], PassResult]] = None
-    session: Any = None
-    state: Any = None
-    scope: Any = None
-    nested: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    session: Any = None  # (annotate.FakeSession: annotate imports this module)
+    state: Optional[Restorable] = None
+    scope: Optional[Scope] = None
+    nested: Dict[str, Plan] = dataclasses.field(default_factory=dict)
     rules: Tuple[DecisionRule, ...] = ()
     log: List[str] = dataclasses.field(default_factory=list)  # "step: modified" lines
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -13,7 +13,7 @@ from .. import _torch, ops
 from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
-from ..ir import Rule, fix
+from ..ir import fix
 from ..rules import DecisionRule
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
@@ -24,7 +24,7 @@ from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
 from ..frontends import Children, capture_model, graph_frontend
 from ..frontends.checkpointing import layers_off
-from ..frontends.common import MODE, as_tuple, nested_header
+from ..frontends.common import MODE, as_tuple, nested_header, top_header
 from ..frontends.copies import refuse_copies
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.model_checks import check_parameter_dtypes
@@ -397,12 +397,7 @@ def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.
     try:
         with state.watch(), young_objects_only():
             try:
-                gm = rewrite(model, args, config)
-                set_result(gm, result_of(gm).replace(config=_kept(config, gm)))
-                note = fast_path_note(model, plan_of(gm)) if pol.target == "cpu" else ""
-                if note:  # (inside torch.autocast("cuda") the guard sees it: no fast path)
-                    plan_of(gm).header[FAST_PATH] = note
-                return gm
+                return rewrite(model, args, config)  # (its result holds the config)
             except Exception:
                 # when the FP32 model itself fails on the example inputs, that is the cause:
                 # report the model's own error, not the tracer's (checked only on failure:
@@ -419,60 +414,12 @@ def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.
         report_side_effects(model, state.restored)
 
 
-#: the plan header field naming the modules whose eval under autocast takes PyTorch's fused
-#: fast path (:func:`fast_path_note`)
-FAST_PATH = "fast_path"
-#: the torch.nn modules whose forward takes a fused kernel ("fast path") in eval under no_grad
-_FAST_PATH_MODULES = (nn.TransformerEncoderLayer, nn.MultiheadAttention)
-
-
-def fast_path_note(model: nn.Module, plan: Plan) -> str:
-    """The plan header's note on the modules that take PyTorch's fused fast path in eval
-    under ``no_grad`` (``nn.TransformerEncoderLayer``, and ``nn.MultiheadAttention`` outside
-    one) and whose ops the plan computes; "" when there is none. A module the plan keeps as
-    a call (``rule="runtime"``: fx keeps ``nn.MultiheadAttention`` so) runs under autocast,
-    fast path and all, and is not named.
-
-    Their fast-path guard asks ``torch.is_autocast_enabled()`` without a device, which is
-    False inside ``torch.autocast("cpu")`` (True inside CUDA's, so only a "cpu" plan gets
-    the note): such a call under CPU autocast runs the fused kernel, while a rewritten graph
-    always computes the regular path (the one autocast takes in training and with grad),
-    so the eval outputs differ by low-precision rounding (docs/behaviour.md, "Limits",
-    gives the measured size).
-
-    Args:
-        model: the model being rewritten.
-        plan: its plan.
-
-    Returns:
-        The header value: the module paths and why, or "".
-    """
-    calls = {p.module for p in plan.nodes.values() if p.rule == Rule.RUNTIME}
-    found: List[Tuple[str, str]] = []
-    skipped: List[str] = []
-    for path, module in model.named_modules():
-        if not isinstance(module, _FAST_PATH_MODULES) or any(
-                not p or path.startswith(p + ".")
-                for p in [*skipped, *(p for p, _ in found)]):
-            continue
-        if path in calls:
-            skipped.append(path)
-        else:
-            found.append((path, type(module).__name__))
-    if not found:
-        return ""
-    names = " ".join(f"{p or '(root)'}={kind}" for p, kind in found)
-    return (f"{names}: in eval under no_grad, torch.autocast runs PyTorch's fused fast path "
-            "for these; this plan computes their regular path (autocast's with grad and in "
-            "training), so eval outputs differ by rounding; "
-            "torch.backends.mha.set_fastpath_enabled(False) makes autocast take it too")
-
-
-def _kept(config: RewriteConfig, gm: nn.Module) -> RewriteConfig:
-    """The config to store on ``gm``: calibration data replaced by the ranges it gave."""
+def _kept(config: RewriteConfig, plan: Plan) -> RewriteConfig:
+    """The config a top-level result keeps: calibration data replaced by the ranges it gave
+    (``plan``'s)."""
     if config.calibration is None or isinstance(config.calibration, dict):
         return config
-    return config.replace(calibration=dict(plan_of(gm).ranges))
+    return config.replace(calibration=dict(plan.ranges))
 
 
 def rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
@@ -510,7 +457,7 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
                             {p: under.get(p, c) if p not in fp32 else c
                              for p, c in captured.calls.items()}, children,
                             _header(config.policy, captured.frontend), fp32_inputs=list(fp32),
-                            autocast_calls=under)
+                            autocast_calls=under, config=config if scope.top else None)
     except FxampError:
         if captured.refused is None:
             raise
@@ -619,19 +566,22 @@ class Rewrite:
         if len(stats) < len(given):  # (a reused plan of an older model, say)
             log.info("%s: ranges for nodes the graph does not have are left out: %s",
                      type(model).__name__, ", ".join(sorted(set(given) - set(stats))))
-        plan = Plan(nodes=nodes, header=_header(pol, taken, leaves, self.nested),
-                    ranges=stats)
+        header = _header(pol, taken, leaves, self.nested)
+        if self.scope.top:
+            header = top_header(model, pol, header, nodes)
+        plan = Plan(nodes=nodes, header=header, ranges=stats)
         mode = src.meta.get(MODE) if hasattr(src, "meta") else None
         if mode is None:  # (a nested part traced for one mode only makes the graph so)
             mode = one_mode(src.get_submodule(path) for path in self.nested)
-        set_result(gm, Rewritten(plan, pol, ops.module_label(model), mode=mode))
         _copy_training_flags(model, gm)
         complete_state(model, gm)
         copy_root_hooks(model, gm)
-        graph_frontend(self.captured).finish(gm, self.captured, model, self.example,
-                                             self.kwargs)
+        entry = graph_frontend(self.captured).finish(gm, self.captured, model, self.example,
+                                                     self.kwargs)
         share_modules(gm, model)  # the graph reads the model's own modules
-        set_result(gm, result_of(gm).replace(structure=Structure(model, gm, hooked_paths(gm))))
+        set_result(gm, Rewritten(plan, pol, ops.module_label(model),
+                                 _kept(self.config, plan) if self.scope.top else None,
+                                 Structure(model, gm, hooked_paths(gm)), entry, mode))
         if taken == "export":  # (torch's exported graphs hold local objects: deepcopy works)
             refuse_copies(gm, taken, deepcopy=False)
 
