@@ -1,0 +1,113 @@
+"""Zoo models the sweep (benchmarks/zoo.py) once refused or found different, against
+``torch.autocast("cpu", torch.bfloat16)`` bit for bit: an in-place rewrite and a copy under
+autocast, the same seeded training step (loss = sum of the FP32 outputs) and eval forward;
+outputs, loss and every parameter gradient ``torch.equal``.
+
+Random weights and tiny inputs; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")           # never reach the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import copy  # noqa: E402
+import contextlib  # noqa: E402
+from typing import Any, Dict, List, Tuple  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.fx  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import fxamp  # noqa: E402
+from fxamp.passes.annotate import float_leaves  # noqa: E402
+
+
+def _step(model: nn.Module, args: tuple, kwargs: Dict[str, Any], autocast: bool
+          ) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    model.train()
+    torch.manual_seed(1)
+    with ctx:
+        out = model(*args, **kwargs)
+    leaves = float_leaves(out)
+    loss = sum((x.float().sum() for x in leaves), torch.zeros(()))
+    loss.backward()
+    return [x.detach().float() for x in leaves], loss.detach()
+
+
+def _eval(model: nn.Module, args: tuple, kwargs: Dict[str, Any], autocast: bool
+          ) -> List[torch.Tensor]:
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    model.eval()
+    torch.manual_seed(2)
+    with torch.no_grad(), ctx:
+        return [x.float() for x in float_leaves(model(*args, **kwargs))]
+
+
+def assert_same_as_autocast(model: nn.Module, args: tuple = (),
+                            kwargs: Dict[str, Any] = None) -> nn.Module:
+    """An in-place bf16 rewrite of a copy of ``model`` gives autocast's training-step outputs,
+    loss and gradients and its eval outputs exactly; returns the rewritten copy."""
+    kwargs = kwargs or {}
+    ref, amp = copy.deepcopy(model), copy.deepcopy(model)
+    ref_out, ref_loss = _step(ref, args, kwargs, autocast=True)
+    ref_eval = _eval(ref, args, kwargs, autocast=True)
+    fxamp.amp_rewrite(amp, dtype=torch.bfloat16, target="cpu", inplace=True)
+    out, loss = _step(amp, args, kwargs, autocast=False)
+    assert len(out) == len(ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out, out))
+    assert torch.equal(ref_loss, loss)
+    for (name, p), q in zip(ref.named_parameters(), amp.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), \
+            (name, float((p.grad - q.grad).abs().max()))
+    got_eval = _eval(amp, args, kwargs, autocast=False)
+    assert all(torch.equal(a, b) for a, b in zip(ref_eval, got_eval))
+    return amp
+
+
+# ---------------------------------------------------------------------------------------
+# a torch.fx.wrap'ed function that writes into the lists it is given
+# ---------------------------------------------------------------------------------------
+def clip_sizes(sizes: List[int], limit: List[int]) -> List[int]:
+    """Writes into ``sizes`` (as torchvision's ``_get_window_and_shift_size`` does)."""
+    for i in range(len(sizes)):
+        if limit[i] < sizes[i]:
+            sizes[i] = limit[i]
+    return sizes
+
+
+torch.fx.wrap("clip_sizes")
+
+
+class ClippedPool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.window = [4, 4]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        window = clip_sizes(list(self.window), [h, w])
+        return nn.functional.avg_pool2d(self.conv(x), window)
+
+
+def test_wrapped_function_writing_into_its_list_arguments():
+    """fx's interpreter hands a call the node's immutable lists; fxamp's trial runs give it
+    fresh lists, as the generated code does, so the call runs as it is (it was refused as
+    failing "with the planned dtypes", though it has no floating input)."""
+    torch.manual_seed(0)
+    assert_same_as_autocast(ClippedPool(), (torch.randn(2, 3, 2, 6),))
+
+
+@pytest.mark.slow
+def test_torchvision_swin3d_t():
+    """torchvision's video Swin: ``_get_window_and_shift_size`` (fx-wrapped, ints only) writes
+    into its lists; small clips make the windows adapt to the input."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.video.swin3d_t(weights=None)
+    assert_same_as_autocast(model, (torch.randn(1, 3, 4, 32, 32),))
