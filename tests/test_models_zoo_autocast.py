@@ -111,3 +111,59 @@ def test_torchvision_swin3d_t():
     torch.manual_seed(0)
     model = torchvision.models.video.swin3d_t(weights=None)
     assert_same_as_autocast(model, (torch.randn(1, 3, 4, 32, 32),))
+
+
+# ---------------------------------------------------------------------------------------
+# list-of-tensor arguments
+# ---------------------------------------------------------------------------------------
+class ListBlock(nn.Module):
+    """Takes ``[x]`` or ``[x, skip]`` (or a tuple) and returns ``[y, skip]``, as timm's
+    SelecSLS blocks do (``isinstance`` on the argument, then ``x[0]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: List[torch.Tensor], scale: float = 1.0) -> List[torch.Tensor]:
+        if isinstance(x, torch.Tensor):
+            x = [x]
+        y = self.conv(x[0]) * scale
+        skip = x[1] if len(x) > 1 else y
+        return [y + skip, skip]
+
+
+def test_list_of_tensors_argument_in_place():
+    """A list argument is traced item by item (fx would trace it as one Proxy, so that
+    ``x[0]`` is the whole list); a call with a list of another length or a tuple is another
+    structure, planned on its call."""
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
+    model = ListBlock()
+    amp = copy.deepcopy(model)
+    fxamp.amp_rewrite(amp, dtype=torch.bfloat16, target="cpu", inplace=True)
+    for call in ([a], [a, b], (a, b), [a]):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = model(call)
+        got = amp(call)
+        assert len(got) == 2 and all(torch.equal(r.float(), g) for r, g in zip(ref, got))
+    assert_same_as_autocast(model, ([a, b],))
+
+
+def test_list_of_tensors_argument_of_another_length_is_refused():
+    """A returned module runs the list length it was traced for alone, and says so."""
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
+    gm = fxamp.amp_rewrite(ListBlock(), ([a],), dtype=torch.bfloat16, target="cpu")
+    assert gm([a])[0].shape == a.shape
+    with pytest.raises(fxamp.CallStructureError, match=r"'x' a list of 2 \(tensor, tensor\)"
+                       r".*'x' a list of 1 \(tensor\)"):
+        gm([a, b])
+
+
+@pytest.mark.slow
+def test_timm_selecsls42():
+    """timm's SelecSLS: its blocks take ``[x]`` or ``[x, skip]``."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("selecsls42", pretrained=False)
+    assert_same_as_autocast(model, (torch.randn(2, 3, 64, 64),))
