@@ -48,14 +48,14 @@ def _eval(model: nn.Module, args: tuple, kwargs: Dict[str, Any], autocast: bool
 
 
 def assert_same_as_autocast(model: nn.Module, args: tuple = (),
-                            kwargs: Dict[str, Any] = None) -> nn.Module:
+                            kwargs: Dict[str, Any] = None, policy: str = None) -> nn.Module:
     """An in-place bf16 rewrite of a copy of ``model`` gives autocast's training-step outputs,
     loss and gradients and its eval outputs exactly; returns the rewritten copy."""
     kwargs = kwargs or {}
     ref, amp = copy.deepcopy(model), copy.deepcopy(model)
     ref_out, ref_loss = _step(ref, args, kwargs, autocast=True)
     ref_eval = _eval(ref, args, kwargs, autocast=True)
-    fxamp.amp_rewrite(amp, dtype=torch.bfloat16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(amp, dtype=torch.bfloat16, target="cpu", inplace=True, policy=policy)
     out, loss = _step(amp, args, kwargs, autocast=False)
     assert len(out) == len(ref_out)
     assert all(torch.equal(a, b) for a, b in zip(ref_out, out))
@@ -167,3 +167,82 @@ def test_timm_selecsls42():
     torch.manual_seed(0)
     model = timm.create_model("selecsls42", pretrained=False)
     assert_same_as_autocast(model, (torch.randn(2, 3, 64, 64),))
+
+
+# ---------------------------------------------------------------------------------------
+# custom autograd Functions: torch.export would drop their backward
+# ---------------------------------------------------------------------------------------
+class OwnBackward(torch.autograd.Function):
+    """Its backward is not the derivative of its forward (as BLOOM's GeLUFunction's is
+    another formula): a rewrite that inlines the forward trains with another gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 3
+
+
+class OwnAct(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return OwnBackward.apply(x)
+
+
+class RowLoop(nn.Module):
+    """fx cannot trace it (``range`` of a traced size); torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.out = nn.Linear(8, 8), OwnAct(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x))
+        rows = [h[i] + i for i in range(x.shape[0])]
+        return self.out(torch.stack(rows))
+
+
+def test_export_refuses_a_custom_function_it_would_inline():
+    torch.manual_seed(0)
+    with pytest.raises(fxamp.TraceError, match=r"custom autograd Function .*OwnBackward "
+                       r"\(applied in RowLoop\.act\).*drops its own backward"):
+        fxamp.amp_rewrite(RowLoop(), (torch.randn(3, 8),), dtype=torch.bfloat16,
+                          target="cpu", frontend="export")
+
+
+def test_custom_function_keeps_its_backward():
+    """``frontend="auto"``: export is refused, the next front end keeps the Function's call;
+    its fp32 fence (rule custom_ops) names it, and without the fence the training step is
+    autocast's bit for bit: the gradient is the Function's own backward's."""
+    torch.manual_seed(0)
+    model, x = RowLoop(), torch.randn(3, 8)
+    amp = assert_same_as_autocast(model, (x,), policy="off:custom_ops")
+    fenced = copy.deepcopy(model)
+    fxamp.amp_rewrite(fenced, dtype=torch.bfloat16, target="cpu", inplace=True)
+    fenced(x).sum().backward()
+    line = next(p for p in fxamp.plan_of(fenced).nodes.values()
+                if "OwnBackward" in p.op)
+    assert (line.rule, line.dtype) == ("custom_ops", torch.float32)
+    assert "OwnBackward.apply has no autocast rule" in line.reason
+    why = fxamp.plan_of(fenced).nodes["lin"]
+    assert (why.rule, why.reason.split(", planned")[0]) == (
+        "nested", f"rewritten on its own (torch.fx cannot trace the model's forward, and "
+        f"torch.export would drop the backward of the custom autograd Function "
+        f"{__name__}.OwnBackward, applied in RowLoop.act)")
+    assert amp.lin.weight.grad is not None
+
+
+@pytest.mark.slow
+def test_huggingface_bloom_training_keeps_gelu_backward():
+    """BLOOM's BloomGelu applies GeLUFunction, whose backward is its own formula."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=2, vocab_size=1000,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(cfg)
+    ids = torch.randint(5, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :3] = 0
+    assert_same_as_autocast(model, (), {"input_ids": ids, "attention_mask": mask},
+                            policy="off:custom_ops")
