@@ -27,7 +27,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
               "fxamp.overrides", "fxamp.config", "fxamp.progress", "fxamp.weight_cache",
               "fxamp.ir", "fxamp.ops", "fxamp.rules", "fxamp.structure", "fxamp.program",
               "fxamp.result",
-              "fxamp.op_args")),
+              "fxamp.op_args", "fxamp.graph_run")),
     ("passes", ("fxamp.passes",)),
     ("frontends", ("fxamp.frontends",)),
     ("rewriter", ("fxamp.rewriter",)),

@@ -19,6 +19,7 @@ import torch.fx as fx
 from .._torch import tree_flatten, tree_map
 
 from ..errors import node_error
+from ..graph_run import GraphRun
 from ..policy import dtype_name
 from .errors import ExportError
 
@@ -58,7 +59,7 @@ def _floats(value: Any) -> List[torch.Tensor]:
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-class _Finder(fx.Interpreter):
+class _Finder(GraphRun):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.found: Optional[Overflow] = None

@@ -20,6 +20,7 @@ import torch.fx as fx
 from .._torch import tree_leaves, tree_map
 
 from ..op_args import fp32_values
+from ..graph_run import GraphRun
 from ..ops import OP_NODES
 from ..result import has_result
 from ..weight_cache import is_cast_node
@@ -52,7 +53,7 @@ def _widen_leaf(value: Any) -> Any:
     return value.float() if isinstance(value, torch.Tensor) and value.dtype in _LOW else value
 
 
-class _Fp32Run(fx.Interpreter):
+class _Fp32Run(GraphRun):
     """A rewritten graph run with its low-precision casts made FP32."""
 
     def run_node(self, n: fx.Node) -> Any:

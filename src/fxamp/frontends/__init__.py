@@ -97,6 +97,7 @@ def _refusal(model: nn.Module, tried: List[Frontend],
         f"\n- {fe.name}: {errors[fe.name]}" for fe in tried
         if not fe.fallback and fe.name in errors))
     err.__cause__ = list(errors.values())[-1]
+    err.causes = dict(errors)  # type: ignore[attr-defined]
     return err
 
 

@@ -31,7 +31,7 @@ from .._torch import PYTREE_REGISTER, tree_map
 
 from ..errors import TraceError
 from ..progress import shows
-from . import calls, checkpointing
+from . import calls, checkpointing, custom_functions
 from .checkpoint_regions import outline
 from .common import (PACKED_ADVICE, as_tuple, packed_sequence_failure, training_flags,
                      warn_mode_only, warn_one_mode)
@@ -251,7 +251,9 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
                  inference: bool = False,
                  compute: Optional[torch.dtype] = None) -> fx.GraphModule:
     """Export ``model`` (non-strict) and return its unlifted GraphModule, following
-    ``train()`` / ``eval()``; raise TraceError naming the line that stops torch.export.
+    ``train()`` / ``eval()``; raise TraceError naming the line that stops torch.export, or
+    the custom autograd Function whose backward the export would drop (not for
+    ``inference``: see :mod:`.custom_functions`).
 
     ``dynamic_shapes`` (torch.export's spelling) defaults to default_dynamic_shapes: the
     batch and token-sequence dimensions symbolic, every other one static.
@@ -263,6 +265,17 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
     they do not align is a mode exported again (with the dynamic shapes). ``inference``:
     the eval-mode graph alone, exported once. ``compute``: the plan's low dtype; values the
     code reads from tensors' dtypes follow autocast's run (:mod:`.dtype_reads`)."""
+    with custom_functions.recording(model) as applied:
+        gm = _export_modes(model, args, kwargs, frontend, dynamic_shapes, inference, compute)
+    if applied and not inference:
+        raise custom_functions.refusal(model, applied)
+    return gm
+
+
+def _export_modes(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
+                  dynamic_shapes: Any, inference: bool,
+                  compute: Optional[torch.dtype]) -> fx.GraphModule:
+    """:func:`export_trace`'s graph, in each mode the model's code follows."""
     args, kwargs = plain_containers((tuple(args), dict(kwargs)))
 
     def followed(gm: fx.GraphModule, train: bool) -> fx.GraphModule:

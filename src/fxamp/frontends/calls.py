@@ -2,11 +2,12 @@
 
 A graph is traced for one structure of the forward's arguments: which are tensors, which
 are None and which are left out (a ``mask is not None`` branch is taken or not, a
-placeholder exists or not). :class:`CallStructure` keeps the example's, by the model's own
-parameter names. The Program's entry (``fxamp/program.py``) compares a key of each call (the
-arguments' types and keyword names: C-level, no Python call) with the keys already seen to
-fit; only a new key reaches :meth:`CallStructure.admit`, which binds the call to the model's
-forward and
+placeholder exists or not), and what a list or tuple of tensors holds (each item is an input
+of its own). :class:`CallStructure` keeps the example's, by the model's own parameter names.
+The Program's entry (``fxamp/program.py``) compares a key of each call (the arguments' types
+and keyword names: C-level, no Python call) with the keys already seen to fit; only a new
+key (every call, where the example has Python values or lists of tensors to compare) reaches
+:meth:`CallStructure.admit`, which binds the call to the model's forward and
 
 - refuses another structure with :class:`~fxamp.errors.CallStructureError`, naming the
   argument, what the example had and the example to rewrite with;
@@ -40,11 +41,21 @@ _NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEY
           inspect.Parameter.KEYWORD_ONLY)
 
 
-def kind(value: Any) -> str:
-    """What a graph sees of an argument: a tensor, None or another value."""
+def kind(value: Any) -> Any:
+    """What a graph sees of an argument: a tensor, None or another value; for a list or
+    tuple holding tensors (traced element by element) its type and each item's kind."""
     if isinstance(value, torch.Tensor):
         return TENSOR
+    if holds_tensors(value):
+        return (type(value).__name__, tuple(map(kind, value)))
     return NONE if value is None else VALUE
+
+
+def holds_tensors(value: Any) -> bool:
+    """A plain list or tuple with a tensor in it (at any depth): the fx front end traces
+    each of its items as an input of its own."""
+    return type(value) in (list, tuple) and any(
+        isinstance(v, torch.Tensor) or holds_tensors(v) for v in value)
 
 
 def _described_only(value: Any) -> Any:
@@ -53,6 +64,8 @@ def _described_only(value: Any) -> Any:
     called with would keep its whole autograd graph alive), anything else as it is."""
     if isinstance(value, torch.Tensor):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if holds_tensors(value):
+        return type(value)(map(_described_only, value))
     return value
 
 
@@ -62,7 +75,15 @@ def _described(value: Any, given: bool) -> str:
         return "left out" + (" (None by default)" if value is None else "")
     if isinstance(value, torch.Tensor):
         return f"a tensor ({str(value.dtype).replace('torch.', '')}, {tuple(value.shape)})"
+    if holds_tensors(value):
+        return f"a {type(value).__name__} of {len(value)} ({_items(kind(value))})"
     return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _items(described: Any) -> str:
+    """A list's kinds as a message names them: ``tensor, none, list of 2 (tensor, ...)``."""
+    return ", ".join(k if isinstance(k, str) else f"{k[0]} of {len(k[1])} ({_items(k)})"
+                     for k in described[1])
 
 
 class CallStructure:
@@ -95,8 +116,13 @@ class CallStructure:
         # another form than the example's go to the graph as they are)
         targets = list(graph.parameters)
         self.targets = targets if targets and set(targets) <= set(self.example) else None
-        # (a call's key holds types alone: with scalars to compare, every call is admitted)
-        self.direct: Set[Tuple[Any, ...]] = set() if self.scalars else {call_key(args, kwargs)}
+        # lists holding tensors: their items are the graph's inputs, so a list of another
+        # length or kinds is another structure
+        self.lists = any(holds_tensors(value) for value, _ in self.example.values())
+        # (a call's key holds types alone: with scalars or lists to compare, every call is
+        # admitted)
+        self.direct: Set[Tuple[Any, ...]] = set() if self.scalars or self.lists \
+            else {call_key(args, kwargs)}
 
     def __deepcopy__(self, memo: dict) -> "CallStructure":
         """A copy sharing the example's values (only their kinds and descriptions are read;
@@ -144,7 +170,7 @@ class CallStructure:
                 value = named.get(name, _MISSING)
                 if type(value) is not type(example) or value != example:
                     self._refuse_value(name, example, value)
-        direct = not self.scalars
+        direct = not self.scalars and not self.lists
         if self.targets is None:
             if direct and (len(args), frozenset(kwargs)) == self.form:
                 self.direct.add(call_key(args, kwargs))
@@ -180,6 +206,9 @@ class CallStructure:
         if isinstance(value, torch.Tensor):
             shown = (f"example_kwargs={{{name!r}: <a {str(value.dtype).replace('torch.', '')}"
                      f" tensor shaped like the calls' {tuple(value.shape)}>}}")
+        elif holds_tensors(value):
+            shown = (f"example_kwargs={{{name!r}: <a {type(value).__name__} of "
+                     f"{len(value)} like the calls'>}}")
         else:
             shown = (f"example_kwargs={{{name!r}: None}}, or leave {name!r} out of the "
                      "example")
@@ -187,9 +216,10 @@ class CallStructure:
             f"{self.model_name} was called with {name!r} {_described(value, passed)}; its "
             f"rewrite's example had {name!r} {_described(example, given)}. The rewritten "
             f"graph is traced for the example's structure (which arguments are tensors, None "
-            f"or left out) and runs that one alone\n  what to do: rewrite with an example of "
-            f"the structure you call with: amp_rewrite(model, example_inputs, {shown}); for "
-            "calls of both structures, rewrite a copy of the model for each")
+            f"or left out, and the items of a list of tensors) and runs that one alone\n  "
+            f"what to do: rewrite with an example of the structure you call with: "
+            f"amp_rewrite(model, example_inputs, {shown}); for calls of both structures, "
+            "rewrite a copy of the model for each")
 
 
 def _shown(value: Any) -> str:

@@ -280,15 +280,18 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                calls: Dict[str, Tuple[tuple, dict, Any]], children: Dict[str, nn.Module],
                header: Dict[str, str], fp32_inputs: Sequence[str] = (),
                autocast_calls: Optional[Dict[str, Tuple[tuple, dict, Any]]] = None,
-               config: Optional[RewriteConfig] = None) -> nn.Module:
+               why: Optional[str] = None, config: Optional[RewriteConfig] = None
+               ) -> nn.Module:
     """The model with its own forward eager under autocast and its children rewritten.
     ``calls`` are the children's first calls (:func:`submodule_calls`), ``children`` the
     rewritten ones by name (those missing stay under autocast, ``rule="runtime"``);
     ``fp32_inputs``: the children planned for the FP32 model's inputs; ``autocast_calls``:
     the children's first calls with the model under ``torch.autocast`` (a child whose
     rewritten output has another dtype gets its output cast to autocast's:
-    :func:`_output_casts`); ``config``: a top-level rewrite's config, kept on the result
-    (an eager root takes no calibration: it is kept as given)."""
+    :func:`_output_casts`); ``why``: why no tracer took the model, for the plan
+    (default: its forward is not traceable); ``config``: a top-level rewrite's config, kept
+    on the result (an eager root takes no calibration: it is kept as given)."""
+    why = why or "the model's forward is not traceable"
     result = copy.copy(model)
     result._modules = dict(model._modules)
     _warn_fp32_plans(model, [name for name in fp32_inputs if name in children],
@@ -337,8 +340,8 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                      else "the inputs it gets under the root's torch.autocast")
             first = first_float(calls[name][:2])
             inputs = torch.float32 if first is None or name in fp32_inputs else first.dtype
-            nodes[name] = NodePrecision(dtype, Rule.NESTED, "rewritten on its own (the model's "
-                                        f"forward is not traceable), planned for {given}; "
+            nodes[name] = NodePrecision(dtype, Rule.NESTED, f"rewritten on its own ({why}), "
+                                        f"planned for {given}; "
                                         f"its nodes are the plan lines {name}/*"
                                         + recast.get(name, ""), label, name, inputs)
             nodes.update(nested_lines({name: nested[name]}))

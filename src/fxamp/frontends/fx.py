@@ -206,7 +206,8 @@ def _traced_by_fx(module: nn.Module) -> bool:
 
 
 def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
-          absent: FrozenSet[str] = frozenset(), inference: bool = False) -> fx.GraphModule:
+          absent: FrozenSet[str] = frozenset(), inference: bool = False,
+          lists: Optional[Dict[str, Any]] = None) -> fx.GraphModule:
     """Trace ``model`` with torch.fx; raise TraceError naming the line and the way out.
 
     A model whose traced code may read ``training`` (:func:`.modes.reads_training`) is
@@ -217,13 +218,15 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
     ``absent``: forward parameters defaulting to None that the example leaves out; they are
     traced as None (``concrete_args``: a ``mask is not None`` branch is not taken), and the
     graph asserts they stay None. ``inference``: the eval-mode graph alone, traced once.
+    ``lists``: the forward's list and tuple arguments that hold tensors, each traced
+    element by element (:func:`list_args`).
     """
     from .state import ModelState
 
     before = set(vars(model))
     state = ModelState(model)  # forward ran on Proxies: put caches and counters back
     try:
-        return _trace_modes(model, frozenset(leaves), frontend, absent, inference)
+        return _trace_modes(model, frozenset(leaves), frontend, absent, inference, lists)
     finally:  # fx stores tensor constants on the traced root: keep the user's model clean
         for name in set(vars(model)) - before:
             if name.startswith(_CONSTANT):
@@ -232,18 +235,18 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
 
 
 def _trace_modes(model: nn.Module, leaves: FrozenSet[str], frontend: str,
-                 absent: FrozenSet[str] = frozenset(), inference: bool = False
-                 ) -> fx.GraphModule:
+                 absent: FrozenSet[str] = frozenset(), inference: bool = False,
+                 lists: Optional[Dict[str, Any]] = None) -> fx.GraphModule:
     """The graph of ``model`` following its mode (both modes traced where its code may read
     ``training``); ``inference``: the eval-mode graph alone, traced once."""
     proxied: Set[str] = set()  # (buffers forward updates: found once for both modes)
     with training_flags(model, False) if inference else contextlib.nullcontext():
-        graph = _trace_graph(model, leaves, frontend, absent, proxied)
+        graph = _trace_graph(model, leaves, frontend, absent, proxied, lists)
     if not inference and reads_training(model, _traced_by_fx):
         mode = model.training
         with training_flags(model, not mode):  # (fails: fx does not take the model, so
             other = _trace_graph(model, leaves, frontend,  # auto tries export's two modes)
-                                 absent, proxied)
+                                 absent, proxied, lists)
         train, eval_ = (graph, other) if mode else (other, graph)
         aligned = align(train, eval_, (model, model))
         if aligned is None or not follow_mode(graph, aligned, mode, module_flag):
@@ -268,7 +271,8 @@ _FX_ADVICE = {
 
 def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                  frontend: str = "fx", absent: FrozenSet[str] = frozenset(),
-                 proxied: Optional[Set[str]] = None) -> fx.Graph:
+                 proxied: Optional[Set[str]] = None,
+                 lists: Optional[Dict[str, Any]] = None) -> fx.Graph:
     """One fx trace of ``model``, taken again while forward updates a buffer that the
     trace reads as a constant; ``proxied`` (filled in) holds the buffers read as nodes."""
     proxied = set() if proxied is None else proxied
@@ -280,7 +284,8 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                     checkpointing.fx_recording(tracer, model.training), \
                     buffer_writes.recording(tracer, model, proxied), \
                     buffer_writes.guarding(buffers):
-                graph = tracer.trace(model, concrete_args={n: None for n in absent} or None)
+                concrete = {**{n: None for n in absent}, **(lists or {})}
+                graph = tracer.trace(model, concrete_args=concrete or None)
             _own_names(graph, absent)
         except buffer_writes.BufferUpdated as updated:
             if updated.target in proxied:  # (cannot happen: a Proxy is no buffer)
@@ -354,6 +359,34 @@ def absent_defaults(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Fr
                           else p.default is None))
 
 
+def _placeholders(value: Any) -> Any:
+    """``value`` with each tensor an ``fx.PH`` (a placeholder of its own), through lists,
+    tuples and dicts; other values stay (fx bakes them in and asserts them)."""
+    if isinstance(value, torch.Tensor):
+        return fx.PH
+    if isinstance(value, (list, tuple)):
+        return type(value)(_placeholders(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _placeholders(v) for k, v in value.items()}
+    return value
+
+
+def list_args(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """fx's ``concrete_args`` for the forward's arguments that are plain lists or tuples
+    holding tensors (timm's SelecSLS blocks take ``[x, skip]``): each tensor in them a
+    placeholder of its own (``fx.PH``). fx would otherwise trace the list as one Proxy, and
+    ``isinstance(x, list)`` or ``x[0]`` in forward would trace the wrong program. The graph
+    takes the list as the model does and flattens it (fx's pytree code generator)."""
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return {}
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name: _placeholders(value) for name, value in bound.items()
+            if signature.parameters[name].kind in named and calls.holds_tensors(value)}
+
+
 def fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
     """An fx graph's placeholder values: the forward's parameters bound in order."""
     if not kwargs:
@@ -374,7 +407,7 @@ class FxFrontend:
     def capture(self, model: nn.Module, request: Request) -> Traced:
         gm = trace(model, (), request.asked, absent_defaults(model, request.args,
                                                              request.kwargs),
-                   request.inference)
+                   request.inference, list_args(model, request.args, request.kwargs))
         checkpointing.warn_unseen(model, gm.graph)
         return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), [])
 
@@ -399,7 +432,8 @@ MAX_RUNTIME_LEAVES = 32
 
 
 def _partial_trace(model: nn.Module, error: TraceError, state: Any,
-                   absent: FrozenSet[str] = frozenset(), inference: bool = False
+                   absent: FrozenSet[str] = frozenset(), inference: bool = False,
+                   lists: Optional[Dict[str, Any]] = None
                    ) -> Tuple[fx.GraphModule, List[str]]:
     """fx tracing with each submodule that fails kept as a call (run under autocast)."""
     leaves: List[str] = []
@@ -409,7 +443,7 @@ def _partial_trace(model: nn.Module, error: TraceError, state: Any,
             raise error
         leaves.append(path)
         try:
-            return trace(model, leaves, "auto", absent, inference), leaves
+            return trace(model, leaves, "auto", absent, inference, lists), leaves
         except TraceError as err:
             error = err
             state.restore()
@@ -430,7 +464,8 @@ class PartialFrontend(FxFrontend):
                              "to do: ask for frontend='auto'")
         gm, leaves = _partial_trace(model, error, request.state,
                                     absent_defaults(model, request.args, request.kwargs),
-                                    request.inference)
+                                    request.inference,
+                                    list_args(model, request.args, request.kwargs))
         log.info("%s: torch.fx and torch.export fail; traced around %s",
                  type(model).__name__, ", ".join(leaves))
         return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), leaves)

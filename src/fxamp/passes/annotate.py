@@ -22,6 +22,7 @@ from .._torch import (DataDependentOutputException, DynamicOutputShapeException,
 from .. import ir, ops
 from ..ir import Decision, Rule
 from ..errors import FxampError, UnsupportedModelError, node_error
+from ..graph_run import GraphRun
 from ..plan import NodePrecision
 from ..policy import Policy, autocast_device, dtype_name
 from ..runtime import device_autocast, eligible
@@ -106,7 +107,7 @@ _SAME_SHAPE_AS: Dict[str, Callable[..., Any]] = {
 }
 
 
-class _Simulator(fx.Interpreter):
+class _Simulator(GraphRun):
     """Runs the source graph on fake tensors with the planned input casts applied.
 
     Each call the op tables leave to autocast is also run under real autocast of the target
@@ -195,6 +196,15 @@ class _Simulator(fx.Interpreter):
             problem, _, fix = str(error).split("\n\nWhile executing")[0].partition(
                 "; what to do: ")
             raise node_error(type(error), n, problem, fix or "see the problem above")
+        if error is not None and not values:  # (no floating input: no cast is the cause)
+            raise node_error(
+                UnsupportedModelError, n,
+                f"{d.label} fails on fxamp's trial run, which has no floating tensor input "
+                f"to cast (so no planned dtype is the cause): {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}",
+                "check that the model runs as it is with these inputs; if it does, this is a "
+                "bug in fxamp: report it to fxamp with this node"
+            ) from error
         if error is not None:
             raise node_error(
                 UnsupportedModelError, n,

@@ -23,6 +23,7 @@ from .._torch import is_input_guard, reparametrize_module, tree_flatten
 
 from ..config import CALIBRATION_FORMS
 from ..errors import CalibrationDataError, node_error
+from ..graph_run import GraphRun
 from ..op_args import fp32_values
 from ..plan import RangeStats
 from .. import ir, ops
@@ -45,7 +46,7 @@ MARGIN = 2.0  # keep values below max / MARGIN in the low dtype
 DEPLOY_MARGIN = 128.0
 
 
-class _Recorder(fx.Interpreter):
+class _Recorder(GraphRun):
     def __init__(self, gm: fx.GraphModule, tiny: float,
                  inner: Optional[Dict[str, Tuple[float, str]]] = None,
                  smallest: Optional[Dict[str, float]] = None,

@@ -26,6 +26,7 @@ from ..frontends import Children, capture_model, graph_frontend
 from ..frontends.checkpointing import layers_off
 from ..frontends.common import MODE, as_tuple, nested_header, top_header
 from ..frontends.copies import refuse_copies
+from ..frontends.custom_functions import plan_reason
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.model_checks import check_parameter_dtypes
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
@@ -457,7 +458,8 @@ def _assemble(model: nn.Module, inputs: tuple, kwargs: Dict[str, Any],
                             {p: under.get(p, c) if p not in fp32 else c
                              for p, c in captured.calls.items()}, children,
                             _header(config.policy, captured.frontend), fp32_inputs=list(fp32),
-                            autocast_calls=under, config=config if scope.top else None)
+                            autocast_calls=under, why=plan_reason(captured.refused),
+                            config=config if scope.top else None)
     except FxampError:
         if captured.refused is None:
             raise

@@ -26,6 +26,7 @@ from .._torch import reparametrize_module, tree_flatten, tree_map
 
 from ..config import RewriteConfig, model_target
 from ..errors import FxampError
+from ..graph_run import GraphRun
 from ..ir import Rule
 from ..frontends import graph_inputs, trace_model
 from ..policy import Policy, dtype_name, make_policy
@@ -131,7 +132,7 @@ def _low_nodes(gm: fx.GraphModule, pol: Policy) -> List[str]:
             if p.dtype == pol.compute and p.rule not in (Rule.USER, Rule.RUNTIME)]
 
 
-class _LocalError(fx.Interpreter):
+class _LocalError(GraphRun):
     """Runs the FP32 graph; for each candidate also runs it on low-precision inputs."""
 
     def __init__(self, gm: fx.GraphModule, candidates: Iterable[str], low: torch.dtype) -> None:

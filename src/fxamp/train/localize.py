@@ -17,6 +17,7 @@ import torch.fx as fx
 from .._torch import tree_flatten
 
 from ..errors import FxampError, source_line
+from ..graph_run import GraphRun
 from .. import ir
 from ..plan import Plan
 from ..policy import dtype_name
@@ -88,7 +89,7 @@ def _non_finite(value: Any) -> bool:
                and not bool(torch.isfinite(t).all()) for t in tree_flatten(value)[0])
 
 
-class _Replay(fx.Interpreter):
+class _Replay(GraphRun):
     """Runs a GraphModule node by node, noting the first non-finite output and hooking grads."""
 
     def __init__(self, gm: fx.GraphModule):

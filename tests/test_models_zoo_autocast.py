@@ -1,0 +1,248 @@
+"""Zoo models the sweep (benchmarks/zoo.py) once refused or found different, against
+``torch.autocast("cpu", torch.bfloat16)`` bit for bit: an in-place rewrite and a copy under
+autocast, the same seeded training step (loss = sum of the FP32 outputs) and eval forward;
+outputs, loss and every parameter gradient ``torch.equal``.
+
+Random weights and tiny inputs; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")           # never reach the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import copy  # noqa: E402
+import contextlib  # noqa: E402
+from typing import Any, Dict, List, Tuple  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.fx  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import fxamp  # noqa: E402
+from fxamp.passes.annotate import float_leaves  # noqa: E402
+
+
+def _step(model: nn.Module, args: tuple, kwargs: Dict[str, Any], autocast: bool
+          ) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    model.train()
+    torch.manual_seed(1)
+    with ctx:
+        out = model(*args, **kwargs)
+    leaves = float_leaves(out)
+    loss = sum((x.float().sum() for x in leaves), torch.zeros(()))
+    loss.backward()
+    return [x.detach().float() for x in leaves], loss.detach()
+
+
+def _eval(model: nn.Module, args: tuple, kwargs: Dict[str, Any], autocast: bool
+          ) -> List[torch.Tensor]:
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    model.eval()
+    torch.manual_seed(2)
+    with torch.no_grad(), ctx:
+        return [x.float() for x in float_leaves(model(*args, **kwargs))]
+
+
+def assert_same_as_autocast(model: nn.Module, args: tuple = (),
+                            kwargs: Dict[str, Any] = None, policy: str = None) -> nn.Module:
+    """An in-place bf16 rewrite of a copy of ``model`` gives autocast's training-step outputs,
+    loss and gradients and its eval outputs exactly; returns the rewritten copy."""
+    kwargs = kwargs or {}
+    ref, amp = copy.deepcopy(model), copy.deepcopy(model)
+    ref_out, ref_loss = _step(ref, args, kwargs, autocast=True)
+    ref_eval = _eval(ref, args, kwargs, autocast=True)
+    fxamp.amp_rewrite(amp, dtype=torch.bfloat16, target="cpu", inplace=True, policy=policy)
+    out, loss = _step(amp, args, kwargs, autocast=False)
+    assert len(out) == len(ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(ref_out, out))
+    assert torch.equal(ref_loss, loss)
+    for (name, p), q in zip(ref.named_parameters(), amp.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), \
+            (name, float((p.grad - q.grad).abs().max()))
+    got_eval = _eval(amp, args, kwargs, autocast=False)
+    assert all(torch.equal(a, b) for a, b in zip(ref_eval, got_eval))
+    return amp
+
+
+# ---------------------------------------------------------------------------------------
+# a torch.fx.wrap'ed function that writes into the lists it is given
+# ---------------------------------------------------------------------------------------
+def clip_sizes(sizes: List[int], limit: List[int]) -> List[int]:
+    """Writes into ``sizes`` (as torchvision's ``_get_window_and_shift_size`` does)."""
+    for i in range(len(sizes)):
+        if limit[i] < sizes[i]:
+            sizes[i] = limit[i]
+    return sizes
+
+
+torch.fx.wrap("clip_sizes")
+
+
+class ClippedPool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.window = [4, 4]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        window = clip_sizes(list(self.window), [h, w])
+        return nn.functional.avg_pool2d(self.conv(x), window)
+
+
+def test_wrapped_function_writing_into_its_list_arguments():
+    """fx's interpreter hands a call the node's immutable lists; fxamp's trial runs give it
+    fresh lists, as the generated code does, so the call runs as it is (it was refused as
+    failing "with the planned dtypes", though it has no floating input)."""
+    torch.manual_seed(0)
+    assert_same_as_autocast(ClippedPool(), (torch.randn(2, 3, 2, 6),))
+
+
+@pytest.mark.slow
+def test_torchvision_swin3d_t():
+    """torchvision's video Swin: ``_get_window_and_shift_size`` (fx-wrapped, ints only) writes
+    into its lists; small clips make the windows adapt to the input."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.video.swin3d_t(weights=None)
+    assert_same_as_autocast(model, (torch.randn(1, 3, 4, 32, 32),))
+
+
+# ---------------------------------------------------------------------------------------
+# list-of-tensor arguments
+# ---------------------------------------------------------------------------------------
+class ListBlock(nn.Module):
+    """Takes ``[x]`` or ``[x, skip]`` (or a tuple) and returns ``[y, skip]``, as timm's
+    SelecSLS blocks do (``isinstance`` on the argument, then ``x[0]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: List[torch.Tensor], scale: float = 1.0) -> List[torch.Tensor]:
+        if isinstance(x, torch.Tensor):
+            x = [x]
+        y = self.conv(x[0]) * scale
+        skip = x[1] if len(x) > 1 else y
+        return [y + skip, skip]
+
+
+def test_list_of_tensors_argument_in_place():
+    """A list argument is traced item by item (fx would trace it as one Proxy, so that
+    ``x[0]`` is the whole list); a call with a list of another length or a tuple is another
+    structure, planned on its call."""
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
+    model = ListBlock()
+    amp = copy.deepcopy(model)
+    fxamp.amp_rewrite(amp, dtype=torch.bfloat16, target="cpu", inplace=True)
+    for call in ([a], [a, b], (a, b), [a]):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = model(call)
+        got = amp(call)
+        assert len(got) == 2 and all(torch.equal(r.float(), g) for r, g in zip(ref, got))
+    assert_same_as_autocast(model, ([a, b],))
+
+
+def test_list_of_tensors_argument_of_another_length_is_refused():
+    """A returned module runs the list length it was traced for alone, and says so."""
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
+    gm = fxamp.amp_rewrite(ListBlock(), ([a],), dtype=torch.bfloat16, target="cpu")
+    assert gm([a])[0].shape == a.shape
+    with pytest.raises(fxamp.CallStructureError, match=r"'x' a list of 2 \(tensor, tensor\)"
+                       r".*'x' a list of 1 \(tensor\)"):
+        gm([a, b])
+
+
+@pytest.mark.slow
+def test_timm_selecsls42():
+    """timm's SelecSLS: its blocks take ``[x]`` or ``[x, skip]``."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("selecsls42", pretrained=False)
+    assert_same_as_autocast(model, (torch.randn(2, 3, 64, 64),))
+
+
+# ---------------------------------------------------------------------------------------
+# custom autograd Functions: torch.export would drop their backward
+# ---------------------------------------------------------------------------------------
+class OwnBackward(torch.autograd.Function):
+    """Its backward is not the derivative of its forward (as BLOOM's GeLUFunction's is
+    another formula): a rewrite that inlines the forward trains with another gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 3
+
+
+class OwnAct(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return OwnBackward.apply(x)
+
+
+class RowLoop(nn.Module):
+    """fx cannot trace it (``range`` of a traced size); torch.export can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.out = nn.Linear(8, 8), OwnAct(), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x))
+        rows = [h[i] + i for i in range(x.shape[0])]
+        return self.out(torch.stack(rows))
+
+
+def test_export_refuses_a_custom_function_it_would_inline():
+    torch.manual_seed(0)
+    with pytest.raises(fxamp.TraceError, match=r"custom autograd Function .*OwnBackward "
+                       r"\(applied in RowLoop\.act\).*drops its own backward"):
+        fxamp.amp_rewrite(RowLoop(), (torch.randn(3, 8),), dtype=torch.bfloat16,
+                          target="cpu", frontend="export")
+
+
+def test_custom_function_keeps_its_backward():
+    """``frontend="auto"``: export is refused, the next front end keeps the Function's call;
+    its fp32 fence (rule custom_ops) names it, and without the fence the training step is
+    autocast's bit for bit: the gradient is the Function's own backward's."""
+    torch.manual_seed(0)
+    model, x = RowLoop(), torch.randn(3, 8)
+    amp = assert_same_as_autocast(model, (x,), policy="off:custom_ops")
+    fenced = copy.deepcopy(model)
+    fxamp.amp_rewrite(fenced, dtype=torch.bfloat16, target="cpu", inplace=True)
+    fenced(x).sum().backward()
+    line = next(p for p in fxamp.plan_of(fenced).nodes.values()
+                if "OwnBackward" in p.op)
+    assert (line.rule, line.dtype) == ("custom_ops", torch.float32)
+    assert "OwnBackward.apply has no autocast rule" in line.reason
+    why = fxamp.plan_of(fenced).nodes["lin"]
+    assert (why.rule, why.reason.split(", planned")[0]) == (
+        "nested", f"rewritten on its own (torch.fx cannot trace the model's forward, and "
+        f"torch.export would drop the backward of the custom autograd Function "
+        f"{__name__}.OwnBackward, applied in RowLoop.act)")
+    assert amp.lin.weight.grad is not None
+
+
+@pytest.mark.slow
+def test_huggingface_bloom_training_keeps_gelu_backward():
+    """BLOOM's BloomGelu applies GeLUFunction, whose backward is its own formula."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=2, vocab_size=1000,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(cfg)
+    ids = torch.randint(5, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :3] = 0
+    assert_same_as_autocast(model, (), {"input_ids": ids, "attention_mask": mask},
+                            policy="off:custom_ops")
