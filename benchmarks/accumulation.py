@@ -31,7 +31,8 @@ def _variants(model: torch.nn.Module, idx: torch.Tensor) -> Dict[str, tuple]:
     out = {"autocast": (copy.deepcopy(model), None)}
     for policy in (None, "weights=cast", "weights=o2"):
         m = copy.deepcopy(model)
-        gm = fxamp.amp_rewrite(m, (idx,), dtype=BF16, target="cpu", policy=policy)
+        gm = fxamp.amp_rewrite(m, (idx,),
+                               fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy=policy))
         out[f"fxamp {policy or 'default'}"] = (gm, policy or "weights=cast")
     return out
 

@@ -62,11 +62,13 @@ def main() -> None:
         x = torch.randn(1, 3, 224, 224)
         for dtype, target in configs:
             times, cpu, runs, nodes = [], [], [], []
-            fxamp.amp_rewrite(model, (x,), dtype=dtype, target=target)  # warm-up (caches)
+            # warm-up (caches)
+            fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=dtype, target=target))
             for _ in range(args.repeat):
                 counts.update(runs=0, nodes=0)
                 start, start_cpu = time.perf_counter(), time.process_time()
-                gm = fxamp.amp_rewrite(model, (x,), dtype=dtype, target=target)
+                gm = fxamp.amp_rewrite(model, (x,),
+                                       fxamp.RewriteConfig.make(dtype=dtype, target=target))
                 times.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)
                 runs.append(counts["runs"])

@@ -82,7 +82,9 @@ def main() -> None:
             counts["autocast"] = None
         for label, pol in VARIANTS:
             try:
-                gm = fxamp.amp_rewrite(model, inputs, dtype=dtype, target="cpu", policy=pol)
+                gm = fxamp.amp_rewrite(model, inputs,
+                                       fxamp.RewriteConfig.make(dtype=dtype, target="cpu",
+                                                                policy=pol))
                 moved[label] = _moved(gm)
                 model.zero_grad(set_to_none=True)
                 counts[label] = count_casts(lambda: gm(*inputs), backward)

@@ -188,7 +188,7 @@ def bound_ms(times: dict, parts: dict) -> list:
 def variants(model, inputs, target, mode, a):
     """name -> step function."""
     rewrite = lambda m, policy=None: fxamp.amp_rewrite(  # noqa: E731
-        m, inputs, dtype=DT, target="cpu", policy=policy)
+        m, inputs, fxamp.RewriteConfig.make(dtype=DT, target="cpu", policy=policy))
     wrap = torch.compile if a.compile else (lambda f: f)
     params = list(model.parameters())
     # o2 trains its own copy of the model: its copies are re-cast by its own optimizer step

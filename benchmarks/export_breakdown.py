@@ -1,7 +1,7 @@
 """Where the time of fxamp's rewrite + ONNX export goes, against one FP32 ONNX export.
 
 Per model of ``_export_models`` (the rows of ``export_peers.py``): the FP32 export
-(``torch.onnx.export(dynamo=True)``) and fxamp's ``amp_rewrite(target="tensorrt")`` +
+(``torch.onnx.export(dynamo=True)``) and fxamp's ``amp_rewrite(model, x, "tensorrt")`` +
 ``export_onnx``, interleaved ``--rounds`` times, in process CPU time (the machine may be shared:
 CPU time is what this process spent, whatever else runs). fxamp's time is split by timing the
 functions it passes through: the plan's capture (``frontends.aten.export_trace``, all its
@@ -103,7 +103,7 @@ def main() -> None:
                     torch.onnx.export(model, inputs, os.path.join(tmp, "a.onnx"), dynamo=True)
 
             def fx() -> None:
-                gm = fxamp.amp_rewrite(model, inputs, target="tensorrt")
+                gm = fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(target="tensorrt"))
                 export_onnx(gm, inputs, os.path.join(tmp, "b.onnx"))
 
             fp32()

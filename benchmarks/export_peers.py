@@ -66,7 +66,7 @@ def run_fxamp(model: torch.nn.Module, inputs: tuple, path: str) -> Dict[str, Any
 
     start = time.perf_counter()
     try:
-        gm = fxamp.amp_rewrite(model, inputs, target="tensorrt")
+        gm = fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(target="tensorrt"))
         mid = time.perf_counter()
         export_onnx(gm, inputs, path)
     except fxamp.FxampError as err:
@@ -227,7 +227,7 @@ def _warm_up(tmp: str) -> None:
     export_fp32(model, x, os.path.join(tmp, "warm.fp32.onnx"))
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export_onnx(fxamp.amp_rewrite(model, x, target="tensorrt"), x,
+        export_onnx(fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt")), x,
                     os.path.join(tmp, "warm.fxamp.onnx"))
 
 

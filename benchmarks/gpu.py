@@ -118,7 +118,8 @@ def main() -> int:
             y = torch.randint(0, classes, (batch,), device=dev)
             target = "cuda" if cuda else "cpu"
             fwd = {"fp32": (model, x, False), "autocast": (model, x, True),
-                   "fxamp": (fxamp.amp_rewrite(model, (x,), dtype=dtype, target=target), x,
+                   "fxamp": (fxamp.amp_rewrite(
+                       model, (x,), fxamp.RewriteConfig.make(dtype=dtype, target=target)), x,
                              False)}
             low = copy.deepcopy(model).to(dtype)
             fwd["limit"] = (low, x.to(dtype) if x.is_floating_point() else x, False)
@@ -126,9 +127,10 @@ def main() -> int:
                 nhwc = copy.deepcopy(model).to(memory_format=CL)
                 fwd["autocast NHWC"] = (nhwc, x.contiguous(memory_format=CL), True)
                 cl_model = copy.deepcopy(model)
-                fwd["fxamp channels_last"] = (fxamp.amp_rewrite(
-                    cl_model, (x,), dtype=dtype, target=target, policy="channels_last=on"), x,
-                    False)
+                cl_config = fxamp.RewriteConfig.make(dtype=dtype, target=target,
+                                                     policy="channels_last=on")
+                fwd["fxamp channels_last"] = (fxamp.amp_rewrite(cl_model, (x,), cl_config), x,
+                                              False)
             if a.compile:
                 for k in [k for k in fwd if k.startswith(("autocast", "fxamp"))]:
                     m, inp, ac = fwd[k]

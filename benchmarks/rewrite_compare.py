@@ -190,7 +190,8 @@ def main() -> None:
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     warm = torch.nn.Sequential(torch.nn.Linear(4, 4))
     for pkg in (before, after):  # imports and first-call costs out of the way
-        pkg.amp_rewrite(warm, (torch.randn(2, 4),), dtype=torch.bfloat16, target="cpu")
+        pkg.amp_rewrite(warm, (torch.randn(2, 4),),
+                        pkg.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
     rows: List[List[Any]] = []
     for key in filter(None, a.models.split(",")):
         model, args, kwargs = build(key)
@@ -207,8 +208,9 @@ def main() -> None:
                     if label in phases:
                         phases[label].reset()
                     start = time.process_time()
-                    gm = pkg.amp_rewrite(model, args, example_kwargs=kwargs, dtype=dtype,
-                                         target=target)
+                    gm = pkg.amp_rewrite(model, args,
+                                         pkg.RewriteConfig.make(example_kwargs=kwargs, dtype=dtype,
+                                                                target=target))
                     times[label].append(time.process_time() - start)
                     if rep == 0:  # (fx's own trace below may rename tensor constants)
                         plans[label] = str(pkg.plan_of(gm))

@@ -60,9 +60,10 @@ def measure(layers: int, device: str, repeat: int, meta_all: bool) -> dict:
     run = {
         "forward": lambda m: m(ids),
         "torch.export": lambda m: torch.export.export(m, (ids,), strict=False),
-        "flat": lambda m: fxamp.amp_rewrite(m, (ids,), dtype=torch.bfloat16, target="cpu",
-                                            inplace=True)(ids),
-        "blocks": lambda m: fxamp.amp_rewrite(m, dtype=torch.bfloat16, target="cpu",
+        "flat": lambda m: fxamp.amp_rewrite(m, (ids,), "cpu-bf16", inplace=True)(ids),
+        "blocks": lambda m: fxamp.amp_rewrite(m,
+                                              config=fxamp.RewriteConfig.make(dtype=torch.bfloat16,
+                                                                              target="cpu"),
                                               inplace=True)(ids),
     }
     if device == "meta" and not meta_all:

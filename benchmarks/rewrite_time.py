@@ -92,8 +92,9 @@ def export_rows(spec: str, repeat: int, frontend: str = "export", train: bool = 
             torch.export.export = counting
             try:
                 t0 = time.process_time()
-                fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu",
-                                  frontend=frontend)
+                fxamp.amp_rewrite(model, (x,),
+                                  fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                           frontend=frontend))
                 rew.append(time.process_time() - t0)
             finally:
                 torch.export.export = real
@@ -124,16 +125,18 @@ def main() -> None:
     # far less disturbed than wall time by other load on a small shared machine
     torch.set_num_threads(1)
     # warm-up: the first amp_rewrite in a process pays imports and caches
-    fxamp.amp_rewrite(Chain(3), (torch.randn(2, 8),), dtype=torch.bfloat16, target="cpu")
+    fxamp.amp_rewrite(Chain(3), (torch.randn(2, 8),),
+                      fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
     dt = torch.bfloat16
     rows = []
     for name, (make, inputs) in ({} if a.skip_real else _common.models(2)).items():
         model = make().train()
         t_trace = timed(lambda: fx.symbolic_trace(model), a.repeat)
         n = len(fx.symbolic_trace(model).graph.nodes)
-        t_off = timed(lambda: fxamp.amp_rewrite(model, inputs, dtype=dt, target="cpu",
-                                                policy="numerics=off"), a.repeat)
-        t_def = timed(lambda: fxamp.amp_rewrite(model, inputs, dtype=dt, target="cpu"),
+        off = fxamp.RewriteConfig.make(dtype=dt, target="cpu", policy="numerics=off")
+        t_off = timed(lambda: fxamp.amp_rewrite(model, inputs, off), a.repeat)
+        t_def = timed(lambda: fxamp.amp_rewrite(model, inputs,
+                                                fxamp.RewriteConfig.make(dtype=dt, target="cpu")),
                       a.repeat)
         t_run = timed(lambda: model(*inputs), a.repeat)
         rows.append([name, n, f"{t_trace * 1e3:.0f}", f"{t_off * 1e3:.0f}",
@@ -165,9 +168,10 @@ def main() -> None:
         rep = a.repeat if target_nodes <= 10_000 else 1
         t_trace = timed(lambda: fx.symbolic_trace(model), rep)
         n = len(fx.symbolic_trace(model).graph.nodes)
-        t_off = timed(lambda: fxamp.amp_rewrite(model, (x,), dtype=dt, target="cpu",
-                                                policy="numerics=off"), rep)
-        t_def = timed(lambda: fxamp.amp_rewrite(model, (x,), dtype=dt, target="cpu"), rep)
+        off = fxamp.RewriteConfig.make(dtype=dt, target="cpu", policy="numerics=off")
+        t_off = timed(lambda: fxamp.amp_rewrite(model, (x,), off), rep)
+        t_def = timed(lambda: fxamp.amp_rewrite(
+            model, (x,), fxamp.RewriteConfig.make(dtype=dt, target="cpu")), rep)
         srows.append([n, f"{t_trace:.2f}", f"{t_off:.2f}", f"{t_def:.2f}",
                       f"{t_trace / n * 1e6:.0f}", f"{t_off / n * 1e6:.0f}",
                       f"{t_def / n * 1e6:.0f}", f"{t_def / t_trace:.1f}"])

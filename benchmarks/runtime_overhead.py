@@ -57,19 +57,25 @@ def _variants(model: torch.nn.Module, x: torch.Tensor, only: str = "") -> Dict[s
     out: Dict[str, Callable] = {"fp32": model, "autocast": autocast}
     if only in ("", "fxamp inplace"):
         inplace = copy.deepcopy(model)
-        out["fxamp inplace"] = fxamp.amp_rewrite(inplace, (x,), dtype=BF16, target="cpu",
+        out["fxamp inplace"] = fxamp.amp_rewrite(inplace, (x,),
+                                                 fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                                                  inplace=True)
     if only in ("", "fxamp blocks"):  # (in place, no example: planned on the first call)
         blocks = copy.deepcopy(model)
-        out["fxamp blocks"] = fxamp.amp_rewrite(blocks, dtype=BF16, target="cpu",
+        out["fxamp blocks"] = fxamp.amp_rewrite(blocks,
+                                                config=fxamp.RewriteConfig.make(dtype=BF16,
+                                                                                target="cpu"),
                                                 inplace=True)
         with torch.no_grad():
             blocks(x)
     if only in ("", "fxamp"):
-        out["fxamp"] = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu")
+        out["fxamp"] = fxamp.amp_rewrite(model, (x,),
+                                         fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     if only in ("", "fxamp guard=on"):  # (the opt-in range guard: calibrated on the example)
-        out["fxamp guard=on"] = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu",
-                                                  policy="guard=on", calibration_data=[(x,)])
+        out["fxamp guard=on"] = fxamp.amp_rewrite(model, (x,),
+                                                  fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                                           policy="guard=on",
+                                                                           calibration_data=[(x,)]))
     order = ("fp32", "autocast", "fxamp", "fxamp inplace", "fxamp blocks", "fxamp guard=on")
     return {k: out[k] for k in order if k in out and (not only or k == only)}
 

@@ -68,7 +68,8 @@ def main() -> None:
     rows = []
     for name, model, shape, rtol in cases():
         data = [(torch.randn(*shape),) for _ in range(3)]
-        low = sum(1 for p in fxamp.plan_of(fxamp.amp_rewrite(model, data[0], target="cpu"))
+        low = sum(1 for p in fxamp.plan_of(fxamp.amp_rewrite(
+            model, data[0], fxamp.RewriteConfig.make(target="cpu")))
                   .nodes.values() if p.dtype == torch.float16)
         row = [name, low, f"{rtol:g}"]
         for fn in (search, bisect_baseline):

@@ -67,7 +67,7 @@ def variants(model, inputs, target, mode, names):
     import copy
     import fxamp
     rw = lambda policy=None: fxamp.amp_rewrite(  # noqa: E731
-        model, inputs, dtype=cst.DT, target="cpu", policy=policy)
+        model, inputs, fxamp.RewriteConfig.make(dtype=cst.DT, target="cpu", policy=policy))
     params = list(model.parameters())
     out = {}
     for name in names:
@@ -81,7 +81,9 @@ def variants(model, inputs, target, mode, names):
                                     autocast=name == "autocast")
         elif name == "fxamp o2":  # its own copy (see cpu_step_time.variants)
             own = copy.deepcopy(model)
-            gm = fxamp.amp_rewrite(own, inputs, dtype=cst.DT, target="cpu", policy="weights=o2")
+            gm = fxamp.amp_rewrite(own, inputs,
+                                   fxamp.RewriteConfig.make(dtype=cst.DT, target="cpu",
+                                                            policy="weights=o2"))
             out[name] = phased_step(lambda gm=gm: gm(*inputs), list(own.parameters()), target,
                                     mode, attach=gm)
         elif name in ("fxamp", "fxamp cast"):

@@ -69,14 +69,17 @@ class Untied(Decoder):
 
 def _variants(model: nn.Module, x: torch.Tensor) -> Dict[str, nn.Module]:
     """name -> the module the variant calls (for autocast: the model itself)."""
-    cast = fxamp.amp_rewrite(copy.deepcopy(model), (x,), dtype=BF16, target="cpu",
-                             inplace=True)
-    stored = fxamp.amp_rewrite(copy.deepcopy(model), (x,), dtype=BF16, target="cpu",
-                               policy="weights=stored", inplace=True)
+    cast = fxamp.amp_rewrite(copy.deepcopy(model), (x,),
+                             fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
+    stored = fxamp.amp_rewrite(copy.deepcopy(model), (x,),
+                               fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                        policy="weights=stored"), inplace=True)
     # (an override: the embeddings too in bf16, so the tied weight is stored in bf16 alone;
     # no longer autocast's numbers, which read the embedding in FP32)
-    low_emb = fxamp.amp_rewrite(copy.deepcopy(model), (x,), dtype=BF16, target="cpu",
-                                policy="weights=stored,bf16:wte,bf16:wpe", inplace=True)
+    low_emb = fxamp.amp_rewrite(copy.deepcopy(model), (x,),
+                                fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                         policy="weights=stored,bf16:wte,bf16:wpe"),
+                                inplace=True)
     return {"autocast": model, "fxamp weights=cast": cast, "fxamp weights=stored": stored,
             "fxamp weights=stored,bf16:wte,bf16:wpe": low_emb,
             "all-bf16 model": copy.deepcopy(model).to(BF16)}
@@ -130,8 +133,9 @@ def _gpt2_table(args: argparse.Namespace) -> str:
     variants = {"autocast": model}
     for name, policy in (("fxamp weights=cast", None), ("fxamp weights=stored",
                                                         "weights=stored")):
-        variants[name] = fxamp.amp_rewrite(copy.deepcopy(model), (ids,), dtype=BF16,
-                                           target="cpu", policy=policy, inplace=True)
+        variants[name] = fxamp.amp_rewrite(copy.deepcopy(model), (ids,),
+                                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                                    policy=policy), inplace=True)
     variants["all-bf16 model"] = copy.deepcopy(model).to(BF16)
     new = 8
 

@@ -26,8 +26,10 @@ torch.manual_seed(0)
 model = Net()
 batches = [(torch.randn(8, 16) * 4,) for _ in range(4)]
 x = batches[0][0]
-plain = fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cpu")
-gm = fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cpu", calibration_data=batches)
+plain = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu"))
+gm = fxamp.amp_rewrite(model, (x,),
+                       fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu",
+                                                calibration_data=batches))
 ref = model(x)
 for name, out in (("without calibration", plain(x)), ("with calibration", gm(x))):
     err = ((out - ref).abs().max() / ref.abs().max()).item()

@@ -44,6 +44,6 @@ class Net(nn.Module):
 
 torch.manual_seed(0)
 model, x = Net(), torch.randn(4, 8)
-gm = fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu")
+gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
 print(fxamp.plan_of(gm).to_text())
 print("max |rewritten - fp32|:", f"{(gm(x) - model(x)).abs().max().item():.4f}")

@@ -42,8 +42,9 @@ nn.init.zeros_(net.a.bias)
 zeros, x = torch.zeros(4, 8), torch.randn(16, 8)
 with torch.autocast("cpu", dtype=torch.float16):
     plain = (net(zeros).abs().max().item(), loss(x).item())
-gm_net = fxamp.amp_rewrite(net, (zeros,), dtype=torch.float16, target="cpu")
-gm_loss = fxamp.amp_rewrite(loss, (x,), dtype=torch.float16, target="cpu")
+gm_net = fxamp.amp_rewrite(net, (zeros,),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu"))
+gm_loss = fxamp.amp_rewrite(loss, (x,), fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu"))
 print(f"RMSNorm of zero rows, max |out|: fp32 {net(zeros).abs().max().item():.4f}  "
       f"autocast {plain[0]}  fxamp {gm_net(zeros).abs().max().item():.4f}")
 print(f"MSE of 1e-4 residuals:           fp32 {loss(x).item():.3e}  autocast {plain[1]:.3e}  "

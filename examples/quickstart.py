@@ -29,7 +29,8 @@ def build(device: torch.device, dtype: torch.dtype, target: str = ""):
         nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10),
     ).to(device)
     example_batch = torch.randn(32, 64, device=device)
-    gm = fxamp.amp_rewrite(model, (example_batch,), dtype=dtype, target=target or device.type)
+    gm = fxamp.amp_rewrite(model, (example_batch,),
+                           fxamp.RewriteConfig.make(dtype=dtype, target=target or device.type))
     return model, gm
 
 

@@ -63,7 +63,7 @@ def main() -> None:
     model = MLP()
     example = (x_train[:2],)
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    gm = fxamp.amp_rewrite(model, example, dtype=dtype, target="cpu")
+    gm = fxamp.amp_rewrite(model, example, fxamp.RewriteConfig.make(dtype=dtype, target="cpu"))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     steps = args.epochs * ((len(x_train) + args.batch - 1) // args.batch)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)

@@ -44,6 +44,7 @@ def build():
 
 if __name__ == "__main__":
     model, inputs = build()
-    gm = fxamp.amp_rewrite(model, inputs, policy="compute=bf16,target=cpu",
-                           rules=[KeepScales()])
+    gm = fxamp.amp_rewrite(model, inputs,
+                           fxamp.RewriteConfig.make(policy="compute=bf16,target=cpu",
+                                                    rules=[KeepScales()]))
     print(fxamp.plan_of(gm).to_text())

@@ -432,4 +432,4 @@ def autocast_rewrite(model: nn.Module, inputs: tuple, *, policy: str | None = No
     import fxamp
 
     text = "numerics=off,placement=off" + (f",{policy}" if policy else "")
-    return fxamp.amp_rewrite(model, inputs, policy=text, **kwargs)
+    return fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(policy=text, **kwargs))

@@ -126,7 +126,8 @@ def bce_inputs():
 def test_binary_cross_entropy_is_an_error_on_cuda(policy):
     if policy == "numerics=off":  # the rewrite alone refuses it: the audit must not
         with pytest.raises(fxamp.UnsupportedModelError):
-            fxamp.amp_rewrite(BCE(), bce_inputs(), policy=policy, target="cuda")
+            fxamp.amp_rewrite(BCE(), bce_inputs(),
+                              fxamp.RewriteConfig.make(policy=policy, target="cuda"))
     findings = audit(BCE(), bce_inputs(), policy=policy, target="cuda")
     bce = by_code(findings, "binary-cross-entropy")
     assert [f.node for f in bce] == ["loss", "binary_cross_entropy"]

@@ -142,7 +142,8 @@ def test_output_low_precision_only_when_outputs_are_kept_low():
     kept = fxamp.audit(MLP(), x, target="cpu", policy="output=keep")
     assert codes(kept).count("output-low-precision") == 1
     assert "output-low-precision" not in codes(fxamp.audit(MLP(), x, target="cpu"))
-    gm = fxamp.amp_rewrite(MLP(), x, target="cpu")  # the default: FP32 outputs
+    gm = fxamp.amp_rewrite(
+        MLP(), x, fxamp.RewriteConfig.make(target="cpu"))  # the default: FP32 outputs
     assert gm(*x).dtype == torch.float32
 
 
@@ -158,7 +159,7 @@ class WithLoss(nn.Module):
 
 def test_checkpoint1_a_loss_in_the_model_runs_in_fp32():
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-    gm = fxamp.amp_rewrite(WithLoss(), (x, y), target="cpu")
+    gm = fxamp.amp_rewrite(WithLoss(), (x, y), fxamp.RewriteConfig.make(target="cpu"))
     plan = fxamp.plan_of(gm)
     assert plan.nodes["fc"].dtype == torch.float16
     assert plan.nodes["cross_entropy"].dtype == torch.float32
@@ -167,7 +168,7 @@ def test_checkpoint1_a_loss_in_the_model_runs_in_fp32():
 def test_checkpoint2_a_skipped_step_leaves_no_gradients_behind():
     torch.manual_seed(0)
     model = MLP()
-    gm = fxamp.amp_rewrite(model, (torch.zeros(2, 16),), target="cpu")
+    gm = fxamp.amp_rewrite(model, (torch.zeros(2, 16),), fxamp.RewriteConfig.make(target="cpu"))
     scaler = torch.amp.GradScaler("cpu", init_scale=4.5e-44)  # its inverse is inf: skipped
     trainer = Trainer(gm, torch.optim.SGD(model.parameters(), lr=0.1), scaler,
                       localize_on_skip=False)
@@ -189,7 +190,8 @@ class Normalize(nn.Module):
 
 
 def test_checkpoint5_normalisation_constants_stay_fp32():
-    gm = fxamp.amp_rewrite(Normalize(), (torch.rand(1, 3, 8, 8),), target="cpu")
+    gm = fxamp.amp_rewrite(Normalize(), (torch.rand(1, 3, 8, 8),),
+                           fxamp.RewriteConfig.make(target="cpu"))
     plan = fxamp.plan_of(gm)
     assert plan.nodes["sub"].dtype == torch.float32
     assert plan.nodes["truediv"].dtype == torch.float32
@@ -200,7 +202,8 @@ def test_checkpoint10_dropout_draws_what_autocast_draws():
     torch.manual_seed(0)
     model = MLP().train()
     x = torch.randn(8, 16)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
     torch.manual_seed(1)
     got = gm(x)
     torch.manual_seed(1)

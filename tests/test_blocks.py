@@ -65,7 +65,8 @@ def test_llama_trains_like_autocast_and_identical_blocks_share_one_plan(caplog):
     ref = _llama()
     model = copy.deepcopy(ref)
     with caplog.at_level(logging.INFO, logger="fxamp"):
-        assert fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True) is model
+        assert fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                                 inplace=True) is model
         with pytest.raises(fxamp.NotPlannedError):
             fxamp.plan_of(model)
         loss, grads = _step(model, False)
@@ -94,7 +95,8 @@ def test_a_hook_added_to_a_layer_after_the_rewrite_fires_and_counts():
     fxamp as under autocast, and the loss and gradients stay autocast's."""
     ref = _llama()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     fired = []
 
     def hook(module, args, out):
@@ -116,7 +118,8 @@ def test_with_an_example_a_hook_added_to_a_layer_later_plans_again_and_fires():
     autocast's."""
     ref = _llama()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, (IDS,), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, (IDS,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     fired = []
 
     def hook(module, args, out):
@@ -134,7 +137,8 @@ def test_with_an_example_a_hook_added_to_a_layer_later_plans_again_and_fires():
 def test_per_layer_compile_runs_the_compiled_layers_and_equals_eager():
     ref = _llama(2)
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     eager_loss, eager_grads = _step(copy.deepcopy(model), False)
     compiled = []
 
@@ -155,7 +159,8 @@ def test_per_layer_compile_runs_the_compiled_layers_and_equals_eager():
 def test_hf_gradient_checkpointing_trains_like_autocast():
     ref = _llama()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     for m in (model, ref):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     loss, grads = _step(model, False)
@@ -166,10 +171,13 @@ def test_hf_gradient_checkpointing_trains_like_autocast():
 def test_a_second_rewrite_with_an_example_undoes_the_blocks():
     ref = _llama(2)
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     model(input_ids=IDS)
-    fxamp.amp_rewrite(model, (IDS,), dtype=BF16, target="cpu", inplace=True,
-                      policy="compute=bf16,target=cpu,fp32:lm_head")
+    fxamp.amp_rewrite(model, (IDS,),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                               policy="compute=bf16,target=cpu,fp32:lm_head"),
+                      inplace=True)
     assert "forward" not in model.model.layers[0].__dict__
     assert fxamp.plan_of(model).header["frontend"] != "blocks"
     with torch.no_grad():
@@ -189,8 +197,8 @@ def test_timm_models_rewritten_in_train_mode_equal_autocast_in_eval(name, exampl
     ref = timm.create_model(name, pretrained=False, num_classes=10).train()
     model = copy.deepcopy(ref)
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))
-    fxamp.amp_rewrite(model, (x,) if example else None, dtype=BF16, target="cpu",
-                      inplace=True)
+    fxamp.amp_rewrite(model, (x,) if example else None,
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     torch.manual_seed(3)
     got = model(x)
     torch.manual_seed(3)
@@ -211,7 +219,8 @@ def test_gpt2_generate_with_its_kv_cache_in_block_mode_gives_autocast_tokens():
                                   n_positions=64, bos_token_id=0, eos_token_id=0)
     ref = transformers.GPT2LMHeadModel(cfg).eval()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=6, do_sample=False)
@@ -232,7 +241,8 @@ def test_gpt2_dropout_in_block_mode_draws_what_autocast_draws_from_step_0():
                                   n_positions=64, bos_token_id=0, eos_token_id=0)
     ref = transformers.GPT2LMHeadModel(cfg).train()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(2))
     calls = []
     model.transformer.h[1].register_forward_hook(lambda *a: calls.append(1))
@@ -266,7 +276,8 @@ def test_blocks_whose_settings_differ_do_not_share_a_plan():
     model = nn.Sequential(*[_Scaled(0.1 * i, i) for i in range(4)])
     ref = copy.deepcopy(model)
     x = torch.randn(2, 8)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     out = model(x)
     with torch.autocast("cpu", dtype=BF16):
         expected = ref(x)
@@ -283,7 +294,8 @@ def test_torchvision_stochastic_depth_and_shifted_windows_train_like_autocast(na
     model = getattr(torchvision.models, name)(weights=None).train()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 3, 64, 64)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     grads = []
     for m, autocast in ((ref, True), (model, False)):
         torch.manual_seed(1)  # (the same stochastic-depth draws on both sides)
@@ -308,7 +320,8 @@ def test_hf_beit_with_drop_path_trains_then_evaluates_like_autocast():
     model = transformers.BeitModel(cfg).train()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 3, 32, 32)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     outs = []
     for m, autocast in ((ref, True), (model, False)):
         torch.manual_seed(1)

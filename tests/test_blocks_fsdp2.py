@@ -48,7 +48,8 @@ def _per_layer(rank: int, checkpointing: bool) -> list:
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
     ref = _llama()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     for m in (model, ref):
         if checkpointing:
             m.gradient_checkpointing_enable(

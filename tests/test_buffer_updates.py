@@ -95,7 +95,8 @@ def test_buffer_updates_repeat_on_every_call_as_under_autocast(cls, frontend):
     model = cls()
     ref = copy.deepcopy(model)
     before = {n: b.clone() for n, b in model.named_buffers()}
-    gm = fxamp.amp_rewrite(model, (torch.randn(3, 4),), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(3, 4),),
+                           fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     for name, value in model.named_buffers():  # the rewrite did not update them
         assert torch.equal(value, before[name]), name
     got, want = _calls(gm, 3, False), _calls(ref, 3, True)
@@ -112,7 +113,8 @@ def test_fx_node_names_stay_symbolic_traces_when_buffers_are_only_read():
             return self.a(x) * torch.exp(torch.tanh(self.ema))
 
     model = Reads()
-    gm = fxamp.amp_rewrite(model, (torch.randn(3, 4),), frontend="fx", **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(3, 4),),
+                           fxamp.RewriteConfig.make(frontend="fx", **BF16))
     names = [n.name for n in torch.fx.symbolic_trace(copy.deepcopy(model)).graph.nodes
              if n.op != "output"]
     assert list(fxamp.plan_of(gm).nodes) == names
@@ -125,7 +127,7 @@ def test_timm_batchnormact_counts_batches_like_autocast():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), BatchNormAct2d(8), nn.Conv2d(8, 4, 3)).train()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 3, 12, 12)
-    gm = fxamp.amp_rewrite(model, (x,), frontend="fx", **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend="fx", **BF16))
     assert model[1].num_batches_tracked.item() == 0
     for _ in range(2):
         gm(x)
@@ -157,7 +159,7 @@ def test_one_buffer_update_in_many_modules_of_a_class_is_one_retrace(monkeypatch
                                                             BatchNormAct2d(4))]).train()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 4, 8, 8)
-    gm = fxamp.amp_rewrite(model, (x,), frontend="fx", **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend="fx", **BF16))
     assert len(traces) <= 3, len(traces)  # (first trace, again for the class, eval mode)
     gm(x)
     with torch.autocast("cpu", torch.bfloat16):
@@ -171,7 +173,8 @@ def test_fx_refuses_a_buffer_value_read_by_python_naming_the_line():
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), BatchNormAct2d(8, momentum=None))
     with pytest.raises(TraceError, match=r"num_batches_tracked") as err:
-        fxamp.amp_rewrite(model, (torch.randn(2, 3, 8, 8),), frontend="fx", **BF16)
+        fxamp.amp_rewrite(model, (torch.randn(2, 3, 8, 8),),
+                          fxamp.RewriteConfig.make(frontend="fx", **BF16))
     assert "norm_act.py" in str(err.value)
     assert model[1].num_batches_tracked.item() == 0  # refused before it changed
 
@@ -183,7 +186,8 @@ def test_a_buffer_set_to_none_in_forward_is_refused_by_name():
             return self.a(x)
 
     with pytest.raises(TraceError, match=r"sets buffer 'ema' to None"):
-        fxamp.amp_rewrite(Drops(), (torch.randn(3, 4),), frontend="fx", **BF16)
+        fxamp.amp_rewrite(Drops(), (torch.randn(3, 4),),
+                          fxamp.RewriteConfig.make(frontend="fx", **BF16))
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -195,7 +199,8 @@ def test_a_buffer_assigned_another_shape_is_refused_naming_the_line(frontend):
             return y
 
     with pytest.raises(UnsupportedModelError, match=r"shape \(4,\).*shape \(\)") as err:
-        fxamp.amp_rewrite(Grows(), (torch.randn(3, 4),), frontend=frontend, **BF16)
+        fxamp.amp_rewrite(Grows(), (torch.randn(3, 4),),
+                          fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     assert "test_buffer_updates.py" in str(err.value)
     assert str(err.value).count("what to do") == 1
 
@@ -213,7 +218,7 @@ def test_timm_cumulative_batchnorm_runs_under_auto_and_counts_calls():
         if isinstance(module, nn.BatchNorm2d):
             module.momentum = None
     x = torch.randn(2, 3, 32, 32)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     counts = [b for n, b in model.named_buffers() if n.endswith("num_batches_tracked")]
     assert all(c.item() == 0 for c in counts)
     for _ in range(2):

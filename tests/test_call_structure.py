@@ -46,8 +46,10 @@ def _models():
 
 def _rewrite(model, mode, args=(X,), kwargs=None):
     frontend, inplace = mode
-    return fxamp.amp_rewrite(model, args, example_kwargs=kwargs, dtype=BF16, target="cpu",
-                             frontend=frontend, inplace=inplace)
+    return fxamp.amp_rewrite(model, args,
+                             fxamp.RewriteConfig.make(example_kwargs=kwargs, dtype=BF16,
+                                                      target="cpu",
+                                                      frontend=frontend), inplace=inplace)
 
 
 def _autocast(ref, *args, **kwargs):
@@ -115,8 +117,8 @@ class Kwargs(nn.Module):
 def test_a_keyword_a_var_keyword_takes_is_never_dropped(frontend):
     torch.manual_seed(0)
     ref = Kwargs()
-    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (X,), dtype=BF16, target="cpu",
-                           frontend=frontend)
+    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (X,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend=frontend))
     n = torch.tensor(7.0)
     with pytest.raises(CallStructureError, match="'num_items_in_batch' a tensor"):
         gm(X, num_items_in_batch=n)
@@ -141,14 +143,18 @@ def test_export_a_python_value_other_than_the_examples_is_refused_or_planned():
     structure (a returned module refuses it by name; in place it gets its own graph)."""
     torch.manual_seed(0)
     ref = Flagged()
-    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (X,), example_kwargs={"double": False},
-                           dtype=BF16, target="cpu", frontend="export")
+    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (X,),
+                           fxamp.RewriteConfig.make(example_kwargs={"double": False}, dtype=BF16,
+                                                    target="cpu",
+                                                    frontend="export"))
     assert torch.equal(gm(X, double=False), _autocast(ref, X, double=False))
     with pytest.raises(CallStructureError, match="'double' = True"):
         gm(X, double=True)
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, (X,), example_kwargs={"double": False}, dtype=BF16,
-                      target="cpu", frontend="export", inplace=True)
+    fxamp.amp_rewrite(model, (X,),
+                      fxamp.RewriteConfig.make(example_kwargs={"double": False}, dtype=BF16,
+                                               target="cpu",
+                                               frontend="export"), inplace=True)
     for flag in (True, False, True):
         assert torch.equal(model(X, double=flag), _autocast(ref, X, double=flag))
 

@@ -67,12 +67,14 @@ def test_channels_last_runs_convs_in_nhwc_with_the_same_outputs_and_parameters()
     model = TinyConvNet().train()
     x = torch.randn(2, 3, 16, 16)
     originals = dict(model.named_parameters())
-    off = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu")
+    off = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     with _ConvInputs() as mode:
         out_off = off(x)
     assert mode.seen and not any(inp for inp, _, _ in mode.seen)  # NCHW without the option
 
-    on = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", policy="channels_last=on")
+    on = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                    policy="channels_last=on"))
     assert fxamp.plan_of(on).nodes == fxamp.plan_of(off).nodes  # the precision plan is unchanged
     assert "memory_format = torch.channels_last" in on.code
     with _ConvInputs() as mode:
@@ -131,7 +133,9 @@ def test_channels_last_training_equals_autocast_training_in_channels_last(name):
     y = torch.randint(0, 10, (shape[0],))
 
     model = copy.deepcopy(base)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", policy="channels_last=on")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                    policy="channels_last=on"))
     assert gm.conv1.weight is model.conv1.weight
     losses, grads, seen = _train_steps(model, gm, x, y)  # NCHW input: gm converts it
 
@@ -167,10 +171,12 @@ def test_model_without_conv_gets_a_note_and_no_change(caplog):
     model = nn.Sequential(nn.Flatten(), nn.Linear(48, 4))
     x = torch.randn(2, 3, 4, 4)
     with caplog.at_level(logging.INFO, logger="fxamp"):
-        gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", policy="channels_last=on")
+        gm = fxamp.amp_rewrite(model, (x,),
+                               fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                        policy="channels_last=on"))
     assert "no 2-D convolution" in caplog.text
     assert "channels_last" not in gm.code
-    off = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu")
+    off = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     assert gm.code == off.code
     torch.testing.assert_close(gm(x), off(x))
 
@@ -180,7 +186,9 @@ def test_torch_compile_of_the_channels_last_rewrite():
     torch.manual_seed(0)
     model = TinyConvNet().train()
     x = torch.randn(2, 3, 16, 16)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", policy="channels_last=on")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                    policy="channels_last=on"))
     eager = gm(x)
     out = torch.compile(gm)(x)
     torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
@@ -192,9 +200,11 @@ def test_channels_last_with_the_export_front_end():
     torch.manual_seed(0)
     model = TinyConvNet().train()
     x = torch.randn(2, 3, 16, 16)
-    off = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend="export")
-    on = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend="export",
-                           policy="channels_last=on")
+    off = fxamp.amp_rewrite(model, (x,),
+                            fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend="export"))
+    on = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend="export",
+                                                    policy="channels_last=on"))
     assert fxamp.plan_of(on).header["frontend"] == "export"
     with _ConvInputs() as mode:
         out = on(x)

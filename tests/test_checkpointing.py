@@ -131,7 +131,8 @@ def test_checkpointed_blocks_keep_their_memory_saving_and_gradients(frontend, re
     model = Blocks(reentrant)
     ref = copy.deepcopy(model)
     x = torch.randn(16, 32, requires_grad=True)  # (reentrant: an input needing grad)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend=frontend)
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend=frontend))
     assert len(regions(gm)) == 4
     assert all(r.options["use_reentrant"] is reentrant for r in regions(gm))
     plan = fxamp.plan_of(gm)
@@ -159,7 +160,8 @@ def test_reentrant_without_an_input_needing_grad_loses_the_same_gradients():
     model = Blocks(reentrant=True)
     ref = copy.deepcopy(model)
     x = torch.randn(16, 32)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend="fx")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend="fx"))
     with pytest.warns(UserWarning, match="requires_grad"):
         train_side_by_side(gm, ref, x, steps=1)
     assert sorted(grads(gm)) == ["head.bias", "head.weight"]
@@ -172,7 +174,8 @@ def test_dropout_recompute_draws_the_same_masks(frontend):
     model = Blocks(reentrant=False, p=0.3)
     ref = copy.deepcopy(model)
     x = torch.randn(16, 32, requires_grad=True)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend=frontend)
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend=frontend))
     train_side_by_side(gm, ref, x)
 
 
@@ -182,8 +185,9 @@ def test_weights_cast_every_forward():
     model = Blocks(reentrant=True)
     ref = copy.deepcopy(model)
     x = torch.randn(16, 32, requires_grad=True)
-    gm = fxamp.amp_rewrite(model, (x,), policy="compute=bf16,target=cpu,weights=cast",
-                           frontend="fx")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(policy="compute=bf16,target=cpu,weights=cast",
+                                                    frontend="fx"))
     assert len(regions(gm)) == 4
     train_side_by_side(gm, ref, x)
 
@@ -199,7 +203,8 @@ def test_selective_checkpointing_context_fn_is_kept():
     model = Blocks(reentrant=False, context_fn=context_fn)
     ref = copy.deepcopy(model)
     x = torch.randn(16, 32, requires_grad=True)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend="export")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend="export"))
     assert all(r.options["context_fn"] is context_fn for r in regions(gm))
     train_side_by_side(gm, ref, x)
 
@@ -241,7 +246,8 @@ def test_nested_sequential_keyword_and_tuple_regions(frontend):
     model = Shapes()
     ref = copy.deepcopy(model)
     x = torch.randn(8, 32, requires_grad=True)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend=frontend)
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend=frontend))
     names = [n for n, m in gm.named_modules() if isinstance(m, CheckpointRegion)]
     assert len(names) == 5 and "fxamp_checkpoint_0.body.fxamp_checkpoint_0" in names
     train_side_by_side(gm, ref, x)
@@ -265,7 +271,7 @@ def test_eager_root_runs_its_own_checkpoint_calls():
     model = Untraceable()
     ref = copy.deepcopy(model)
     x = torch.randn(8, 32, requires_grad=True)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     assert fxamp.plan_of(gm).header["frontend"] == "eager"
     mine, theirs = counter([gm.first, gm.second]), counter([ref.first, ref.second])
     train_side_by_side(gm, ref, x)
@@ -275,7 +281,8 @@ def test_eager_root_runs_its_own_checkpoint_calls():
 def test_state_dict_and_deepcopy_unchanged():
     model = Blocks(reentrant=False)
     x = torch.randn(4, 32)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", frontend="fx")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend="fx"))
     assert list(gm.state_dict()) == list(model.state_dict())
     assert all(not list(r.parameters()) and not list(r.buffers()) for r in regions(gm))
     twin = copy.deepcopy(gm)
@@ -335,7 +342,7 @@ def test_hf_gradient_checkpointing(reentrant):
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     model = tiny_bert(reentrant)
     ref = copy.deepcopy(model)
-    gm = fxamp.amp_rewrite(model, (ids,), dtype=BF16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     found = regions(gm)
     assert len(found) == 2 and all(r.options["use_reentrant"] is reentrant for r in found)
     mine = counter([r.body for r in found])
@@ -349,7 +356,8 @@ def test_hf_gradient_checkpointing(reentrant):
     assert_same_grads(gm, ref, atol=0.0)
     if not reentrant:
         plain = tiny_bert(None)
-        bert_step(fxamp.amp_rewrite(plain, (ids,), dtype=BF16, target="cpu"), ids, False)
+        bert_step(fxamp.amp_rewrite(plain, (ids,),
+                                    fxamp.RewriteConfig.make(dtype=BF16, target="cpu")), ids, False)
         assert_same_grads(gm, plain)
 
 
@@ -361,7 +369,8 @@ def test_hf_inplace_rewrite_follows_the_models_mode():
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     model = tiny_bert(True, layers=1)
     ref = copy.deepcopy(model)
-    assert fxamp.amp_rewrite(model, (ids,), dtype=BF16, target="cpu", inplace=True) is model
+    assert fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                             inplace=True) is model
     (region,) = regions(fxamp.rewritten(model))
     calls = counter([region.body])
     bert_step(model, ids, autocast=False)
@@ -380,7 +389,7 @@ def test_hf_model_rewritten_in_eval_mode_checkpoints_in_train_mode_only(caplog):
     pytest.importorskip("transformers")
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     model = tiny_bert(False, layers=1).eval()
-    gm = fxamp.amp_rewrite(model, (ids,), dtype=BF16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     (region,) = regions(gm)
     assert region.modes == frozenset({True})
     calls = counter([region.body])
@@ -391,7 +400,8 @@ def test_hf_model_rewritten_in_eval_mode_checkpoints_in_train_mode_only(caplog):
     bert_step(gm, ids, autocast=False)
     assert calls[0] == 3  # no recompute
     with caplog.at_level(logging.WARNING, "fxamp"), torch.no_grad():
-        fxamp.amp_rewrite(tiny_bert(False, layers=1), (ids,), dtype=BF16, target="cpu")
+        fxamp.amp_rewrite(tiny_bert(False, layers=1), (ids,),
+                          fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     assert "made no torch.utils.checkpoint call" in caplog.text
 
 

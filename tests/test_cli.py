@@ -203,7 +203,7 @@ def test_dtype_names_are_the_compute_dtypes_everywhere():
     assert f"names: {', '.join(valid)})" in str(info.value)
     model, inputs = __import__("fxamp.demo", fromlist=["small_cnn"]).small_cnn()
     with pytest.raises(api.PolicyError, match="compute dtype must be fp16 or bf16"):
-        api.amp_rewrite(model, inputs, dtype="fp32")
+        api.amp_rewrite(model, inputs, api.RewriteConfig.make(dtype="fp32"))
     # fp32 stays valid where FP32 means something: overrides and the output dtype
     p = api.Policy.parse("output=fp32,fp32:fc")
     assert p.output_dtype is torch.float32 and p.overrides[0].dtype is torch.float32

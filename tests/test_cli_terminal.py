@@ -146,7 +146,7 @@ def test_diff_on_an_ascii_stdout_writes_its_arrows_in_ascii(work: Path) -> None:
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), torch.randn(2, 8)
     for name, policy in (("a.plan", None), ("b.plan", "fp32:0")):
-        gm = fxamp.amp_rewrite(model, (x,), target="cpu", policy=policy)
+        gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(target="cpu", policy=policy))
         fxamp.plan_of(gm).save(str(work / name))
     r = _fxamp("diff", "a.plan", "b.plan", cwd=work, PYTHONIOENCODING="ascii")
     assert r.returncode == 1, r.stderr  # the plans differ

@@ -78,7 +78,8 @@ def test_inductor_compiled_rewrite_equals_inductor_compiled_autocast_bit_for_bit
     ref = MLP() if name == "mlp" else ConvNet()
     x = _inputs(name)
     model = copy.deepcopy(ref)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=inplace)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                           inplace=inplace)
     torch._dynamo.reset()
     got_loss, got_grads = _step(torch.compile(gm, dynamic=False), x, False)
     want_loss, want_grads = _step(torch.compile(ref, dynamic=False), x, True)

@@ -30,7 +30,9 @@ def test_amp_rewrite_stores_the_config_it_made_once() -> None:
     torch.manual_seed(0)
     model = ShapeBranchMLP()
     x = torch.randn(4, 16)
-    gm = fxamp.amp_rewrite(model, (x,), target="cpu", policy="fp32:fc2", frontend="export")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(target="cpu", policy="fp32:fc2",
+                                                    frontend="export"))
     config = config_of(gm)
     assert config.frontend == "export" and str(config.policy) == fxamp.plan_of(gm).policy
     again = fxamp.amp_rewrite(model, (x,), config=config)
@@ -48,8 +50,9 @@ def test_healing_keeps_the_front_end_and_the_calibration() -> None:
     model = ShapeBranchMLP()
     example = (torch.randn(4, 16),)
     calibration = [(torch.randn(8, 16) * 1000,) for _ in range(2)]  # iterated once only
-    gm = fxamp.amp_rewrite(model, example, target="cpu", frontend="export",
-                           calibration_data=iter(calibration))
+    gm = fxamp.amp_rewrite(model, example,
+                           fxamp.RewriteConfig.make(target="cpu", frontend="export",
+                                                    calibration_data=iter(calibration)))
     plan = fxamp.plan_of(gm)
     assert plan.header["frontend"] == "export" and plan.ranges
     kept = {n for n, p in plan.nodes.items() if p.rule == "ranges"}
@@ -102,7 +105,7 @@ def test_search_scores_on_the_front_end_the_rewrite_used(frontend: str) -> None:
     model = SensitiveBranch()
     data = [(torch.randn(4, 16),) for _ in range(2)]
     with pytest.raises(fxamp.TraceError):
-        fxamp.amp_rewrite(model, data[0], target="cpu", frontend="fx")
+        fxamp.amp_rewrite(model, data[0], fxamp.RewriteConfig.make(target="cpu", frontend="fx"))
     found = fxamp.search(model, data[0], data, rtol=5e-3, target="cpu", frontend=frontend)
     plan = fxamp.plan_of(found.graph_module)
     assert plan.header["frontend"] == "export"

@@ -32,7 +32,8 @@ class ValueBranch(nn.Module):
 
 def _rewrite(cls, inplace=False):
     torch.manual_seed(0)
-    return fxamp.amp_rewrite(cls(), (X,), dtype=BF16, target="cpu", inplace=inplace)
+    return fxamp.amp_rewrite(cls(), (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                             inplace=inplace)
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -66,7 +66,8 @@ def test_real_model_on_cuda(name: str, dtype: torch.dtype) -> None:
     assert out.device.type == "cuda" and out.dtype == want.dtype
     torch.testing.assert_close(out.float(), want.float(), rtol=0.05, atol=0.05)
     # the full default policy (numerics passes on) also rewrites and runs on the GPU
-    full = fxamp.amp_rewrite(copy.deepcopy(model), (x,), dtype=dtype, target="cuda")
+    full = fxamp.amp_rewrite(copy.deepcopy(model), (x,),
+                             fxamp.RewriteConfig.make(dtype=dtype, target="cuda"))
     with torch.no_grad():
         assert torch.isfinite(full(x).float()).all()
 
@@ -94,7 +95,7 @@ def test_training_on_cuda(dtype: torch.dtype) -> None:
     model = SmallCNN().cuda().train()
     x = torch.randn(32, 3, 16, 16, device="cuda")
     y = (x[:, 0].mean((1, 2)) > 0).long()  # learnable: the sign of channel 0's mean
-    gm = fxamp.amp_rewrite(model, (x,), dtype=dtype, target="cuda")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=dtype, target="cuda"))
     opt = torch.optim.Adam(model.parameters(), 1e-2)
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
     losses = []

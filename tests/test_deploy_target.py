@@ -40,8 +40,8 @@ def _computing(plan):
 def test_tensorrt_plan_runs_autocasts_fp32_list_ops_in_fp16():
     torch.manual_seed(0)
     model, x = Block().eval(), (torch.randn(2, 5, 16),)
-    cuda = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="cuda"))
-    trt = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt"))
+    cuda = fxamp.plan_of(fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="cuda")))
+    trt = fxamp.plan_of(fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt")))
     assert cuda.nodes["norm"].dtype == torch.float32  # training: autocast's fp32 list
     assert cuda.nodes["softmax"].dtype == torch.float32
     nodes = _computing(trt)
@@ -54,7 +54,7 @@ def test_tensorrt_plan_runs_autocasts_fp32_list_ops_in_fp16():
 def test_a_range_past_fp16_on_the_example_inputs_keeps_fp32_naming_the_number():
     torch.manual_seed(0)
     model, x = Large().eval(), (torch.randn(4, 8),)
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     plan = fxamp.plan_of(gm)
     with torch.no_grad():
         peak = float((model.up(x[0]) * 5e4).abs().max())
@@ -70,10 +70,13 @@ def test_a_range_past_fp16_on_the_example_inputs_keeps_fp32_naming_the_number():
 def test_calibration_data_adds_ranges_the_example_inputs_do_not_reach():
     torch.manual_seed(0)
     model, x = Large(scale=100.0).eval(), (torch.randn(4, 8),)
-    assert fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt")).nodes[
+    assert fxamp.plan_of(fxamp.amp_rewrite(
+        model, x, fxamp.RewriteConfig.make(target="tensorrt"))).nodes[
         "mul"].dtype == torch.float16
     big = [(torch.randn(4, 8) * 1e3,)]
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt", calibration_data=big))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, x,
+                                           fxamp.RewriteConfig.make(target="tensorrt",
+                                                                    calibration_data=big)))
     assert plan.nodes["mul"].dtype == torch.float32
     assert "the example inputs and calibration data" in plan.nodes["mul"].reason
 
@@ -85,7 +88,8 @@ class Summer(nn.Module):
 
 def test_a_deep_reduction_stays_fp32_a_shallow_one_goes_fp16():
     x = (torch.rand(4, DEEP_REDUCTION * 2),)
-    plan = fxamp.plan_of(fxamp.amp_rewrite(Summer(), x, target="tensorrt"))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(
+        Summer(), x, fxamp.RewriteConfig.make(target="tensorrt")))
     assert plan.nodes["sum_1"].dtype == torch.float32
     assert f"reduces {DEEP_REDUCTION * 2} values" in plan.nodes["sum_1"].reason
     assert plan.nodes["mean"].dtype == torch.float16  # 4 values per output
@@ -98,7 +102,7 @@ def test_a_weight_past_fp16s_range_keeps_its_layer_fp32():
         model[0].bias.zero_()
         model[1].weight[0, 0] = 2e5
     plan = fxamp.plan_of(fxamp.amp_rewrite(model, (torch.randn(2, 4) * 1e-3,),
-                                           target="tensorrt"))
+                                           fxamp.RewriteConfig.make(target="tensorrt")))
     assert plan.nodes["_0"].dtype == torch.float16
     assert plan.nodes["_1"].dtype == torch.float32
     assert "a weight reaches 2e+05" in plan.nodes["_1"].reason
@@ -117,8 +121,7 @@ def test_policy_grammar_and_overrides_work_for_tensorrt():
     pol = Policy.parse("target=tensorrt,fp32:head")
     assert pol.target == "tensorrt" and str(pol) == "compute=fp16,target=tensorrt,fp32:head"
     torch.manual_seed(0)
-    plan = fxamp.plan_of(fxamp.amp_rewrite(Large(scale=1.0).eval(), (torch.randn(2, 8),),
-                                           policy=pol))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(Large(scale=1.0).eval(), (torch.randn(2, 8),), pol))
     assert plan.nodes["head"].dtype == torch.float32 and plan.nodes["head"].rule == "user"
     assert plan.nodes["up"].dtype == torch.float16
 
@@ -154,7 +157,8 @@ def test_a_deployment_plan_is_the_eval_mode_graph_and_a_train_mode_model_is_told
     torch.manual_seed(0)
     model, x = DropoutNet(), torch.randn(16, 8)
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        gm = fxamp.amp_rewrite(model, (x,), target="tensorrt", frontend=frontend)
+        gm = fxamp.amp_rewrite(model, (x,),
+                               fxamp.RewriteConfig.make(target="tensorrt", frontend=frontend))
     assert any("traced in eval mode once" in r.getMessage() for r in caplog.records)
     with torch.no_grad():
         want = model.eval()(x)
@@ -162,5 +166,6 @@ def test_a_deployment_plan_is_the_eval_mode_graph_and_a_train_mode_model_is_told
     assert (got - want).abs().max() < 1e-2 * want.abs().max()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        fxamp.amp_rewrite(model.eval(), (x,), target="tensorrt", frontend=frontend)
+        fxamp.amp_rewrite(model.eval(), (x,),
+                          fxamp.RewriteConfig.make(target="tensorrt", frontend=frontend))
     assert not any("traced in eval mode" in r.getMessage() for r in caplog.records)

@@ -121,7 +121,7 @@ def test_float64_model_stays_float64(dtype: torch.dtype, target: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).double()
     x = torch.randn(3, 8, dtype=torch.float64)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=dtype, target=target)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=dtype, target=target))
     plan = fxamp.plan_of(gm)
     assert list(plan.nodes) == ["input_1", "_0", "_1", "_2"]
     assert {name: p.dtype for name, p in plan.nodes.items()} == {

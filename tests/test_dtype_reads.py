@@ -66,8 +66,10 @@ def _eval(model: nn.Module, args: tuple, kwargs: dict, autocast: bool) -> torch.
 def _assert_like_autocast(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """One training step and one eval forward of the export rewrite equal autocast's."""
     ref = copy.deepcopy(model)
-    fxamp.amp_rewrite(model, args, example_kwargs=kwargs, dtype=torch.bfloat16, target="cpu",
-                      frontend="export", inplace=True)
+    fxamp.amp_rewrite(model, args,
+                      fxamp.RewriteConfig.make(example_kwargs=kwargs, dtype=torch.bfloat16,
+                                               target="cpu",
+                                               frontend="export"), inplace=True)
     loss_ref, grads_ref = _step(ref, args, kwargs, True)
     loss, grads = _step(model, args, kwargs, False)
     assert torch.equal(loss, loss_ref), (loss, loss_ref)
@@ -84,8 +86,9 @@ def test_dtype_reads_in_a_handwritten_model_train_and_eval_like_autocast():
 
 def test_to_the_dtype_of_a_bf16_value_is_planned_bf16():
     x, mask = _inputs()
-    gm = fxamp.amp_rewrite(_Reads(), (x, mask), dtype=torch.bfloat16, target="cpu",
-                           frontend="export")
+    gm = fxamp.amp_rewrite(_Reads(), (x, mask),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                    frontend="export"))
     plan = fxamp.plan_of(gm)
     casts = {name: rec.dtype for name, rec in plan.nodes.items()
              if rec.op in ("aten.to.dtype", "aten.to.dtype_layout")}
@@ -95,8 +98,9 @@ def test_to_the_dtype_of_a_bf16_value_is_planned_bf16():
 def test_finfo_min_of_a_bf16_tensor_is_filled_as_under_autocast():
     """FP32's minimum cannot be written into bf16 scores: the rewrite used to raise."""
     x, mask = _inputs()
-    gm = fxamp.amp_rewrite(_Reads(), (x, mask), dtype=torch.bfloat16, target="cpu",
-                           frontend="export")
+    gm = fxamp.amp_rewrite(_Reads(), (x, mask),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                    frontend="export"))
     fills = [n for n in gm.graph.nodes if n.target is torch.ops.aten.masked_fill.Scalar]
     assert [n.args[2] for n in fills] == [torch.finfo(torch.bfloat16).min]
 
@@ -117,8 +121,9 @@ class _Branches(nn.Module):
 
 def test_a_branch_on_a_dtype_warns_naming_the_line(caplog):
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        fxamp.amp_rewrite(_Branches(), (torch.randn(2, 8),), dtype=torch.bfloat16,
-                          target="cpu", frontend="export")
+        fxamp.amp_rewrite(_Branches(), (torch.randn(2, 8),),
+                          fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                   frontend="export"))
     text = " ".join(r.getMessage() for r in caplog.records if "branches on a dtype" in
                     r.getMessage())
     assert "test_dtype_reads.py" in text and "relu" in text, caplog.text

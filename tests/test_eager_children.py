@@ -124,7 +124,7 @@ def test_children_of_an_eager_root_have_autocasts_dtypes_and_train_like_autocast
     torch.manual_seed(0)
     model, x = Detector().train(), torch.randn(2, 3, 8, 8)
     ref = copy.deepcopy(model)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=DT, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=DT, target="cpu"))
     want, got = recorded(ref, CHILDREN), recorded(gm, CHILDREN)
 
     def autocast_run() -> torch.Tensor:
@@ -155,7 +155,7 @@ def test_a_child_planned_for_fp32_inputs_is_a_warning_naming_it(caplog):
     torch.manual_seed(0)
     model, x = Detector(), torch.randn(2, 3, 8, 8)
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        gm = fxamp.amp_rewrite(model, (x,), dtype=DT, target="cpu")
+        gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=DT, target="cpu"))
     assert "planned for FP32 inputs" in fxamp.plan_of(gm).nodes["refine"].reason
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
               and "FP32 inputs" in r.getMessage()]
@@ -185,7 +185,8 @@ def test_torchvision_detection_children_and_training_step_match_autocast(name):
     targets = [{"boxes": torch.tensor([[4., 4., 30., 30.]]), "labels": torch.tensor([1])},
                {"boxes": torch.tensor([[10., 12., 50., 60.]]), "labels": torch.tensor([2])}]
     ref = copy.deepcopy(model)
-    gm = fxamp.amp_rewrite(model, (images, targets), dtype=DT, target="cpu")
+    gm = fxamp.amp_rewrite(model, (images, targets),
+                           fxamp.RewriteConfig.make(dtype=DT, target="cpu"))
     assert not [n for n, p in fxamp.plan_of(gm).nodes.items() if "FP32 inputs" in p.reason]
     want, got = recorded(ref, children), recorded(gm, children)
     torch.manual_seed(1)

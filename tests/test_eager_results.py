@@ -68,7 +68,7 @@ def models(tmp_path_factory):
 
 
 def rewrite(model, inputs):
-    gm = fxamp.amp_rewrite(model, inputs, target="cpu")
+    gm = fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(target="cpu"))
     assert fxamp.plan_of(gm).header["frontend"] == "eager"
     return gm
 
@@ -101,7 +101,8 @@ def test_audit_reads_the_children_and_the_runtime_parts(models):
     assert ("runs-under-autocast", "gate") in by_node
     assert by_node[("norm-eps-underflow", "gate.norm")].severity == "warning"
     # the policy hint the audit gives matches a plan line
-    gm = fxamp.amp_rewrite(model, inputs, target="cpu", policy="fp32:ln/layer_norm")
+    gm = fxamp.amp_rewrite(model, inputs,
+                           fxamp.RewriteConfig.make(target="cpu", policy="fp32:ln/layer_norm"))
     assert fxamp.plan_of(gm).nodes["ln/layer_norm"].dtype == torch.float32
 
 

@@ -50,8 +50,9 @@ def _t5():
 
 
 def _rewrite(model, inplace: bool, *args, **kwargs):
-    out = fxamp.amp_rewrite(model, args or None, example_kwargs=kwargs or None, dtype=BF16,
-                            target="cpu", inplace=inplace)
+    out = fxamp.amp_rewrite(model, args or None,
+                            fxamp.RewriteConfig.make(example_kwargs=kwargs or None, dtype=BF16,
+                                                     target="cpu"), inplace=inplace)
     assert fxamp.plan_of(out).header["frontend"] == "eager"
     return out
 

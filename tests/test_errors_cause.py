@@ -21,7 +21,7 @@ class Net(nn.Module):
 
 def test_wrong_shape_is_reported_as_the_models_own_error(capfd):
     with pytest.raises(ExampleInputError) as info:
-        fxamp.amp_rewrite(Net(), (torch.randn(4, 5),), target="cpu")
+        fxamp.amp_rewrite(Net(), (torch.randn(4, 5),), fxamp.RewriteConfig.make(target="cpu"))
     text = str(info.value)
     assert "mat1 and mat2 shapes cannot be multiplied (4x5 and 8x8)" in text
     assert "test_errors_cause.py" in text and "self.lin(x)" in text  # the model's line
@@ -32,7 +32,7 @@ def test_wrong_shape_is_reported_as_the_models_own_error(capfd):
 def test_empty_example_inputs_name_the_missing_argument(capfd):
     with pytest.raises(ExampleInputError, match="missing 1 required positional argument") \
             as info:
-        fxamp.amp_rewrite(Net(), (), target="cpu")
+        fxamp.amp_rewrite(Net(), (), fxamp.RewriteConfig.make(target="cpu"))
     assert "tlparse" not in str(info.value)
     assert not getattr(info.value, "__notes__", None)
     assert capfd.readouterr().err == ""
@@ -41,7 +41,8 @@ def test_empty_example_inputs_name_the_missing_argument(capfd):
 def test_fake_run_failure_on_a_meta_model_prints_no_torch_logs(capfd):
     model = Net().to("meta")  # nothing runs on meta: the inputs are checked by the fake run
     with pytest.raises(FxampError) as info:
-        fxamp.amp_rewrite(model, (torch.randn(4, 5, device="meta"),), target="cpu")
+        fxamp.amp_rewrite(model, (torch.randn(4, 5, device="meta"),),
+                          fxamp.RewriteConfig.make(target="cpu"))
     assert not any("tlparse" in note for note in getattr(info.value, "__notes__", []))
     assert capfd.readouterr().err == ""
 
@@ -57,7 +58,7 @@ class Branchy(nn.Module):
 
 def test_auto_never_advises_the_front_end_in_use():
     with pytest.raises(TraceError) as info:
-        fxamp.amp_rewrite(Branchy(), (torch.randn(2, 3),), target="cpu")
+        fxamp.amp_rewrite(Branchy(), (torch.randn(2, 3),), fxamp.RewriteConfig.make(target="cpu"))
     text = str(info.value)
     assert "frontend='auto'" not in text
     assert "- fx:" in text and "- export:" in text and "torch.where" in text
@@ -65,18 +66,21 @@ def test_auto_never_advises_the_front_end_in_use():
 
 def test_fx_error_advises_auto():
     with pytest.raises(TraceError, match="frontend='auto'"):
-        fxamp.amp_rewrite(Branchy(), (torch.randn(2, 3),), target="cpu", frontend="fx")
+        fxamp.amp_rewrite(Branchy(), (torch.randn(2, 3),),
+                          fxamp.RewriteConfig.make(target="cpu", frontend="fx"))
 
 
 def test_conflicting_dtype_and_compute_raise_policy_error():
     x = (torch.randn(2, 8),)
     with pytest.raises(PolicyError, match="conflicts with the policy's compute=bf16"):
-        fxamp.amp_rewrite(Net(), x, dtype=torch.float16, policy="compute=bf16",
-                          target="cpu")
-    gm = fxamp.amp_rewrite(Net(), x, policy="compute=bf16", target="cpu")
+        fxamp.amp_rewrite(Net(), x,
+                          fxamp.RewriteConfig.make(dtype=torch.float16, policy="compute=bf16",
+                                                   target="cpu"))
+    gm = fxamp.amp_rewrite(Net(), x, fxamp.RewriteConfig.make(policy="compute=bf16", target="cpu"))
     assert fxamp.plan_of(gm).header["policy"].startswith("compute=bf16")
-    gm = fxamp.amp_rewrite(Net(), x, dtype=torch.bfloat16, policy="compute=bf16",
-                           target="cpu")
+    gm = fxamp.amp_rewrite(Net(), x,
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, policy="compute=bf16",
+                                                    target="cpu"))
     assert gm(*x).dtype == torch.float32
 
 
@@ -115,7 +119,9 @@ class _OptionalMask(nn.Module):
 def test_a_none_default_left_out_of_the_example_is_traced_as_none():
     model = _OptionalMask()
     x = torch.randn(2, 4)
-    gm = fxamp.amp_rewrite(model, (x,), frontend="fx", target="cpu", dtype=torch.bfloat16)
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(frontend="fx", target="cpu",
+                                                    dtype=torch.bfloat16))
     with torch.autocast("cpu", torch.bfloat16):
         want = model(x)
     assert torch.equal(gm(x).float(), want.float())
@@ -138,8 +144,9 @@ class _PackedGRU(nn.Module):
 def test_a_packed_sequence_is_named_as_the_cause(frontend):
     inputs = (torch.randn(2, 3, 4), torch.tensor([3, 2]))
     with pytest.raises(fxamp.TraceError) as err:
-        fxamp.amp_rewrite(_PackedGRU(), inputs, frontend=frontend, target="cpu",
-                          dtype=torch.bfloat16)
+        fxamp.amp_rewrite(_PackedGRU(), inputs,
+                          fxamp.RewriteConfig.make(frontend=frontend, target="cpu",
+                                                   dtype=torch.bfloat16))
     text = str(err.value)
     assert "packed sequence" in text and "branch" not in text and "control flow" not in text
 
@@ -147,5 +154,6 @@ def test_a_packed_sequence_is_named_as_the_cause(frontend):
 def test_an_rnns_own_flat_weight_cache_is_no_side_effect(caplog):
     model = nn.Sequential(nn.LSTM(4, 4, batch_first=True))
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        fxamp.amp_rewrite(model, (torch.randn(2, 3, 4),), target="cpu", dtype=torch.bfloat16)
+        fxamp.amp_rewrite(model, (torch.randn(2, 3, 4),),
+                          fxamp.RewriteConfig.make(target="cpu", dtype=torch.bfloat16))
     assert not [r for r in caplog.records if "changed its own state" in r.getMessage()]

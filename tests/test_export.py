@@ -77,7 +77,8 @@ def exported(tmp_path_factory):
             model.bn.running_mean.uniform_(-0.5, 0.5)
             model.bn.running_var.uniform_(0.5, 2.0)
         inputs = (torch.randn(*shape),)
-        gm = fxamp.amp_rewrite(model, inputs, dtype=torch.float16, target="cuda")
+        gm = fxamp.amp_rewrite(model, inputs,
+                               fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda"))
         path = export_onnx(gm, inputs, str(root / f"{name}.onnx"))
         report = precision_report(path, fxamp.plan_of(gm), backend="onnxruntime",
                                   inputs=inputs, reference=model)

@@ -31,8 +31,9 @@ def test_eval_model_is_exported_twice_and_follows_train_and_eval(export_calls):
     torch.manual_seed(0)
     model = TokenModel().eval()
     ids = torch.randint(0, 50, (2, 8))
-    gm = fxamp.amp_rewrite(model, (ids,), dtype=torch.bfloat16, target="cpu",
-                           frontend="export")
+    gm = fxamp.amp_rewrite(model, (ids,),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                    frontend="export"))
     assert len(export_calls) == 2  # train (symbolic batch and sequence) + static eval
     assert fxamp.plan_of(gm).header["frontend"] == "export"
     with torch.no_grad():
@@ -55,8 +56,9 @@ def test_train_mode_model_follows_eval_without_the_one_mode_warning(caplog):
     model = TokenModel().train()
     ids = torch.randint(0, 50, (2, 8))
     with caplog.at_level("INFO", logger="fxamp"):
-        gm = fxamp.amp_rewrite(model, (ids,), dtype=torch.bfloat16, target="cpu",
-                               frontend="export")
+        gm = fxamp.amp_rewrite(model, (ids,),
+                               fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                        frontend="export"))
     assert "differently in train and eval mode" not in caplog.text
     assert fxamp.rewritten(gm) is gm and gm.fxamp_result.mode is None  # (both modes)
     gm.eval()

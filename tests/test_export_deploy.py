@@ -55,7 +55,7 @@ def _run(path, x):
 @pytest.mark.parametrize("target", ["tensorrt", "cuda"])
 def test_batchnorm_folds_into_the_conv_without_changing_the_plan(tmp_path, target):
     model, x = _bn_cnn()
-    gm = fxamp.amp_rewrite(model, x, target=target)
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target=target))
     plan = fxamp.plan_of(gm).to_text()
     path = export_onnx(gm, x, str(tmp_path / "m.onnx"))
     ops = _ops(path)
@@ -70,7 +70,7 @@ def test_batchnorm_folds_into_the_conv_without_changing_the_plan(tmp_path, targe
 def test_a_tensorrt_export_casts_only_at_the_graph_inputs_and_outputs(tmp_path):
     torch.manual_seed(0)
     model, x = Block().eval(), (torch.randn(2, 5, 16),)
-    path = export_onnx(fxamp.amp_rewrite(model, x, target="tensorrt"), x,
+    path = export_onnx(fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt")), x,
                        str(tmp_path / "b.onnx"))
     proto = onnx.load(path)
     assert _ops(path).count("Cast") == 2
@@ -139,8 +139,10 @@ def test_an_overflowing_plan_is_named_with_its_range_not_blamed_on_tracing(tmp_p
     assert "tracing" not in text and "branch" not in text
     assert not (tmp_path / "m.onnx").exists()
     # the fixes it names work: the deployment target, or calibration data
-    export_onnx(fxamp.amp_rewrite(model, x, target="tensorrt"), x, str(tmp_path / "t.onnx"))
-    export_onnx(fxamp.amp_rewrite(model, x, calibration_data=[x]), x, str(tmp_path / "c.onnx"))
+    export_onnx(fxamp.amp_rewrite(
+        model, x, fxamp.RewriteConfig.make(target="tensorrt")), x, str(tmp_path / "t.onnx"))
+    export_onnx(fxamp.amp_rewrite(
+        model, x, fxamp.RewriteConfig.make(calibration_data=[x])), x, str(tmp_path / "c.onnx"))
 
 
 def test_true_fp16_check_names_the_onnx_node_that_overflows():
@@ -182,7 +184,8 @@ def test_modelopt_autocast_gives_nan_in_true_fp16_where_the_deployment_plan_is_r
     torch.onnx.export(model, (x,), fp32, dynamo=True)
     peer = convert_to_mixed_precision(onnx_path=fp32, low_precision_type="fp16",
                                       keep_io_types=True)
-    ours = onnx.load(export_onnx(fxamp.amp_rewrite(model, (x,), target="tensorrt"), (x,),
+    ours = onnx.load(export_onnx(fxamp.amp_rewrite(
+        model, (x,), fxamp.RewriteConfig.make(target="tensorrt")), (x,),
                                  str(tmp_path / "ours.onnx")))
     name = ours.graph.input[0].name
     assert not np.isfinite(run_true_fp16(peer, {peer.graph.input[0].name: x.numpy()})[0]).all()
@@ -214,7 +217,8 @@ def test_what_the_cuda_plan_exports_the_tensorrt_plan_exports(tmp_path, target):
     x = torch.randn(4, 16)
     x[0] = 0.5  # a constant row: its centred values are 0
     model = EpsSoftmaxSum().eval()
-    path = export_onnx(fxamp.amp_rewrite(model, (x,), target=target), (x,),
+    path = export_onnx(fxamp.amp_rewrite(
+        model, (x,), fxamp.RewriteConfig.make(target=target)), (x,),
                        str(tmp_path / f"{target}.onnx"))
     proto = onnx.load(path)
     y = torch.randn(4, 16)

@@ -28,7 +28,9 @@ from _export_models import FlatRowsNorm, check_batches, norm_flat  # noqa: E402
 
 
 def _plan(model, x, policy=None):
-    return fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt", policy=policy))
+    return fxamp.plan_of(fxamp.amp_rewrite(model, x,
+                                           fxamp.RewriteConfig.make(target="tensorrt",
+                                                                    policy=policy)))
 
 
 def test_a_layernorm_over_nearly_constant_rows_is_planned_fp32_with_its_input_saying_why():
@@ -64,7 +66,7 @@ def _errors(path, model, batches):
 @pytest.mark.slow
 def test_its_file_agrees_with_pytorch_in_onnxruntime_and_in_true_fp16_on_8_batches(tmp_path):
     model, x, check = norm_flat()
-    path = export_onnx(fxamp.amp_rewrite(model, x, target="tensorrt"), x,
+    path = export_onnx(fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt")), x,
                        str(tmp_path / "m.onnx"))
     in_ort, in_fp16 = _errors(path, model, check_batches("norm_flat", check, 8))
     assert statistics.fmean(in_ort) < 0.02 and max(in_ort) < TRUE_FP16_RTOL, in_ort
@@ -80,7 +82,8 @@ def test_its_file_agrees_with_pytorch_in_onnxruntime_and_in_true_fp16_on_8_batch
 def test_the_fp16_norm_over_those_rows_is_still_refused(tmp_path):
     """With the rule off, the file is as wrong as the peers' and fxamp refuses it."""
     model, x, _ = norm_flat()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt", policy="off:norm_eps")
+    gm = fxamp.amp_rewrite(model, x,
+                           fxamp.RewriteConfig.make(target="tensorrt", policy="off:norm_eps"))
     with pytest.raises(PlanOverflowError, match="fx node 'norm'"):
         export_onnx(gm, x, str(tmp_path / "m.onnx"))
     assert not (tmp_path / "m.onnx").exists()
@@ -92,7 +95,7 @@ def test_a_normal_layernorm_stays_one_fused_fp16_layernormalization(tmp_path):
     model, x = FlatRowsNorm(0.0, 1.0).eval(), (torch.randn(4, 16),)  # ordinary rows
     files = {}
     for policy in (None, "off:norm_eps"):
-        gm = fxamp.amp_rewrite(model, x, target="tensorrt", policy=policy)
+        gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt", policy=policy))
         norm = fxamp.plan_of(gm).nodes["norm"]
         assert norm.dtype == torch.float16 and norm.rule == "deploy"
         files[policy] = onnx.load(export_onnx(gm, x, str(tmp_path / f"{policy}.onnx")))
@@ -160,7 +163,7 @@ def test_the_rows_stay_fp32_back_through_dropout_and_view_to_the_add_that_makes_
         tmp_path, frontend):
     torch.manual_seed(0)
     model, x = ThroughMovers().eval(), (torch.randn(4, 16),)
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt", frontend=frontend)
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt", frontend=frontend))
     plan = fxamp.plan_of(gm)
     names = {"fx": ("add", "drop", "view", "norm"), "export": ("add", "dropout", "view",
                                                                "layer_norm")}[frontend]

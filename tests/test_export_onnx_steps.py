@@ -130,7 +130,8 @@ def fingerprint(path: str) -> Dict[str, Any]:
 
 def export(kind: str, tmp_path: pathlib.Path) -> str:
     model, inputs = make(kind)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.float16, target="cuda")
+    gm = fxamp.amp_rewrite(model, inputs,
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda"))
     exporter = "torchscript" if kind.endswith("torchscript") else "dynamo"
     return export_onnx(gm, inputs, str(tmp_path / f"{kind}.onnx"), exporter=exporter)
 

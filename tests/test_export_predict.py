@@ -105,7 +105,8 @@ def test_report_marks_predicted_fallbacks(tmp_path):
     torch.manual_seed(0)
     model = Warp().eval()
     inputs = (torch.randn(1, 3, 8, 8),)
-    gm = fxamp.amp_rewrite(model, inputs, dtype=torch.float16, target="cuda")
+    gm = fxamp.amp_rewrite(model, inputs,
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda"))
     path = export_onnx(gm, inputs, str(tmp_path / "warp.onnx"))
     report = precision_report(path, fxamp.plan_of(gm), backend="onnxruntime", inputs=inputs)
     grid = [layer for layer in report.layers if layer.op_type == "GridSample"]

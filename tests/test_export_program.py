@@ -65,7 +65,7 @@ def _meta(path):
 def test_export_front_end_graph_is_exported_as_planned_and_each_node_maps_to_the_plan(
         tmp_path):
     model, x = _attention()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt", frontend="export")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt", frontend="export"))
     path = export_onnx(gm, x, str(tmp_path / "m.onnx"))
     assert _meta(path)["fxamp.capture"] == "planned graph"
     plan = fxamp.plan_of(gm)
@@ -82,7 +82,7 @@ def test_export_front_end_graph_is_exported_as_planned_and_each_node_maps_to_the
 
 def test_planned_program_gives_the_file_a_second_torch_export_gives():
     model, x = _attention()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt", frontend="export")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt", frontend="export"))
     view, _ = low_weights_view(gm)
     program, names = exported_program(view, x)
     assert set(names.values()) <= {n.name for n in view.graph.nodes}
@@ -99,7 +99,7 @@ def test_planned_program_gives_the_file_a_second_torch_export_gives():
 def test_fx_front_end_graph_is_captured_again(tmp_path):
     torch.manual_seed(0)
     model, x = SmallCnn().eval(), (torch.randn(2, 3, 10, 10),)
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt", frontend="fx")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt", frontend="fx"))
     path = export_onnx(gm, x, str(tmp_path / "c.onnx"))
     assert _meta(path)["fxamp.capture"] == "captured again"
 

@@ -84,7 +84,7 @@ def mismatched_convs(model: nn.Module, x: torch.Tensor, path) -> List[str]:
 
 
 def _export(model, x, target, path):
-    gm = fxamp.amp_rewrite(model, (x,), target=target)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(target=target))
     return export_onnx(gm, (x,), str(path), reference=model)
 
 
@@ -132,7 +132,7 @@ def test_resnet18_conv_weights_from_the_torchscript_exporter_are_the_once_rounde
             m.running_var.uniform_(0.2, 3.0)
             m.weight.data.uniform_(0.5, 1.5)
     x = torch.randn(1, 3, 64, 64)
-    gm = fxamp.amp_rewrite(model, (x,), target="cuda")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(target="cuda"))
     path = export_onnx(gm, (x,), str(tmp_path / "r.onnx"), reference=model,
                        exporter="torchscript")
     proto = onnx.load(str(path))

@@ -31,7 +31,7 @@ class Pool(nn.Module):
 def test_one_export_for_a_model_without_mode_dependent_code(export_calls) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
-    gm = fxamp.amp_rewrite(model, (torch.randn(3, 8),), **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(3, 8),), fxamp.RewriteConfig.make(**BF16))
     assert fxamp.plan_of(gm).header["frontend"] == "export"
     assert len(export_calls) == 1
 
@@ -39,7 +39,7 @@ def test_one_export_for_a_model_without_mode_dependent_code(export_calls) -> Non
 def test_dropout_model_still_follows_train_and_eval_with_two_exports(export_calls) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)).eval()
-    gm = fxamp.amp_rewrite(model, (torch.randn(3, 8),), **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(3, 8),), fxamp.RewriteConfig.make(**BF16))
     assert len(export_calls) == 2  # the train graph (base) and the eval graph (static)
     x = torch.randn(5, 8)  # another batch size than the example's
     gm.eval()
@@ -52,7 +52,7 @@ def test_dropout_model_still_follows_train_and_eval_with_two_exports(export_call
 def test_batch_is_dynamic_other_dims_are_fixed_with_a_clear_error() -> None:
     torch.manual_seed(0)
     model = Pool().eval()
-    gm = fxamp.amp_rewrite(model, (torch.randn(2, 3, 16, 16),), **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 3, 16, 16),), fxamp.RewriteConfig.make(**BF16))
     for batch in (1, 5):
         x = torch.randn(batch, 3, 16, 16)
         torch.testing.assert_close(gm(x), model(x), rtol=0.03, atol=0.03)
@@ -70,14 +70,14 @@ def test_user_dynamic_shapes_are_honoured() -> None:
     torch.manual_seed(0)
     model = Pool().eval()
     shapes = {"x": {0: Dim.AUTO, 2: Dim.AUTO, 3: Dim.AUTO}}
-    gm = fxamp.amp_rewrite(model, (torch.randn(2, 3, 16, 16),), dynamic_shapes=shapes,
-                           **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 3, 16, 16),),
+                           fxamp.RewriteConfig.make(dynamic_shapes=shapes, **BF16))
     for size in ((3, 3, 20, 24), (1, 3, 9, 16)):
         x = torch.randn(*size)
         torch.testing.assert_close(gm(x), model(x), rtol=0.03, atol=0.03)
     # and a fully static request fixes the batch too
     static = fxamp.amp_rewrite(model, (torch.randn(2, 3, 16, 16),),
-                               dynamic_shapes={"x": None}, **BF16)
+                               fxamp.RewriteConfig.make(dynamic_shapes={"x": None}, **BF16))
     with pytest.raises(InputShapeError, match="dimension 0 of input 'x' fixed at 2"):
         static(torch.randn(4, 3, 16, 16))
 
@@ -93,9 +93,8 @@ def test_token_inputs_keep_batch_and_sequence_dynamic() -> None:
     model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=64, vocab_size=100)).eval()
     ids = torch.randint(0, 100, (2, 8))
-    gm = fxamp.amp_rewrite(model, (), example_kwargs={"input_ids": ids,
-                                                      "attention_mask": torch.ones_like(ids)},
-                           **BF16)
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    gm = fxamp.amp_rewrite(model, (), fxamp.RewriteConfig.make(example_kwargs=kwargs, **BF16))
     for batch, seq in ((3, 12), (1, 5)):
         ids = torch.randint(0, 100, (batch, seq))
         mask = torch.ones_like(ids)
@@ -111,7 +110,7 @@ def test_batch_one_example_advice_is_an_example_of_batch_two_which_takes_batch_t
     says: the advice is a batch of 2 or more, and following it makes the batch-3 call run."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
-    gm = fxamp.amp_rewrite(model, (torch.randn(1, 8),), **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(1, 8),), fxamp.RewriteConfig.make(**BF16))
     x = torch.randn(3, 8)
     with pytest.raises(InputShapeError) as info:
         gm(x)
@@ -119,9 +118,10 @@ def test_batch_one_example_advice_is_an_example_of_batch_two_which_takes_batch_t
     assert "dimension 0 of 'input' has size 2 or more" in message
     assert "Dim.AUTO" not in message  # (which changes nothing for a size-1 example)
     with pytest.raises(InputShapeError, match="fixed at 1"):  # what the old advice did
-        fxamp.amp_rewrite(model, (torch.randn(1, 8),),
-                          dynamic_shapes={"input": {0: Dim.AUTO}}, **BF16)(x)
-    followed = fxamp.amp_rewrite(model, (torch.randn(2, 8),), **BF16)
+        fxamp.amp_rewrite(
+            model, (torch.randn(1, 8),),
+            fxamp.RewriteConfig.make(dynamic_shapes={"input": {0: Dim.AUTO}}, **BF16))(x)
+    followed = fxamp.amp_rewrite(model, (torch.randn(2, 8),), fxamp.RewriteConfig.make(**BF16))
     torch.testing.assert_close(followed(x), model(x), rtol=0.03, atol=0.03)
 
 
@@ -141,7 +141,7 @@ def test_a_call_past_a_bound_export_derived_is_an_input_shape_error_naming_it() 
     torch.manual_seed(0)
     model = Bounded().eval()
     ids = torch.randint(0, 5, (2, 4))
-    gm = fxamp.amp_rewrite(model, (ids,), **BF16)
+    gm = fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(**BF16))
     ok = torch.randint(0, 5, (3, 6))
     torch.testing.assert_close(gm(ok), model(ok), rtol=0.03, atol=0.03)
     with pytest.raises(InputShapeError) as info:  # was: AssertionError: Guard failed
@@ -162,7 +162,8 @@ def test_bert_past_its_max_positions_is_an_input_shape_error_naming_input_ids() 
     model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=64, vocab_size=100,
                                  max_position_embeddings=64)).eval()
-    fxamp.amp_rewrite(model, (torch.randint(0, 100, (2, 16)),), inplace=True, **BF16)
+    fxamp.amp_rewrite(model, (torch.randint(0, 100, (2, 16)),), inplace=True,
+                      config=fxamp.RewriteConfig.make(**BF16))
     assert model(torch.randint(0, 100, (3, 64))).last_hidden_state.shape == (3, 64, 32)
     with pytest.raises(InputShapeError) as info:
         model(torch.randint(0, 100, (2, 80)))
@@ -186,7 +187,7 @@ class Pairs(nn.Module):
 def test_any_other_failing_export_guard_is_an_input_shape_error_naming_the_input() -> None:
     torch.manual_seed(0)
     model = Pairs().eval()
-    gm = fxamp.amp_rewrite(model, (torch.randn(4, 8),), **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(4, 8),), fxamp.RewriteConfig.make(**BF16))
     x = torch.randn(6, 8)
     torch.testing.assert_close(gm(x), model(x), rtol=0.03, atol=0.03)
     with pytest.raises(InputShapeError) as info:  # was: AssertionError: Guard failed: ...
@@ -213,7 +214,8 @@ class Sum(nn.Module):
 def test_two_dims_export_found_equal_called_unequal_name_both_inputs() -> None:
     torch.manual_seed(0)
     model = Sum().eval()
-    gm = fxamp.amp_rewrite(model, (torch.randn(2, 8), torch.randn(2, 8)), **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 8), torch.randn(2, 8)),
+                           fxamp.RewriteConfig.make(**BF16))
     a, b = torch.randn(5, 8), torch.randn(5, 8)
     torch.testing.assert_close(gm(a, b), model(a, b), rtol=0.03, atol=0.03)
     with pytest.raises(InputShapeError) as info:  # was: AssertionError: Guard failed

@@ -33,7 +33,7 @@ def _feed(path, inputs):
 
 def test_a_norm_whose_sum_of_squares_passes_fp16_is_planned_fp32_naming_the_value():
     model, x = _large()
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt"))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt")))
     with torch.no_grad():
         h = ((model.tok(x[0]) + model.pos) * model.scale).double()
         want = float((h - h.mean(-1, keepdim=True)).pow(2).sum(-1).max())
@@ -47,7 +47,7 @@ def test_a_norm_whose_sum_of_squares_passes_fp16_is_planned_fp32_naming_the_valu
 
 def test_its_exported_file_is_right_in_true_fp16(tmp_path):
     model, x = _large()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     path = export_onnx(gm, x, str(tmp_path / "m.onnx"))
     proto, feed = _feed(path, x)
     with torch.no_grad():
@@ -59,7 +59,8 @@ def test_its_exported_file_is_right_in_true_fp16(tmp_path):
 
 def test_a_hand_forced_fp16_norm_is_refused_by_the_true_fp16_check(tmp_path):
     model, x = _large()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt", policy="fp16:norm")
+    gm = fxamp.amp_rewrite(model, x,
+                           fxamp.RewriteConfig.make(target="tensorrt", policy="fp16:norm"))
     assert fxamp.plan_of(gm).nodes["norm"].dtype == torch.float16
     with pytest.raises(PlanOverflowError) as err:
         export_onnx(gm, x, str(tmp_path / "m.onnx"))
@@ -72,7 +73,7 @@ def test_a_hand_forced_fp16_norm_is_refused_by_the_true_fp16_check(tmp_path):
 
 def test_the_report_shows_the_true_fp16_result_next_to_the_backends(tmp_path):
     model, x = _large()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     path = export_onnx(gm, x, str(tmp_path / "m.onnx"))
     report = precision_report(path, fxamp.plan_of(gm), backend="onnxruntime", inputs=x,
                               reference=model)
@@ -85,7 +86,7 @@ def test_the_report_shows_the_true_fp16_result_next_to_the_backends(tmp_path):
 
 def test_the_fp32_reference_of_a_rewritten_model_is_the_fp32_model_bit_for_bit():
     model, x = _large()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     with torch.no_grad():
         want = model(*x)
     got = fp32_reference(gm)(*x)
@@ -98,7 +99,7 @@ def test_an_lstm_gru_classifier_exports_its_recurrent_ops_in_fp16(tmp_path, fron
 
     torch.manual_seed(0)
     model, x = Recurrent().eval(), (torch.randn(2, 10, 16),)
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt", frontend=frontend)
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt", frontend=frontend))
     path = export_onnx(gm, x, str(tmp_path / "rnn.onnx"))
     proto, feed = _feed(path, x)
     types = value_types(proto)

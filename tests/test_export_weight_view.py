@@ -60,7 +60,7 @@ def _initializers(proto):
 @pytest.mark.parametrize("kind", ["conv", "lstm"])
 def test_the_view_exports_the_file_the_casting_graph_exports(kind):
     model, x = _model(kind)
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     gm.eval()
     with contextlib.redirect_stdout(io.StringIO()):
         direct = torch.onnx.export(gm, x, dynamo=True, optimize=False).model_proto
@@ -76,7 +76,7 @@ def test_the_view_exports_the_file_the_casting_graph_exports(kind):
 
 def test_the_exporter_is_given_no_weight_cast():
     model, x = _model("conv")
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     view, sources = low_weights_view(gm)
     # (the BatchNorm stays a module call, which casts its own parameters)
     assert sorted(sources) == ["conv.weight", "head.bias", "head.weight"]
@@ -94,7 +94,7 @@ def test_the_model_and_the_rewritten_module_are_untouched(tmp_path, kind):
     model, x = _model(kind)
     before = {n: (id(p), p.dtype) for n, p in model.named_parameters()}
     buffers = {n: (id(b), b.dtype) for n, b in model.named_buffers()}
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     export_onnx(gm, x, str(tmp_path / "m.onnx"))
     assert {n: (id(p), p.dtype) for n, p in model.named_parameters()} == before
     assert {n: (id(b), b.dtype) for n, b in model.named_buffers()} == buffers
@@ -114,7 +114,8 @@ def test_a_weight_read_in_two_dtypes_keeps_its_cast_in_the_graph():
 
     torch.manual_seed(0)
     x = torch.randn(2, 8)
-    gm = fxamp.amp_rewrite(TwoReads().eval(), (x,), target="tensorrt", policy="fp32:sum_1")
+    gm = fxamp.amp_rewrite(TwoReads().eval(), (x,),
+                           fxamp.RewriteConfig.make(target="tensorrt", policy="fp32:sum_1"))
     view, sources = low_weights_view(gm)
     assert sorted(sources) == ["v"]  # w is read in FP32 too: its cast stays in the graph
     with torch.no_grad():

@@ -73,7 +73,7 @@ def _grads(model, run):
 
 
 def _check(model, frontend):
-    gm = fxamp.amp_rewrite(model, (_x(),), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
 
     def autocast(x):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -97,7 +97,7 @@ def test_grad_regions_give_autocasts_gradients(cls, frontend):
 
 def test_no_grad_region_restores_an_outer_no_grad():
     torch.manual_seed(0)
-    gm = fxamp.amp_rewrite(NoGrad(), (_x(),), frontend="fx", **BF16)
+    gm = fxamp.amp_rewrite(NoGrad(), (_x(),), fxamp.RewriteConfig.make(frontend="fx", **BF16))
     with torch.no_grad():
         out = gm(_x())
         assert not torch.is_grad_enabled()
@@ -131,7 +131,7 @@ class OwnAutocast(nn.Module):
     (OwnAutocast, "torch.autocast region", "fx")])
 def test_front_ends_refuse_regions_they_cannot_keep(cls, word, frontend):
     with pytest.raises(TraceError, match=word) as info:
-        fxamp.amp_rewrite(cls(), (_x(),), frontend=frontend, **BF16)
+        fxamp.amp_rewrite(cls(), (_x(),), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     assert "test_faithful_grad_mode.py" in str(info.value)  # the user's line
 
 
@@ -139,7 +139,7 @@ def test_auto_runs_an_inference_mode_forward_eagerly():
     torch.manual_seed(0)
     model = Inference()
     x = _x().requires_grad_()
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     assert fxamp.plan_of(gm).header["frontend"] == "eager"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = model(x)
@@ -153,7 +153,7 @@ def test_auto_runs_an_inference_mode_forward_eagerly():
 def test_auto_takes_a_models_own_autocast_region_with_export():
     torch.manual_seed(0)
     model = OwnAutocast()
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     assert fxamp.plan_of(gm).header["frontend"] == "export"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = model(_x())

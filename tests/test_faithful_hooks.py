@@ -69,7 +69,7 @@ def _no_fakes(model):
 def test_forward_hook_on_a_child_runs():
     model = Net()
     model.lin.register_forward_hook(lambda mod, inp, out: out * 2)
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     _same_as_autocast(model, gm, _x())
     assert fxamp.plan_of(gm).nodes["lin"].rule == "runtime"
 
@@ -78,7 +78,7 @@ def test_forward_pre_hooks_on_child_and_root_run():
     model = Net()
     model.lin2.register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
     model.register_forward_pre_hook(lambda mod, args: (args[0] * 3,))
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     _same_as_autocast(model, gm, _x())
 
 
@@ -86,7 +86,7 @@ def test_side_effect_hook_sees_each_call():
     model = Net()
     seen = []
     model.lin.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     seen.clear()
     gm(_x())
     gm(_x())
@@ -98,7 +98,7 @@ def test_full_backward_hook_runs_with_the_same_gradients():
     grads = []
     model.lin2.register_full_backward_hook(
         lambda mod, gin, gout: grads.append(gout[0].detach().clone()))
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     _autocast_grads(model, _x())
     _rewritten_grads(model, gm, _x())
     assert len(grads) == 2
@@ -110,7 +110,7 @@ def test_root_hooks_move_to_the_rewritten_module_and_run_once(frontend):
     model = Net()
     model.register_forward_hook(lambda mod, inp, out: out * 10)
     model.register_forward_pre_hook(lambda mod, args: (args[0] + 1,))
-    gm = fxamp.amp_rewrite(model, (_x(),), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     _same_as_autocast(model, gm, _x())
 
 
@@ -122,7 +122,7 @@ def test_old_style_weight_and_spectral_norm(norm):
         model.lin = wrap(model.lin)
     model.eval()  # spectral_norm's power iteration changes its buffers in train mode
     before = model.lin.weight
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     _no_fakes(model)
     assert model.lin.weight is before
     out = gm(_x())
@@ -136,7 +136,7 @@ def test_spectral_norm_in_train_mode_keeps_its_buffers():
     model = Net()
     model.lin = torch.nn.utils.spectral_norm(model.lin)
     u = model.lin.weight_u.clone()
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     _no_fakes(model)
     assert torch.equal(model.lin.weight_u, u)  # the rewrite runs no power iteration
     gm(_x())
@@ -154,7 +154,7 @@ class _nothing:
 def test_parametrizations_weight_norm():
     model = Net()
     model.lin = torch.nn.utils.parametrizations.weight_norm(model.lin)
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     _no_fakes(model)
     _same_as_autocast(model, gm, _x())
 
@@ -165,7 +165,7 @@ def test_root_full_backward_hook_runs_with_the_same_gradients():
     grads = []
     model.register_full_backward_hook(
         lambda mod, gin, gout: grads.append(gout[0].detach().clone()))
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     _autocast_grads(model, _x())
     _rewritten_grads(model, gm, _x())
     assert len(grads) == 2
@@ -186,7 +186,7 @@ class WithUnused(Net):
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_state_dict_has_the_models_keys_with_unused_parts(frontend):
     model = WithUnused()
-    gm = fxamp.amp_rewrite(model, (_x(),), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     mine, theirs = gm.state_dict(), model.state_dict()
     assert sorted(mine) == sorted(theirs)
     assert "steps" not in mine
@@ -199,7 +199,7 @@ def test_state_dict_matches_and_state_dict_hook_kept():
     model.lin.register_forward_hook(lambda mod, inp, out: out)
     model._register_state_dict_hook(
         lambda mod, state, prefix, local: state.__setitem__(prefix + "extra", torch.ones(1)))
-    gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     mine, theirs = gm.state_dict(), model.state_dict()
     assert sorted(mine) == sorted(theirs)
     assert "extra" in mine
@@ -215,7 +215,7 @@ def test_global_module_hook_is_refused():
         lambda mod, inp, out: None)
     try:
         with pytest.raises(UnsupportedModelError, match="global module hooks"):
-            fxamp.amp_rewrite(Net(), (_x(),), **BF16)
+            fxamp.amp_rewrite(Net(), (_x(),), fxamp.RewriteConfig.make(**BF16))
     finally:
         handle.remove()
 
@@ -224,4 +224,4 @@ def test_export_front_end_refuses_hooks_naming_the_module():
     model = Net()
     model.lin2.register_forward_hook(lambda mod, inp, out: out * 2)
     with pytest.raises(TraceError, match=r"Net\.lin2 .*forward_hook"):
-        fxamp.amp_rewrite(model, (_x(),), frontend="export", **BF16)
+        fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(frontend="export", **BF16))

@@ -51,7 +51,7 @@ def test_model_state_is_the_same_after_rewriting(caplog):
     model = Cached().eval()
     before = _state(model)
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        gm = fxamp.amp_rewrite(model, (_x(),), **BF16)
+        gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     assert _state(model) == before
     assert model.cache == {} and model.calls == 0
     assert {id(p) for p in gm.parameters()} == {id(p) for p in model.parameters()}
@@ -60,7 +60,7 @@ def test_model_state_is_the_same_after_rewriting(caplog):
     assert len(warnings) == 1
     assert "calls (set at File" in warnings[0] and "test_faithful_state.py" in warnings[0]
     assert "cache (changed in place)" in warnings[0]
-    fxamp.amp_rewrite(model, (_x(),), **BF16)  # a second rewrite works
+    fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))  # a second rewrite works
 
 
 def test_training_flags_buffers_and_hooks_unchanged():
@@ -69,7 +69,7 @@ def test_training_flags_buffers_and_hooks_unchanged():
     model[0].register_forward_hook(lambda m, i, o: o)
     stats = model[1].running_mean.clone()
     hooks = dict(model[0]._forward_hooks)
-    fxamp.amp_rewrite(model, (_x(),), **BF16)
+    fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16))
     assert [m.training for m in model.modules()] == [True, True, False, True]
     assert torch.equal(model[1].running_mean, stats)
     assert dict(model[0]._forward_hooks) == hooks
@@ -88,10 +88,10 @@ def test_levit_rewritten_twice_and_its_deepcopy(levit):
     caches = [m.attention_bias_cache for m in levit.modules()
               if hasattr(m, "attention_bias_cache")]
     assert caches and all(c == {} for c in caches)
-    first = fxamp.amp_rewrite(levit, (x,), **BF16)
+    first = fxamp.amp_rewrite(levit, (x,), fxamp.RewriteConfig.make(**BF16))
     assert all(c == {} for c in caches)  # no fx Proxy (nor any tensor) left in them
-    second = fxamp.amp_rewrite(levit, (x,), **BF16)
-    third = fxamp.amp_rewrite(copy.deepcopy(levit), (x,), **BF16)
+    second = fxamp.amp_rewrite(levit, (x,), fxamp.RewriteConfig.make(**BF16))
+    third = fxamp.amp_rewrite(copy.deepcopy(levit), (x,), fxamp.RewriteConfig.make(**BF16))
     with torch.no_grad():
         outs = [first(x), second(x), third(x)]
     torch.testing.assert_close(outs[1], outs[0])

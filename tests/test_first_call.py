@@ -56,7 +56,7 @@ X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
 def test_a_returned_module_refuses_the_mode_its_graph_was_not_traced_for():
     ref, model = _pair()
-    gm = fxamp.amp_rewrite(model.train(), (X,), dtype=BF16, target="cpu")
+    gm = fxamp.amp_rewrite(model.train(), (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     assert fxamp.plan_of(gm) is not None
     gm.eval()
     with pytest.raises(ModeError, match="called in eval mode.*train mode only"):
@@ -65,7 +65,8 @@ def test_a_returned_module_refuses_the_mode_its_graph_was_not_traced_for():
 
 def test_in_place_eval_after_train_computes_with_an_eval_graph():
     ref, model = _pair()
-    fxamp.amp_rewrite(model.train(), (X,), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model.train(), (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     torch.manual_seed(1)
     got = model(X)
     torch.manual_seed(1)
@@ -81,7 +82,8 @@ def test_in_place_eval_after_train_computes_with_an_eval_graph():
 
 def test_no_example_plans_on_the_first_call_and_says_so_before():
     ref, model = _pair()
-    assert fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True) is model
+    assert fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                             inplace=True) is model
     with pytest.raises(NotPlannedError, match="planned on its first call"):
         fxamp.plan_of(model)
     with pytest.raises(NotPlannedError):
@@ -96,7 +98,8 @@ def test_no_example_trains_like_autocast_from_step_0_with_the_rng_untouched():
     """Dropout draws from the global RNG: the first step (which plans) and the next ones
     draw exactly what autocast's steps draw, and the gradients are bit-identical."""
     ref, model = _pair()
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     opt_a = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
@@ -118,7 +121,7 @@ def test_no_example_trains_like_autocast_from_step_0_with_the_rng_untouched():
 def test_a_returned_module_still_needs_an_example():
     _, model = _pair()
     with pytest.raises(fxamp.FxampError, match="inplace=True"):
-        fxamp.amp_rewrite(model, dtype=BF16, target="cpu")
+        fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
 
 
 class Plain(nn.Module):
@@ -162,7 +165,8 @@ def _race(model, ref, threads=6, rounds=1):
 @pytest.mark.parametrize("round_", range(20))
 def test_first_call_planning_races_plan_once_and_answer_with_the_plan(round_, caplog):
     ref, model = _pair(Plain)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     with caplog.at_level(logging.INFO, logger="fxamp"):
         _race(model, ref)
     assert caplog.text.count("planning it on this call") == 1
@@ -174,7 +178,7 @@ def test_replanning_races_plan_once_and_never_run_the_fp32_forward(round_, caplo
     and compute with the new plan (before: the plain FP32 forward, planned up to 6 times,
     or an error naming the wrong cause)."""
     ref, model = _pair(Plain)
-    fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     torch.manual_seed(3)
     ref.head = nn.Linear(8, 4)
     model.head = copy.deepcopy(ref.head)

@@ -63,7 +63,8 @@ def _child_rewrites(own: Dict[str, Any]) -> None:
     gives the plan it gives in the parent). Exits non-zero when either fails."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    gm = fxamp.amp_rewrite(Waits(), (torch.randn(2, 8),), dtype=torch.bfloat16, target="cpu")
+    gm = fxamp.amp_rewrite(Waits(), (torch.randn(2, 8),),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
     plan = fxamp.plan_of(gm)
     if plan.nodes["lin1"].dtype != torch.bfloat16:
         raise SystemExit(plan.to_text())
@@ -88,7 +89,8 @@ def _fork_during_a_rewrite(start: Callable[[Callable[[], None]], Any]) -> int:
 
     def rewrite() -> None:
         try:
-            fxamp.amp_rewrite(model, (torch.randn(2, 8),), dtype=torch.bfloat16, target="cpu")
+            fxamp.amp_rewrite(model, (torch.randn(2, 8),),
+                              fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
 
@@ -156,11 +158,11 @@ def test_a_fork_inside_the_rewriting_thread_keeps_its_rewrite_going() -> None:
             return self.lin(x)
 
     try:
-        gm = fxamp.amp_rewrite(ForksInForward(), (torch.randn(2, 8),), dtype=torch.bfloat16,
-                               target="cpu")
+        gm = fxamp.amp_rewrite(ForksInForward(), (torch.randn(2, 8),),
+                               fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
         if os.getpid() != parent:  # the child: its rewrite completed; a second one too
             again = fxamp.amp_rewrite(nn.Linear(8, 2), (torch.randn(2, 8),),
-                                      dtype=torch.bfloat16, target="cpu")
+                                      fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
             ok = all(fxamp.plan_of(m).nodes[n].dtype == torch.bfloat16
                      for m, n in ((gm, "lin"), (again, "linear")))
             os._exit(0 if ok else 1)
@@ -203,8 +205,8 @@ def fork_and_wait():
         try:
             torch.set_num_threads(1)
             frozen = gc.get_freeze_count()
-            fxamp.amp_rewrite(nn.Linear(8, 2), (torch.randn(2, 8),), dtype=torch.bfloat16,
-                              target="cpu")
+            fxamp.amp_rewrite(nn.Linear(8, 2), (torch.randn(2, 8),),
+                              fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
         except BaseException as err:
             print("child:", repr(err), file=sys.stderr, flush=True)
             os._exit(1)
@@ -225,8 +227,8 @@ class StartsAForkingThread(nn.Module):
             thread.join()
         return self.lin(x)
 
-fxamp.amp_rewrite(StartsAForkingThread(), (torch.randn(2, 8),), dtype=torch.bfloat16,
-                  target="cpu")
+fxamp.amp_rewrite(StartsAForkingThread(), (torch.randn(2, 8),),
+                  fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
 print("parent freeze count", seen["frozen"], "child status", seen["status"], flush=True)
 """
 

@@ -52,7 +52,9 @@ def _eq(a, b):
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_rfft_gets_its_plan_line_and_its_fp32_cast_like_cpu_autocast(frontend):
     model = After(_abs(torch.fft.rfft)).eval()
-    gm = fxamp.amp_rewrite(model, (X,), dtype=torch.bfloat16, target="cpu", frontend=frontend)
+    gm = fxamp.amp_rewrite(model, (X,),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                    frontend=frontend))
     plan = fxamp.plan_of(gm)
     line = plan.nodes["fft_rfft"]
     assert (line.dtype, line.inputs, line.rule) == (torch.float32, torch.float32, "autocast")
@@ -82,7 +84,9 @@ def test_each_spelling_computes_what_cpu_autocast_computes(name):
 def test_aten_aliases_of_listed_ops_get_explicit_fp32_casts_for_cuda(fn, op):
     model = After(fn).eval()
     want = run_autocast(model, (X,), "cuda", torch.float16)  # fake CUDA tensors
-    gm = fxamp.amp_rewrite(model, (X,), dtype=torch.float16, target="cuda", frontend="export")
+    gm = fxamp.amp_rewrite(model, (X,),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda",
+                                                    frontend="export"))
     line = fxamp.plan_of(gm).nodes[op]
     # was rule "runtime": autocast of whatever device it runs on (CPU's lists lower it)
     assert (line.dtype, line.inputs, line.rule) == (want.dtype, torch.float32, "autocast")
@@ -93,8 +97,9 @@ def test_aten_aliases_of_listed_ops_get_explicit_fp32_casts_for_cuda(fn, op):
 def test_an_override_on_an_fft_takes_effect():
     model = After(_abs(torch.fft.rfft)).eval()
     # CUDA's lists leave the FFT to its inputs (fp16); the override keeps it in fp32
-    gm = fxamp.amp_rewrite(model, (X,), dtype=torch.float16, target="cuda",
-                           policy="fp32:fft_rfft")
+    gm = fxamp.amp_rewrite(model, (X,),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda",
+                                                    policy="fp32:fft_rfft"))
     line = fxamp.plan_of(gm).nodes["fft_rfft"]
     assert (line.dtype, line.inputs, line.rule) == (torch.float32, torch.float32, "user")
     with torch.no_grad():
@@ -105,8 +110,9 @@ def test_an_override_on_an_fft_takes_effect():
 def test_an_override_that_matches_no_fft_is_still_refused():
     model = After(_abs(torch.fft.rfft)).eval()
     with pytest.raises(fxamp.PolicyError, match="fft_rfft"):
-        fxamp.amp_rewrite(model, (X,), dtype=torch.bfloat16, target="cpu",
-                          policy="fp32:fft_irfft")
+        fxamp.amp_rewrite(model, (X,),
+                          fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                   policy="fp32:fft_irfft"))
 
 
 class Indices(nn.Module):
@@ -120,8 +126,9 @@ class Indices(nn.Module):
 
 
 def test_an_override_on_an_op_with_an_integer_output_takes_effect():
-    gm = fxamp.amp_rewrite(Indices(), (X,), dtype=torch.bfloat16, target="cpu",
-                           policy="fp32:argmax")
+    gm = fxamp.amp_rewrite(Indices(), (X,),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                    policy="fp32:argmax"))
     line = fxamp.plan_of(gm).nodes["argmax"]  # was: no line, the override did nothing
     assert (line.dtype, line.inputs, line.rule) == (torch.float32, torch.float32, "user")
     assert "argmax_fp32" not in gm.code and "a_fp32 = a.to(torch.float32)" in gm.code
@@ -130,5 +137,6 @@ def test_an_override_on_an_op_with_an_integer_output_takes_effect():
 def test_an_override_that_matches_only_a_size_is_refused():
     with pytest.raises(fxamp.PolicyError, match="'fp32:size' matches only nodes with no "
                                                 "floating-point input or output"):
-        fxamp.amp_rewrite(Indices(), (X,), dtype=torch.bfloat16, target="cpu",
-                          policy="fp32:size")
+        fxamp.amp_rewrite(Indices(), (X,),
+                          fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                   policy="fp32:size"))

@@ -42,7 +42,9 @@ def _kwargs_model() -> tuple[nn.Module, tuple, dict]:
 def test_export_frontend_kwargs_dict_output_and_other_batch_sizes() -> None:
     model, args, kwargs = _kwargs_model()
     model.eval()
-    gm = fxamp.amp_rewrite(model, args, example_kwargs=kwargs, frontend="export", **BF16)
+    gm = fxamp.amp_rewrite(model, args,
+                           fxamp.RewriteConfig.make(example_kwargs=kwargs, frontend="export",
+                                                    **BF16))
     plan = fxamp.plan_of(gm)
     assert plan.header["frontend"] == "export"
     # plan lines name ATen ops and the source module paths
@@ -65,7 +67,9 @@ def test_export_frontend_kwargs_dict_output_and_other_batch_sizes() -> None:
 def test_export_graph_follows_train_and_eval() -> None:
     model, args, kwargs = _kwargs_model()
     model.train()
-    gm = fxamp.amp_rewrite(model, args, example_kwargs=kwargs, frontend="export", **BF16)
+    gm = fxamp.amp_rewrite(model, args,
+                           fxamp.RewriteConfig.make(example_kwargs=kwargs, frontend="export",
+                                                    **BF16))
     x, mask = torch.randn(16, 8), torch.ones(16, 8)
     count = int(model.bn.num_batches_tracked)
     gm.train()
@@ -109,7 +113,8 @@ class Gated(nn.Module):
 
 def test_fx_error_names_module_line_and_the_way_out() -> None:
     with pytest.raises(TraceError) as info:
-        fxamp.amp_rewrite(Gated(), (torch.randn(4, 8),), frontend="fx", **BF16)
+        fxamp.amp_rewrite(Gated(), (torch.randn(4, 8),),
+                          fxamp.RewriteConfig.make(frontend="fx", **BF16))
     text = str(info.value)
     assert "module: gate" in text
     assert "if x.sum() > 0" in text and "test_frontends.py" in text
@@ -118,7 +123,8 @@ def test_fx_error_names_module_line_and_the_way_out() -> None:
 
 def test_export_error_names_the_data_dependent_line() -> None:
     with pytest.raises(TraceError) as info:
-        fxamp.amp_rewrite(Gated(), (torch.randn(4, 8),), frontend="export", **BF16)
+        fxamp.amp_rewrite(Gated(), (torch.randn(4, 8),),
+                          fxamp.RewriteConfig.make(frontend="export", **BF16))
     text = str(info.value)
     assert "torch.export cannot export Gated" in text
     assert "if x.sum() > 0" in text and "module: gate" in text
@@ -128,7 +134,7 @@ def test_auto_traces_around_a_data_dependent_submodule() -> None:
     torch.manual_seed(0)
     model = Gated()
     x = torch.randn(4, 8)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     plan = fxamp.plan_of(gm)
     assert plan.header["frontend"] == "fx+runtime"
     assert plan.header["runtime leaves"] == "gate"
@@ -162,7 +168,7 @@ class RootBranch(nn.Module):
 
 def test_no_front_end_takes_a_branch_in_the_root_forward() -> None:
     with pytest.raises(TraceError) as info:
-        fxamp.amp_rewrite(RootBranch(), (torch.randn(2, 8),), **BF16)
+        fxamp.amp_rewrite(RootBranch(), (torch.randn(2, 8),), fxamp.RewriteConfig.make(**BF16))
     text = str(info.value)
     assert "no front end takes RootBranch" in text
     assert "- fx:" in text and "- export:" in text
@@ -170,7 +176,7 @@ def test_no_front_end_takes_a_branch_in_the_root_forward() -> None:
 
 def test_auto_prefers_fx_and_records_it() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    gm = fxamp.amp_rewrite(model, (torch.randn(2, 8),), **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 8),), fxamp.RewriteConfig.make(**BF16))
     assert fxamp.plan_of(gm).header["frontend"] == "fx"
     assert "frontend: fx" in fxamp.plan_of(gm).to_text()
 
@@ -178,9 +184,9 @@ def test_auto_prefers_fx_and_records_it() -> None:
 def test_bad_frontend_and_missing_inputs() -> None:
     model = nn.Linear(4, 4)
     with pytest.raises(FxampError, match="unknown frontend 'onnx'"):
-        fxamp.amp_rewrite(model, (torch.randn(2, 4),), frontend="onnx")
+        fxamp.amp_rewrite(model, (torch.randn(2, 4),), fxamp.RewriteConfig.make(frontend="onnx"))
     with pytest.raises(FxampError, match="needs example_inputs"):
-        fxamp.amp_rewrite(model, frontend="export")
+        fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(frontend="export"))
 
 
 class HandWritten(nn.Module):
@@ -202,8 +208,9 @@ def test_numerics_passes_run_on_export_graphs() -> None:
     torch.manual_seed(0)
     model = HandWritten()
     args = (torch.randn(4, 8), torch.rand(4, 8))
-    gm = fxamp.amp_rewrite(model, args, dtype=torch.float16, target="cuda",
-                           frontend="export")
+    gm = fxamp.amp_rewrite(model, args,
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda",
+                                                    frontend="export"))
     rules = {p.rule for p in fxamp.plan_of(gm).nodes.values()}
     by_op = {p.op: p for p in fxamp.plan_of(gm).nodes.values()}
     assert "softmax" in rules  # exp / sum / div became a stable softmax
@@ -231,8 +238,11 @@ def test_export_plans_agree_with_autocast_on_aten_graphs(target: str) -> None:
     torch.autocast gives the same ATen op (run node by node; CUDA on fake tensors)."""
     for name, model, args, kwargs in _agreement_models():
         dtype = torch.bfloat16 if target == "cpu" else torch.float16
-        gm = fxamp.amp_rewrite(model, args, example_kwargs=kwargs, dtype=dtype,
-                               target=target, policy="numerics=off", frontend="export")
+        gm = fxamp.amp_rewrite(model, args,
+                               fxamp.RewriteConfig.make(example_kwargs=kwargs, dtype=dtype,
+                                                        target=target,
+                                                        policy="numerics=off",
+                                                        frontend="export"))
         src = export_trace(model, args, kwargs)
         truth = record_autocast_dtypes(src, flat_inputs(src, args, kwargs), target, dtype)
         plan = fxamp.plan_of(gm).nodes
@@ -270,7 +280,7 @@ def test_partial_tracing_rewrites_a_leaf_on_its_own_where_it_can() -> None:
     torch.manual_seed(0)
     model = Mixed()
     x = torch.randn(4, 8)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     plan = fxamp.plan_of(gm)
     assert plan.header["frontend"] == "fx+runtime"
     assert plan.header["runtime leaves"] == "gate"  # data-dependent: autocast at run time
@@ -307,7 +317,7 @@ def test_untraceable_root_runs_eager_with_its_children_rewritten() -> None:
     torch.manual_seed(0)
     model = ListRoot()
     images = [torch.rand(3, 16, 16), torch.rand(3, 16, 20)]
-    gm = fxamp.amp_rewrite(model, (images,), **BF16)
+    gm = fxamp.amp_rewrite(model, (images,), fxamp.RewriteConfig.make(**BF16))
     plan = fxamp.plan_of(gm)
     assert plan.header["frontend"] == "eager"
     assert plan.header["nested"] == "backbone=fx head=fx"
@@ -340,7 +350,8 @@ class Specialised(nn.Module):
 def test_export_keeps_its_shape_guard() -> None:
     """A dimension the code specialises stays guarded: another size raises, it does not
     run the specialised graph."""
-    gm = fxamp.amp_rewrite(Specialised(), (torch.randn(4, 8),), frontend="export", **BF16)
+    gm = fxamp.amp_rewrite(Specialised(), (torch.randn(4, 8),),
+                           fxamp.RewriteConfig.make(frontend="export", **BF16))
     assert gm(torch.randn(4, 8)).shape == (4, 2, 4)
     with pytest.raises(Exception):
         gm(torch.randn(6, 8))
@@ -353,7 +364,8 @@ class Nonzero(nn.Module):
 
 def test_export_refuses_value_dependent_sizes() -> None:
     with pytest.raises(TraceError, match="size that depends on tensor values"):
-        fxamp.amp_rewrite(Nonzero(), (torch.randn(4, 8),), frontend="export", **BF16)
+        fxamp.amp_rewrite(Nonzero(), (torch.randn(4, 8),),
+                          fxamp.RewriteConfig.make(frontend="export", **BF16))
 
 
 @pytest.mark.slow
@@ -371,7 +383,8 @@ def test_onnx_export_of_an_export_front_end_graph(tmp_path) -> None:
     model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=64, vocab_size=100)).eval()
     ids = torch.randint(0, 100, (2, 8))
-    gm = fxamp.amp_rewrite(model, (ids,), dtype=torch.float16, target="cuda")
+    gm = fxamp.amp_rewrite(model, (ids,),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda"))
     assert fxamp.plan_of(gm).header["frontend"] == "export"
     path = export_onnx(gm, (ids,), str(tmp_path / "bert.onnx"))
     report = precision_report(path, fxamp.plan_of(gm), inputs=(ids,))

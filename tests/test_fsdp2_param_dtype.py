@@ -80,7 +80,8 @@ def _in_place_refusal() -> str:
 
     torch.manual_seed(0)
     model = Net()
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     _shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
     try:
         model(torch.randn(4, 8))
@@ -96,7 +97,8 @@ def _advice_followed() -> list:
     torch.manual_seed(0)
     ref = Net()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     _shard(model, mp_policy=MixedPrecisionPolicy())  # param_dtype left out
     _shard(ref)
     x = torch.randn(4, 8)

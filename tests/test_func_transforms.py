@@ -52,7 +52,8 @@ def _pair(pos: bool = True, **kwargs):
     torch.manual_seed(1)
     model = Attention(pos)
     x = _data()[0]
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", **kwargs)
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", **kwargs))
     assert sum(n.target is runtime.fan_out for n in gm.graph.nodes) == 3, gm.code
     return model, gm
 
@@ -211,7 +212,8 @@ def test_func_grad_through_an_in_place_rewrite_equals_autocast():
     torch.manual_seed(1)
     inplace = Attention()
     inplace.load_state_dict(reference.state_dict())
-    rewritten = fxamp.amp_rewrite(inplace, (x,), dtype=BF16, target="cpu", inplace=True)
+    rewritten = fxamp.amp_rewrite(inplace, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                                  inplace=True)
     assert rewritten is inplace
     params = _params(reference)
     want = grad(_autocast(_loss(reference)))(params, x, y)

@@ -26,7 +26,8 @@ def test_a_rewritten_module_with_quoted_names_survives_deepcopy_pickle_and_recom
     model.add_module("back\\slash", nn.Linear(4, 4))
     x = torch.randn(2, 4)
     torch_own = fx_graph._format_target
-    gm = fxamp.amp_rewrite(model, (x,), target="cpu", dtype=torch.bfloat16)
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(target="cpu", dtype=torch.bfloat16))
     assert fx_graph._format_target is torch_own  # (the module's graph spells its names)
     with torch.no_grad():
         ref = gm(x)

@@ -45,7 +45,8 @@ def _pair():
     torch.manual_seed(0)
     ref = Net()
     model = copy.deepcopy(ref)
-    out = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True)
+    out = fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                            inplace=True)
     assert out is model
     return ref, model
 
@@ -60,7 +61,7 @@ def test_the_model_stays_the_same_object_with_the_same_keys_and_parameters():
     model = Net()
     keys, params = list(model.state_dict()), list(model.parameters())
     names = [n for n, _ in model.named_modules()]
-    fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     assert type(model) is Net
     assert list(model.state_dict()) == keys
     assert all(p is q for p, q in zip(model.parameters(), params))
@@ -137,12 +138,15 @@ def test_compiled_in_place_model_equals_eager():
 def test_a_new_policy_rewrites_the_model_s_own_forward_again():
     ref, model = _pair()
     first = fxamp.plan_of(model)
-    assert fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True) is model
-    fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="fp32:head",
+    assert fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                             inplace=True) is model
+    fxamp.amp_rewrite(model, (X,),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:head"),
                       inplace=True)
     plan = fxamp.plan_of(model)
     assert plan.nodes["head"].dtype == torch.float32 != first.nodes["head"].dtype
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="fp32:inp")
+    gm = fxamp.amp_rewrite(model, (X,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:inp"))
     assert gm is not model and fxamp.plan_of(gm).nodes["inp"].dtype == torch.float32
     assert fxamp.plan_of(model) is plan  # the model keeps its own rewrite
 

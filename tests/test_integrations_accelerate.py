@@ -46,7 +46,8 @@ def test_accelerate_bf16_keeps_the_plan_s_fp32_override():
     runs = {}
     for precision in ("bf16", "no"):
         model = _mlp()
-        fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="fp32:3",
+        fxamp.amp_rewrite(model, (X,),
+                          fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:3"),
                           inplace=True)
         runs[precision] = _run(model, precision)
     assert runs["bf16"][0] == runs["no"][0]
@@ -56,7 +57,7 @@ def test_accelerate_bf16_keeps_the_plan_s_fp32_override():
 
 def test_accelerate_bf16_on_the_rewritten_model_equals_it_on_the_original():
     model = _mlp()
-    fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     (losses, params), (ref_losses, ref_params) = _run(model, "bf16"), _run(_mlp(), "bf16")
     assert ref_losses[-1] < ref_losses[0]
     assert losses == ref_losses

@@ -31,7 +31,7 @@ def _ddp(rank: int) -> list:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     ref = _mlp()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     (losses, params), (ref_losses, ref_params) = (_train(DDP(model), x, False),
                                                   _train(DDP(ref), x, True))
     return [losses == ref_losses and ref_losses[-1] < ref_losses[0],
@@ -61,7 +61,7 @@ def _fsdp2_root(rank: int) -> list:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     ref = _mlp()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     fully_shard(model)
     fully_shard(ref)
     (losses, params), (ref_losses, ref_params) = _train(model, x, False), _train(ref, x, True)
@@ -118,7 +118,9 @@ def _fsdp2_loads(rank: int, how: str) -> list:
     ref = _mlp()
     model = copy.deepcopy(ref)
     policy = None if how == "default" else "weights=o2"
-    fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True, policy=policy)
+    fxamp.amp_rewrite(model, (x,),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy=policy),
+                      inplace=True)
     fully_shard(model, reshard_after_forward=True)
     fully_shard(ref, reshard_after_forward=True)
     target = {"default": None, "o2 in place": model,
@@ -139,13 +141,15 @@ def _fsdp2_refused(order: str) -> str:
     model = _mlp()
     try:
         if order == "submodules after":
-            fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
+            fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                              inplace=True)
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
         if order == "before":
-            fxamp.amp_rewrite(model, (x,), dtype=BF16, target="cpu", inplace=True)
+            fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                              inplace=True)
         model(x)
     except fxamp.UnsupportedModelError as err:
         return str(err)

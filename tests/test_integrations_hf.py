@@ -35,8 +35,9 @@ def _data(n: int = 16):
 
 def _rewrite(model):
     batch = transformers.default_data_collator(_data(4))
-    return fxamp.amp_rewrite(model, example_kwargs=batch, dtype=BF16, target="cpu",
-                             inplace=True)
+    return fxamp.amp_rewrite(model,
+                             config=fxamp.RewriteConfig.make(example_kwargs=batch, dtype=BF16,
+                                                             target="cpu"), inplace=True)
 
 
 def test_inplace_rewrite_is_the_model_with_its_keys_and_methods(tmp_path):
@@ -75,12 +76,13 @@ def test_a_call_with_arguments_the_rewrite_did_not_see_is_planned_on_that_call()
     (autocast's numbers); the module amp_rewrite returns refuses it by name."""
     ref = _bert().eval()
     batch = transformers.default_data_collator(_data(4))
-    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (batch["input_ids"],), dtype=BF16,
-                           target="cpu")
+    gm = fxamp.amp_rewrite(copy.deepcopy(ref), (batch["input_ids"],),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     with pytest.raises(fxamp.FxampError, match="called with .attention_mask. a tensor.*example had .attention_mask. left out"):
         gm(**batch)
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, (batch["input_ids"],), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, (batch["input_ids"],),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     with torch.autocast("cpu", dtype=BF16):
         want = ref(**batch)
     got = model(**batch)
@@ -132,7 +134,8 @@ def test_gpt2_generate_with_its_kv_cache_gives_autocast_s_tokens_every_block_pla
     model = copy.deepcopy(ref)
     ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(2))
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        fxamp.amp_rewrite(model, (ids,), dtype=BF16, target="cpu", inplace=True)
+        fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                          inplace=True)
     assert "changed its own state" not in caplog.text  # quiet on a stock HF model
     plan = fxamp.plan_of(model)
     for block in ("transformer/h.0", "transformer/h.1"):
@@ -157,7 +160,7 @@ def test_a_plain_peft_lora_model_trains_like_autocast(caplog):
     ref = copy.deepcopy(model)
     ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(4))
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        assert fxamp.amp_rewrite(model, (ids,), dtype=BF16, target="cpu",
+        assert fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                                  inplace=True) is model
     assert "changed its own state" not in caplog.text
     assert type(model) is type(ref) and list(model.state_dict()) == list(ref.state_dict())
@@ -197,7 +200,8 @@ def test_gpt2_trainer_with_no_example_gives_trainer_bf16_losses_num_items_in_bat
     and the losses, eval loss and weights equal Trainer(bf16=True) from step 0."""
     ref = _gpt2().train()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     runs = []
     for m, bf16 in ((model, False), (ref, True)):

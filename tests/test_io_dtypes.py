@@ -60,7 +60,7 @@ def test_an_input_autocast_would_not_convert_is_refused_not_cast(bad, inplace):
     for run in (lambda: model(y), lambda: _autocast(model, y)):
         with pytest.raises(RuntimeError):  # the FP32 model and autocast refuse it too
             run()
-    gm = fxamp.amp_rewrite(model, (x,), inplace=inplace, **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), inplace=inplace, config=fxamp.RewriteConfig.make(**BF16))
     with pytest.raises(InputDtypeError, match=rf"input 'x' is a {bad}"):
         gm(y)
     assert torch.equal(gm(x), _autocast(model, x).float())  # the planned dtype still runs
@@ -72,7 +72,7 @@ def test_a_float64_mask_next_to_a_float32_input_is_refused():
     x, mask = torch.randn(2, 8), torch.randn(8, 8)
     with pytest.raises(RuntimeError):
         _autocast(model, x, mask.double())
-    gm = fxamp.amp_rewrite(model, (x, mask), **BF16)
+    gm = fxamp.amp_rewrite(model, (x, mask), fxamp.RewriteConfig.make(**BF16))
     with pytest.raises(InputDtypeError, match="input 'mask' is a torch.float64"):
         gm(x, mask.double())
     # a half input is what autocast casts too: it runs, equal to autocast
@@ -98,7 +98,7 @@ def test_a_float64_mask_that_reaches_a_cast_through_an_op_is_refused(frontend):
     x, mask = torch.randn(2, 8), torch.rand(2, 8)
     with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
         _autocast(model, x, mask.double())
-    gm = fxamp.amp_rewrite(model, (x, mask), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (x, mask), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     with pytest.raises(InputDtypeError, match=r"input 'mask' is a torch.float64 tensor.*"
                                               r"what to do: pass mask as torch.float32"):
         gm(x, mask.double())
@@ -112,7 +112,8 @@ def test_a_float32_mask_where_the_example_had_float64_is_refused(frontend):
     torch.manual_seed(0)
     model = ScaledByMask()
     x, mask = torch.randn(2, 8), torch.rand(2, 8)
-    gm = fxamp.amp_rewrite(model, (x, mask.double()), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (x, mask.double()),
+                           fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     # autocast casts the float32 product for the linear; the plan, made for a float64
     # product that autocast leaves alone, has no cast there
     want = _autocast(model, x, mask)
@@ -129,7 +130,7 @@ def test_a_float32_mask_where_the_example_had_float64_is_refused(frontend):
 def test_an_output_the_model_converts_keeps_its_dtype(how, dtype):
     torch.manual_seed(0)
     model, x = Converts(how), torch.randn(2, 8)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     out, want = gm(x), _autocast(model, x)
     assert out.dtype == want.dtype == dtype
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
@@ -138,5 +139,5 @@ def test_an_output_the_model_converts_keeps_its_dtype(how, dtype):
 def test_a_low_precision_output_the_plan_made_is_fp32():
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(2, 8)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     assert gm(x).dtype == torch.float32 and _autocast(model, x).dtype == torch.bfloat16

@@ -31,7 +31,8 @@ def _model():
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_a_hook_added_after_the_rewrite_is_not_silently_skipped(frontend):
     model = _model()
-    gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),),
+                           fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     gm(torch.randn(2, 4))
     seen = []
     handle = model[1].register_forward_hook(lambda m, i, o: seen.append(o))
@@ -50,7 +51,7 @@ def test_in_place_a_hook_added_after_the_rewrite_runs_once_per_call_like_autocas
     model = _model()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 4)
-    fxamp.amp_rewrite(model, (x,), frontend="fx", inplace=True, **BF16)
+    fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend="fx", **BF16), inplace=True)
     model(x)
     calls = []
     model[1].register_forward_hook(lambda m, i, o: calls.append(1) or o * 2)
@@ -68,7 +69,8 @@ def test_in_place_a_hook_added_after_the_rewrite_runs_once_per_call_like_autocas
 def test_hooks_of_a_module_kept_as_a_call_are_live():
     model = _model()
     model[1].register_forward_hook(lambda m, i, o: None)  # kept as a call
-    gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),), frontend="fx", **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),),
+                           fxamp.RewriteConfig.make(frontend="fx", **BF16))
     ref = copy.deepcopy(model)
     calls = []
     model[1].register_forward_hook(lambda m, i, o: calls.append(1) or o * 2)
@@ -82,8 +84,10 @@ def test_hooks_of_a_module_kept_as_a_call_are_live():
 
 def test_no_hook_added_costs_no_error_and_the_plan_is_unchanged():
     model = _model()
-    plain = fxamp.amp_rewrite(copy.deepcopy(model), (torch.randn(2, 4),), frontend="fx", **BF16)
-    gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),), frontend="fx", **BF16)
+    plain = fxamp.amp_rewrite(copy.deepcopy(model), (torch.randn(2, 4),),
+                              fxamp.RewriteConfig.make(frontend="fx", **BF16))
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),),
+                           fxamp.RewriteConfig.make(frontend="fx", **BF16))
     nn.Linear(2, 2).register_forward_hook(lambda m, i, o: None)  # an unrelated module
     assert gm(torch.randn(2, 4)).shape == (2, 4)
     assert fxamp.plan_of(gm).to_text() == fxamp.plan_of(plain).to_text()

@@ -65,7 +65,8 @@ def test_output_keep_under_the_loops_autocast_equals_autocast_bit_for_bit(name: 
     x = X_VIT if name == "test_vit" else X
     reference = _model(name)
     model = copy.deepcopy(reference)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=BF16, policy="output=keep")  # as the page shows
+    # as the page shows
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=BF16, policy="output=keep"))
     want = _train(reference, reference, criterion(), x=x)
     got = _train(model, gm, criterion(), x=x)
     for (logits_a, loss_a, grads_a), (logits_b, loss_b, grads_b) in zip(want, got):
@@ -78,7 +79,8 @@ def test_output_keep_under_the_loops_autocast_equals_autocast_bit_for_bit(name: 
 def test_fp32_logits_make_a_low_precision_loss_run_in_fp32_instead():
     reference = _model()
     model = copy.deepcopy(reference)
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16)  # the default: FP32 outputs
+    gm = fxamp.amp_rewrite(
+        model, (X,), fxamp.RewriteConfig.make(dtype=BF16))  # the default: FP32 outputs
     want = _train(reference, reference, LabelSmoothingCrossEntropy(0.1), steps=1)
     got = _train(model, gm, LabelSmoothingCrossEntropy(0.1), steps=1)
     (logits_a, loss_a, _), (logits_b, loss_b, _) = want[0], got[0]

@@ -39,8 +39,9 @@ def test_meta_example_for_cpu_model_is_refused_naming_both_devices(frontend: str
     torch.manual_seed(0)
     model = Net()
     with pytest.raises(ExampleInputError) as info:
-        fxamp.amp_rewrite(model, (torch.empty(2, 8, device="meta"),), dtype=torch.bfloat16,
-                          target="cpu", frontend=frontend)
+        fxamp.amp_rewrite(model, (torch.empty(2, 8, device="meta"),),
+                          fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                   frontend=frontend))
     text = str(info.value)
     assert "device meta" in text and "on cpu" in text and "Net" in text
     assert "what to do" in text and "copy.deepcopy(model).to('meta')" in text
@@ -52,9 +53,10 @@ def test_following_the_meta_advice_plans_as_a_cpu_example_does(frontend: str) ->
     torch.manual_seed(0)
     model = Net()
     kwargs = dict(dtype=torch.bfloat16, target="cpu", frontend=frontend)
-    on_cpu = fxamp.amp_rewrite(model, (torch.randn(2, 8),), **kwargs)
+    on_cpu = fxamp.amp_rewrite(model, (torch.randn(2, 8),), fxamp.RewriteConfig.make(**kwargs))
     on_meta = fxamp.amp_rewrite(copy.deepcopy(model).to("meta"),
-                                (torch.empty(2, 8, device="meta"),), **kwargs)
+                                (torch.empty(2, 8, device="meta"),),
+                                fxamp.RewriteConfig.make(**kwargs))
     assert _lines(on_meta) == _lines(on_cpu)
     assert all(str(p.rule) == "autocast" and "observed" not in p.reason
                for p in fxamp.plan_of(on_cpu).nodes.values())
@@ -64,15 +66,18 @@ def test_following_the_meta_advice_plans_as_a_cpu_example_does(frontend: str) ->
 def test_cpu_example_for_meta_model_is_refused_naming_both_devices(frontend: str) -> None:
     model = Net().to("meta")
     with pytest.raises(ExampleInputError) as info:
-        fxamp.amp_rewrite(model, (torch.randn(2, 8),), dtype=torch.bfloat16, target="cpu",
-                          frontend=frontend)
+        fxamp.amp_rewrite(model, (torch.randn(2, 8),),
+                          fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                   frontend=frontend))
     text = str(info.value)
     assert "Net's Parameters or buffers are on device meta" in text and "on cpu" in text
     assert "pass example inputs on meta too" in text
     # the advice, followed: meta inputs plan as a cpu model's cpu example does
     torch.manual_seed(0)
-    on_cpu = fxamp.amp_rewrite(Net(), (torch.randn(2, 8),), dtype=torch.bfloat16,
-                               target="cpu", frontend=frontend)
+    on_cpu = fxamp.amp_rewrite(Net(), (torch.randn(2, 8),),
+                               fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                        frontend=frontend))
     on_meta = fxamp.amp_rewrite(model, (torch.empty(2, 8, device="meta"),),
-                                dtype=torch.bfloat16, target="cpu", frontend=frontend)
+                                fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                         frontend=frontend))
     assert _lines(on_meta) == _lines(on_cpu)

@@ -89,6 +89,7 @@ def test_a_plan_of_another_graph_is_refused_not_drawn_grey():
     from fxamp.model_explorer import program_node_data
 
     model, inputs = small_cnn()
-    fx_plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, frontend="fx"))
+    fx_plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs,
+                                              fxamp.RewriteConfig.make(frontend="fx")))
     with pytest.raises(FxampError, match="no line in the plan"):
         program_node_data(torch.export.export(model, inputs), fx_plan)

@@ -1,4 +1,4 @@
-"""Real models (random weights, tiny configs) through ``amp_rewrite(frontend="auto")``.
+"""Real models (random weights, tiny configs) through ``amp_rewrite`` (front end "auto").
 
 Hugging Face BERT, GPT-2, LLaMA and T5 (keyword inputs with an attention mask, ModelOutput
 results), a timm model that ``torch.fx.symbolic_trace`` cannot take, a torchvision detection
@@ -51,8 +51,10 @@ def rel_error(ref: Any, got: Any) -> float:
 
 
 def rewrite(model: nn.Module, args: tuple = (), kwargs: Dict[str, Any] = None):
-    return fxamp.amp_rewrite(model, args, example_kwargs=kwargs, dtype=torch.bfloat16,
-                             target="cpu", frontend="auto")
+    return fxamp.amp_rewrite(model, args,
+                             fxamp.RewriteConfig.make(example_kwargs=kwargs, dtype=torch.bfloat16,
+                                                      target="cpu",
+                                                      frontend="auto"))
 
 
 def tokens(vocab: int = 1000):

@@ -55,7 +55,9 @@ def assert_same_as_autocast(model: nn.Module, args: tuple = (),
     ref, amp = copy.deepcopy(model), copy.deepcopy(model)
     ref_out, ref_loss = _step(ref, args, kwargs, autocast=True)
     ref_eval = _eval(ref, args, kwargs, autocast=True)
-    fxamp.amp_rewrite(amp, dtype=torch.bfloat16, target="cpu", inplace=True, policy=policy)
+    fxamp.amp_rewrite(amp,
+                      config=fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                      policy=policy), inplace=True)
     out, loss = _step(amp, args, kwargs, autocast=False)
     assert len(out) == len(ref_out)
     assert all(torch.equal(a, b) for a, b in zip(ref_out, out))
@@ -140,7 +142,8 @@ def test_list_of_tensors_argument_in_place():
     a, b = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
     model = ListBlock()
     amp = copy.deepcopy(model)
-    fxamp.amp_rewrite(amp, dtype=torch.bfloat16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(amp, config=fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"),
+                      inplace=True)
     for call in ([a], [a, b], (a, b), [a]):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ref = model(call)
@@ -153,7 +156,8 @@ def test_list_of_tensors_argument_of_another_length_is_refused():
     """A returned module runs the list length it was traced for alone, and says so."""
     torch.manual_seed(0)
     a, b = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
-    gm = fxamp.amp_rewrite(ListBlock(), ([a],), dtype=torch.bfloat16, target="cpu")
+    gm = fxamp.amp_rewrite(ListBlock(), ([a],),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
     assert gm([a])[0].shape == a.shape
     with pytest.raises(fxamp.CallStructureError, match=r"'x' a list of 2 \(tensor, tensor\)"
                        r".*'x' a list of 1 \(tensor\)"):
@@ -207,8 +211,9 @@ def test_export_refuses_a_custom_function_it_would_inline():
     torch.manual_seed(0)
     with pytest.raises(fxamp.TraceError, match=r"custom autograd Function .*OwnBackward "
                        r"\(applied in RowLoop\.act\).*drops its own backward"):
-        fxamp.amp_rewrite(RowLoop(), (torch.randn(3, 8),), dtype=torch.bfloat16,
-                          target="cpu", frontend="export")
+        fxamp.amp_rewrite(RowLoop(), (torch.randn(3, 8),),
+                          fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                   frontend="export"))
 
 
 def test_custom_function_keeps_its_backward():
@@ -219,7 +224,8 @@ def test_custom_function_keeps_its_backward():
     model, x = RowLoop(), torch.randn(3, 8)
     amp = assert_same_as_autocast(model, (x,), policy="off:custom_ops")
     fenced = copy.deepcopy(model)
-    fxamp.amp_rewrite(fenced, dtype=torch.bfloat16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(fenced, config=fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"),
+                      inplace=True)
     fenced(x).sum().backward()
     line = next(p for p in fxamp.plan_of(fenced).nodes.values()
                 if "OwnBackward" in p.op)

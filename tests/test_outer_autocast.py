@@ -30,7 +30,8 @@ def _warn_again(monkeypatch):
 
 
 def test_an_fp32_override_holds_under_an_outer_autocast_and_is_reported_once(caplog):
-    gm = fxamp.amp_rewrite(_mlp(), (X,), dtype=BF16, target="cpu", policy="fp32:0")
+    gm = fxamp.amp_rewrite(_mlp(), (X,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:0"))
     want = gm(X)
     with caplog.at_level(logging.WARNING, logger="fxamp.program"):
         with torch.autocast("cpu", dtype=BF16):
@@ -49,7 +50,8 @@ def test_gradients_under_an_outer_autocast_equal_those_without():
     grads = []
     for outer in (False, True):
         model = _mlp()
-        gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="fp32:2")
+        gm = fxamp.amp_rewrite(model, (X,),
+                               fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:2"))
         with torch.autocast("cpu", dtype=BF16, enabled=outer):
             loss = F.cross_entropy(gm(X).float(), Y)
         loss.backward()
@@ -58,7 +60,8 @@ def test_gradients_under_an_outer_autocast_equal_those_without():
 
 
 def test_a_compiled_rewrite_under_an_outer_autocast_computes_the_plan():
-    gm = fxamp.amp_rewrite(_mlp(), (X,), dtype=BF16, target="cpu", policy="fp32:0")
+    gm = fxamp.amp_rewrite(_mlp(), (X,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:0"))
     want = gm(X)
     compiled = torch.compile(gm, backend="eager", fullgraph=True)
     with torch.autocast("cpu", dtype=BF16):
@@ -81,7 +84,7 @@ def test_an_eager_root_s_own_autocast_is_not_reported(caplog):
 
     torch.manual_seed(0)
     model = Root()
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     with caplog.at_level(logging.WARNING, logger="fxamp.program"):
         gm(X)
     assert "turned off inside it" not in caplog.text
@@ -114,7 +117,8 @@ def test_lightning_bf16_mixed_trains_the_rewritten_model_like_precision_32(tmp_p
                                      ("autocast bf16-mixed", "bf16-mixed", False)):
         net = copy.deepcopy(ref)
         if rewrite:
-            fxamp.amp_rewrite(net, (X,), dtype=BF16, target="cpu", inplace=True)
+            fxamp.amp_rewrite(net, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                              inplace=True)
         lit = Lit(net)
         trainer = pl.Trainer(accelerator="cpu", devices=1, precision=precision, max_steps=4,
                              logger=False, enable_checkpointing=False,

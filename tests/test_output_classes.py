@@ -40,7 +40,7 @@ def test_output_class_is_kept(make, frontend):
     torch.manual_seed(0)
     model = make()
     x = torch.randn(3, 4)
-    gm = fxamp.amp_rewrite(model, (x,), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     out = gm(x)
     with torch.autocast("cpu", torch.bfloat16):
         ref = model(x)
@@ -54,7 +54,8 @@ def test_output_class_is_kept(make, frontend):
 
 def test_model_output_attribute_access_works_after_fx_rewrite():
     model = _model_output()
-    gm = fxamp.amp_rewrite(model, (torch.randn(3, 4),), frontend="fx", **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(3, 4),),
+                           fxamp.RewriteConfig.make(frontend="fx", **BF16))
     out = gm(torch.randn(3, 4))
     assert out.logits.shape == (3, 2) and isinstance(out.hidden_states, tuple)
     plan = fxamp.plan_of(gm)

@@ -68,12 +68,14 @@ def _rewrites(model: Net, example: bool, frontend: str, inner: torch.dtype,
               outer: torch.dtype):
     """The block's and the model's in-place rewrites, as callables."""
     def block():
-        return fxamp.amp_rewrite(model.blocks[0], (H,) if example else None, dtype=inner,
-                                 target="cpu", inplace=True, frontend=frontend)
+        return fxamp.amp_rewrite(model.blocks[0], (H,) if example else None,
+                                 fxamp.RewriteConfig.make(dtype=inner, target="cpu",
+                                                          frontend=frontend), inplace=True)
 
     def root():
-        return fxamp.amp_rewrite(model, (X,) if example else None, dtype=outer,
-                                 target="cpu", inplace=True, frontend=frontend)
+        return fxamp.amp_rewrite(model, (X,) if example else None,
+                                 fxamp.RewriteConfig.make(dtype=outer, target="cpu",
+                                                          frontend=frontend), inplace=True)
 
     return block, root
 
@@ -126,9 +128,10 @@ def test_overlapping_in_place_rewrites_of_different_dtypes_are_refused_naming_th
 
 def test_a_returned_rewrite_of_a_model_with_a_part_in_place_of_another_dtype_is_refused():
     model = _net()
-    fxamp.amp_rewrite(model.blocks[0], (H,), dtype=FP16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(model.blocks[0], (H,), fxamp.RewriteConfig.make(dtype=FP16, target="cpu"),
+                      inplace=True)
     with pytest.raises(fxamp.OverlappingRewriteError, match="inplace=False"):
-        fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu")
+        fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
 
 
 def _advice(text: str) -> list:
@@ -148,10 +151,9 @@ def test_following_the_advice_for_a_block_rewritten_first_gives_one_plan(example
         assert [a for a, _ in advice] == ["model", "model.blocks[0]"]
         target, policy = advice[which]
         if which == 1:  # the block's rewrite replaced by one of the model's policy, then it
-            fxamp.amp_rewrite(model.blocks[0], (H,) if example else None, policy=policy,
-                              inplace=True)
+            fxamp.amp_rewrite(model.blocks[0], (H,) if example else None, policy, inplace=True)
             assert torch.equal(_eval(model.blocks[0], H), _autocast(ref.blocks[0], H, BF16))
-        fxamp.amp_rewrite(model, (X,) if example else None, policy=advice[0][1] if which == 0
+        fxamp.amp_rewrite(model, (X,) if example else None, advice[0][1] if which == 0
                           else policy, inplace=True)
         want = FP16 if which == 0 else BF16
         assert torch.equal(_eval(model, X), _autocast(ref, X, want)), which
@@ -168,13 +170,14 @@ def test_following_the_advice_for_a_model_rewritten_first_gives_what_it_says(exa
     text = str(err.value)
     assert "rewrite blocks.0 with inplace=False" in text
     # a returned module of the block: its own plan, the model's left as it is
-    fast = fxamp.amp_rewrite(model.blocks[0], (H,), dtype=FP16, target="cpu")
+    fast = fxamp.amp_rewrite(model.blocks[0], (H,),
+                             fxamp.RewriteConfig.make(dtype=FP16, target="cpu"))
     assert torch.equal(_eval(fast, H), _autocast(ref.blocks[0], H, FP16))
     assert torch.equal(_eval(model, X), _autocast(ref, X, BF16))
     # or the model itself rewritten in place with the block's policy
     [(target, policy)] = _advice(text)
     assert target == "model" and policy == "compute=fp16,target=cpu"
-    fxamp.amp_rewrite(model, (X,) if example else None, policy=policy, inplace=True)
+    fxamp.amp_rewrite(model, (X,) if example else None, policy, inplace=True)
     assert torch.equal(_eval(model, X), _autocast(ref, X, FP16))
     block()  # (now of one policy: it composes)
     assert torch.equal(_eval(model, X), _autocast(ref, X, FP16))
@@ -203,11 +206,13 @@ def test_another_thread_calling_a_part_while_the_model_is_traced_gets_the_part_s
     probe = _Probe()
     probe.load_state_dict(model.blocks[0].state_dict())
     model.blocks[0] = probe
-    fxamp.amp_rewrite(probe, (H,), dtype=BF16, target="cpu", inplace=True)
+    fxamp.amp_rewrite(probe, (H,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     got = []
     _THREADS.clear()
     probe.call = lambda: got.append(_eval(probe, H))
-    fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True, frontend="fx")
+    fxamp.amp_rewrite(model, (X,),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend="fx"),
+                      inplace=True)
     probe.call = None
     for thread in _THREADS:
         thread.join()

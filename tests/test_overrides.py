@@ -53,14 +53,14 @@ class Bertish(nn.Module):
 def test_an_override_that_matches_nothing_names_the_closest_paths() -> None:
     model, x = Bertish(), torch.randn(2, 8)
     with pytest.raises(fxamp.PolicyError) as info:
-        fxamp.amp_rewrite(model, (x,), policy="fp32:encoder.layer.0.*")
+        fxamp.amp_rewrite(model, (x,), "fp32:encoder.layer.0.*")
     text = str(info.value)
     assert "'fp32:encoder.layer.0.*' matches no node" in text
     closest = text.split("closest node names / module paths: ")[1].splitlines()[0]
     assert closest.split(", ")[0] == "bert.encoder.layer.0.*"
     assert "e.g. 'fp32:bert.encoder.layer.0.*'" in text
     # the suggestion is right: it matches the layer's nodes
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (x,), policy="fp32:bert.encoder.layer.0.*"))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (x,), "fp32:bert.encoder.layer.0.*"))
     assert {n for n, p in plan.nodes.items() if p.rule == "user"} == {
         "bert_encoder_layer_0_fc", "relu"}
 
@@ -68,13 +68,13 @@ def test_an_override_that_matches_nothing_names_the_closest_paths() -> None:
 def test_each_unmatched_override_is_named_and_matched_ones_are_not() -> None:
     model, x = Bertish(), torch.randn(2, 8)
     with pytest.raises(fxamp.PolicyError) as info:
-        fxamp.amp_rewrite(model, (x,), policy="fp32:head,fp32:hed,fp16:nn.Linearr")
+        fxamp.amp_rewrite(model, (x,), "fp32:head,fp32:hed,fp16:nn.Linearr")
     text = str(info.value)
     assert "'fp32:hed' matches no node" in text and "paths: head" in text
     assert "'fp16:nn.Linearr' matches no node" in text and "paths: nn.Linear" in text
     assert "'fp32:head' matches" not in text
     # an override that a later one overrides everywhere still matched: no error
-    fxamp.amp_rewrite(model, (x,), policy="fp32:head,fp16:nn.Linear")
+    fxamp.amp_rewrite(model, (x,), "fp32:head,fp16:nn.Linear")
 
 
 @pytest.mark.slow
@@ -83,27 +83,31 @@ def test_overrides_reach_nested_rewrites_by_their_plan_names() -> None:
     x = torch.randn(4, 8)
     # partial tracing: "shape" is rewritten on its own; its plan lines are shape/...
     for pattern in ("shape/linear", "shape.lin"):
-        plan = fxamp.plan_of(fxamp.amp_rewrite(Mixed(), (x,), policy=f"fp32:{pattern}",
-                                               **BF16))
+        plan = fxamp.plan_of(fxamp.amp_rewrite(Mixed(), (x,),
+                                               fxamp.RewriteConfig.make(policy=f"fp32:{pattern}",
+                                                                        **BF16)))
         assert plan.nodes["shape/linear"].dtype == torch.float32
         assert plan.nodes["shape/linear"].rule == "user"
     # eager front end: each child is rewritten on its own
     images = [torch.rand(3, 8, 8)]
-    plan = fxamp.plan_of(fxamp.amp_rewrite(ListRoot(), (images,), policy="fp32:backbone.0",
-                                           **BF16))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(ListRoot(), (images,),
+                                           fxamp.RewriteConfig.make(policy="fp32:backbone.0",
+                                                                    **BF16)))
     assert plan.header["frontend"] == "eager"
     assert (plan.nodes["backbone/_0"].dtype, plan.nodes["backbone/_0"].rule) == (
         torch.float32, "user")
     with pytest.raises(fxamp.PolicyError,
                        match=r"closest node names / module paths: [^\n]*backbone\.0"):
-        fxamp.amp_rewrite(ListRoot(), (images,), policy="fp32:backbone.9", **BF16)
+        fxamp.amp_rewrite(ListRoot(), (images,),
+                          fxamp.RewriteConfig.make(policy="fp32:backbone.9", **BF16))
 
 
 def test_an_override_of_a_child_that_runs_under_autocast_says_so() -> None:
     images = [torch.rand(3, 8, 8)]
     with pytest.raises(fxamp.PolicyError, match=r"names only gate, which run\(s\) under "
                        r"torch\.autocast at run time"):
-        fxamp.amp_rewrite(ListRoot(), (images,), policy="fp32:gate", **BF16)
+        fxamp.amp_rewrite(ListRoot(), (images,),
+                          fxamp.RewriteConfig.make(policy="fp32:gate", **BF16))
 
 
 def test_the_search_and_the_audit_refuse_unmatched_overrides_too() -> None:
@@ -124,7 +128,7 @@ def test_readme_override_example_matches_a_real_bert() -> None:
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         vocab_size=100)).eval()
     ids = torch.randint(0, 100, (2, 8))
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (ids,), policy=policy))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (ids,), policy))
     users = {p.module for p in plan.nodes.values() if p.rule == "user"}
     assert "bert.encoder.layer.0.attention.self.query" in users
     assert all(m.startswith("bert.encoder.layer.0") for m in users)
@@ -132,5 +136,5 @@ def test_readme_override_example_matches_a_real_bert() -> None:
     shown = next(line.split("error: ", 1)[1] for line in readme.splitlines()
                  if line.startswith("fxamp plan: error: policy override 'fp32:encoder.layer"))
     with pytest.raises(fxamp.PolicyError) as info:
-        fxamp.amp_rewrite(model, (ids,), policy=policy.replace("bert.encoder", "encoder"))
+        fxamp.amp_rewrite(model, (ids,), policy.replace("bert.encoder", "encoder"))
     assert str(info.value).splitlines()[0] == shown

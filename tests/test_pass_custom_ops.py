@@ -36,7 +36,7 @@ def test_function_that_refuses_low_precision_works_after_the_rewrite():
     except TypeError as err:
         plain = str(err)
     assert "float16" in plain  # plain autocast hands it fp16
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu"))
     out = gm(x)
     with torch.autocast("cpu", dtype=torch.float16):
         ref = model.b(NeedsFp32.apply(model.a(x).float()))
@@ -66,8 +66,9 @@ def test_policy_can_name_a_custom_op_low_precision():
             return Scale.apply(self.fc(x))
 
     x = torch.randn(2, 8)
-    gm = fxamp.amp_rewrite(M(), (x,), dtype=torch.float16, target="cpu",
-                           policy="fp16:scale_apply")
+    gm = fxamp.amp_rewrite(M(), (x,),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu",
+                                                    policy="fp16:scale_apply"))
     p = fxamp.plan_of(gm).nodes["scale_apply"]
     assert (p.rule, p.dtype) == ("user", torch.float16)
 

@@ -41,7 +41,7 @@ def _inputs() -> tuple:
 
 def test_cuda_conv_and_interpolate_meet_in_cat() -> None:
     model, inputs = ConvAndUpsample(), _inputs()
-    gm = fxamp.amp_rewrite(model, inputs, dtype=FP16, target="cuda")
+    gm = fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(dtype=FP16, target="cuda"))
     plan = fxamp.plan_of(gm)
     assert (plan.nodes["conv"].dtype, plan.nodes["interpolate"].dtype) == (FP16, FP32)
     cat = plan.nodes["cat"]
@@ -50,7 +50,9 @@ def test_cuda_conv_and_interpolate_meet_in_cat() -> None:
     assert cat.reason == "joins fp16 (conv) and fp32 (interpolate) inputs: promoted to fp32"
     # the rewritten graph casts the conv branch up before the cat, and runs (here on CPU)
     assert "conv_fp32" in gm.code, gm.code
-    keep = fxamp.amp_rewrite(model, inputs, dtype=FP16, target="cuda", policy="output=keep")
+    keep = fxamp.amp_rewrite(model, inputs,
+                             fxamp.RewriteConfig.make(dtype=FP16, target="cuda",
+                                                      policy="output=keep"))
     out = keep(*inputs)
     assert out.dtype == FP32
     ref = model(*inputs)
@@ -58,14 +60,17 @@ def test_cuda_conv_and_interpolate_meet_in_cat() -> None:
     log.info("cuda-target rewrite run on CPU: max abs error vs FP32 %.3g", err)
     assert err < 1e-2, f"max abs error vs FP32 {err:.3g}"
     # numerics off: what autocast does, the cat on no list and left to torch's promotion
-    off = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, target="cuda", policy="numerics=off"))
+    off = fxamp.plan_of(fxamp.amp_rewrite(model, inputs,
+                                          fxamp.RewriteConfig.make(target="cuda",
+                                                                   policy="numerics=off")))
     assert (off.nodes["cat"].rule, off.nodes["cat"].inputs) == ("autocast", None)
 
 
 def test_cpu_cat_autocast_already_promotes() -> None:
     """CPU cat is on autocast's promote list: the plan already casts both inputs to fp32."""
     model, inputs = ConvAndUpsample(), _inputs()
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, dtype=FP16, target="cpu"))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs,
+                                           fxamp.RewriteConfig.make(dtype=FP16, target="cpu")))
     cat = plan.nodes["cat"]
     assert (cat.rule, cat.inputs, cat.dtype) == ("autocast", FP32, FP32), plan.to_text()
 
@@ -95,7 +100,7 @@ def test_cpu_fp16_and_bf16_join(join: str) -> None:
     with pytest.raises(RuntimeError, match="prioritize"):
         with torch.autocast("cpu", dtype=FP16):
             model(x)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=FP16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=FP16, target="cpu"))
     node = fxamp.plan_of(gm).nodes[join]
     log.info("%s: %s", join, node)
     assert (node.rule, node.inputs, node.dtype) == ("joins", FP32, FP32), node
@@ -114,7 +119,7 @@ def test_cpu_bf16_only_join_under_fp16() -> None:
     with pytest.raises(RuntimeError, match="prioritize"):
         with torch.autocast("cpu", dtype=FP16):
             model(x)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=FP16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=FP16, target="cpu"))
     cat = fxamp.plan_of(gm).nodes["cat"]
     assert (cat.rule, cat.inputs, cat.dtype) == ("joins", BF16, BF16), cat
     assert "kept in bf16" in cat.reason, cat.reason
@@ -143,7 +148,7 @@ def test_cpu_index_put_mixed(method: bool) -> None:
     with pytest.raises(RuntimeError, match="Index put requires"):
         with torch.autocast("cpu", dtype=FP16):
             model(x, idx)
-    gm = fxamp.amp_rewrite(model, (x, idx), dtype=FP16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x, idx), fxamp.RewriteConfig.make(dtype=FP16, target="cpu"))
     node = fxamp.plan_of(gm).nodes["index_put"]
     assert (node.rule, node.inputs, node.dtype) == ("joins", FP32, FP32), node
     assert node.reason == ("joins fp32 (new_zeros) and fp16 (fc) inputs: promoted to fp32 "
@@ -166,8 +171,10 @@ def test_export_front_end_joins_like_fx(case: str) -> None:
         inputs = (torch.randn(4, 8), torch.tensor([0, 2, 3, 5]))
     decided = {}
     for frontend in ("fx", "export"):
-        gm = fxamp.amp_rewrite(model, inputs, dtype=FP16, target=target, frontend=frontend,
-                               policy="output=keep")
+        gm = fxamp.amp_rewrite(model, inputs,
+                               fxamp.RewriteConfig.make(dtype=FP16, target=target,
+                                                        frontend=frontend,
+                                                        policy="output=keep"))
         node = fxamp.plan_of(gm).nodes[name]
         decided[frontend] = (node.rule, node.inputs, node.dtype)
         assert node.op.startswith("aten." if frontend == "export" else ("torch.", "Tensor."))
@@ -178,7 +185,8 @@ def test_export_front_end_joins_like_fx(case: str) -> None:
 
 def test_cuda_index_put_is_an_autocast_promote_op() -> None:
     model, x, idx = Scatter(), torch.randn(4, 8), torch.tensor([0, 2, 3, 5])
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (x, idx), dtype=FP16, target="cuda"))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (x, idx),
+                                           fxamp.RewriteConfig.make(dtype=FP16, target="cuda")))
     node = plan.nodes["index_put"]
     assert (node.rule, node.inputs, node.dtype) == ("autocast", FP32, FP32), plan.to_text()
 
@@ -199,7 +207,7 @@ class Select(nn.Module):
 def test_where_mixed(target: str) -> None:
     torch.manual_seed(4)
     model, x = Select(), torch.randn(4, 8)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=FP16, target=target)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=FP16, target=target))
     plan = fxamp.plan_of(gm)
     for name in ("where", "where_1"):
         node = plan.nodes[name]
@@ -229,12 +237,13 @@ class SameDtype(nn.Module):
 def test_same_dtype_joins_untouched(target: str, dtype: torch.dtype) -> None:
     torch.manual_seed(5)
     model, x = SameDtype(), torch.randn(4, 8)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=dtype, target=target)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=dtype, target=target))
     plan = fxamp.plan_of(gm)
     for name in ("cat", "stack", "where"):
         assert plan.nodes[name].rule == "autocast", plan.to_text()
-    off = fxamp.plan_of(fxamp.amp_rewrite(model, (x,), dtype=dtype, target=target,
-                                          policy="numerics=off"))
+    off = fxamp.plan_of(fxamp.amp_rewrite(model, (x,),
+                                          fxamp.RewriteConfig.make(dtype=dtype, target=target,
+                                                                   policy="numerics=off")))
     assert [(p.rule, p.inputs, p.dtype) for p in plan.nodes.values()] == \
         [(p.rule, p.inputs, p.dtype) for p in off.nodes.values()]
     if target == "cpu":
@@ -246,7 +255,8 @@ def test_same_dtype_joins_untouched(target: str, dtype: torch.dtype) -> None:
 
 def test_user_override_wins() -> None:
     model, inputs = ConvAndUpsample(), _inputs()
-    gm = fxamp.amp_rewrite(model, inputs, target="cuda", policy="fp16:cat")
+    gm = fxamp.amp_rewrite(model, inputs,
+                           fxamp.RewriteConfig.make(target="cuda", policy="fp16:cat"))
     cat = fxamp.plan_of(gm).nodes["cat"]
     assert (cat.rule, cat.inputs) == ("user", FP16)
     assert ir.fixed(gm.graph.find_nodes(op="call_function", target=torch.cat)[0]) is None

@@ -38,7 +38,9 @@ def _masked():
 
 
 def _plan(model, x, policy=None):
-    return fxamp.plan_of(fxamp.amp_rewrite(model, x, target="tensorrt", policy=policy))
+    return fxamp.plan_of(fxamp.amp_rewrite(model, x,
+                                           fxamp.RewriteConfig.make(target="tensorrt",
+                                                                    policy=policy)))
 
 
 def test_a_deployment_plan_keeps_the_mask_arithmetic_in_fp16_with_a_reason():
@@ -70,7 +72,7 @@ def test_minus_inf_and_minus_1e9_fills_of_a_causal_and_a_padding_mask_go_fp16(tm
     x, pad = torch.randn(2, 6, 8), torch.ones(2, 6)
     pad[1, 4:] = 0
     model = CausalInf().eval()
-    gm = fxamp.amp_rewrite(model, (x, pad), target="tensorrt")
+    gm = fxamp.amp_rewrite(model, (x, pad), fxamp.RewriteConfig.make(target="tensorrt"))
     plan = fxamp.plan_of(gm)
     fills = {n: p for n, p in plan.nodes.items() if p.rule == "mask_fill"}
     assert sorted(fills) == ["full", "masked_fill"], plan.to_text()
@@ -97,7 +99,7 @@ class MaskOut(Masked):
 def test_a_fill_whose_value_is_used_elsewhere_is_left_alone():
     _, x = _masked()
     model = MaskOut().eval()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     plan = fxamp.plan_of(gm)
     assert not any(p.rule == "mask_fill" for p in plan.nodes.values()), plan.to_text()
     with torch.no_grad():
@@ -106,7 +108,7 @@ def test_a_fill_whose_value_is_used_elsewhere_is_left_alone():
 
 def test_a_training_plan_and_a_large_score_leave_the_fill_alone():
     model, x = _masked()
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, target="cuda"))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="cuda")))
     assert "written as fp16's lowest" not in plan.nodes["where"].reason
     with torch.no_grad():  # scores past the deployment limit (512) are still FP32
         model.q.weight.mul_(400.0)
@@ -119,7 +121,7 @@ def test_the_rewritten_model_computes_the_model_and_its_fp32_reference_keeps_the
     from fxamp.export.reference import fp32_reference
 
     model, x = _masked()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     with torch.no_grad():
         want = model(*x)
     assert torch.equal(fp32_reference(gm)(*x), want)
@@ -134,7 +136,7 @@ def _file_casts_and_error(tmp_path, name, policy):
     from fxamp.export import export_onnx, run_true_fp16
 
     model, x, check = MODELS[name]()
-    gm = fxamp.amp_rewrite(model, x, target="tensorrt", policy=policy)
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt", policy=policy))
     proto = onnx.load(export_onnx(gm, x, str(tmp_path / f"{name}.{bool(policy)}.onnx")))
     inits = {i.name for i in proto.graph.initializer}
     names = [i.name for i in proto.graph.input if i.name not in inits]

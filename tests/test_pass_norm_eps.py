@@ -27,7 +27,9 @@ class HandRMS(nn.Module):
 
 
 def _rewrite(model, x, policy=None):
-    return fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cpu", policy=policy)
+    return fxamp.amp_rewrite(model, (x,),
+                             fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu",
+                                                      policy=policy))
 
 
 @pytest.mark.parametrize("form", ["rsqrt", "mean_var"])
@@ -61,7 +63,8 @@ def test_eps_that_fp16_holds_is_left_alone():
 
 def test_bf16_holds_tiny_eps():
     model = HandRMS(eps=1e-12)
-    gm = fxamp.amp_rewrite(model, (torch.zeros(4, 8),), dtype=torch.bfloat16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (torch.zeros(4, 8),),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
     assert "norm_eps" not in {p.rule for p in fxamp.plan_of(gm).nodes.values()}
     assert torch.isfinite(gm(torch.zeros(4, 8))).all()
 
@@ -134,7 +137,9 @@ def test_norm_modules_are_probed_and_fenced_only_where_the_kernel_loses_eps():
 
 # -- deployment plans: the eps is judged on the statistic's values seen -----------------
 def _deploy(model, x, calibration=None):
-    return fxamp.amp_rewrite(model, (x,), target="tensorrt", calibration_data=calibration)
+    return fxamp.amp_rewrite(model, (x,),
+                             fxamp.RewriteConfig.make(target="tensorrt",
+                                                      calibration_data=calibration))
 
 
 def _norm_eps_nodes(gm):

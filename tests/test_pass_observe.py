@@ -59,8 +59,10 @@ def test_torch_C_nn_spelling_is_decided_by_observation_and_bit_identical():
     fp32 casts decide, and the rewritten model equals autocast bit for bit."""
     m = _Call(lambda a, b: torch._C._nn.mse_loss(a, b))
     a, b = torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()
-    gm = fxamp.amp_rewrite(m, (a, b), dtype=torch.bfloat16, target="cpu", frontend="fx",
-                           policy="numerics=off")
+    gm = fxamp.amp_rewrite(m, (a, b),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                    frontend="fx",
+                                                    policy="numerics=off"))
     p = fxamp.plan_of(gm).nodes["mse_loss"]
     assert (p.dtype, p.inputs) == (torch.float32, torch.float32)
     assert "observed" in p.reason and "on no autocast list" in p.reason
@@ -75,8 +77,10 @@ def test_casts_inside_the_call_run_under_autocast_at_run_time():
     (``runtime``) — on CPU (bf16), where the tables agree, it stays an input cast."""
     m = _Call(lambda a, t: F.cross_entropy(a, t))
     a, t = torch.randn(4, 8).half(), torch.randint(0, 8, (4,))
-    gm = fxamp.amp_rewrite(m, (a, t), dtype=torch.float16, target="cuda", frontend="fx",
-                           policy="numerics=off")
+    gm = fxamp.amp_rewrite(m, (a, t),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda",
+                                                    frontend="fx",
+                                                    policy="numerics=off"))
     p = fxamp.plan_of(gm).nodes["cross_entropy"]
     assert p.rule == "runtime" and "observed" in p.reason
     truth = record_autocast_dtypes(torch.fx.symbolic_trace(m), (a, t), "cuda", torch.float16)
@@ -87,7 +91,8 @@ def test_float64_model_stays_float64():
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).double()
     x = torch.randn(2, 8, dtype=torch.float64)
     for target in ("cpu", "cuda"):
-        gm = fxamp.amp_rewrite(m, (x,), dtype=torch.float16, target=target)
+        gm = fxamp.amp_rewrite(m, (x,),
+                               fxamp.RewriteConfig.make(dtype=torch.float16, target=target))
         plan = fxamp.plan_of(gm)
         assert {p.dtype for p in plan.nodes.values()} == {torch.float64}
         assert all(p.inputs is None for p in plan.nodes.values())
@@ -101,7 +106,8 @@ def test_norm_probe_does_not_touch_a_meta_model():
     plans = {}
     for device in ("cpu", "meta"):
         x = torch.randn(1, 2, 4, 4).to(device)
-        gm = fxamp.amp_rewrite(m.to(device), (x,), dtype=torch.float16, target="cuda")
+        gm = fxamp.amp_rewrite(m.to(device), (x,),
+                               fxamp.RewriteConfig.make(dtype=torch.float16, target="cuda"))
         plans[device] = {k: (p.dtype, p.rule) for k, p in fxamp.plan_of(gm).nodes.items()}
         assert next(gm.parameters()).device.type == device
     assert plans["meta"] == plans["cpu"]

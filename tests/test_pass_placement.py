@@ -23,7 +23,8 @@ BF16, FP32 = 2, 4  # bytes per element
 
 
 def rewrite(model, inputs, policy=None):
-    return fxamp.amp_rewrite(model, inputs, dtype=DT, target="cpu", policy=policy)
+    return fxamp.amp_rewrite(model, inputs,
+                             fxamp.RewriteConfig.make(dtype=DT, target="cpu", policy=policy))
 
 
 def plans(model, inputs, policy=""):

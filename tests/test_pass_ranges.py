@@ -56,11 +56,13 @@ def _check(model, shape):
     torch.manual_seed(0)
     x = torch.randn(*shape) * 4
     ref = model(x)
-    plain = fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cpu")(x)
+    plain = fxamp.amp_rewrite(model, (x,),
+                              fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu"))(x)
     with torch.autocast("cpu", dtype=torch.float16):
         ac = model(x)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cpu",
-                           calibration_data=_batches(shape))
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu",
+                                                    calibration_data=_batches(shape)))
     out = gm(x)
     assert torch.isfinite(out).all() and _rel(out, ref) < 1e-2, (
         f"calibrated rel err {_rel(out, ref):.3g}; without calibration finite="
@@ -88,8 +90,9 @@ def test_attention_scores_that_overflow_before_the_softmax():
 def test_bf16_has_fp32_range_so_nothing_is_kept():
     model = BigActivations().eval()
     x = torch.randn(8, 16)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu",
-                           calibration_data=_batches((8, 16)))
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                    calibration_data=_batches((8, 16))))
     assert "ranges" not in {p.rule for p in fxamp.plan_of(gm).nodes.values()}
 
 
@@ -97,14 +100,16 @@ def test_statistics_live_in_the_plan_and_can_be_reused_without_data():
     model = BigActivations().train()
     stats_before = model.bn.running_mean.clone(), model.bn.num_batches_tracked.clone()
     x = torch.randn(8, 16)
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (x,), calibration_data=_batches((8, 16))))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(
+        model, (x,), fxamp.RewriteConfig.make(calibration_data=_batches((8, 16)))))
     assert torch.equal(model.bn.running_mean, stats_before[0])  # calibration changed nothing
     assert torch.equal(model.bn.num_batches_tracked, stats_before[1])
     text = plan.to_text()
     assert "@range mul max_abs=" in text
     again = fxamp.Plan.from_text(text)
     assert again == plan and again.to_text() == text
-    reused = fxamp.plan_of(fxamp.amp_rewrite(model, (x,), calibration_data=again))
+    reused = fxamp.plan_of(fxamp.amp_rewrite(model, (x,),
+                                             fxamp.RewriteConfig.make(calibration_data=again)))
     assert reused == plan
 
 
@@ -121,8 +126,9 @@ def test_underflowing_values_are_reported(caplog):
             return self.fc(x)
 
     with caplog.at_level("WARNING", logger="fxamp"):
-        fxamp.amp_rewrite(Tiny(), (torch.randn(2, 8),), target="cpu",
-                          calibration_data=_batches((2, 8), scale=1.0))
+        fxamp.amp_rewrite(Tiny(), (torch.randn(2, 8),),
+                          fxamp.RewriteConfig.make(target="cpu",
+                                                   calibration_data=_batches((2, 8), scale=1.0)))
     assert "fc: 100% of its non-zero values are below fp16's smallest normal" in caplog.text
 
 
@@ -141,8 +147,10 @@ X8 = torch.randn(2, 8)
 
 
 def _calibrate(data, frontend="fx"):
-    return fxamp.amp_rewrite(TwoLinear(), (X8,), dtype=torch.float16, target="cpu",
-                             frontend=frontend, calibration_data=data)
+    return fxamp.amp_rewrite(TwoLinear(), (X8,),
+                             fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu",
+                                                      frontend=frontend,
+                                                      calibration_data=data))
 
 
 @pytest.mark.parametrize("data,words", [

@@ -147,7 +147,7 @@ def _variants(model: nn.Module, x: torch.Tensor) -> Dict[str, float]:
     with torch.autocast("cpu", dtype=FP16):
         autocast = model(x)
     half = copy.deepcopy(model).half()(x.half())
-    gm = fxamp.amp_rewrite(model, (x,), dtype=FP16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=FP16, target="cpu"))
     out = gm(x)
     assert out.dtype == torch.float32
     errors = {"scale": ref.abs().max().item(), "autocast": _err(autocast, ref),
@@ -172,7 +172,7 @@ def _pattern_ops(gm: fx.GraphModule) -> List[str]:
 
 def _check_rewritten(model: nn.Module, x: torch.Tensor, op: str, target: str = "cpu") -> None:
     name = _final_name(model)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=FP16, target=target)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=FP16, target=target))
     gm.graph.lint()
     plan = fxamp.plan_of(gm)
     p = plan.nodes.get(name)
@@ -240,7 +240,8 @@ def test_cuda_plan_lines() -> None:
                      (log_f_softmax, "torch.log_softmax"), (lse_torch, "torch.logsumexp")]:
         model = Head(head)
         _check_rewritten(model, x, op, target="cuda")
-        text = fxamp.plan_of(fxamp.amp_rewrite(model, (x,), target="cuda")).to_text()
+        text = fxamp.plan_of(fxamp.amp_rewrite(
+            model, (x,), fxamp.RewriteConfig.make(target="cuda"))).to_text()
         line = next(ln for ln in text.splitlines() if ln.startswith(_final_name(model) + " "))
         log.info("cuda plan line: %s", line)
         assert op in line and " softmax " in line and "replaced by" in line, text
@@ -250,7 +251,8 @@ def test_bf16_reason_and_dim_kept() -> None:
     torch.manual_seed(4)
     model = Head(softmax_dim0)
     x = torch.randn(8, 16)
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
     p = fxamp.plan_of(gm).nodes["truediv"]
     assert p.rule == "softmax" and "over dim 0" in p.reason and "bf16" in p.reason, p
     assert "torch.softmax(fc_fp32, 0)" in gm.code, gm.code
@@ -275,7 +277,7 @@ def test_pattern_nodes_with_other_users_are_kept() -> None:
     torch.manual_seed(5)
     model = Shared()
     x = torch.randn(4, 16)
-    gm = fxamp.amp_rewrite(model, (x,), target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(target="cpu"))
     plan = fxamp.plan_of(gm)
     assert plan.nodes["truediv"].op == "torch.softmax", plan.to_text()
     assert plan.nodes["log"].op == "torch.logsumexp", plan.to_text()
@@ -303,7 +305,7 @@ def test_nested_and_module_softmax() -> None:
     torch.manual_seed(6)
     model = Nested()
     x = 8.0 * torch.randn(4, 16)
-    gm = fxamp.amp_rewrite(model, (x,), target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(target="cpu"))
     plan = fxamp.plan_of(gm)
     rewritten = {n: (p.op, p.rule) for n, p in plan.nodes.items() if p.rule == "softmax"}
     assert rewritten == {"log": ("torch.log_softmax", "softmax"),
@@ -327,8 +329,10 @@ def test_near_misses_are_left_alone(head: Callable) -> None:
     torch.manual_seed(7)
     model = Head(head)
     x = torch.randn(16, 16)  # moderate logits: autocast's output is finite
-    gm = fxamp.amp_rewrite(model, (x,), dtype=FP16, target="cpu")
-    off = fxamp.amp_rewrite(model, (x,), dtype=FP16, target="cpu", policy="numerics=off")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(dtype=FP16, target="cpu"))
+    off = fxamp.amp_rewrite(model, (x,),
+                            fxamp.RewriteConfig.make(dtype=FP16, target="cpu",
+                                                     policy="numerics=off"))
     plan, plan_off = fxamp.plan_of(gm), fxamp.plan_of(off)
     assert list(plan.nodes) == list(plan_off.nodes), plan.to_text()
     assert all(p.rule != "softmax" for p in plan.nodes.values()), plan.to_text()

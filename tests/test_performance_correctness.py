@@ -77,7 +77,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 def test_compiled_gm_matches_eager_gm(name, model, inputs):
     torch._dynamo.reset()
     model = model.eval()  # eval: BatchNorm running stats stay put between the two runs
-    gm = fxamp.amp_rewrite(model, inputs, dtype=DT, target="cpu")
+    gm = fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(dtype=DT, target="cpu"))
     want = gm(*inputs)
     compiled = torch.compile(gm, backend="aot_eager", fullgraph=True)
     got = compiled(*inputs)
@@ -102,15 +102,16 @@ def test_compiled_gm_matches_eager_gm(name, model, inputs):
                          ids=["no_grad", "inference_mode"])
 def test_runs_without_grad(name, model, inputs, ctx):
     model = model.eval()
-    gm = fxamp.amp_rewrite(model, inputs, dtype=DT, target="cpu")
+    gm = fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(dtype=DT, target="cpu"))
     want = gm(*inputs).detach()
     with ctx():
         got = gm(*inputs)
     assert not got.requires_grad
     _close(got, want)
     with ctx():  # the pure autocast mirror too
-        off = fxamp.amp_rewrite(model, inputs, dtype=DT, target="cpu",
-                                policy="numerics=off")(*inputs)
+        off = fxamp.amp_rewrite(model, inputs,
+                                fxamp.RewriteConfig.make(dtype=DT, target="cpu",
+                                                         policy="numerics=off"))(*inputs)
         with torch.autocast("cpu", dtype=DT):
             ref = model(*inputs)
     _close(off, ref)
@@ -123,7 +124,8 @@ def _backward(out: torch.Tensor) -> None:
 @pytest.mark.parametrize("name,model,inputs", CASES, ids=IDS)
 def test_casts_per_step_not_above_autocast(name, model, inputs):
     model = model.train()
-    gm = fxamp.amp_rewrite(model, inputs, dtype=DT, target="cpu", policy="numerics=off")
+    gm = fxamp.amp_rewrite(model, inputs,
+                           fxamp.RewriteConfig.make(dtype=DT, target="cpu", policy="numerics=off"))
 
     def autocast_forward():
         with torch.autocast("cpu", dtype=DT):

@@ -41,7 +41,7 @@ def test_diff_empty_for_equal_plans(plan):
 def test_one_override_changes_one_line_and_diff_names_it():
     model, inputs = small_cnn()
     a = fxamp.plan_of(fxamp.amp_rewrite(model, inputs))
-    b = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy="fp32:fc"))
+    b = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, "fp32:fc"))
     changed = [(x, y) for x, y in zip(a.to_text().splitlines(), b.to_text().splitlines())
                if x != y]
     assert len(changed) == 2  # the policy header line and the fc line
@@ -54,7 +54,7 @@ def test_one_override_changes_one_line_and_diff_names_it():
 def test_diff_takes_plan_files_as_paths_or_path_objects(tmp_path):
     model, inputs = small_cnn()
     a = fxamp.plan_of(fxamp.amp_rewrite(model, inputs))
-    b = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy="fp32:fc"))
+    b = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, "fp32:fc"))
     a.save(str(tmp_path / "a.plan"))
     b.save(str(tmp_path / "b.plan"))
     expected = fxamp.diff(a, b)

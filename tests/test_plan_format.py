@@ -85,7 +85,7 @@ class OddNames(nn.Module):
 
 def test_module_names_with_spaces_quotes_and_unicode_rewrite_run_and_round_trip(tmp_path):
     model, x = OddNames(), torch.randn(4, 8)
-    gm = fxamp.amp_rewrite(model, (x,), policy="fp32:m fp32")
+    gm = fxamp.amp_rewrite(model, (x,), "fp32:m fp32")
     plan = fxamp.plan_of(gm)
     assert {p.module for p in plan.nodes.values()} >= {"m fp32", 'a"b', "gr\u00f6\u00dfe"}
     assert [p.dtype for p in plan.nodes.values() if p.module == "m fp32"] == [torch.float32]
@@ -149,4 +149,5 @@ def test_the_readme_plan_block_is_real_output():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     block = readme.split("## The plan\n", 1)[1].split("```\n", 2)[1]
     model, inputs = small_cnn()
-    assert fxamp.plan_of(fxamp.amp_rewrite(model, inputs, target="cuda")).to_text() == block
+    assert fxamp.plan_of(fxamp.amp_rewrite(
+        model, inputs, fxamp.RewriteConfig.make(target="cuda"))).to_text() == block

@@ -23,7 +23,8 @@ def calibrated():
     import torch
     torch.manual_seed(0)
     model, x = Wide(), (torch.randn(2, 4),)
-    return model, x, fxamp.plan_of(fxamp.amp_rewrite(model, x, calibration_data=[x]))
+    return model, x, fxamp.plan_of(fxamp.amp_rewrite(
+        model, x, fxamp.RewriteConfig.make(calibration_data=[x])))
 
 
 def _with_range(plan, name, **change):
@@ -53,7 +54,8 @@ def test_the_changed_range_changes_what_a_reuse_decides(calibrated):
     import torch
     model, x, plan = calibrated
     other = _with_range(plan, "mul", max_abs=70000.0)
-    reused = fxamp.plan_of(fxamp.amp_rewrite(model, x, calibration_data=other))
+    reused = fxamp.plan_of(fxamp.amp_rewrite(model, x,
+                                             fxamp.RewriteConfig.make(calibration_data=other)))
     assert reused.nodes["mul"].dtype == torch.float32 != plan.nodes["mul"].dtype
 
 
@@ -93,8 +95,9 @@ def test_fxamp_diff_exits_1_on_a_changed_range(calibrated, tmp_path, capsys):
 def test_check_of_a_calibrated_plan_uses_its_ranges_and_update_keeps_them(tmp_path, capsys):
     from fxamp.demo import small_cnn
     model, inputs = small_cnn()
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, target="cuda",
-                                           calibration_data=[inputs]))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs,
+                                           fxamp.RewriteConfig.make(target="cuda",
+                                                                    calibration_data=[inputs])))
     assert plan.ranges
     path = tmp_path / "model.plan"
     plan.save(str(path))
@@ -108,7 +111,8 @@ def test_ranges_of_nodes_a_reused_plan_no_longer_has_are_left_out(calibrated, tm
     model, x, plan = calibrated
     stale = dict(plan.ranges)
     stale["gone"] = plan.ranges["fc"]
-    reused = fxamp.plan_of(fxamp.amp_rewrite(model, x, calibration_data=stale))
+    reused = fxamp.plan_of(fxamp.amp_rewrite(model, x,
+                                             fxamp.RewriteConfig.make(calibration_data=stale)))
     assert set(reused.ranges) == set(plan.ranges)
     reused.save(str(tmp_path / "p.plan"))
     assert Plan.load(str(tmp_path / "p.plan")).ranges == reused.ranges  # still readable

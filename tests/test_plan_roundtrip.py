@@ -1,4 +1,4 @@
-"""Every plan fxamp writes re-applies: ``amp_rewrite(model, x, policy=Plan.load(p).policy)``
+"""Every plan fxamp writes re-applies: ``amp_rewrite(model, x, Plan.load(p).policy)``
 plans the same dtype for every node as the rewrite that wrote ``p`` (a plain rewrite, a
 tolerance search, a healed Trainer)."""
 from pathlib import Path
@@ -39,13 +39,15 @@ def _reapplied(model: nn.Module, x: torch.Tensor, plan: fxamp.Plan, tmp_path: Pa
     path = tmp_path / "model.plan"
     plan.save(str(path))
     loaded = fxamp.Plan.load(str(path))
-    return fxamp.plan_of(fxamp.amp_rewrite(model, (x,), policy=loaded.policy))
+    return fxamp.plan_of(fxamp.amp_rewrite(model, (x,), loaded.policy))
 
 
 def test_a_plain_rewrites_plan_reapplies_to_the_same_dtypes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, x = Sensitive(), torch.randn(4, 16)
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (x,), target="cpu", policy="fp32:tanh_1"))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, (x,),
+                                           fxamp.RewriteConfig.make(target="cpu",
+                                                                    policy="fp32:tanh_1")))
     assert _dtypes(_reapplied(model, x, plan, tmp_path)) == _dtypes(plan)
 
 
@@ -62,7 +64,7 @@ def test_a_search_plan_reapplies_to_the_same_dtypes(tmp_path: Path) -> None:
     for name in found.fp32_nodes:  # the search's nodes, kept by the policy's fp32 items
         assert plan.nodes[name].rule == "search" and again.nodes[name].rule == "user"
     with torch.no_grad():
-        gm = fxamp.amp_rewrite(model, (x,), policy=plan.policy)
+        gm = fxamp.amp_rewrite(model, (x,), plan.policy)
         assert torch.equal(gm(x), found.graph_module(x))
 
 
@@ -92,7 +94,7 @@ def test_a_bisection_plan_reapplies_to_the_same_dtypes(tmp_path: Path) -> None:
 def test_a_healed_trainers_plan_reapplies_to_the_same_dtypes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model, x = Sensitive(), torch.randn(4, 16)
-    gm = fxamp.amp_rewrite(model, (x,), target="cpu")
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(target="cpu"))
     trainer = Trainer(gm, torch.optim.SGD(model.parameters(), lr=0.01), heal=True,
                       heal_after=1, original_model=model, example_inputs=(x,))
     bad = torch.full((4, 16), 6e4)  # overflows fp16 in the first matmul
@@ -115,6 +117,7 @@ def test_a_search_plan_made_with_a_front_end_reapplies_with_it(tmp_path: Path,
     path = tmp_path / "model.plan"
     plan.save(str(path))
     loaded = fxamp.Plan.load(str(path))
-    again = fxamp.amp_rewrite(model, (x,), policy=loaded.policy,
-                              frontend=loaded.header["frontend"])
+    again = fxamp.amp_rewrite(model, (x,),
+                              fxamp.RewriteConfig.make(policy=loaded.policy,
+                                                       frontend=loaded.header["frontend"]))
     assert _dtypes(fxamp.plan_of(again)) == _dtypes(plan)

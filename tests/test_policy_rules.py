@@ -74,7 +74,7 @@ def _case(rule: str, model_and_inputs) -> tuple:
 
 def _rule_lines(policy: str, model: nn.Module, inputs: tuple) -> Dict[str, List[str]]:
     """rule -> the plan's node lines with that rule (numerics rules only)."""
-    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy=policy))
+    plan = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy))
     out: Dict[str, List[str]] = {rule: [] for rule in NUMERICS_RULES}
     for line in plan.to_text().splitlines():
         cols = line.split()
@@ -120,8 +120,8 @@ def test_numerics_off_is_the_shorthand_for_every_rule_and_output_keep(model_and_
     assert str(p) == "compute=fp16,target=cuda,numerics=off"
     every = ",".join(f"off:{r}" for r in NUMERICS_RULES)
     model, inputs = model_and_inputs
-    short = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy="numerics=off"))
-    long = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, policy=every + ",output=keep"))
+    short = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, "numerics=off"))
+    long = fxamp.plan_of(fxamp.amp_rewrite(model, inputs, every + ",output=keep"))
     body = [line for line in short.to_text().splitlines() if not line.startswith("# policy")]
     assert body == [line for line in long.to_text().splitlines()
                     if not line.startswith("# policy")]

@@ -84,7 +84,7 @@ def test_quantized_model_is_refused_naming_the_quantized_module(kind: str,
     x = torch.randn(2, 8)
     quantized(x)  # (it runs as it is)
     with pytest.raises(UnsupportedModelError) as info:
-        fxamp.amp_rewrite(quantized, (x,), frontend=frontend, **BF16)
+        fxamp.amp_rewrite(quantized, (x,), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     text = str(info.value)
     assert "is quantized" in text and named in text
     assert "fxamp plans floating-point models" in text
@@ -97,7 +97,7 @@ def test_following_the_advice_the_float_model_rewrites_as_autocast_runs_it(
         frontend: str) -> None:
     model = _float_model()
     x = torch.randn(4, 8)
-    gm = fxamp.amp_rewrite(model, (x,), frontend=frontend, **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = model(x)
     assert torch.equal(gm(x), expected.float())

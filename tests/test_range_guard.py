@@ -22,7 +22,8 @@ class Net(nn.Module):
 
 def _rewrite(policy: str) -> nn.Module:
     torch.manual_seed(0)
-    return fxamp.amp_rewrite(Net(), (torch.randn(4, 8),), target="tensorrt", policy=policy)
+    return fxamp.amp_rewrite(Net(), (torch.randn(4, 8),),
+                             fxamp.RewriteConfig.make(target="tensorrt", policy=policy))
 
 
 def test_a_deployment_plan_meeting_inputs_past_its_ranges_warns_once_naming_the_node(

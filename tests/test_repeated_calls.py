@@ -61,7 +61,8 @@ def _grads(case: str, mode: str) -> Dict[str, torch.Tensor]:
     """Each parameter's gradient of the case's loss: "fp32", "autocast" or "fxamp"."""
     make, loss, example = CASES[case]
     model = make()
-    run = fxamp.amp_rewrite(model, (example,), dtype=BF16) if mode == "fxamp" else model
+    run = fxamp.amp_rewrite(
+        model, (example,), fxamp.RewriteConfig.make(dtype=BF16)) if mode == "fxamp" else model
     with torch.autocast("cpu", dtype=BF16, enabled=mode == "autocast"):
         value = loss(run)
     value.backward()
@@ -70,7 +71,7 @@ def _grads(case: str, mode: str) -> Dict[str, torch.Tensor]:
 
 def test_the_summed_weight_gradient_is_the_fp32_sum_of_the_per_call_gradients():
     model = _encoder()
-    gm = fxamp.amp_rewrite(model, (A,), dtype=BF16)
+    gm = fxamp.amp_rewrite(model, (A,), fxamp.RewriteConfig.make(dtype=BF16))
     params: List[nn.Parameter] = list(model.parameters())
     out_a, out_b = gm(A).float(), gm(B).float()
     loss = (out_a - out_b).pow(2).sum(-1).mean()

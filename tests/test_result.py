@@ -17,7 +17,8 @@ BF16 = dict(target="cpu", dtype=torch.bfloat16)
 @pytest.mark.parametrize("inplace", [False, True])
 def test_one_frozen_result_under_one_attribute(inplace):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),), inplace=inplace, **BF16)
+    gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),), inplace=inplace,
+                           config=fxamp.RewriteConfig.make(**BF16))
     result = result_of(gm)
     assert isinstance(result, Rewritten) and result.plan is fxamp.plan_of(gm)
     assert result.config is config_of(gm) and result.policy == result.config.policy

@@ -45,7 +45,9 @@ def _counting_probes(monkeypatch):
 
 def _plan(model, x, frontend):
     observe.CACHE.entries.clear()
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cpu", frontend=frontend)
+    gm = fxamp.amp_rewrite(model, (x,),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu",
+                                                    frontend=frontend))
     return gm, fxamp.plan_of(gm)
 
 
@@ -119,7 +121,8 @@ with young_objects_only():
     gc.collect()
     assert ref() is None, "garbage made inside the block is collected"
 assert gc.get_freeze_count() == 0, "unfrozen after the block"
-fxamp.amp_rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), dtype=torch.bfloat16, target="cpu")
+fxamp.amp_rewrite(nn.Linear(4, 4), (torch.randn(2, 4),),
+                  fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
 assert gc.get_freeze_count() == 0, "amp_rewrite froze and unfroze"
 print("ok")
 """

@@ -71,7 +71,8 @@ def test_a_graph_that_raises_under_autocast_leaves_the_users_autocast_on(inplace
     torch.manual_seed(0)
     model = Boom()
     x, good = torch.randn(4, 8), torch.tensor([0, 1])
-    gm = fxamp.amp_rewrite(model, (x, good), inplace=inplace, **BF16)
+    gm = fxamp.amp_rewrite(model, (x, good), inplace=inplace,
+                           config=fxamp.RewriteConfig.make(**BF16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(IndexError):
             gm(x, torch.tensor([99]))
@@ -86,7 +87,7 @@ def test_a_late_hook_inside_a_checkpoint_region_is_refused_by_name():
     torch.manual_seed(0)
     model = Checkpointed()
     x = torch.randn(4, 8, requires_grad=True)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     assert any(type(m).__name__ == "CheckpointRegion" for m in gm.modules())
     gm(x).sum().backward()
     handle = model.block[0].register_forward_hook(lambda m, i, o: None)
@@ -104,7 +105,8 @@ from torch.optim import optimizer as o
 before = (len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))
 import fxamp
 model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),), dtype=torch.bfloat16, target="cpu")
+gm = fxamp.amp_rewrite(model, (torch.randn(2, 4),),
+                       fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 gm(torch.randn(2, 4)).sum().backward()
 opt.step()
@@ -157,7 +159,7 @@ def test_bytes_held_between_training_steps_equal_autocasts(inplace):
     opt_a = _two_steps(ref, lambda v: _autocast_out(ref, v), x, y)
     held_autocast = _live_tensor_bytes()
     del opt_a
-    gm = fxamp.amp_rewrite(model, (x,), inplace=inplace, **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), inplace=inplace, config=fxamp.RewriteConfig.make(**BF16))
     opt_f = _two_steps(model, gm, x, y)
     held_fxamp = _live_tensor_bytes()
     del opt_f
@@ -169,7 +171,7 @@ def test_python_calls_per_training_forward_within_1_3x_the_plain_models():
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(2, 16)
     plain = copy.deepcopy(model)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     gm(x).sum().backward()
 
     def calls(fn) -> int:
@@ -189,7 +191,7 @@ def test_a_head_replaced_after_an_inplace_rewrite_is_used_and_trained():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=1000)
     x = torch.randn(2, 3, 64, 64)
-    fxamp.amp_rewrite(model, (x,), inplace=True, **BF16)
+    fxamp.amp_rewrite(model, (x,), inplace=True, config=fxamp.RewriteConfig.make(**BF16))
     model.fc = nn.Linear(512, 10)  # the fine-tuning pattern
     ref = copy.deepcopy(model)
     ref.__dict__.pop("forward")  # the original forward, under autocast
@@ -205,7 +207,7 @@ def test_a_head_replaced_after_an_inplace_rewrite_is_used_and_trained():
 
 def _inplace_pair(model, x):
     ref = copy.deepcopy(model)
-    fxamp.amp_rewrite(model, (x,), inplace=True, **BF16)
+    fxamp.amp_rewrite(model, (x,), inplace=True, config=fxamp.RewriteConfig.make(**BF16))
     return ref
 
 
@@ -213,7 +215,7 @@ def _inplace_pair(model, x):
 def test_a_deleted_submodule_or_half_is_named_not_ignored(change, cause):
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(2, 16)
-    fxamp.amp_rewrite(model, (x,), inplace=True, **BF16)
+    fxamp.amp_rewrite(model, (x,), inplace=True, config=fxamp.RewriteConfig.make(**BF16))
     if change == "half":
         model.half()  # (refused: fxamp keeps FP32 master weights)
     else:
@@ -276,7 +278,7 @@ def test_double_after_an_inplace_rewrite_computes_in_float64_like_autocast():
 def test_load_state_dict_assign_is_followed(inplace):
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(2, 16)
-    gm = fxamp.amp_rewrite(model, (x,), inplace=inplace, **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), inplace=inplace, config=fxamp.RewriteConfig.make(**BF16))
     other = MLP()
     model.load_state_dict(other.state_dict(), assign=True)
     assert torch.equal(gm(x), _autocast_out(other, x))
@@ -320,7 +322,7 @@ def test_a_structural_change_is_refused_by_the_returned_module():
 
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(2, 16)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     parametrize.register_parametrization(model.head, "weight", Double())
     with pytest.raises(UnsupportedModelError, match="head became a ParametrizedLinear"):
         gm(x)
@@ -331,7 +333,7 @@ def test_a_structural_change_is_refused_by_the_returned_module():
 @pytest.mark.parametrize("inplace", [False, True])
 def test_the_result_is_one_attribute(inplace):
     model, x = MLP(), torch.randn(2, 16)
-    out = fxamp.amp_rewrite(model, (x,), inplace=inplace, **BF16)
+    out = fxamp.amp_rewrite(model, (x,), inplace=inplace, config=fxamp.RewriteConfig.make(**BF16))
     gm = fxamp.rewritten(out)
     assert sorted(k for k in gm.__dict__ if "fxamp" in k) == ["fxamp_result"]
     if inplace:
@@ -344,7 +346,7 @@ def test_eval_threads_next_to_a_fused_adamw_trainer_see_the_trained_weights():
 
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(4, 16)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     y = torch.randint(0, 4, (4,))
     for _ in range(4):  # rounds: the trainer and two evaluators overlap
@@ -384,7 +386,7 @@ def test_nested_modules_cost_linear_attribute_lookups_per_call():
             return self.child(x) if self.child is not None else x
 
     model, x = Level(60), torch.randn(2, 4)
-    gm = fxamp.amp_rewrite(model, (x,), **BF16)
+    gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(**BF16))
     gm(x)
     prof = cProfile.Profile()
     prof.enable()

@@ -32,7 +32,7 @@ def _setup():
 @pytest.mark.slow
 def test_search_meets_the_tolerance_with_fewer_nodes_and_evaluations_than_bisection():
     model, inputs, data = _setup()
-    plain = fxamp.amp_rewrite(model, inputs, target="cpu")
+    plain = fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(target="cpu"))
     with torch.no_grad():
         plain_err = fxamp.rewriter.search.max_relative_error(
             [plain(*b) for b in data], [model(*b) for b in data])

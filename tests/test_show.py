@@ -43,7 +43,7 @@ class _Collect(HTMLParser):
 
 def _rewritten():
     model, inputs = small_cnn()
-    gm = fxamp.amp_rewrite(model, inputs, target="cuda")
+    gm = fxamp.amp_rewrite(model, inputs, fxamp.RewriteConfig.make(target="cuda"))
     return gm, fxamp.plan_of(gm)
 
 

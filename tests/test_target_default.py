@@ -53,14 +53,15 @@ def _policy(gm: nn.Module) -> str:
 
 
 def test_a_cpu_model_without_target_is_planned_for_cpu_autocast():
-    gm = fxamp.amp_rewrite(_net(), (X,), dtype=BF16)
+    gm = fxamp.amp_rewrite(_net(), (X,), fxamp.RewriteConfig.make(dtype=BF16))
     assert _policy(gm) == "compute=bf16,target=cpu"
     assert fxamp.config_of(gm).policy.target == "cpu"
-    explicit = fxamp.amp_rewrite(_net(), (X,), dtype=BF16, target="cpu")
+    explicit = fxamp.amp_rewrite(_net(), (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     assert fxamp.diff(fxamp.plan_of(gm), fxamp.plan_of(explicit)) == ""
     # its numbers are CPU autocast's: the output and every gradient bit for bit
     model, ref = _net(), _net()
-    out = fxamp.amp_rewrite(model, (X,), dtype=BF16, policy="output=keep")(X)
+    out = fxamp.amp_rewrite(
+        model, (X,), fxamp.RewriteConfig.make(dtype=BF16, policy="output=keep"))(X)
     with torch.autocast("cpu", dtype=BF16):
         want = ref(X)
     assert torch.equal(out, want)
@@ -70,40 +71,42 @@ def test_a_cpu_model_without_target_is_planned_for_cpu_autocast():
 
 
 def test_the_layer_norm_is_where_cpu_and_cuda_plans_differ():
-    cpu = fxamp.plan_of(fxamp.amp_rewrite(_net(), (X,), dtype=BF16))
-    cuda = fxamp.plan_of(fxamp.amp_rewrite(_net(), (X,), dtype=BF16, target="cuda"))
+    cpu = fxamp.plan_of(fxamp.amp_rewrite(_net(), (X,), fxamp.RewriteConfig.make(dtype=BF16)))
+    cuda = fxamp.plan_of(fxamp.amp_rewrite(_net(), (X,),
+                                           fxamp.RewriteConfig.make(dtype=BF16, target="cuda")))
     norm = next(n for n, p in cpu.nodes.items() if p.module == "norm")
     assert cpu.nodes[norm].dtype is BF16 and cuda.nodes[norm].dtype is torch.float32
 
 
 def test_a_meta_model_is_planned_for_cuda():
     model = copy.deepcopy(_net()).to("meta")
-    gm = fxamp.amp_rewrite(model, (X.to("meta"),), dtype=BF16)
+    gm = fxamp.amp_rewrite(model, (X.to("meta"),), fxamp.RewriteConfig.make(dtype=BF16))
     assert _policy(gm) == "compute=bf16,target=cuda"
 
 
 def test_a_model_without_parameters_follows_its_example_inputs():
-    gm = fxamp.amp_rewrite(Gram(), (X,), dtype=BF16)
+    gm = fxamp.amp_rewrite(Gram(), (X,), fxamp.RewriteConfig.make(dtype=BF16))
     assert _policy(gm) == "compute=bf16,target=cpu"
-    meta = fxamp.amp_rewrite(Gram(), (X.to("meta"),), dtype=BF16)
+    meta = fxamp.amp_rewrite(Gram(), (X.to("meta"),), fxamp.RewriteConfig.make(dtype=BF16))
     assert _policy(meta) == "compute=bf16,target=cuda"
 
 
 def test_an_explicit_target_or_a_policy_target_wins_over_the_device():
-    assert _policy(fxamp.amp_rewrite(_net(), (X,), dtype=BF16, target="cuda")) == \
+    assert _policy(fxamp.amp_rewrite(_net(), (X,),
+                                     fxamp.RewriteConfig.make(dtype=BF16, target="cuda"))) == \
         "compute=bf16,target=cuda"
-    assert _policy(fxamp.amp_rewrite(_net(), (X,), policy="compute=bf16,target=cuda")) == \
+    assert _policy(fxamp.amp_rewrite(_net(), (X,), "compute=bf16,target=cuda")) == \
         "compute=bf16,target=cuda"
-    assert _policy(fxamp.amp_rewrite(_net(), (X,), target="cpu",
-                                     policy="compute=bf16,target=cuda")) == \
+    assert _policy(fxamp.amp_rewrite(
+        _net(), (X,), fxamp.RewriteConfig.make(target="cpu", policy="compute=bf16,target=cuda"))) == \
         "compute=bf16,target=cuda"
     given = fxamp.Policy(compute=BF16, target="cuda")
-    assert _policy(fxamp.amp_rewrite(_net(), (X,), policy=given)) == "compute=bf16,target=cuda"
+    assert _policy(fxamp.amp_rewrite(_net(), (X,), given)) == "compute=bf16,target=cuda"
 
 
 def test_the_stored_config_holds_the_resolved_target_and_rewrites_the_same():
     model = _net()
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16)
+    gm = fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16))
     config = fxamp.config_of(gm)
     assert config.policy.target == "cpu" and not config.follow_device
     again = fxamp.amp_rewrite(_net(), (X,), config=config)
@@ -117,7 +120,7 @@ def test_the_stored_config_holds_the_resolved_target_and_rewrites_the_same():
 
 def test_an_inplace_rewrite_without_example_follows_the_device_of_its_first_call():
     model = copy.deepcopy(_net()).to("meta")  # rewritten before it is moved (as a Trainer does)
-    fxamp.amp_rewrite(model, dtype=BF16, inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16), inplace=True)
     assert fxamp.config_of(model).follow_device
     model.to_empty(device="cpu")
     model.load_state_dict(_net().state_dict())
@@ -154,7 +157,7 @@ def test_blocks_without_target_follow_the_device_and_a_cuda_plan_warns_per_plan(
     torch.manual_seed(0)
     model = Stack()
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        fxamp.amp_rewrite(model, dtype=BF16, inplace=True)
+        fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16), inplace=True)
         model(X)
         model(X)
     assert _policy(model) == "compute=bf16,target=cpu" and WARNING not in caplog.text
@@ -162,7 +165,8 @@ def test_blocks_without_target_follow_the_device_and_a_cuda_plan_warns_per_plan(
     caplog.clear()
     cuda = Stack()
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        fxamp.amp_rewrite(cuda, dtype=BF16, target="cuda", inplace=True)
+        fxamp.amp_rewrite(cuda, config=fxamp.RewriteConfig.make(dtype=BF16, target="cuda"),
+                          inplace=True)
         cuda(X)
         cuda(X)
     # once per plan object, not per block: the first block's plan and the one the blocks
@@ -176,7 +180,7 @@ def test_search_without_target_follows_the_model():
 
 
 def test_a_cuda_plan_called_on_the_cpu_warns_once_naming_both(caplog):
-    gm = fxamp.amp_rewrite(_net(), (X,), dtype=BF16, target="cuda")
+    gm = fxamp.amp_rewrite(_net(), (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cuda"))
     with caplog.at_level(logging.WARNING, logger="fxamp"):
         gm(X)
         gm(X)
@@ -188,14 +192,16 @@ def test_a_cuda_plan_called_on_the_cpu_warns_once_naming_both(caplog):
 
 def test_following_the_warning_s_advice_silences_it(caplog):
     with caplog.at_level(logging.WARNING, logger="fxamp"):
-        fxamp.amp_rewrite(_net(), (X,), dtype=BF16, target="cpu")(X)
-        fxamp.amp_rewrite(_net(), (X,), dtype=BF16)(X)  # the default: the model's device
+        fxamp.amp_rewrite(_net(), (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))(X)
+        # the default: the model's device
+        fxamp.amp_rewrite(_net(), (X,), fxamp.RewriteConfig.make(dtype=BF16))(X)
     assert WARNING not in caplog.text
 
 
 def test_an_inplace_cuda_plan_on_the_cpu_warns_once(caplog):
     model = _net()
-    fxamp.amp_rewrite(model, dtype=BF16, target="cuda", inplace=True)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cuda"),
+                      inplace=True)
     with caplog.at_level(logging.WARNING, logger="fxamp"):
         model(X)
         model(X)
@@ -203,7 +209,7 @@ def test_an_inplace_cuda_plan_on_the_cpu_warns_once(caplog):
 
 
 def test_a_deployment_plan_run_on_the_cpu_does_not_warn(caplog):
-    gm = fxamp.amp_rewrite(_net(), (X,), target="tensorrt")
+    gm = fxamp.amp_rewrite(_net(), (X,), fxamp.RewriteConfig.make(target="tensorrt"))
     with caplog.at_level(logging.WARNING, logger="fxamp"):
         gm(X)
     assert WARNING not in caplog.text

@@ -78,7 +78,7 @@ def test_a_thread_trains_unchanged_while_the_main_thread_rewrites_the_model():
         thread = threading.Thread(target=trainer)
         thread.start()
         try:
-            gm = fxamp.amp_rewrite(model, (_x(0),), **BF16)
+            gm = fxamp.amp_rewrite(model, (_x(0),), fxamp.RewriteConfig.make(**BF16))
         finally:
             done.set()
             thread.join(60)
@@ -137,12 +137,13 @@ def test_a_thread_calling_the_model_gets_fp32_or_rewritten_outputs_during_an_inp
     x = _x(7)
     with torch.no_grad():
         fp32 = base(x)
-        rewritten = fxamp.amp_rewrite(copy.deepcopy(base), (x,), **BF16)(x)
+        rewritten = fxamp.amp_rewrite(
+            copy.deepcopy(base), (x,), fxamp.RewriteConfig.make(**BF16))(x)
     assert not torch.equal(fp32, rewritten)
     for _ in range(ROUNDS):
         model = copy.deepcopy(base)
         outs, same = _calls_during(model, x, lambda: fxamp.amp_rewrite(
-            model, (x,), inplace=True, **BF16))
+            model, (x,), inplace=True, config=fxamp.RewriteConfig.make(**BF16)))
         assert same is model
         with torch.no_grad():
             assert torch.equal(model(x), rewritten)
@@ -158,13 +159,14 @@ def test_a_thread_calling_an_inplace_model_gets_the_old_or_new_plan_while_it_is_
     x = _x(7)
     fp16 = dict(dtype=torch.float16, target="cpu")
     with torch.no_grad():
-        old = fxamp.amp_rewrite(copy.deepcopy(base), (x,), **BF16)(x)
-        new = fxamp.amp_rewrite(copy.deepcopy(base), (x,), **fp16)(x)
+        old = fxamp.amp_rewrite(copy.deepcopy(base), (x,), fxamp.RewriteConfig.make(**BF16))(x)
+        new = fxamp.amp_rewrite(copy.deepcopy(base), (x,), fxamp.RewriteConfig.make(**fp16))(x)
     assert not torch.equal(old, new)
     for _ in range(ROUNDS):
-        model = fxamp.amp_rewrite(copy.deepcopy(base), (x,), inplace=True, **BF16)
+        model = fxamp.amp_rewrite(copy.deepcopy(base), (x,), inplace=True,
+                                  config=fxamp.RewriteConfig.make(**BF16))
         outs, _ = _calls_during(model, x, lambda: fxamp.amp_rewrite(
-            model, (x,), inplace=True, **fp16))
+            model, (x,), inplace=True, config=fxamp.RewriteConfig.make(**fp16)))
         with torch.no_grad():
             assert torch.equal(model(x), new)
         for i, out in enumerate(outs):
@@ -245,21 +247,24 @@ def test_the_rewritten_module_holds_the_models_own_modules_and_no_shadow_of_them
         model = cls()
         if frontend == "export":  # (export takes a model without the untraceable child)
             model.inner = nn.Identity()
-        gm = fxamp.amp_rewrite(model, (x,), frontend=frontend, **BF16)
+        gm = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
         assert fxamp.plan_of(gm).header["frontend"] == taken
         assert _shadows_reachable(gm, model) == [], taken
         if taken != "eager":  # (an eager root's children are rewritten modules)
             assert gm.get_submodule("b") is model.b, taken
         else:  # (its attributes are the model's, not a shadow's copies)
             assert gm.listed is model.listed
-        same = fxamp.amp_rewrite(model, (x,), frontend=frontend, inplace=True, **BF16)
+        same = fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend=frontend, **BF16),
+                                 inplace=True)
         assert _shadows_reachable(same, model) == [], taken
-        again = fxamp.amp_rewrite(model, (x,), frontend=frontend, inplace=True,
-                                  dtype=torch.float16, target="cpu")  # (a shadow's shadow)
+        again = fxamp.amp_rewrite(
+            model, (x,),
+            fxamp.RewriteConfig.make(frontend=frontend, dtype=torch.float16, target="cpu"),
+            inplace=True)  # (a shadow's shadow)
         assert _shadows_reachable(again, model) == [], taken
         if taken == "eager":
             assert fxamp.rewritten(model).listed is model.listed
     model = ConvNet()
-    gm = fxamp.amp_rewrite(model, (_x(0),), **BF16)
+    gm = fxamp.amp_rewrite(model, (_x(0),), fxamp.RewriteConfig.make(**BF16))
     assert _shadows_reachable(gm, model) == []
     assert [m for _, m in gm.named_children()] == [m for _, m in model.named_children()]

@@ -74,7 +74,7 @@ def _x(seed: int = 0) -> torch.Tensor:
 
 
 def _rewrite(model: nn.Module, frontend: str) -> nn.Module:
-    return fxamp.amp_rewrite(model, (_x(),), frontend=frontend, **BF16)
+    return fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(frontend=frontend, **BF16))
 
 
 def _summary(gm: nn.Module) -> tuple:
@@ -295,10 +295,12 @@ def test_a_rewrite_leaves_torch_as_it_was_also_when_it_raises():
     assert _patched_objects() == before and sys.stderr is stderr
     for error in (RuntimeError, KeyboardInterrupt):
         with pytest.raises((fxamp.FxampError, error)):
-            fxamp.amp_rewrite(Interrupted(error), (_x(),), frontend="fx", **BF16)
+            fxamp.amp_rewrite(Interrupted(error), (_x(),),
+                              fxamp.RewriteConfig.make(frontend="fx", **BF16))
         assert _patched_objects() == before and sys.stderr is stderr
         with pytest.raises((fxamp.FxampError, error)):
-            fxamp.amp_rewrite(Interrupted(error), (_x(),), frontend="export", **BF16)
+            fxamp.amp_rewrite(Interrupted(error), (_x(),),
+                              fxamp.RewriteConfig.make(frontend="export", **BF16))
         assert _patched_objects() == before and sys.stderr is stderr
     assert not _torch.tracing_thread()
     assert {(p.owner(), p.attribute) for p in _torch.TRACE_PATCHES.values()} <= {
@@ -321,7 +323,8 @@ def objects():
 before = objects()
 import fxamp
 after_import = objects()
-fxamp.amp_rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), dtype=torch.bfloat16, target="cpu")
+fxamp.amp_rewrite(nn.Linear(4, 4), (torch.randn(2, 4),),
+                  fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
 after_rewrite = objects()
 print([a is b for a, b in zip(before, after_import)],
       [a is b for a, b in zip(before, after_rewrite)])

@@ -75,7 +75,7 @@ def make(seed=0, dtype=torch.float16, hidden=32, **kwargs):
     torch.manual_seed(seed)
     model = MLP(hidden)
     example = (torch.zeros(2, 64),)
-    gm = fxamp.amp_rewrite(model, example, dtype=dtype, target="cpu")
+    gm = fxamp.amp_rewrite(model, example, fxamp.RewriteConfig.make(dtype=dtype, target="cpu"))
     return model, example, gm
 
 
@@ -124,7 +124,8 @@ def test_fp32_autocast_and_fxamp_reach_the_same_accuracy(digits):
         acc_autocast = accuracy(model, xte, yte)
 
     model, opt = fresh()  # fxamp
-    gm = fxamp.amp_rewrite(model, (xtr[:2],), dtype=torch.float16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (xtr[:2],),
+                           fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu"))
     trainer = Trainer(gm, opt)
     for x, y in data:
         trainer.step(loss_fn, x, y)
@@ -263,8 +264,8 @@ def test_accumulation_steps_once_per_window(digits):
     assert [r.stepped for r in results] == [False, False, False, True] * 2
     assert trainer.steps == 2 and trainer.micro_steps == 8
     # same as one step per concatenated batch (mean of equal-size micro-batch means)
-    ref_gm = fxamp.amp_rewrite(ref_model, (torch.zeros(2, 64),), dtype=torch.float16,
-                               target="cpu")
+    ref_gm = fxamp.amp_rewrite(ref_model, (torch.zeros(2, 64),),
+                               fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu"))
     ref = Trainer(ref_gm, torch.optim.SGD(ref_model.parameters(), lr=0.1))
     for k in (0, 4):
         ref.step(loss_fn, torch.cat([x for x, _ in data[k:k + 4]]),

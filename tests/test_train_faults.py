@@ -30,7 +30,8 @@ def loss_fn(model, x, y):
 def make(seed=0, dtype=torch.float16):
     torch.manual_seed(seed)
     model = DropMLP()
-    gm = fxamp.amp_rewrite(model, (torch.zeros(2, 16),), dtype=dtype, target="cpu")
+    gm = fxamp.amp_rewrite(model, (torch.zeros(2, 16),),
+                           fxamp.RewriteConfig.make(dtype=dtype, target="cpu"))
     return model, gm
 
 

@@ -37,7 +37,8 @@ BATCH = (torch.randn(8, 4, generator=torch.Generator().manual_seed(0)),
 def rewrite(hidden=8, seed=0, dtype=torch.float16):
     torch.manual_seed(seed)
     model = MLP(hidden)
-    return model, fxamp.amp_rewrite(model, (torch.zeros(2, 4),), dtype=dtype, target="cpu")
+    return model, fxamp.amp_rewrite(model, (torch.zeros(2, 4),),
+                                    fxamp.RewriteConfig.make(dtype=dtype, target="cpu"))
 
 
 def adam(model):

@@ -65,20 +65,21 @@ def _autocast(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_plan_header_names_the_layers_that_take_the_fast_path():
-    gm = fxamp.amp_rewrite(_encoder(), (_input(0),), dtype=BF16)
+    gm = fxamp.amp_rewrite(_encoder(), (_input(0),), fxamp.RewriteConfig.make(dtype=BF16))
     note = fxamp.plan_of(gm).header["fast_path"]
     assert note.startswith("layers.0=TransformerEncoderLayer layers.1=TransformerEncoderLayer:")
     assert "set_fastpath_enabled(False)" in note
     assert fxamp.Plan.from_text(fxamp.plan_of(gm).to_text()).header["fast_path"] == note
     # inside torch.autocast("cuda") the guard sees autocast and takes the regular path
-    cuda = fxamp.amp_rewrite(_encoder(), (_input(0),), dtype=BF16, target="cuda")
+    cuda = fxamp.amp_rewrite(_encoder(), (_input(0),),
+                             fxamp.RewriteConfig.make(dtype=BF16, target="cuda"))
     assert "fast_path" not in fxamp.plan_of(cuda).header
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_encoder_eval_under_no_grad_is_within_the_documented_bound_of_autocast(seed: int):
     model, x = _encoder(), _input(seed)
-    gm = fxamp.amp_rewrite(copy.deepcopy(model), (x,), dtype=BF16)
+    gm = fxamp.amp_rewrite(copy.deepcopy(model), (x,), fxamp.RewriteConfig.make(dtype=BF16))
     with torch.no_grad():
         want, got = _autocast(model, x), gm(x)
     diff = (want.float() - got).abs().max().item()
@@ -87,7 +88,7 @@ def test_encoder_eval_under_no_grad_is_within_the_documented_bound_of_autocast(s
 
 def test_encoder_eval_equals_autocast_with_grad_and_without_the_fast_path():
     model, x = _encoder(), _input(0)
-    gm = fxamp.amp_rewrite(copy.deepcopy(model), (x,), dtype=BF16)
+    gm = fxamp.amp_rewrite(copy.deepcopy(model), (x,), fxamp.RewriteConfig.make(dtype=BF16))
     assert torch.equal(_autocast(model, x), gm(x))  # with grad: the regular path
     with torch.no_grad(), _fastpath(False):
         assert torch.equal(_autocast(model, x), gm(x))
@@ -96,7 +97,8 @@ def test_encoder_eval_equals_autocast_with_grad_and_without_the_fast_path():
 def test_a_multihead_attention_kept_as_a_call_equals_autocast_in_eval():
     torch.manual_seed(0)
     model, x = SelfAttention().eval(), _input(0)
-    gm = fxamp.amp_rewrite(copy.deepcopy(model), (x,), dtype=BF16, policy="output=keep")
+    gm = fxamp.amp_rewrite(copy.deepcopy(model), (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, policy="output=keep"))
     assert "fast_path" not in fxamp.plan_of(gm).header
     with torch.no_grad():
         assert torch.equal(_autocast(model, x), gm(x))

@@ -1,4 +1,4 @@
-"""A user's decision rules (``amp_rewrite(..., rules=[...])``, docs/rules.md): the worked
+"""A user's decision rules (``RewriteConfig.make(rules=[...])``, docs/rules.md): the worked
 example of the page (``examples/user_rules.py``, shown there verbatim), where the rules run,
 how the config, the plan text and the CLI carry their names, and the errors."""
 from __future__ import annotations
@@ -33,7 +33,8 @@ ex = _example()
 
 def _rewrite(rules=None, policy=CPU_BF16, **kwargs):
     model, inputs = ex.build()
-    return model, inputs, fxamp.amp_rewrite(model, inputs, policy=policy, rules=rules, **kwargs)
+    return model, inputs, fxamp.amp_rewrite(
+        model, inputs, fxamp.RewriteConfig.make(policy=policy, rules=rules, **kwargs))
 
 
 # -- the worked example ------------------------------------------------------------------
@@ -111,10 +112,11 @@ def test_reapplying_a_plan_without_its_rule_names_what_is_missing_and_its_advice
     fxamp.plan_of(gm).save(str(path))
     saved = fxamp.Plan.load(str(path))
     with pytest.raises(fxamp.RuleError, match=r"user:keep_scales.*rules=\[") as err:
-        fxamp.amp_rewrite(model, inputs, policy=saved.policy)
+        fxamp.amp_rewrite(model, inputs, saved.policy)
     assert "no rule object of that name" in str(err.value)
     # the advice: pass the rule object too
-    again = fxamp.amp_rewrite(model, inputs, policy=saved.policy, rules=[ex.KeepScales()])
+    again = fxamp.amp_rewrite(
+        model, inputs, fxamp.RewriteConfig.make(policy=saved.policy, rules=[ex.KeepScales()]))
     assert fxamp.plan_of(again).nodes == saved.nodes
 
 
@@ -129,7 +131,9 @@ def test_policy_string_names_user_rules_and_refuses_a_bad_name():
 
 def test_in_place_planned_on_first_call_runs_the_rule():
     model, (x,) = ex.build()
-    fxamp.amp_rewrite(model, policy=CPU_BF16, rules=[ex.KeepScales()], inplace=True)
+    fxamp.amp_rewrite(model,
+                      config=fxamp.RewriteConfig.make(policy=CPU_BF16, rules=[ex.KeepScales()]),
+                      inplace=True)
     model(x)
     assert fxamp.plan_of(model).nodes["mul"].rule == "user:keep_scales"
 
@@ -158,7 +162,9 @@ def test_block_mode_plans_each_block_with_the_rule():
     """In place without example inputs, a model of repeated blocks keeps them as modules,
     each planned on its first call with its own graph: the rule runs on each."""
     model = Blocks()
-    fxamp.amp_rewrite(model, policy=CPU_BF16, rules=[ex.KeepScales()], inplace=True)
+    fxamp.amp_rewrite(model,
+                      config=fxamp.RewriteConfig.make(policy=CPU_BF16, rules=[ex.KeepScales()]),
+                      inplace=True)
     model(torch.randn(2, 8))
     plan = fxamp.plan_of(model)
     assert "user:keep_scales" in plan.policy
@@ -193,15 +199,17 @@ class LowMean(fxamp.DecisionRule):
 
 def test_a_user_rule_wins_over_a_numerics_rule_and_a_policy_override_over_both():
     x = torch.randn(2, 8)
-    gm = fxamp.amp_rewrite(RmsNet(), (x,), policy="compute=fp16,target=cpu")
+    gm = fxamp.amp_rewrite(RmsNet(), (x,), "compute=fp16,target=cpu")
     assert fxamp.plan_of(gm).nodes["mean"].rule == "norm_eps"
-    gm = fxamp.amp_rewrite(RmsNet(), (x,), policy="compute=fp16,target=cpu",
-                           rules=[LowMean()])
+    gm = fxamp.amp_rewrite(RmsNet(), (x,),
+                           fxamp.RewriteConfig.make(policy="compute=fp16,target=cpu",
+                                                    rules=[LowMean()]))
     nodes = fxamp.plan_of(gm).nodes
     assert (nodes["mean"].dtype, nodes["mean"].rule) == (torch.float16, "user:low_mean")
     assert nodes["add"].rule == "norm_eps"  # the rest of the norm stays fenced
-    gm = fxamp.amp_rewrite(RmsNet(), (x,), policy="compute=fp16,target=cpu,fp32:mean",
-                           rules=[LowMean()])
+    gm = fxamp.amp_rewrite(RmsNet(), (x,),
+                           fxamp.RewriteConfig.make(policy="compute=fp16,target=cpu,fp32:mean",
+                                                    rules=[LowMean()]))
     nodes = fxamp.plan_of(gm).nodes
     assert (nodes["mean"].dtype, nodes["mean"].rule) == (torch.float32, "user")
 
@@ -219,8 +227,8 @@ class Gated(nn.Module):
 def test_the_joins_rule_sees_what_a_user_rule_decided():
     """The user rule makes one input of the where FP32; the decide group's next sweep
     promotes the where (rule joins)."""
-    gm = fxamp.amp_rewrite(Gated(), (torch.randn(2, 8),), policy=CPU_BF16,
-                           rules=[ex.KeepScales()])
+    gm = fxamp.amp_rewrite(Gated(), (torch.randn(2, 8),),
+                           fxamp.RewriteConfig.make(policy=CPU_BF16, rules=[ex.KeepScales()]))
     nodes = fxamp.plan_of(gm).nodes
     assert (nodes["mul"].dtype, nodes["mul"].rule) == (torch.float32, "user:keep_scales")
     assert (nodes["where"].dtype, nodes["where"].rule) == (torch.float32, "joins")
@@ -230,11 +238,14 @@ def test_the_joins_rule_sees_what_a_user_rule_decided():
 def test_an_object_that_is_no_decision_rule_is_refused_naming_it():
     model, inputs = ex.build()
     with pytest.raises(fxamp.RuleError, match="not a fxamp.DecisionRule"):
-        fxamp.amp_rewrite(model, inputs, policy=CPU_BF16, rules=[lambda node: True])
+        fxamp.amp_rewrite(model, inputs,
+                          fxamp.RewriteConfig.make(policy=CPU_BF16, rules=[lambda node: True]))
     with pytest.raises(fxamp.RuleError, match=r"rules=\[KeepScales\(\)\]"):
-        fxamp.amp_rewrite(model, inputs, policy=CPU_BF16, rules=[ex.KeepScales])
+        fxamp.amp_rewrite(model, inputs,
+                          fxamp.RewriteConfig.make(policy=CPU_BF16, rules=[ex.KeepScales]))
     # (its advice)
-    fxamp.amp_rewrite(model, inputs, policy=CPU_BF16, rules=[ex.KeepScales()])
+    fxamp.amp_rewrite(model, inputs,
+                      fxamp.RewriteConfig.make(policy=CPU_BF16, rules=[ex.KeepScales()]))
 
 
 def test_a_rule_without_a_user_name_is_refused_with_the_name_to_use():
@@ -246,10 +257,13 @@ def test_a_rule_without_a_user_name_is_refused_with_the_name_to_use():
         name = "user:keep_scales"
 
     model, inputs = ex.build()
-    gm = fxamp.amp_rewrite(model, inputs, policy=CPU_BF16, rules=[Named()])
+    gm = fxamp.amp_rewrite(model, inputs,
+                           fxamp.RewriteConfig.make(policy=CPU_BF16, rules=[Named()]))
     assert fxamp.plan_of(gm).nodes["mul"].rule == "user:keep_scales"
     with pytest.raises(fxamp.RuleError, match="two rules are named 'user:keep_scales'"):
-        fxamp.amp_rewrite(model, inputs, policy=CPU_BF16, rules=[ex.KeepScales(), Named()])
+        fxamp.amp_rewrite(model, inputs,
+                          fxamp.RewriteConfig.make(policy=CPU_BF16,
+                                                   rules=[ex.KeepScales(), Named()]))
 
 
 class Returns(fxamp.DecisionRule):
@@ -282,7 +296,9 @@ class Returns(fxamp.DecisionRule):
 def test_an_invalid_decision_raises_rule_error_naming_the_rule_and_the_node(make, problem):
     model, inputs = ex.build()
     with pytest.raises(fxamp.RuleError, match=problem) as err:
-        fxamp.amp_rewrite(model, inputs, policy=CPU_BF16, frontend="fx", rules=[Returns(make)])
+        fxamp.amp_rewrite(model, inputs,
+                          fxamp.RewriteConfig.make(policy=CPU_BF16, frontend="fx",
+                                                   rules=[Returns(make)]))
     assert "rule 'user:returns' (Returns) at node mul " in str(err.value)
 
 

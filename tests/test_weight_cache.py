@@ -41,8 +41,11 @@ def _pair(policy: str, dtype=BF16):
     a = Net()
     b = copy.deepcopy(a)
     x = torch.randint(0, 50, (2, 7))
-    ga = fxamp.amp_rewrite(a, (x,), dtype=dtype, target="cpu", policy="weights=cast")
-    gb = fxamp.amp_rewrite(b, (x,), dtype=dtype, target="cpu", policy=policy)
+    ga = fxamp.amp_rewrite(a, (x,),
+                           fxamp.RewriteConfig.make(dtype=dtype, target="cpu",
+                                                    policy="weights=cast"))
+    gb = fxamp.amp_rewrite(b, (x,),
+                           fxamp.RewriteConfig.make(dtype=dtype, target="cpu", policy=policy))
     return a, ga, b, gb
 
 

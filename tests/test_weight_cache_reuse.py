@@ -46,8 +46,10 @@ def _pair(policy: str):
     a = TinyDecoder()
     b = copy.deepcopy(a)
     x = torch.randint(0, VOCAB, (2, 8))
-    ga = fxamp.amp_rewrite(a, (x,), dtype=BF16, target="cpu", policy="weights=cast")
-    gb = fxamp.amp_rewrite(b, (x,), dtype=BF16, target="cpu", policy=policy)
+    ga = fxamp.amp_rewrite(
+        a, (x,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="weights=cast"))
+    gb = fxamp.amp_rewrite(b, (x,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy=policy))
     return a, ga, b, gb
 
 

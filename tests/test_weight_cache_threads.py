@@ -73,8 +73,9 @@ def _model() -> nn.Module:
 
 def _rewrite() -> nn.Module:
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
-    return fxamp.amp_rewrite(_model(), (x,), dtype=torch.bfloat16, target="cpu",
-                             policy="weights=o2")
+    return fxamp.amp_rewrite(_model(), (x,),
+                             fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+                                                      policy="weights=o2"))
 
 
 def test_o2_first_no_grad_calls_from_eight_threads_equal_one_threads_call_and_cast_once():

@@ -64,7 +64,8 @@ def _train(kind: str, policy: str | None, steps: int = 4):
     """Losses and final weights of fxamp and of autocast on a copy of the same model."""
     ref = _mlp()
     model = copy.deepcopy(ref)
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy=policy)
+    gm = fxamp.amp_rewrite(model, (X,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy=policy))
     runs = []
     for mod, fn, autocast in ((model, gm, False), (ref, ref, True)):
         opt = _optimizer(kind, mod)
@@ -116,7 +117,8 @@ def test_default_keeps_no_copies_and_eval_after_any_weight_change_equals_autocas
     ``load_state_dict`` computes with the new weights, as autocast does."""
     for policy in (None, "weights=cast"):
         model = _mlp()
-        gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy=policy)
+        gm = fxamp.amp_rewrite(model, (X,),
+                               fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy=policy))
         assert not caches(gm) and not hasattr(gm, "fxamp_weight_cache")
         with torch.no_grad():
             gm(X)
@@ -140,7 +142,8 @@ def test_default_keeps_no_copies_and_eval_after_any_weight_change_equals_autocas
 
 def test_o2_eval_forwards_reuse_copies_until_the_attached_optimizer_steps():
     model = _mlp()
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="weights=o2")
+    gm = fxamp.amp_rewrite(model, (X,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="weights=o2"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # no version bump
     fxamp.train.attach_optimizer(gm, opt)
     cache = caches(gm)[0]
@@ -167,7 +170,7 @@ def test_o2_eval_forwards_reuse_copies_until_the_attached_optimizer_steps():
 
 def test_a_copy_cast_in_training_is_not_reused_by_eval_after_a_data_write():
     model = _mlp()
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu")
+    gm = fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     gm(X)  # a training forward casts the weights
     model[0].weight.data.mul_(0.5)  # no version bump, no optimizer
     with torch.no_grad():
@@ -177,7 +180,8 @@ def test_a_copy_cast_in_training_is_not_reused_by_eval_after_a_data_write():
 
 def test_refresh_weights_recasts_o2_copies_after_a_data_write_between_eval_forwards():
     model = _mlp()
-    gm = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", policy="weights=o2")
+    gm = fxamp.amp_rewrite(model, (X,),
+                           fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="weights=o2"))
     fxamp.train.attach_optimizer(gm, torch.optim.SGD(model.parameters(), lr=0.1))
     with torch.no_grad():
         gm(X)

@@ -28,7 +28,9 @@ def _mlp() -> nn.Module:
 
 def _in_place(policy: str) -> nn.Module:
     model = _mlp()
-    fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True, policy=policy)
+    fxamp.amp_rewrite(model, (X,),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy=policy),
+                      inplace=True)
     return model
 
 
@@ -93,9 +95,10 @@ def test_the_attached_optimizer_step_recasts_o2_copies(view):
 def test_default_cast_keeps_no_copies_and_attach_optimizer_says_to_use_o2(view):
     model = _mlp()
     if view == "out of place":
-        target = fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu")
+        target = fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
     else:
-        fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True)
+        fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                          inplace=True)
         target = model if view == "in place" else fxamp.rewritten(model)
     target(X)
     with torch.no_grad():
@@ -114,8 +117,9 @@ def test_default_cast_keeps_no_copies_and_attach_optimizer_says_to_use_o2(view):
 def test_attach_optimizer_message_on_an_o2_model_that_casts_no_weight():
     """The other cause the refusal names: weights=o2 but every weight stays FP32."""
     model = nn.Sequential(nn.LayerNorm(8))  # LayerNorm runs in FP32 on the CPU list
-    fxamp.amp_rewrite(model, (X,), dtype=BF16, target="cpu", inplace=True,
-                      policy="weights=o2")
+    fxamp.amp_rewrite(model, (X,),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="weights=o2"),
+                      inplace=True)
     with pytest.raises(fxamp.FxampError, match="casts no weight"):
         fxamp.train.attach_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
 

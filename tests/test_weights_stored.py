@@ -61,8 +61,9 @@ def _model(seed: int = 0, tied: bool = False) -> Decoder:
 
 
 def _stored(model: nn.Module, frontend: str = "fx", target: str = "cpu") -> nn.Module:
-    return fxamp.amp_rewrite(model, (_ids(),), dtype=BF16, target=target, frontend=frontend,
-                             policy="weights=stored", inplace=True)
+    return fxamp.amp_rewrite(model, (_ids(),),
+                             fxamp.RewriteConfig.make(dtype=BF16, target=target, frontend=frontend,
+                                                      policy="weights=stored"), inplace=True)
 
 
 def _autocast(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -101,7 +102,9 @@ def test_stored_outputs_equal_autocast_s_in_place(frontend, tied):
 def test_stored_is_refused_for_a_returned_module_and_the_model_is_left_fp32():
     model = _model()
     with pytest.raises(PolicyError, match="inplace=True"):
-        fxamp.amp_rewrite(model, (_ids(),), dtype=BF16, target="cpu", policy="weights=stored")
+        fxamp.amp_rewrite(model, (_ids(),),
+                          fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                   policy="weights=stored"))
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -129,8 +132,8 @@ def test_a_tied_weight_read_in_both_dtypes_stays_fp32_with_one_low_copy():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_no_weight_is_cast_in_the_graph(tied):
-    cast = fxamp.amp_rewrite(_model(tied=tied), (_ids(),), dtype=BF16, target="cpu",
-                             inplace=True)
+    cast = fxamp.amp_rewrite(_model(tied=tied), (_ids(),),
+                             fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
     assert _weight_casts(cast)  # (weights=cast casts them on every call)
     assert _weight_casts(_stored(_model(tied=tied))) == []
 
@@ -188,7 +191,9 @@ def test_a_deepcopy_of_a_stored_model_loads_into_its_own_weights_and_copy():
 def test_blocks_planned_on_their_first_call_store_their_weights(tied):
     ref = _model(tied=tied)
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, dtype=BF16, target="cpu", policy="weights=stored", inplace=True)
+    fxamp.amp_rewrite(model,
+                      config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                                                      policy="weights=stored"), inplace=True)
     with torch.no_grad():
         for seed in (0, 1):
             assert torch.equal(model(_ids(seed)).float(), _autocast(ref, _ids(seed)).float())
@@ -232,8 +237,9 @@ def test_a_new_call_structure_is_planned_on_the_stored_weights(example):
     ref = Optional_().eval()
     model = copy.deepcopy(ref)
     x, bias = torch.randn(2, 16), torch.randn(16)
-    fxamp.amp_rewrite(model, (x,) if example else None, dtype=BF16, target="cuda",
-                      policy="weights=stored", inplace=True)
+    fxamp.amp_rewrite(model, (x,) if example else None,
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cuda", policy="weights=stored"),
+                      inplace=True)
     with torch.no_grad():
         first = model(x)
         weight = model.fc.weight
@@ -255,7 +261,8 @@ def test_gpt2_greedy_generate_in_place_gives_autocast_s_tokens(tmp_path):
     ref = transformers.GPT2LMHeadModel(cfg).eval()
     model = copy.deepcopy(ref)
     ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(2))
-    fxamp.amp_rewrite(model, (ids,), dtype=BF16, target="cpu", policy="weights=stored",
+    fxamp.amp_rewrite(model, (ids,),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="weights=stored"),
                       inplace=True)
     assert model.transformer.h[0].attn.c_attn.weight.dtype == BF16
     assert model.transformer.wte.weight.dtype == torch.float32  # (tied to lm_head: a copy)

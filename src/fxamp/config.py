@@ -1,6 +1,6 @@
 """RewriteConfig: everything a rewrite was asked for, made once and kept with the result.
 
-``amp_rewrite`` builds one ``RewriteConfig`` from its arguments (policy, dtype and
+``amp_rewrite`` takes one ``RewriteConfig`` (``RewriteConfig.make``: policy, dtype and
 target folded into the ``Policy``, the front end, the example keyword
 arguments, the calibration) and stores it on the rewritten module; whoever rewrites the same
 model again reads it there (``fxamp.result.config_of``) instead of re-parsing the plan header:
@@ -42,8 +42,11 @@ Rules = Union[None, DecisionRule, Iterable[DecisionRule]]
 @dataclass(frozen=True)
 class RewriteConfig:
     """How to rewrite: the policy, the front end, the example keyword arguments, the
-    calibration and torch.export's ``dynamic_shapes``. ``RewriteConfig.make`` builds one
-    from ``amp_rewrite``'s keyword arguments; ``fxamp.config_of(gm)`` reads a rewrite's.
+    calibration and torch.export's ``dynamic_shapes``: ``amp_rewrite``'s ``config``.
+    Build one with keywords, ``RewriteConfig.make(dtype=torch.bfloat16, target="cpu",
+    policy="fp32:head.*")`` (the constructor takes the resolved fields: a ``Policy``, not its
+    text, and ``calibration`` for ``make``'s ``calibration_data``); change one with
+    ``replace``; ``fxamp.config_of(gm)`` reads a rewrite's.
 
     Args:
         policy: the ``Policy`` (dtype, target, overrides, rules).
@@ -92,7 +95,7 @@ class RewriteConfig:
                 f"the policy names the user rule{'s' if len(missing) > 1 else ''} "
                 f"{', '.join(missing)}, but no rule object of that name was given (a plan "
                 "file records a rule's name, not its code); what to do: pass the rule "
-                f"objects too, amp_rewrite(..., rules=[...]) (on the command line --rule "
+                f"objects too, RewriteConfig.make(..., rules=[...]) (on the command line --rule "
                 "MODULE:OBJECT)")
         object.__setattr__(self, "rules", rules)
         if names != self.policy.rules:  # (the policy names the rules that run, in order)
@@ -104,10 +107,12 @@ class RewriteConfig:
              example_kwargs: Optional[Dict[str, Any]] = None,
              calibration_data: Calibration = None,
              dynamic_shapes: Any = None, rules: Rules = None) -> "RewriteConfig":
-        """The config of ``amp_rewrite``'s arguments.
+        """A config from keywords: ``RewriteConfig.make(dtype=torch.bfloat16,
+        target="cpu")``, ``RewriteConfig.make(policy="cpu-bf16")`` (a recipe,
+        ``fxamp.policy.RECIPES``); ``amp_rewrite(model, inputs, "cpu-bf16")`` is the same.
 
         Args:
-            policy: a ``Policy`` or its text form.
+            policy: a ``Policy`` or its text form (recipe names included).
             dtype: the low-precision dtype (default float16, or the policy's ``compute=``).
             target: ``"cuda"``, ``"cpu"`` or ``"tensorrt"``; None (and no ``target=`` in
                 the policy): the config follows the model's device (``follow_device``;

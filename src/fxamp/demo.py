@@ -52,12 +52,13 @@ def run_demo(steps: int = 30, dtype: torch.dtype = torch.float16,
 
     The model trains on CUDA when there is a GPU, else on the CPU; ``target`` (default: that
     device) is whose autocast lists the plan mirrors."""
-    from . import amp_rewrite, plan_of
+    from . import RewriteConfig, amp_rewrite, plan_of
 
     model, example = small_cnn()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
-    gm = amp_rewrite(model, tuple(x.to(device) for x in example), dtype=dtype, target=target)
+    gm = amp_rewrite(model, tuple(x.to(device) for x in example),
+                     RewriteConfig.make(dtype=dtype, target=target))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = torch.amp.GradScaler(device, enabled=dtype == torch.float16)
     x, y = digits_like(512)

@@ -167,9 +167,10 @@ def write_program_node_data(model: Any, inputs: Any, output: str, frontend: str 
                             **rewrite: Any) -> List[str]:
     """Plan ``model`` with the export front end, export it with ``torch.export`` and write the
     precision node data to ``output`` and the rule node data next to it; returns the paths.
-    ``rewrite``: the other ``amp_rewrite`` arguments (dtype, target, policy)."""
+    ``rewrite``: the other ``RewriteConfig.make`` keywords (dtype, target, policy)."""
     import torch
 
+    from .config import RewriteConfig
     from .result import plan_of
     from .rewriter import amp_rewrite
 
@@ -178,7 +179,7 @@ def write_program_node_data(model: Any, inputs: Any, output: str, frontend: str 
                          "it needs the export front end's node names; what to do: drop "
                          "--frontend fx (or use --frontend export)")
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    gm = amp_rewrite(model, args, frontend="export", **rewrite)
+    gm = amp_rewrite(model, args, RewriteConfig.make(frontend="export", **rewrite))
     precision, rules = program_node_data(torch.export.export(model, args), plan_of(gm))
     rule_path = companion_path(output, "rule")
     write_node_data(output, precision)

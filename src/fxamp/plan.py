@@ -26,7 +26,7 @@ class Plan:
         nodes: source node name -> its ``NodePrecision``, in graph order.
         header: the header lines (policy, target, dtype, front end, versions...).
         ranges: the calibration statistics the rewrite used (if any), so a later rewrite
-            can reuse them without data: ``amp_rewrite(..., calibration_data=plan)``.
+            can reuse them without data: ``RewriteConfig.make(calibration_data=plan)``.
         format_version: the text format the plan was read from (2 for plans made in
             memory); a version-1 file has no end marker, so its truncation cannot be
             detected.

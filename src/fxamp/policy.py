@@ -10,8 +10,11 @@ label matches the glob PATTERN computes in that dtype (``rule="user"``). Later o
 ``off:RULE`` switches one numerics rule off (``NUMERICS_RULES``); ``numerics=off`` is
 the shorthand for all of them plus ``output=keep`` (the autocast mirror). ``user:NAME`` names
 a user's decision rule (``fxamp.DecisionRule``) the rewrite runs: the policy, and so a
-plan's header, records its name; the rule object itself is given to ``amp_rewrite(...,
-rules=[...])``.
+plan's header, records its name; the rule object itself is given in the config
+(``fxamp.RewriteConfig.make(rules=[...])``).
+
+A recipe (``RECIPES``) is a name for a few items, read in their place: ``"cpu-bf16"`` is
+``"compute=bf16,target=cpu"``, and ``"cpu-bf16,fp32:head.*"`` adds an override to it.
 """
 from __future__ import annotations
 
@@ -48,6 +51,13 @@ _KEYS = ("compute", "target", "output", "numerics", "channels_last", "placement"
 #: how weights reach low precision: see Policy.weights
 WEIGHT_MODES = ("cast", "o2", "stored")
 _ON, _OFF = ("on", "true", "1"), ("off", "false", "0")
+#: named policies: each name is read as its items (a policy's text form never writes it)
+RECIPES = {
+    "cuda-fp16": "compute=fp16,target=cuda",
+    "cuda-bf16": "compute=bf16,target=cuda",
+    "cpu-bf16": "compute=bf16,target=cpu",
+    "tensorrt": "compute=fp16,target=tensorrt",
+}
 #: the numerics rules ``off:RULE`` switches off one at a time (their plan rule names), in the
 #: order the rewrite runs them; ``numerics=off`` switches off all of them
 NUMERICS_RULES = ("softmax", "custom_ops", "norm_eps", "loss", "joins", "mask_fill")
@@ -194,7 +204,7 @@ class Policy:
             the model) and the graph's 4-D floating inputs are made channels_last on entry.
         rules: the names of the user's decision rules the rewrite runs (``user:NAME`` items;
             ``fxamp.DecisionRule``), in the order they run. The rule objects are given
-            with ``amp_rewrite(..., rules=[...])`` (``fxamp.RewriteConfig``); a policy
+            with ``RewriteConfig.make(rules=[...])`` (``fxamp.RewriteConfig``); a policy
             naming a rule no object is given for is refused (``fxamp.RuleError``).
         placement: move free "follow" ops (view, relu, pooling, upsample ...) across the
             low/FP32 boundary where that casts fewer bytes per step (``passes/placement/``).
@@ -269,8 +279,9 @@ class Policy:
 
     @classmethod
     def parse(cls, text: str, base: Optional["Policy"] = None) -> "Policy":
-        """Parse the string form (comma-separated items: ``bf16``, ``target=cpu``,
-        ``fp32:head.*``, ``off:joins``, ``numerics=off``, ``weights=o2``...).
+        """Parse the string form (comma-separated items: ``compute=bf16``, ``target=cpu``,
+        ``fp32:head.*``, ``off:joins``, ``numerics=off``, ``weights=o2``, a recipe name
+        such as ``cpu-bf16`` (``RECIPES``)...).
 
         Args:
             text: the policy's text form, as ``str(policy)`` writes it.
@@ -287,7 +298,7 @@ class Policy:
         policy = base or cls()
         overrides = list(policy.overrides)
         output_given = False
-        for item in (part.strip() for part in text.split(",")):
+        for item in (part.strip() for part in _expand_recipes(text).split(",")):
             if not item:
                 continue
             if "=" in item:
@@ -353,8 +364,9 @@ class Policy:
                     raise PolicyError(f"override {item!r} has no pattern; write e.g. fp32:head.*")
                 overrides.append(Override(parse_dtype(dtype), pattern.strip()))
             else:
-                raise PolicyError(f"cannot read policy item {item!r} in {text!r}; write "
-                                  f"key=value (keys: {', '.join(_KEYS)}) or DTYPE:PATTERN")
+                raise PolicyError(f"cannot read policy item {item!r}{_suggest(item, RECIPES)} "
+                                  f"in {text!r}; write key=value (keys: {', '.join(_KEYS)}), "
+                                  f"DTYPE:PATTERN or a recipe ({', '.join(RECIPES)})")
         return replace(policy, overrides=tuple(overrides))
 
     def __str__(self) -> str:
@@ -403,12 +415,18 @@ class Policy:
         return found[-1] if found else None
 
 
+def _expand_recipes(text: str) -> str:
+    """``text`` with each item that is a recipe name replaced by the recipe's items."""
+    return ",".join(RECIPES.get(item.strip().lower(), item) for item in text.split(","))
+
+
 def names_target(policy: Union[None, str, Policy]) -> bool:
     """Whether ``policy`` fixes the target itself: a :class:`Policy` (it holds one), or a
-    string with a ``target=`` item (which wins over ``amp_rewrite``'s ``target=``).
+    string with a ``target=`` item or a recipe (which wins over ``RewriteConfig.make``'s
+    ``target=``).
 
     Args:
-        policy: what ``amp_rewrite`` was given as ``policy=``.
+        policy: what ``RewriteConfig.make`` was given as ``policy=``.
 
     Returns:
         True when the policy's own target is the one the plan is for.
@@ -418,7 +436,7 @@ def names_target(policy: Union[None, str, Policy]) -> bool:
     if not isinstance(policy, str):
         return False
     return any(item.partition("=")[0].strip().lower() == "target"
-               for item in policy.split(",") if "=" in item)
+               for item in _expand_recipes(policy).split(",") if "=" in item)
 
 
 def make_policy(policy: Union[None, str, Policy], dtype: torch.dtype, target: str) -> Policy:

@@ -6,9 +6,10 @@ graph and the IR and writes neither, so it can be tested alone; a pass
 (``fxamp.passes.rule``) records its decisions.
 
 fxamp's own rules are made per graph (``Rule(gm, ctx)``) and named by a member of
-``fxamp.ir.Rule``. A user's rule is an instance given to ``amp_rewrite(...,
-rules=[...])``, named ``"user:WORD"``; the rewrite binds a copy of it to each graph it plans
-(``DecisionRule.bind``) and runs it after fxamp's own decisions (docs/rules.md).
+``fxamp.ir.Rule``. A user's rule is an instance given in the config
+(``RewriteConfig.make(rules=[...])``), named ``"user:WORD"``; the rewrite binds a copy of
+it to each graph it plans (``DecisionRule.bind``) and runs it after fxamp's own decisions
+(docs/rules.md).
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ class DecisionRule:
     ``decide``.
 
     A user's rule is named ``"user:WORD"`` (the plan's rule column shows it) and given to
-    ``amp_rewrite(model, inputs, rules=[MyRule()])``. While it runs, ``self.gm`` is the
-    graph module being planned and ``self.policy`` the rewrite's ``fxamp.Policy``
-    (``self.policy.compute``: the low dtype). ``reads``, ``label`` and
+    ``amp_rewrite(model, inputs, RewriteConfig.make(rules=[MyRule()]))``. While it runs,
+    ``self.gm`` is the graph module being planned and ``self.policy`` the rewrite's
+    ``fxamp.Policy`` (``self.policy.compute``: the low dtype). ``reads``, ``label`` and
     ``precision`` read a node; ``verdict`` makes a decision.
 
     Args:

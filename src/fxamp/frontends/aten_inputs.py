@@ -132,7 +132,7 @@ class ShapeCheck:
                 "rewrite it with example inputs of that rank")
         dims = {i for i, s in enumerate(sizes) if s is None} | {dim}
         spec = "{" + ", ".join(f"{i}: Dim.AUTO" for i in sorted(dims)) + "}"
-        shapes = (f"amp_rewrite(..., dynamic_shapes={{{name!r}: {spec}}}) (torch.export's "
+        shapes = (f"RewriteConfig.make(dynamic_shapes={{{name!r}: {spec}}}) (torch.export's "
                   "spelling, Dim from torch.export; for an input nested in a list or dict "
                   "the spec follows its structure)")
         if sizes[dim] <= 1:  # torch.export fixes it whatever dynamic_shapes says

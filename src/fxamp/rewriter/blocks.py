@@ -1,6 +1,6 @@
 """Blocks: an in-place rewrite without example inputs keeps the model's module tree.
 
-``amp_rewrite(model, dtype=..., target=..., inplace=True)`` with no example inputs, on a model
+``amp_rewrite(model, config=..., inplace=True)`` with no example inputs, on a model
 that has blocks, rewrites each block in place (torchao's module swap, without the swap: the
 block stays the same object of the same class, its ``forward`` computes with its own
 rewritten graphs, planned on its first call from that call's real arguments, see

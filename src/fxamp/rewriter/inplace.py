@@ -57,7 +57,7 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
            if sharded else " (a wrapper swapped its class)")
         + ": the graph rewritten from the example inputs runs the submodules' ops without "
         "calling them, so their hooks never run. what to do: for FSDP2 per layer, rewrite "
-        "in place without example inputs (amp_rewrite(model, dtype=..., target=..., "
+        "in place without example inputs (amp_rewrite(model, config=..., "
         "inplace=True): each layer stays a module called as one, planned on its first "
         "call), then fully_shard each layer and the root; or keep the example and "
         "fully_shard(model) on the root alone (one FSDP2 group)")

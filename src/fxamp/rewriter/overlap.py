@@ -122,9 +122,9 @@ def check_overlap(model: nn.Module, policy: Policy, inplace: bool) -> None:
             f"{dtype_name(theirs.compute)} and then to {dtype_name(policy.compute)} "
             "(rounded twice, a plan neither rewrite made): in-place rewrites of different "
             f"policies do not compose. what to do: rewrite {name} with the same policy "
-            f"(amp_rewrite(model, ..., policy='{theirs}', inplace={inplace})), or first "
+            f"(amp_rewrite(model, ..., '{theirs}', inplace={inplace})), or first "
             f"rewrite {path} in place with this policy, which replaces its own "
-            f"(amp_rewrite({_access(path)}, ..., policy='{policy}', inplace=True)), "
+            f"(amp_rewrite({_access(path)}, ..., '{policy}', inplace=True)), "
             f"then {name}")
     if not inplace:
         return
@@ -141,7 +141,7 @@ def check_overlap(model: nn.Module, policy: Policy, inplace: bool) -> None:
             f"returned module (it shares the Parameters and leaves {_label(owner)}'s "
             f"rewrite as it is), or rewrite {_label(owner)} itself in place with the "
             f"policy you want, which replaces its own (amp_rewrite(model, ..., "
-            f"policy='{policy}', inplace=True))")
+            f"'{policy}', inplace=True))")
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple, Union
+import warnings
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -14,7 +15,6 @@ from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from ..ir import fix
-from ..rules import DecisionRule
 from ..overrides import Scope, check_matched
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
@@ -77,7 +77,7 @@ def check_model(model: Any, sharded_ok: bool = False) -> None:
             f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
             "by FSDP2's fully_shard: its parameters are DTensors gathered by module hooks "
             "that a rewritten graph does not call. what to do: rewrite first, in place, "
-            "then shard: amp_rewrite(model, dtype=..., target=..., inplace=True) (no "
+            "then shard: amp_rewrite(model, config=..., inplace=True) (no "
             "example: each layer stays a module), then fully_shard each layer and the root; "
             "or, with example inputs, fully_shard(model) on the root alone")
     check_parameter_dtypes(model)  # (names FSDP2's MixedPrecisionPolicy where it is why)
@@ -128,16 +128,41 @@ def _rewrite_leaves(model: nn.Module, src: fx.GraphModule, leaves: Sequence[str]
     return nested
 
 
+#: the keywords amp_rewrite took before ``config=`` held them (``RewriteConfig.make``'s)
+DEPRECATED_KEYWORDS = ("dtype", "target", "policy", "frontend", "example_kwargs",
+                       "calibration_data", "dynamic_shapes", "rules")
+
+
+def _config(config: Union[None, str, Policy, RewriteConfig],
+            deprecated: Dict[str, Any]) -> RewriteConfig:
+    """The RewriteConfig of amp_rewrite's ``config`` and deprecated keywords (warned)."""
+    unknown = [name for name in deprecated if name not in DEPRECATED_KEYWORDS]
+    if unknown:
+        raise TypeError(f"amp_rewrite() got an unexpected keyword argument {unknown[0]!r}")
+    if deprecated:
+        if config is not None:
+            raise FxampError(
+                f"amp_rewrite takes either config= or the keywords it holds, not both: got "
+                f"config= and {', '.join(deprecated)}; what to do: config.replace(...), or "
+                f"fxamp.RewriteConfig.make({', '.join(deprecated)}=...) alone")
+        shown = ", ".join(f"{name}=..." for name in deprecated)
+        warnings.warn(
+            f"amp_rewrite(..., {shown}) is deprecated and will be removed in the next "
+            f"release; the config holds them: amp_rewrite(model, example_inputs, "
+            f"fxamp.RewriteConfig.make({shown}))", FutureWarning, stacklevel=3)
+        return RewriteConfig.make(**deprecated)
+    if config is None or isinstance(config, (str, Policy)):
+        return RewriteConfig.make(policy=config)
+    if not isinstance(config, RewriteConfig):
+        raise FxampError(f"amp_rewrite's config takes a fxamp.RewriteConfig, a fxamp.Policy "
+                         f"or a policy's text form, got {type(config).__name__}; what to do: "
+                         "fxamp.RewriteConfig.make(...)")
+    return config
+
+
 def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]] = None,
-                *, example_kwargs: Optional[Dict[str, Any]] = None,
-                dtype: Optional[torch.dtype] = None, target: Optional[str] = None,
-                policy: Union[None, str, Policy] = None,
-                calibration_data: Union[None, Iterable[Any], Plan,
-                                        Dict[str, RangeStats]] = None,
-                frontend: str = "auto", dynamic_shapes: Any = None,
-                config: Optional[RewriteConfig] = None, inplace: bool = False,
-                rules: Union[None, DecisionRule, Sequence[DecisionRule]] = None
-                ) -> nn.Module:
+                config: Union[None, str, Policy, RewriteConfig] = None, *,
+                inplace: bool = False, **deprecated: Any) -> nn.Module:
     """Rewrite ``model`` into an explicit mixed-precision ``GraphModule`` (for the "eager"
     front end, a copy of the model whose children are such modules).
 
@@ -154,37 +179,16 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         example_inputs: the forward's positional arguments (a tuple, or one tensor); they
             decide dtypes exactly. Optional with ``inplace=True``, where the model is
             planned on its first call.
-        example_kwargs: the forward's keyword arguments for the trace.
-        dtype: the low-precision dtype, ``torch.float16`` (the default) or
-            ``torch.bfloat16``; it must agree with the policy's ``compute=``.
-        target: what the plan is for: ``"cuda"`` or ``"cpu"`` mirror that device's
-            autocast; ``"tensorrt"`` is a deployment plan. By default the device the model
-            is on when it is planned (its first floating Parameter or buffer, else the
-            example inputs'; ``meta`` plans for ``"cuda"``; ``fxamp.config.model_target``):
-            at the rewrite, or, in place without example inputs, at its first call. A
-            policy's ``target=`` wins; the plan header and ``config_of`` record the target
-            used. A plan run on a CPU or CUDA device other than its target logs one warning
-            per rewritten module on its first call.
-        policy: a ``Policy`` or its text form (``"fp32:head.*,eps=off"``).
-        calibration_data: an iterable of input tuples, a ``Plan`` whose ranges to reuse,
-            or its ranges: the nodes whose values pass the low dtype's range stay in FP32.
-        frontend: ``"fx"`` (``torch.fx.symbolic_trace``), ``"export"`` (``torch.export``,
-            ATen-level, needs the example inputs) or ``"auto"``: fx, then export, then fx
-            with the submodules neither can take kept as calls that run under
-            ``torch.autocast`` (``rule="runtime"``), then "eager" (the forward stays
-            Python, its children are rewritten). The plan header records which one took
-            the model.
-        dynamic_shapes: ``torch.export``'s own spelling, passed to it: which input
-            dimensions the export front end keeps symbolic. By default the batch (dim 0
-            of every tensor input) and the sequence (dim 1 of integer inputs: token ids,
-            masks), all others static. (fx graphs take any size: the fx front end ignores
-            it.)
-        config: a ``RewriteConfig`` (e.g. ``config_of(gm)`` of an earlier rewrite) given
-            instead of ``example_kwargs``, ``dtype``, ``target``, ``policy``,
-            ``calibration_data``, ``frontend`` and ``dynamic_shapes``.
-        rules: the user's decision rules (``fxamp.DecisionRule`` objects, or one), run in
-            order after fxamp's own decisions (docs/rules.md); the plan's rule column names
-            what each decided, and the policy (the plan header) names the rules.
+        config: how to rewrite: a ``RewriteConfig`` (``RewriteConfig.make(dtype=...,
+            target=..., policy=..., frontend=..., example_kwargs=..., calibration_data=...,
+            dynamic_shapes=..., rules=...)``, or ``config_of(gm)`` of an earlier
+            rewrite), a ``Policy``, or a policy's text form: ``"compute=bf16,target=cpu"``,
+            ``"fp32:head.*,off:joins"``, or a recipe name (``fxamp.policy.RECIPES``:
+            ``"cuda-fp16"``, ``"cuda-bf16"``, ``"cpu-bf16"``, ``"tensorrt"``), each the
+            policy text it names. None: ``RewriteConfig.make()``, float16 for the device
+            the model is on when it is planned (its first floating Parameter or buffer,
+            else the example inputs'; ``meta`` plans for ``"cuda"``): at the rewrite, or,
+            in place without example inputs, at its first call.
         inplace: return ``model`` itself, its forward computing with the rewritten module
             (same object and class: its other methods, wrappers, hooks and ``state_dict``
             keys stay; ``train()``/``eval()`` reach the graph; see
@@ -192,6 +196,10 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             block planned on its first call (``rewriter/blocks.py``). A call in a mode or
             of a structure no graph of an in-place model covers is planned on that call.
             The inference policy ``weights=stored`` (``rewriter/stored.py``) needs it.
+        **deprecated: the keywords the config holds (``dtype``, ``target``, ``policy``,
+            ``frontend``, ``example_kwargs``, ``calibration_data``, ``dynamic_shapes``,
+            ``rules``), taken for one more release with a ``FutureWarning``: they build
+            ``RewriteConfig.make(**deprecated)``.
 
     Returns:
         The rewritten module (``model`` itself with ``inplace=True``); ``fxamp.plan_of``
@@ -202,29 +210,22 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         ExampleInputError: the model fails in FP32 on the example inputs too.
         TraceError: no front end can trace the model (the message names the node).
         RuleError: a rule that is no ``DecisionRule``, or a decision that is none.
-        FxampError: ``config`` together with the keyword arguments it holds; the
-            subclass names any other bad input.
+        FxampError: ``config`` together with the (deprecated) keywords it holds, or a
+            ``config`` of another type; the subclass names any other bad input.
+        TypeError: a keyword ``amp_rewrite`` does not take.
         InputShapeError: (raised by the result) a call with another size on a static
             dimension of an exported graph.
         ModeError: (raised by a returned, not in-place, result) a call in a mode no
             graph covers; ``CallStructureError`` for a call structure no graph covers.
     """
-    if config is None:
-        config = RewriteConfig.make(policy, dtype, target, frontend, example_kwargs,
-                                    calibration_data, dynamic_shapes, rules)
-    elif (policy, dtype, frontend, example_kwargs, calibration_data, target,
-          dynamic_shapes, rules) != (None, None, "auto", None, None, None, None, None):
-        raise FxampError("amp_rewrite takes either config= or the keyword arguments it "
-                         "holds (policy, dtype, target, frontend, example_kwargs, "
-                         "calibration_data, dynamic_shapes, rules), not both; what to do: "
-                         "config.replace(...)")
+    config = _config(config, deprecated)
     if config.policy.weights == "stored" and not inplace:
         raise PolicyError(
             f"policy weights=stored stores the model's own Parameters in low precision (the "
             f"rewritten module shares them), so it is an in-place rewrite: with inplace=False "
             f"the {type(model).__name__} you passed would be changed behind the returned "
             "module and could no longer run as the FP32 reference. what to do: "
-            "amp_rewrite(model, ..., policy='weights=stored', inplace=True), on a copy "
+            "amp_rewrite(model, ..., 'weights=stored', inplace=True), on a copy "
             "(copy.deepcopy(model)) to keep the FP32 model")
     return _amp_rewrite(model, example_inputs, config, inplace)
 

@@ -114,7 +114,7 @@ def _rewrite_with_fp32(model: nn.Module, inputs: tuple, config: RewriteConfig,
 
     The overrides are the search's decisions as the policy says them: the plan header, the
     stored config (``fxamp.config_of``) and so a saved plan's policy carry them, and
-    ``amp_rewrite(model, x, policy=plan.policy)`` plans the same dtypes."""
+    ``amp_rewrite(model, x, plan.policy)`` plans the same dtypes."""
     gm = amp_rewrite(model, inputs, config=config.with_fp32(nodes))
     if not nodes:
         return gm

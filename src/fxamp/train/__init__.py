@@ -2,7 +2,7 @@
 
 ::
 
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.float16, target="cuda")
+    gm = fxamp.amp_rewrite(model, (x,), "cuda-fp16")
     opt = torch.optim.AdamW(model.parameters())        # gm shares model's FP32 Parameters
     trainer = fxamp.train.Trainer(gm, opt, clip_grad_norm=1.0, scheduler=sched)
     for x, y in loader:

@@ -13,7 +13,7 @@ masters exactly as without fxamp. A step GradScaler skips never calls
 
 ::
 
-    gm = fxamp.amp_rewrite(model, (x,), dtype=torch.bfloat16, target="cpu", policy="weights=o2")
+    gm = fxamp.amp_rewrite(model, (x,), "cpu-bf16,weights=o2")
     opt = torch.optim.AdamW(model.parameters())
     fxamp.train.attach_optimizer(gm, opt)
 """
