@@ -8,7 +8,8 @@ functions it passes through: the plan's capture (``frontends.aten.export_trace``
 ``torch.export`` calls), the calibration run of a deployment plan, every ``torch.export``
 call (the plan's and the ONNX exporter's), building the ``ExportedProgram`` from the planned
 graph, the ONNX exporter's registry, decompositions and translation, fxamp's folds and its
-check of the file. Medians of the rounds.
+check of the file, and the full (oldest-generation) garbage collections that ran during it.
+Medians of the rounds.
 
     python benchmarks/export_breakdown.py --models distilbert_pad,bert_tiny,resnet18
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import io
 import os
 import statistics
@@ -63,6 +65,16 @@ def _timed(fn: Callable, column: str) -> Callable:
     return run
 
 
+def _full_collections(phase: str, info: Dict[str, Any]) -> None:
+    """A ``gc.callbacks`` hook adding the time of each full (oldest-generation) collection."""
+    if info["generation"] != 2:
+        return
+    if phase == "start":
+        SPENT["_gc_start"] = time.process_time()
+    else:
+        SPENT["full GC"] += time.process_time() - SPENT.pop("_gc_start", time.process_time())
+
+
 def _install() -> List[str]:
     import importlib
 
@@ -78,7 +90,8 @@ def _install() -> List[str]:
     timed_registry = _timed(registry, "ONNX registry")
     _registration.ONNXRegistry.from_torchlib = classmethod(
         lambda cls, *a, **k: timed_registry(*a, **k))
-    return columns + ["ONNX registry"]
+    gc.callbacks.append(_full_collections)
+    return columns + ["ONNX registry", "full GC"]
 
 
 def main() -> None:
@@ -110,9 +123,11 @@ def main() -> None:
             fx()  # (one-time setup paid before the timed rounds)
             got: Dict[str, List[float]] = collections.defaultdict(list)
             for _ in range(max(1, a.rounds)):
+                SPENT.clear()
                 start = time.process_time()
                 fp32()
                 got["FP32 export"].append(time.process_time() - start)
+                got["FP32 full GC"].append(SPENT.get("full GC", 0.0))
                 SPENT.clear()
                 start = time.process_time()
                 fx()
@@ -122,10 +137,10 @@ def main() -> None:
             med = {k: statistics.median(v) for k, v in got.items()}
             rows.append([name, f"{med['FP32 export']:.2f}", f"{med['fxamp']:.2f}",
                          f"{med['fxamp'] / med['FP32 export']:.2f}x"]
-                        + [f"{med[c]:.2f}" for c in columns])
+                        + [f"{med[c]:.2f}" for c in columns] + [f"{med['FP32 full GC']:.2f}"])
             print(" | ".join(rows[-1]), flush=True)
     md = _common.table(["model", "FP32 export s", "fxamp rewrite + export s", "ratio"]
-                       + [f"{c} s" for c in columns], rows)
+                       + [f"{c} s" for c in columns] + ["FP32 export's full GC s"], rows)
     print(md)
     if not a.no_docs:
         _common.append_docs(

@@ -102,7 +102,8 @@ def find_overflow(gm: fx.GraphModule, inputs: tuple) -> Optional[Overflow]:
 
 def run_true_fp16(proto: Any, feed: Dict[str, Any]) -> List[Any]:
     """The outputs of an ONNX model with every op computed in its declared type (by
-    ``onnx.reference.ReferenceEvaluator``, Conv and MaxPool by :mod:`.reference_ops`).
+    ``onnx.reference.ReferenceEvaluator``; Conv and MaxPool by PyTorch kernels that round
+    as its own do, ``fxamp.export.reference_ops``).
 
     Args:
         proto: the ONNX model (a ``ModelProto``).
