@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
 import os
@@ -81,7 +82,9 @@ def timed_runs(model: torch.nn.Module, inputs: tuple, fp32: str, dst: str,
     FP32 export time and fxamp's result with median times (the files of the last round)."""
     t_fp32, runs = [], []
     for _ in range(rounds):
-        t_fp32.append(export_fp32(model, inputs, fp32))
+        gc.collect()  # (each run pays the collections its own objects cause, see
+        t_fp32.append(export_fp32(model, inputs, fp32))  # export_breakdown.py)
+        gc.collect()
         runs.append(run_fxamp(model, inputs, dst))
         if not runs[-1]["ok"]:
             return statistics.median(t_fp32), runs[-1]

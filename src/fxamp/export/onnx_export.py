@@ -30,6 +30,7 @@ from ..fileio import atomic_directory
 from ..frontends.common import training_flags
 from ..progress import shows
 from ..rewriter import plan_of
+from ..rewriter.gc_scope import young_objects_only
 from ..frontends.common import as_tuple
 from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, get_meta, set_meta
 from .onnx_passes import run_onnx_steps
@@ -277,7 +278,7 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
         FxampError: ``gm`` was not made by ``amp_rewrite``.
     """
     try:
-        import onnx
+        import onnx  # noqa: F401 - (the check that it is installed)
     except ImportError:
         raise ExportError("export_onnx needs onnx, onnxscript and onnxruntime; what to do: "
                           "pip install 'fxamp[onnx]' (or pip install onnx onnxscript "
@@ -286,6 +287,16 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     inputs = as_tuple(example_inputs)
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ExportError(f"exporter must be auto, dynamo or torchscript, got {exporter!r}")
+    with young_objects_only():  # (full collections scan what the export allocates only)
+        return _export_onnx(gm, plan, inputs, path, opset, exporter, reference)
+
+
+def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
+                 opset: Optional[int], exporter: str,
+                 reference: Optional[torch.nn.Module]) -> str:
+    """:func:`export_onnx`'s work, its arguments checked."""
+    import onnx
+
     used, error, capture = "", "", CAPTURED
     mapping: Optional[Dict[str, str]] = None
     ep = None

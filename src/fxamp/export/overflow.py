@@ -22,6 +22,7 @@ from ..errors import node_error
 from ..graph_run import GraphRun
 from ..policy import dtype_name
 from .errors import ExportError
+from .reference_ops import evaluator
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -102,7 +103,8 @@ def find_overflow(gm: fx.GraphModule, inputs: tuple) -> Optional[Overflow]:
 
 def run_true_fp16(proto: Any, feed: Dict[str, Any]) -> List[Any]:
     """The outputs of an ONNX model with every op computed in its declared type (by
-    ``onnx.reference.ReferenceEvaluator``).
+    ``onnx.reference.ReferenceEvaluator``; Conv and MaxPool by PyTorch kernels that round
+    as its own do, ``fxamp.export.reference_ops``).
 
     Args:
         proto: the ONNX model (a ``ModelProto``).
@@ -111,18 +113,15 @@ def run_true_fp16(proto: Any, feed: Dict[str, Any]) -> List[Any]:
     Returns:
         The outputs, in the graph's order.
     """
-    from onnx.reference import ReferenceEvaluator
-
-    return ReferenceEvaluator(proto).run(None, feed)
+    return evaluator(proto).run(None, feed)
 
 
 def first_nonfinite_node(proto: Any, feed: Dict[str, Any]) -> Optional[Any]:
     """The first ONNX node whose output is inf/NaN in true FP16 while its inputs are finite
     (``ReferenceEvaluator`` with the intermediate results), or None."""
     import numpy as np
-    from onnx.reference import ReferenceEvaluator
 
-    values = ReferenceEvaluator(proto).run(None, feed, intermediate=True)
+    values = evaluator(proto).run(None, feed, intermediate=True)
 
     def finite(name: str) -> bool:
         v = values.get(name)
@@ -164,11 +163,10 @@ def first_divergent_node(proto: Any, feed: Dict[str, Any], rtol: float) -> Optio
     """The first ONNX node whose true-FP16 output differs from the same node of the file's
     FP32 twin (:func:`fp32_twin`) by more than ``rtol`` of its scale, or None."""
     import numpy as np
-    from onnx.reference import ReferenceEvaluator
 
     try:
-        low = ReferenceEvaluator(proto).run(None, feed, intermediate=True)
-        wide = ReferenceEvaluator(fp32_twin(proto)).run(None, feed, intermediate=True)
+        low = evaluator(proto).run(None, feed, intermediate=True)
+        wide = evaluator(fp32_twin(proto)).run(None, feed, intermediate=True)
     except Exception:  # noqa: BLE001 - the culprit is a detail of the message
         return None
 

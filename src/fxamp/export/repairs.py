@@ -35,12 +35,36 @@ log = logging.getLogger(__name__)
 _EPS_CONSUMERS = {"Sqrt", "Reciprocal", "Div", "Pow"}
 
 
+def _without_weights(model: Any) -> Any:
+    """A copy of ``model`` whose initializers are graph inputs of their type and shape: what
+    type inference reads of them (shape inference serializes the model it is given, weights
+    and all, for each call: on a CNN that was most of its time)."""
+    import onnx
+    from onnx import helper
+
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    graph, source = light.graph, model.graph
+    graph.node.extend(source.node)
+    graph.input.extend(source.input)
+    graph.output.extend(source.output)
+    graph.value_info.extend(source.value_info)
+    inputs = {i.name for i in source.input}
+    graph.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+                       for i in source.initializer if i.name not in inputs)
+    return light
+
+
 def value_types(model: Any) -> Dict[str, int]:
-    """Element type of every value (after ONNX shape inference)."""
+    """Element type of every value (after ONNX type inference, on the model without its
+    weights' data)."""
     import onnx
 
     try:
-        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(_without_weights(model),
+                                                     strict_mode=False)
     except Exception as err:  # noqa: BLE001 - inference is best effort
         log.debug("shape inference failed: %s", err)
         inferred = model
@@ -49,9 +73,9 @@ def value_types(model: Any) -> Dict[str, int]:
     for value in list(graph.input) + list(graph.output) + list(graph.value_info):
         if value.type.HasField("tensor_type"):
             types[value.name] = value.type.tensor_type.elem_type
-    for init in graph.initializer:
+    for init in model.graph.initializer:
         types[init.name] = init.data_type
-    for node in graph.node:
+    for node in model.graph.node:
         if node.op_type == "Constant":
             for attr in node.attribute:
                 if attr.name == "value":

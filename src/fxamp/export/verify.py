@@ -1,7 +1,9 @@
 """Check an exported ONNX graph against PyTorch: the rewritten model and the ONNX file (run
 with onnxruntime) must agree on the example inputs and on a second, different input (the
 example's floating tensors negated: a branch on a sign, a sum or a max goes the other way),
-and, when the file has a dynamic batch axis, on a batch of twice the size.
+and, when the file has a dynamic batch axis, on a batch of twice the size. onnxruntime runs it
+with its basic graph optimizations only: the fusions and layout changes of its higher levels
+check nothing more of the file and cost more than the runs on a CNN.
 
 A tracing exporter (TorchScript) records the branch the example input took; torch.export
 refuses value-dependent branches, but the eager front end's results (whose own forward is
@@ -154,8 +156,10 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         raise ExportError(f"the {exporter} exporter's graph is too large (> 1.8 GB) to check "
                           "against PyTorch in memory; what to do: export the model's parts")
     ref = reference if reference is not None else fp32_reference(model)
+    options = ort.SessionOptions()  # the file as written: no fusions or layout changes
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     try:
-        session = ort.InferenceSession(proto.SerializeToString(),
+        session = ort.InferenceSession(proto.SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
     except Exception as err:  # noqa: BLE001 - e.g. no CPU kernel for a bf16 op
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"

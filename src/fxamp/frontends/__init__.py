@@ -30,7 +30,8 @@ from .. import _torch
 from ..config import FRONTEND_ORDER, FRONTENDS
 from ..errors import TraceError
 from .aten import AtenFrontend
-from .base import Capture, Children, Frontend, GraphFrontend, Request, Traced
+from .dtype_reads import Settled
+from .base import STATIC_SHAPES, Capture, Children, Frontend, GraphFrontend, Request, Traced
 from .eager import EagerFrontend
 from .fx import MAX_RUNTIME_LEAVES, FxFrontend, PartialFrontend
 from .model_checks import check_example_device, check_not_quantized
@@ -49,22 +50,23 @@ assert all(name in REGISTRY for names in FRONTEND_ORDER.values() for name in nam
 def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
                   state: Optional[ModelState] = None, dynamic_shapes: Any = None,
                   whole_graph: bool = False, inference: bool = False,
-                  compute: Optional[torch.dtype] = None) -> Capture:
+                  compute: Optional[torch.dtype] = None,
+                  settled: Optional[Settled] = None) -> Capture:
     """What the first front end (in the order ``frontend`` asks for) that takes ``model``
     gives: a :class:`Traced` graph, or :class:`Children` to rewrite one by one.
     ``whole_graph``: only front ends giving one graph of the whole model (calibration,
     decisions fixed by node name). ``state`` (the model's snapshot) is restored after each
     front end that fails; ``dynamic_shapes`` goes to torch.export. ``inference``: the
     eval-mode graph alone (one trace, not one per mode). ``compute``: the plan's low dtype
-    (values the code reads from tensors' dtypes follow autocast's run with it). When none
-    takes it:
+    (values the code reads from tensors' dtypes follow autocast's run with it);
+    ``settled``: the values read from dtypes the plan does without. When none takes it:
     the one front end's TraceError, or one naming each front end's failure. A quantized
     model, and example inputs on meta for a model on another device, are refused before
     any front end tries (:mod:`.model_checks`)."""
     check_not_quantized(model)
     check_example_device(model, args, kwargs)
     request = Request(tuple(args), dict(kwargs), frontend, state or ModelState(model),
-                      dynamic_shapes, inference=inference, compute=compute)
+                      dynamic_shapes, inference=inference, compute=compute, settled=settled)
     order: List[Frontend] = [REGISTRY[name] for name in FRONTEND_ORDER[frontend]]
     if whole_graph:
         order = [fe for fe in order if fe.graph]
@@ -124,7 +126,8 @@ def graph_inputs(model: nn.Module, traced: Traced, args: tuple,
     return graph_frontend(traced).inputs(model, traced, args, kwargs)
 
 
-__all__ = ["FRONTENDS", "FRONTEND_ORDER", "Frontend", "GraphFrontend", "Request", "Traced",
+__all__ = ["FRONTENDS", "FRONTEND_ORDER", "STATIC_SHAPES", "Frontend", "GraphFrontend",
+           "Request", "Traced",
            "Children", "Capture", "REGISTRY", "FX", "ATEN", "PARTIAL", "EAGER",
            "MAX_RUNTIME_LEAVES", "capture_model", "trace_model", "graph_frontend",
            "graph_inputs"]

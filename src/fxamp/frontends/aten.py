@@ -38,9 +38,9 @@ from .common import (PACKED_ADVICE, as_tuple, packed_sequence_failure, training_
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
 from .aten_inputs import ShapeCheck, batch_inputs, flat_inputs, plain_containers, plain_inputs_hook
-from .base import Request, Traced
+from .base import STATIC_SHAPES, Request, Traced
 from .buffer_writes import export_write_backs
-from .dtype_reads import follow_run_time_dtypes
+from .dtype_reads import Settled, follow_run_time_dtypes
 from .hooks import hooked_modules, without_root_hooks
 from .modes import align, follow_mode, reads_training, root_flag
 
@@ -156,8 +156,8 @@ def _advice(exc: BaseException, frontend: str) -> str:
 
 
 #: ``dynamic_shapes`` value asking for an all-static export (the other-mode graph, which
-#: is only compared with the first one)
-STATIC = "static"
+#: is only compared with the first one; a deployment plan's one capture)
+STATIC = STATIC_SHAPES
 
 
 @shows(lambda model, *a, **k: f"torch.export of {type(model).__name__}")
@@ -249,7 +249,8 @@ def _export_in_mode(model: nn.Module, train: bool, args: tuple, kwargs: Dict[str
 def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
                  frontend: str = "export", dynamic_shapes: Any = None,
                  inference: bool = False,
-                 compute: Optional[torch.dtype] = None) -> fx.GraphModule:
+                 compute: Optional[torch.dtype] = None,
+                 settled: Optional[Settled] = None) -> fx.GraphModule:
     """Export ``model`` (non-strict) and return its unlifted GraphModule, following
     ``train()`` / ``eval()``; raise TraceError naming the line that stops torch.export, or
     the custom autograd Function whose backward the export would drop (not for
@@ -264,23 +265,25 @@ def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
     with the base: 2-4x cheaper), supplies the constants that follow the mode. Only where
     they do not align is a mode exported again (with the dynamic shapes). ``inference``:
     the eval-mode graph alone, exported once. ``compute``: the plan's low dtype; values the
-    code reads from tensors' dtypes follow autocast's run (:mod:`.dtype_reads`)."""
+    code reads from tensors' dtypes follow autocast's run (:mod:`.dtype_reads`) unless
+    ``settled`` says the plan does without them."""
     with custom_functions.recording(model) as applied:
-        gm = _export_modes(model, args, kwargs, frontend, dynamic_shapes, inference, compute)
+        gm = _export_modes(model, args, kwargs, frontend, dynamic_shapes, inference, compute,
+                           settled)
     if applied and not inference:
         raise custom_functions.refusal(model, applied)
     return gm
 
 
 def _export_modes(model: nn.Module, args: tuple, kwargs: Dict[str, Any], frontend: str,
-                  dynamic_shapes: Any, inference: bool,
-                  compute: Optional[torch.dtype]) -> fx.GraphModule:
+                  dynamic_shapes: Any, inference: bool, compute: Optional[torch.dtype],
+                  settled: Optional[Settled]) -> fx.GraphModule:
     """:func:`export_trace`'s graph, in each mode the model's code follows."""
     args, kwargs = plain_containers((tuple(args), dict(kwargs)))
 
     def followed(gm: fx.GraphModule, train: bool) -> fx.GraphModule:
         follow_run_time_dtypes(gm, model, args, compute, lambda: _export_in_mode(
-            model, train, args, kwargs, frontend, dynamic_shapes))
+            model, train, args, kwargs, frontend, dynamic_shapes), settled)
         return gm
 
     mode = model.training
@@ -364,7 +367,8 @@ class AtenFrontend:
         with without_root_hooks(model):
             try:
                 gm = export_trace(model, request.args, request.kwargs, request.asked,
-                                  request.dynamic_shapes, request.inference, request.compute)
+                                  request.dynamic_shapes, request.inference, request.compute,
+                                  request.settled)
             except TraceError:
                 # low-precision inputs (a child of a rewritten model, given the bf16
                 # activations it gets under autocast) are exported as FP32 where they fail:
@@ -374,7 +378,10 @@ class AtenFrontend:
                 if _same_leaves((args, kwargs), (request.args, request.kwargs)):
                     raise
                 gm = export_trace(model, args, kwargs, request.asked,
-                                  request.dynamic_shapes, request.inference, request.compute)
+                                  request.dynamic_shapes, request.inference, request.compute,
+                                  request.settled)
+        if request.dynamic_shapes is STATIC_SHAPES:  # (for ShapeCheck's message)
+            gm.meta[STATIC_SHAPES] = True
         checkpointing.warn_unseen(model, gm.graph)
         if request.errors:
             log.info("torch.fx could not trace %s; torch.export took it", type(model).__name__)

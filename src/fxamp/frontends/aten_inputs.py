@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .._torch import first_child_spec
 from ..errors import CalibrationDataError
+from .base import STATIC_SHAPES
 
 
 def flat_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tuple:
@@ -67,6 +68,8 @@ class ShapeCheck:
         if len(names) == len(self.sizes):  # the forward's own names, not the graph's
             self.sizes = [(name, sizes) for name, (_, sizes) in zip(names, self.sizes)]
         self.bounds = symbolic_bounds(gm, [name for name, _ in self.sizes])
+        #: every dimension fixed on purpose (a deployment plan's capture)
+        self.static = bool(gm.meta.get(STATIC_SHAPES))
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         try:
@@ -143,13 +146,18 @@ class ShapeCheck:
                    + ("" if dim == 0 else f" and with {shapes}"))
         else:
             fix = f"rewrite with {shapes}"
+        why = ("A deployment plan (target='tensorrt') is exported for the example's sizes, "
+               "as export_onnx writes the file, unless dynamic_shapes or calibration_data "
+               "say otherwise" if self.static else
+               "By default only the batch dimension (dim 0) and the "
+               "sequence dimension of integer token inputs are dynamic, and torch.export fixes "
+               "a dynamic one where the model's code needs a fixed size or the example size "
+               "is 0 or 1")
         raise InputShapeError(
             f"the rewritten {self.model_name} was exported with dimension {dim} of input "
             f"{name!r} fixed at {sizes[dim]} (sizes {shown}, * = any size); this call gives "
-            f"{value.shape[dim]}. By default only the batch dimension (dim 0) and the "
-            "sequence dimension of integer token inputs are dynamic, and torch.export fixes "
-            "a dynamic one where the model's code needs a fixed size or the example size "
-            f"is 0 or 1\n  what to do: {fix}, or call it with size {sizes[dim]}")
+            f"{value.shape[dim]}. {why}\n  what to do: {fix}, or call it with size "
+            f"{sizes[dim]}")
 
 
 def symbolic_bounds(gm: fx.GraphModule, names: List[str]

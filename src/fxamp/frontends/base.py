@@ -22,8 +22,8 @@ be called like the model: pre-hooks).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import (TYPE_CHECKING, Any, Dict, Iterable, List, NamedTuple, Optional, Protocol,
-                    Tuple, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, NamedTuple, Optional,
+                    Protocol, Tuple, Union)
 
 import torch
 import torch.fx as fx
@@ -34,6 +34,11 @@ from .state import ModelState
 
 if TYPE_CHECKING:
     from .calls import CallStructure
+
+
+#: ``Request.dynamic_shapes`` asking torch.export for every dimension as the example has it
+#: (a deployment plan's capture, the other-mode graph of a training plan)
+STATIC_SHAPES = "static"
 
 
 class Traced(NamedTuple):
@@ -90,6 +95,9 @@ class Request:
     #: the plan's low dtype: values the code reads from tensors' dtypes follow autocast's
     #: run with it (torch.export front end, :mod:`.dtype_reads`); None: the FP32 trace's
     compute: Optional[torch.dtype] = None
+    #: ``settled(node, key)``: an argument of the captured graph the plan does without, so
+    #: autocast's value of it needs no export under autocast (:mod:`.dtype_reads`)
+    settled: Optional[Callable[[fx.Node, Union[int, str]], bool]] = None
 
 
 class Frontend(Protocol):

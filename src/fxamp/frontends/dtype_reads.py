@@ -29,7 +29,7 @@ a warning names the first node that differs and its source line. A device withou
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -40,7 +40,7 @@ from ..errors import source_line
 from ..op_args import keep_fp32_values
 from .modes import Alignment, align, node_arguments
 
-__all__ = ["follow_run_time_dtypes", "RunTimeReads"]
+__all__ = ["follow_run_time_dtypes", "RunTimeReads", "Settled"]
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +65,28 @@ def _may_read_dtype(value: Any) -> bool:
     return type(value) is float and value in _FP32_CONSTANTS
 
 
-def has_dtype_values(graph: fx.Graph) -> bool:
-    """Whether any call in ``graph`` has an argument that may come from a tensor's dtype."""
-    return any(node.op == "call_function" and any(
-        _may_read_dtype(v) for v in (*node.args, *node.kwargs.values()))
-        for node in graph.nodes)
+#: ``settled(node, key)``: whether the plan reads argument ``key`` (a position or a keyword)
+#: of ``node`` as the FP32 trace has it or not at all, so autocast's value of it is not needed
+Settled = Callable[[fx.Node, Union[int, str]], bool]
+
+
+def dtype_values(graph: fx.Graph, settled: Optional[Settled] = None
+                 ) -> List[Tuple[fx.Node, Union[int, str]]]:
+    """(node, position or keyword) of each argument of a call in ``graph`` that may come
+    from a tensor's dtype, less those ``settled`` says the plan does not need."""
+    found: List[Tuple[fx.Node, Union[int, str]]] = []
+    for node in (n for n in graph.nodes if n.op == "call_function"):
+        items: List[Tuple[Union[int, str], Any]] = [*enumerate(node.args),
+                                                    *node.kwargs.items()]
+        found += [(node, key) for key, value in items if _may_read_dtype(value)
+                  and not (settled is not None and settled(node, key))]
+    return found
+
+
+def has_dtype_values(graph: fx.Graph, settled: Optional[Settled] = None) -> bool:
+    """Whether any call in ``graph`` has an argument that may come from a tensor's dtype
+    (and that ``settled`` does not say the plan does without)."""
+    return bool(dtype_values(graph, settled))
 
 
 def _noop_to_source(node: Any) -> Optional[fx.Node]:
@@ -124,17 +141,21 @@ class RunTimeReads(Alignment):
 
 def follow_run_time_dtypes(gm: fx.GraphModule, model: nn.Module, args: tuple,
                            compute: Optional[torch.dtype],
-                           trace: Callable[[], fx.GraphModule]) -> int:
+                           trace: Callable[[], fx.GraphModule],
+                           settled: Optional[Settled] = None) -> int:
     """Give ``gm`` (the FP32 export of ``model`` called with ``args``) the values autocast's
     run reads from tensors' dtypes (see the module docstring); ``trace`` exports the model
-    again (the same dynamic shapes and mode). Returns how many arguments changed."""
-    if compute is None or not has_dtype_values(gm.graph):
+    again (the same dynamic shapes and mode). ``settled``: the arguments the plan does
+    without (a deployment plan's attention-mask fills, which it writes itself): a graph
+    whose every such value is settled is not exported again. Returns how many arguments
+    changed."""
+    found = dtype_values(gm.graph, settled) if compute is not None else []
+    if not found:
         return 0
     name = type(model).__name__
     device = _device_type(model, args)
     if device not in ("cpu", "cuda"):
-        first = next(n for n in gm.graph.nodes if n.op == "call_function" and any(
-            _may_read_dtype(v) for v in (*n.args, *n.kwargs.values())))
+        first = found[0][0]
         log.warning("%s: %s has a dtype or a float constant that may come from a tensor's "
                     "dtype (%s); on %s there is no torch.autocast to trace what it is at run "
                     "time, so it keeps the FP32 trace's value; what to do: rewrite with "

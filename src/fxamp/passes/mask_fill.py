@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from .. import ops
 from ..op_args import keep_fp32_values
-from ..policy import is_deploy
+from ..policy import Policy, is_deploy
 from . import PassResult
 from .manager import PassContext
 
@@ -154,11 +154,52 @@ def mask_fills(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(gm, modified)
 
 
+def _rewritten_fill(node: fx.Node, gm: nn.Module) -> Optional[Union[int, str]]:
+    """The argument (position or keyword) :func:`mask_fills` writes as FP16's lowest on
+    ``node``, or None when it rewrites nothing there."""
+    if node.op not in ("call_function", "call_method") or _op(node, gm) not in _FILLS:
+        return None
+    found = _fill_arg(node)
+    if found is None or not _path_to_softmax(node, gm):
+        return None
+    return found[0]
+
+
+def settles(node: fx.Node, key: Union[int, str]) -> bool:
+    """Whether argument ``key`` of ``node`` is a value the pass makes the plan do without:
+    the scalar of a fill it rewrites, or the ``dtype`` of a factory (``zeros``, ``full``...)
+    whose every use is such a fill (the fill computes in FP16, whatever that dtype). Where
+    the FP32 trace's only values read from dtypes are these (``finfo(float32).min`` masks),
+    the torch.export front end does without its export under autocast
+    (``frontends/dtype_reads.py``).
+
+    Args:
+        node: a node of the captured graph, before the passes.
+        key: the position or keyword of one of its arguments.
+
+    Returns:
+        True when autocast's value of that argument does not change the plan.
+    """
+    gm = node.graph.owning_module
+    if gm is None:
+        return False
+    if _rewritten_fill(node, gm) == key:
+        return True
+    return (key == "dtype" and not node.all_input_nodes and bool(node.users)
+            and all(_rewritten_fill(user, gm) is not None for user in node.users))
+
+
+def applies(policy: Policy) -> bool:
+    """Whether the pass runs for ``policy``: a deployment plan whose low dtype is FP16, the
+    rule on (the policy item ``off:mask_fill`` keeps the model's fills, and the masks in
+    FP32)."""
+    return (is_deploy(policy.target) and policy.compute == torch.float16
+            and policy.runs("mask_fill"))
+
+
 def runs(ctx: PassContext) -> bool:
-    """Whether the pass runs: a deployment plan whose low dtype is FP16, the rule on (the
-    policy item ``off:mask_fill`` keeps the model's fills, and the masks in FP32)."""
-    return (is_deploy(ctx.policy.target) and ctx.policy.compute == torch.float16
-            and ctx.policy.runs("mask_fill"))
+    """Whether the pass runs (:func:`applies` to the context's policy)."""
+    return applies(ctx.policy)
 
 
 def fill_reason(node: fx.Node) -> Optional[str]:

@@ -16,13 +16,14 @@ from ..config import RewriteConfig
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from ..ir import fix
 from ..overrides import Scope, check_matched
+from ..passes import mask_fill
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
 from ..program import DEVICES
 from ..result import Rewritten, has_result, one_mode, plan_of, result_of, set_result
 from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
-from ..frontends import Children, capture_model, graph_frontend
+from ..frontends import STATIC_SHAPES, Children, capture_model, graph_frontend
 from ..frontends.checkpointing import layers_off
 from ..frontends.common import MODE, as_tuple, nested_header, top_header
 from ..frontends.copies import refuse_copies
@@ -513,9 +514,10 @@ class Rewrite:
         try:  # decisions fixed by node name and calibration need one graph of the model
             self.captured = capture_model(
                 self.model, self.example, self.kwargs, self.config.frontend, self.state,
-                self.config.dynamic_shapes,
+                _capture_shapes(self.config),
                 whole_graph=_needs_graph(self.fixed, calibration) or is_deploy(pol.target),
-                inference=is_deploy(pol.target), compute=pol.compute)
+                inference=is_deploy(pol.target), compute=pol.compute,
+                settled=mask_fill.settles if mask_fill.applies(pol) else None)
         except TraceError:
             self.state.restore()
             raise
@@ -592,6 +594,18 @@ class Rewrite:
         """The rewritten module."""
         assert self.gm is not None
         return self.gm
+
+
+def _capture_shapes(config: RewriteConfig) -> Any:
+    """torch.export's ``dynamic_shapes`` for the capture: the user's; else, for a deployment
+    plan without calibration batches, every dimension as the example has it (``export_onnx``
+    writes the file for the example's shapes, and a static export costs a third to a half
+    of one with a symbolic batch and sequence); else None (the front end's default)."""
+    if config.dynamic_shapes is not None or not is_deploy(config.policy.target):
+        return config.dynamic_shapes
+    if config.calibration is None or isinstance(config.calibration, (Plan, dict)):
+        return STATIC_SHAPES
+    return None  # (calibration batches may have other sizes than the example)
 
 
 def _needs_graph(fixed: Any, calibration_data: Any) -> bool:

@@ -1,0 +1,84 @@
+"""The true-FP16 run's PyTorch Conv and MaxPool compute what onnx.reference's own do: the
+same roundings (FP16 inputs, FP32 sums, FP16 result, FP16 bias add), the sums in another
+order; a max exactly. Each case is one ONNX node run by both evaluators."""
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+from fxamp.export.reference_ops import evaluator  # noqa: E402
+
+_TYPES = {np.float16: TensorProto.FLOAT16, np.float32: TensorProto.FLOAT}
+
+
+def _model(op, inputs, attrs, outputs=("y",)):
+    """One ``op`` node over ``inputs`` (name -> array), with ``attrs``."""
+    nodes = [helper.make_node(op, list(inputs), list(outputs), **attrs)]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info(n, _TYPES[a.dtype.type], a.shape)
+         for n, a in inputs.items()],
+        [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outputs])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+CONVS = [  # (x shape, w shape, attributes, bias)
+    ((1, 8, 16, 16), (16, 8, 3, 3), {"pads": [1, 1, 1, 1]}, True),
+    ((2, 8, 15, 15), (16, 8, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}, False),
+    ((1, 8, 12, 12), (8, 2, 3, 3), {"group": 4, "dilations": [2, 2]}, True),
+    ((1, 4, 10, 10), (6, 4, 3, 2), {"pads": [0, 1, 2, 0]}, True),  # asymmetric pads
+    ((1, 4, 10, 10), (6, 4, 3, 3), {"auto_pad": "VALID"}, True),
+    ((1, 4, 10, 10), (6, 4, 3, 3), {"auto_pad": "SAME_UPPER"}, True),  # (onnx.reference's)
+    ((1, 4, 20), (6, 4, 5), {"pads": [2, 2], "strides": [3]}, True),
+    ((1, 2, 6, 6, 6), (4, 2, 3, 3, 3), {"pads": [1] * 6}, False),
+    ((1, 64, 8, 8), (64, 64, 3, 3), {"pads": [1, 1, 1, 1]}, True),  # 576 terms a sum
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("x_shape, w_shape, attrs, bias", CONVS)
+def test_conv_matches_onnx_reference(dtype, x_shape, w_shape, attrs, bias):
+    rng = np.random.default_rng(0)
+    inputs = {"x": (rng.standard_normal(x_shape) * 3).astype(dtype),
+              "w": rng.standard_normal(w_shape).astype(dtype)}
+    if bias:
+        inputs["b"] = rng.standard_normal(w_shape[0]).astype(dtype)
+    model = _model("Conv", inputs, attrs)
+    want = ReferenceEvaluator(model).run(None, inputs)[0]
+    got = evaluator(model).run(None, inputs)[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    scale = float(np.abs(want.astype(np.float64)).max())
+    # one FP16 rounding of a sum taken in another order: within an ulp or two
+    tol = (2e-3 if dtype is np.float16 else 1e-5) * scale
+    assert float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max()) <= tol
+
+
+POOLS = [
+    ((1, 8, 16, 16), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ((1, 8, 15, 15), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}),
+    ((1, 8, 16, 16), {"kernel_shape": [3, 3], "dilations": [2, 2]}),
+    ((1, 8, 16, 16), {"kernel_shape": [3, 3], "pads": [0, 0, 1, 1]}),  # (onnx.reference's)
+    ((1, 4, 20), {"kernel_shape": [4], "strides": [2]}),
+    ((1, 2, 8, 8, 8), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2]}),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("x_shape, attrs", POOLS)
+def test_max_pool_matches_onnx_reference_exactly(dtype, x_shape, attrs):
+    x = np.random.default_rng(1).standard_normal(x_shape).astype(dtype)
+    model = _model("MaxPool", {"x": x}, attrs)
+    want = ReferenceEvaluator(model).run(None, {"x": x})[0]
+    got = evaluator(model).run(None, {"x": x})[0]
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_max_pool_with_indices_runs_onnx_reference_own():
+    x = np.random.default_rng(2).standard_normal((1, 2, 8, 8)).astype(np.float16)
+    model = _model("MaxPool", {"x": x}, {"kernel_shape": [2, 2], "strides": [2, 2]},
+                   outputs=("y", "i"))
+    want = ReferenceEvaluator(model).run(None, {"x": x})
+    got = evaluator(model).run(None, {"x": x})
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
