@@ -135,7 +135,7 @@ def test_a_returned_rewrite_of_a_model_with_a_part_in_place_of_another_dtype_is_
 
 
 def _advice(text: str) -> list:
-    return re.findall(r"amp_rewrite\(([\w.\[\]]+), \.\.\., policy='([^']+)'", text)
+    return re.findall(r"amp_rewrite\(([\w.\[\]]+), \.\.\., '([^']+)'", text)
 
 
 @pytest.mark.parametrize("example", [True, False], ids=["example", "first_call"])

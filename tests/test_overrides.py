@@ -122,7 +122,7 @@ def test_the_search_and_the_audit_refuse_unmatched_overrides_too() -> None:
 def test_readme_override_example_matches_a_real_bert() -> None:
     import transformers  # a test dependency: no skip
     readme = (ROOT / "README.md").read_text()
-    policy = re.search(r'policy="(compute=bf16,target=cpu,fp32:[^"]+)"', readme).group(1)
+    policy = re.search(r'"(compute=bf16,target=cpu,fp32:[^"]+)"', readme).group(1)
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(transformers.BertConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,

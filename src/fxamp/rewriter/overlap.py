@@ -113,10 +113,18 @@ def check_overlap(model: nn.Module, policy: Policy, inplace: bool) -> None:
     """
     name = _label(model)
     for path, sub, theirs in parts(model):
-        if same_policy(theirs, policy):
-            continue
-        raise OverlappingRewriteError(
-            f"{name} contains {path} ({_label(sub)}), rewritten in place before with "
+        if not same_policy(theirs, policy):
+            raise OverlappingRewriteError(_contains(name, path, sub, theirs, policy, inplace))
+    for owner, path, theirs in owners(model) if inplace else ():
+        if not same_policy(theirs, policy):
+            raise OverlappingRewriteError(_inside(name, owner, path, theirs, policy))
+
+
+def _contains(name: str, path: str, sub: nn.Module, theirs: Policy, policy: Policy,
+              inplace: bool) -> str:
+    """The error of a rewrite of a model one of whose parts (``path``) computes with an
+    in-place rewrite of policy ``theirs``."""
+    return (f"{name} contains {path} ({_label(sub)}), rewritten in place before with "
             f"policy {theirs}; this rewrite of {name} asks for policy {policy}. A rewrite "
             f"of {name} traces {path}'s rewritten forward, so its values would be cast to "
             f"{dtype_name(theirs.compute)} and then to {dtype_name(policy.compute)} "
@@ -126,13 +134,12 @@ def check_overlap(model: nn.Module, policy: Policy, inplace: bool) -> None:
             f"rewrite {path} in place with this policy, which replaces its own "
             f"(amp_rewrite({_access(path)}, ..., '{policy}', inplace=True)), "
             f"then {name}")
-    if not inplace:
-        return
-    for owner, path, theirs in owners(model):
-        if same_policy(theirs, policy):
-            continue
-        raise OverlappingRewriteError(
-            f"{name} is {path} of {_label(owner)}, rewritten in place before with policy "
+
+
+def _inside(name: str, owner: nn.Module, path: str, theirs: Policy, policy: Policy) -> str:
+    """The error of an in-place rewrite of part ``path`` of ``owner``, rewritten in place
+    with policy ``theirs``."""
+    return (f"{name} is {path} of {_label(owner)}, rewritten in place before with policy "
             f"{theirs}; this in-place rewrite of {path} asks for policy {policy}. "
             f"{_label(owner)}'s graph computes {path}'s ops in "
             f"{dtype_name(theirs.compute)} itself (or would trace {path}'s rewritten "
