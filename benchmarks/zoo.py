@@ -19,13 +19,19 @@ and deep-copied, so both sides start from the same weights:
   on its first call), the same training step and eval forward without autocast.
 
 Class: **identical** (every output, the loss and every parameter gradient ``torch.equal``, same
-dtypes, NaN where NaN), **close** (the largest relative difference, max |fxamp - autocast| /
-max |autocast| per tensor, is <= 1e-3), **different** (above 1e-3), **refused** (fxamp raised
-an ``fxamp.FxampError`` subclass), **crashed** (any other exception, or the time limit, on
-fxamp's side), **skipped** (the model does not build, or autocast itself fails). A training
-step that is not identical is run once more under autocast on another copy: where autocast
-differs from itself (torch's CPU bf16 kernels are not deterministic on every shape), the
-class is **autocast varies**, with both differences.
+dtypes, NaN where NaN), **close** (the largest relative difference, max |fxamp - autocast| / max
+|autocast| per tensor, is <= 1e-3), **different** (above 1e-3), **refused** (fxamp raised an
+``fxamp.FxampError`` subclass), **crashed** (any other exception, or the time limit, on fxamp's
+side), **skipped** (the model does not build, or autocast itself fails). A training step that is
+not identical is run once more under autocast on another copy: where autocast differs from itself
+(torch's CPU bf16 kernels are not deterministic on every shape), the class is **autocast varies**,
+with both differences. A training step whose outputs and loss are identical and whose differing
+gradients all belong to modules called more than once in the step (counted with forward pre-hooks)
+is **cast cache**: autocast casts such a weight once per region and sums the calls' gradients in
+low precision through that one cast; fxamp casts per call of a graph and sums them in FP32
+(docs/behaviour.md). Where a numerics rule decided a node of the plan and a result is
+**different**, the model is rewritten again with ``numerics=off``: identical to autocast then is
+**numerics rule** (the difference is that rule's decision, named in the plan).
 
     python benchmarks/zoo.py                         # everything; a markdown table on stdout
     python benchmarks/zoo.py --only 'resnet|bert'    # keys (family/name) matching a regex
@@ -57,8 +63,10 @@ import coverage as cov  # noqa: E402
 
 MARK = cov.MARK
 CLOSE = 1e-3          #: "close": the largest relative difference is at most this
-CLASSES = ("identical", "close", "different", "autocast varies", "refused", "crashed",
-           "skipped (autocast fails)", "skipped (build fails)")
+CLASSES = ("identical", "close", "different", "autocast varies", "cast cache", "numerics rule",
+           "refused", "crashed", "skipped (autocast fails)", "skipped (build fails)")
+#: a model's class is the worst of its training step's and its eval forward's, in this order
+ORDER = ("identical", "close", "autocast varies", "cast cache", "numerics rule", "different")
 PARTIAL_DIR = "FXAMP_ZOO_PARTIAL_DIR"     # where a child leaves its record as it goes
 THREADS = "FXAMP_ZOO_THREADS"
 CPU_LIMIT = "FXAMP_ZOO_CPU_S"             # the child's CPU-time limit (RLIMIT_CPU)
@@ -155,12 +163,15 @@ def _seed(n: int) -> None:
     random.seed(n)
 
 
-def _step(model: Any, args: tuple, kwargs: dict, autocast: bool) -> Tuple[Any, Any]:
-    """One training forward (seeded) and the loss's backward; (outputs, loss)."""
+def _step(model: Any, args: tuple, kwargs: dict, autocast: bool,
+          cache: bool = True) -> Tuple[Any, Any]:
+    """One training forward (seeded) and the loss's backward; (outputs, loss). ``cache``:
+    autocast's weight-cast cache (``cache_enabled``)."""
     import contextlib
 
     import torch
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    ctx = (torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache) if autocast
+           else contextlib.nullcontext())
     model.train()
     _seed(1)
     with ctx:
@@ -205,6 +216,61 @@ def _klass(same: bool, rel: Optional[float]) -> str:
     return "close" if rel is not None and rel <= CLOSE else "different"
 
 
+def _called_again(model: Any, args: tuple, kwargs: dict) -> set:
+    """The Parameters of the modules a training step under autocast calls more than once
+    (by name): autocast casts such a weight once per region (its cast cache) and sums the
+    calls' gradients in low precision; fxamp casts per call of a graph."""
+    import collections
+    calls: Dict[str, int] = collections.Counter()
+    handles = [m.register_forward_pre_hook(lambda mod, inp, name=name: calls.update([name]))
+               for name, m in model.named_modules()]
+    try:
+        _step(model, args, kwargs, autocast=True)
+    finally:
+        for h in handles:
+            h.remove()
+    owners = {name for name, n in calls.items() if n > 1}
+    return {f"{m}.{p}" if m else p for m in owners
+            for p, _ in model.get_submodule(m).named_parameters(recurse=False)}
+
+
+def rules_of(model: Any) -> List[str]:
+    """The numerics rules that decided a node of ``model``'s plans (every rewritten part of
+    it: blocks are planned on their own)."""
+    import fxamp
+    from fxamp.policy import NUMERICS_RULES
+    found = set()
+    for part in model.modules():
+        try:
+            nodes = fxamp.plan_of(part).nodes.values()
+        except fxamp.FxampError:
+            continue
+        found.update(str(getattr(n.rule, "value", n.rule)) for n in nodes)
+    return sorted(found & set(NUMERICS_RULES))
+
+
+def _numerics_off(rec: Dict[str, Any], model: Any, train_args: tuple, args: tuple,
+                  kwargs: dict, ref: Any, ref_out: Any, ref_loss: Any, ref_eval: Any,
+                  rules: List[str]) -> None:
+    """Where a numerics rule decided a node, the same run with ``numerics=off``: a training
+    step or eval forward identical to autocast's then is classed "numerics rule" (the
+    difference is the rule's, named in the plan)."""
+    import fxamp
+    if not rules:
+        return
+    bare = copy.deepcopy(model)
+    fxamp.amp_rewrite(bare, config="cpu-bf16,numerics=off", inplace=True)
+    out, loss = _step(bare, train_args, kwargs, autocast=False)
+    same_o, _, _ = compare(_leaves(ref_out) + [ref_loss], _leaves(out) + [loss], upcast_ok=True)
+    if rec["train_class"] == "different" and same_o and _worst_grad(ref, bare)[0]:
+        rec["train_class"] = "numerics rule"
+    same_e, _, _ = compare(_leaves(ref_eval), _leaves(_eval(bare, args, kwargs, autocast=False)),
+                           upcast_ok=True)
+    if rec["eval_class"] == "different" and same_e:
+        rec["eval_class"] = "numerics rule"
+    rec["rules"] = ", ".join(rules)
+
+
 def run_one(key: str) -> Dict[str, Any]:
     """Build the model, run autocast's and fxamp's training step and eval forward; the record."""
     import torch
@@ -227,7 +293,6 @@ def run_one(key: str) -> Dict[str, Any]:
         if zm.is_detection(key):
             train_args = (args[0], zm.detection_targets(key))
         ref, amp, again = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
-        del model
     except Exception as e:  # noqa: BLE001 - a bench problem, not fxamp's
         rec.update({"class": "skipped (build fails)", "failure": cov.failure_line(e)})
         return rec
@@ -242,8 +307,7 @@ def run_one(key: str) -> Dict[str, Any]:
     try:
         rec["stage"] = "amp_rewrite"
         _save(rec)
-        fxamp.amp_rewrite(amp, config=fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"),
-                          inplace=True)
+        fxamp.amp_rewrite(amp, config="cpu-bf16", inplace=True)
         rec["stage"] = "fxamp training step (first call: plans)"
         _save(rec)
         t0 = time.perf_counter()
@@ -263,14 +327,23 @@ def run_one(key: str) -> Dict[str, Any]:
                 rec["autocast_rel"] = max(rel_a or 0.0, rel_ag or 0.0)
                 rec["train_class"] = "autocast varies"
         del again
+        if rec["train_class"] == "different" and same_o:  # (autocast's cast cache?)
+            shared = _called_again(copy.deepcopy(model), train_args, kwargs)
+            differ = [n for n, a, b in zip(*_grads(ref), _grads(amp)[1])
+                      if not compare([a], [b])[0]]
+            if differ and set(differ) <= shared:
+                rec["train_class"] = "cast cache"
+                rec["shared"] = len(differ)
         rec["stage"] = "fxamp eval forward"
         _save(rec)
         got_eval = _eval(amp, args, kwargs, autocast=False)
         same_e, rec["eval_rel"], rec["eval_note"] = compare(_leaves(ref_eval), _leaves(got_eval),
                                                                upcast_ok=True)
         rec["eval_class"] = _klass(same_e, rec["eval_rel"])
-        order = ("identical", "close", "autocast varies", "different")
-        rec["class"] = max(rec["train_class"], rec["eval_class"], key=order.index)
+        if "different" in (rec["train_class"], rec["eval_class"]):
+            _numerics_off(rec, model, train_args, args, kwargs, ref, ref_out, ref_loss,
+                          ref_eval, rules_of(amp))
+        rec["class"] = max(rec["train_class"], rec["eval_class"], key=ORDER.index)
         rec["stage"] = ""
     except fxamp.FxampError as e:
         rec.update({"class": "refused", "failure": cov.failure_line(e)})
@@ -332,6 +405,13 @@ def table(rows: List[Dict[str, Any]]) -> str:
         if r.get("autocast_rel") is not None:
             notes = "; ".join(filter(None, (notes, "autocast against itself: "
                                             + _num(r["autocast_rel"]))))
+        if "cast cache" in (r.get("train_class"), r.get("eval_class")):
+            notes = "; ".join(filter(None, (notes, f"outputs and loss identical; the "
+                                            f"{r.get('shared')} gradients that differ are all "
+                                            "of modules called several times per step")))
+        if "numerics rule" in (r.get("train_class"), r.get("eval_class")):
+            notes = "; ".join(filter(None, (notes, f"identical with numerics=off (rules that "
+                                            f"decided: {r.get('rules', '')})")))
         grads = _num(r.get("grad_rel"))
         if r.get("grad_rel") and r.get("grad_where"):
             grads += f" ({r['grad_where']})"
@@ -351,8 +431,8 @@ def counts(rows: List[Dict[str, Any]]) -> str:
     ev = collections.Counter(r["eval_class"] for r in rows if r.get("eval_class"))
     if train:
         lines.append("- of the models both sides ran: training step " + ", ".join(
-            f"{c} {train[c]}" for c in CLASSES[:3] if train[c]) + "; eval forward " + ", ".join(
-            f"{c} {ev[c]}" for c in CLASSES[:3] if ev[c]))
+            f"{c} {train[c]}" for c in ORDER if train[c]) + "; eval forward " + ", ".join(
+            f"{c} {ev[c]}" for c in ORDER if ev[c]))
     fams = list(dict.fromkeys(coarse(r["family"]) for r in rows))
     used = [c for c in CLASSES if total[c]]
     lines += ["", "| family | models | " + " | ".join(used) + " |",
