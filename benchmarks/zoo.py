@@ -480,7 +480,14 @@ largest relative difference (max |fxamp - autocast| / max |autocast|, per tensor
 {CLOSE:g}; **different**: above {CLOSE:g}; **autocast varies**: a second autocast
 training step on another copy differs from the first (torch's CPU bf16 kernels are not
 deterministic on every shape), so fxamp cannot be compared bit for bit there (both
-differences are shown); **refused**: fxamp raised an `fxamp.FxampError`
+differences are shown); **cast cache**: the outputs and the loss are identical, and
+every gradient that differs belongs to a module the step calls more than once (counted with
+forward pre-hooks): autocast casts such a weight once per region and sums the calls'
+gradients in bf16 through that one cast, fxamp casts per call of a graph and sums them in
+FP32 (docs/behaviour.md gives the size on a siamese MLP and a GAN discriminator);
+**numerics rule**: different, and identical to autocast when rewritten again with
+`numerics=off` (the difference is the decision of the rules named, which the plan shows
+with their reasons); **refused**: fxamp raised an `fxamp.FxampError`
 subclass; **crashed**: any other exception on fxamp's side, or no result within the time
 limit; **skipped**: the model does not build here, or autocast itself fails on it. The
 model's class is the worse of its training step's and its eval forward's.

@@ -142,3 +142,44 @@ def test_zoo_sweep_classes_two_tiny_models_identical_to_autocast():
         assert cells[3] == "identical" and cells[4:7] == ["0", "0", "0"], out
     assert "- identical: 2 (of 2)" in out, out
     assert "| timm | 1 | 1 |" in out and "| huggingface | 1 | 1 |" in out, out
+
+
+def test_zoo_cast_cache_class_names_exactly_the_modules_called_twice():
+    """The zoo's "cast cache" class: a module rewritten on its own and called twice per step
+    (as blocks and eager children are) gives gradients that differ from autocast's on its
+    Parameters alone (autocast sums both calls' gradients in bf16 through its one cached
+    cast), and the zoo's count of calls per module names exactly those Parameters."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+
+    import fxamp
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import zoo
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            shared = self.blocks[0]
+            return self.head(shared(torch.relu(self.blocks[1](shared(x)))))
+
+    torch.manual_seed(0)
+    model, x = Twice(), (torch.randn(8, 16),)
+    ref, amp = copy.deepcopy(model), copy.deepcopy(model)
+    ref_out, ref_loss = zoo._step(ref, x, {}, autocast=True)
+    for part in (amp.blocks[0], amp.blocks[1], amp.head):  # (the root's relu: any dtype)
+        fxamp.amp_rewrite(part, config="cpu-bf16", inplace=True)
+    out, loss = zoo._step(amp, x, {}, autocast=False)
+    assert torch.equal(out.float(), ref_out.float()) and torch.equal(loss, ref_loss)
+    differ = {n for n, a, b in zip(*zoo._grads(ref), zoo._grads(amp)[1])
+              if not torch.equal(a, b)}
+    assert differ and differ <= {"blocks.0.weight", "blocks.0.bias"}, differ
+    assert zoo._called_again(copy.deepcopy(model), x, {}) == {"blocks.0.weight", "blocks.0.bias"}
