@@ -252,3 +252,22 @@ def test_huggingface_bloom_training_keeps_gelu_backward():
     mask[1, :3] = 0
     assert_same_as_autocast(model, (), {"input_ids": ids, "attention_mask": mask},
                             policy="off:custom_ops")
+
+
+def test_huggingface_bloom_with_its_kv_cache_plans_each_block_on_copies():
+    """BLOOM with its default ``use_cache=True`` passes one ``DynamicCache`` to every block;
+    each block is planned on its first call, by the eager front end (torch.export would
+    drop GeLUFunction's backward), whose runs of the block append to the cache. They run on
+    copies of it, so the real call appends once: the training step and eval equal
+    autocast's (with the custom-Function fence off, as above), and the cache the model
+    returns holds each layer's keys once."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=2, vocab_size=1000)
+    assert cfg.use_cache
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(cfg)
+    ids = torch.randint(5, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    amp = assert_same_as_autocast(model, (), {"input_ids": ids}, policy="off:custom_ops")
+    with torch.no_grad():
+        cache = amp.eval()(input_ids=ids).past_key_values
+    assert [layer.get_seq_length() for layer in cache.layers] == [16, 16]

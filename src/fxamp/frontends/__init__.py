@@ -21,6 +21,7 @@ warnings and nested plans (:mod:`.common`). This package imports only the layers
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -32,6 +33,7 @@ from ..errors import TraceError
 from .aten import AtenFrontend
 from .dtype_reads import Settled
 from .base import STATIC_SHAPES, Capture, Children, Frontend, GraphFrontend, Request, Traced
+from .common import own_copies
 from .eager import EagerFrontend
 from .fx import MAX_RUNTIME_LEAVES, FxFrontend, PartialFrontend
 from .model_checks import check_example_device, check_not_quantized
@@ -71,9 +73,13 @@ def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
     if whole_graph:
         order = [fe for fe in order if fe.graph]
     for fe in order:
+        # (each front end runs the model on its own copies of the argument objects a forward
+        # changes in place, a KV cache say: the caller's stay as they were)
+        attempt = dataclasses.replace(request, args=own_copies(request.args),
+                                      kwargs=own_copies(request.kwargs))
         try:
             with _torch.tracing(), _torch.spelling_names():  # (see _torch.TRACE_PATCHES)
-                captured = fe.capture(model, request)
+                captured = fe.capture(model, attempt)
         except TraceError as err:
             request.state.restore()
             request.errors[fe.name] = err

@@ -38,7 +38,7 @@ from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
 from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
-from .common import in_output_dtype, nested_header, nested_lines, top_header
+from .common import in_output_dtype, nested_header, nested_lines, own_copies, top_header
 from .hooks import share_call_hooks, without_call_hooks
 from .shadow import real_of
 
@@ -68,12 +68,20 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
     if autocast is None:
         autocast = low_dtype((args, kwargs))
     seen: Dict[str, Tuple[tuple, dict, Any]] = {}
+    entered: Dict[str, Tuple[tuple, dict]] = {}
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     with without_call_hooks(list(model.modules())):  # (no hook of the user's runs here)
         hooks = []
         for path in paths:
+            def pre(_m: nn.Module, a: tuple, kw: dict, path: str = path) -> None:
+                if path not in entered:  # (its arguments as they were before the call)
+                    entered[path] = (own_copies(a), own_copies(kw))
+
             def hook(_m: nn.Module, a: tuple, kw: dict, out: Any, path: str = path) -> None:
-                seen.setdefault(path, (a, kw, out))
+                if path not in seen:
+                    seen[path] = (*entered.get(path, (a, kw)), out)
+            hooks.append(model.get_submodule(path).register_forward_pre_hook(
+                pre, with_kwargs=True))
             hooks.append(model.get_submodule(path).register_forward_hook(hook,
                                                                          with_kwargs=True))
         try:
@@ -81,7 +89,7 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
                     reparametrize_module(model, buffers, strict=False), \
                     (device_autocast(device_type((args, kwargs)), autocast) if autocast
                      else contextlib.nullcontext()):
-                model(*args, **kwargs)
+                model(*own_copies(tuple(args)), **own_copies(dict(kwargs)))
         finally:
             for h in hooks:
                 h.remove()
