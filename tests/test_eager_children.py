@@ -45,9 +45,10 @@ class Gate(nn.Module):
 
 
 class Levels(nn.Module):
-    """Like torchvision's RPNHead, one conv over a list of feature maps, with no submodule:
-    torch.fx traces the list item by item (each map an input of its own), for the bf16 maps
-    it gets under autocast."""
+    """Like torchvision's RPNHead, one conv over a list of feature maps, with no submodule,
+    and a Python branch on a map's size: torch.fx cannot take the branch, and torch.export
+    cannot run an FP32 bias on the bf16 maps it gets under autocast without autocast (it
+    exports them as FP32, the front end's retry)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,7 +56,8 @@ class Levels(nn.Module):
         self.bias = nn.Parameter(torch.zeros(4))
 
     def forward(self, maps: List[torch.Tensor]) -> List[torch.Tensor]:
-        return [F.conv2d(m, self.weight, self.bias) * 0.3 for m in maps]
+        scale = 0.3 if maps[0].shape[-1] > 1 else 1.0
+        return [F.conv2d(m, self.weight, self.bias) * scale for m in maps]
 
 
 class Neck(nn.Module):
@@ -143,7 +145,7 @@ def test_children_of_an_eager_root_have_autocasts_dtypes_and_train_like_autocast
             assert torch.equal(grads[name], ref_grads[name]), name
     plan = fxamp.plan_of(gm)
     assert plan.header["frontend"] == "eager"
-    assert {"gate=eager", "neck=fx+runtime", "levels=fx"} <= set(
+    assert {"gate=eager", "neck=fx+runtime", "levels=export"} <= set(
         plan.header["nested"].split())
     assert not [n for n in ("gate", "neck", "neck/gate", "levels")
                 if "FP32 inputs" in plan.nodes[n].reason]
