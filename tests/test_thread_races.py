@@ -58,33 +58,13 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> Dict[str, Any
 
 
 def test_a_thread_trains_unchanged_while_the_main_thread_rewrites_the_model():
-    errors: List[BaseException] = []
     for _ in range(ROUNDS):
         model = _net()
         start = copy.deepcopy(model)
         model.train()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        got: List[Dict[str, Any]] = []
-        done = threading.Event()
-
-        def trainer() -> None:
-            try:  # (at least 8 steps, and on until the rewrite is done)
-                while len(got) < 8 or not done.is_set():
-                    got.append(_step(model, opt, len(got)))
-                    time.sleep(0.002)  # (the rewriting thread gets the GIL too)
-            except BaseException as err:  # noqa: BLE001 - raised below
-                errors.append(err)
-
-        thread = threading.Thread(target=trainer)
-        thread.start()
-        try:
-            gm = fxamp.amp_rewrite(model, (_x(0),), fxamp.RewriteConfig.make(**BF16))
-        finally:
-            done.set()
-            thread.join(60)
-        assert not thread.is_alive(), "the trainer hangs"
-        if errors:
-            raise errors[0]
+        got, gm = _during(lambda i: _step(model, opt, i), lambda: fxamp.amp_rewrite(
+            model, (_x(0),), fxamp.RewriteConfig.make(**BF16)), least=8, pause=0.002)
         assert fxamp.plan_of(gm).nodes
         # the same steps without a rewrite in flight
         ref_opt = torch.optim.SGD(start.parameters(), lr=0.05, momentum=0.9)
@@ -102,34 +82,44 @@ def test_a_thread_trains_unchanged_while_the_main_thread_rewrites_the_model():
         assert torch.equal(model.bn.running_mean, start.bn.running_mean)
 
 
-def _calls_during(model: nn.Module, x: torch.Tensor, rewrite: Callable[[], Any]
-                  ) -> Tuple[List[Any], Any]:
-    """The outputs of another thread's no-grad calls of ``model`` (at least 4, and on until
-    ``rewrite()`` returns), and what ``rewrite()`` returned; the thread's error is raised."""
+def _during(work: Callable[[int], Any], action: Callable[[], Any], least: int,
+            pause: float) -> Tuple[List[Any], Any]:
+    """``work(i)`` for i = 0, 1, ... on another thread (at least ``least`` times, and on until
+    ``action()`` returns, pausing ``pause`` s between calls so this thread gets the GIL too):
+    what each call returned, and what ``action()`` returned; the thread's error is raised."""
     outs: List[Any] = []
     errors: List[BaseException] = []
     done = threading.Event()
 
-    def caller() -> None:
+    def worker() -> None:
         try:
-            while len(outs) < 4 or not done.is_set():
-                with torch.no_grad():
-                    outs.append(model(x))
-                time.sleep(0.001)
+            while len(outs) < least or not done.is_set():
+                outs.append(work(len(outs)))
+                time.sleep(pause)
         except BaseException as err:  # noqa: BLE001 - raised below
             errors.append(err)
 
-    thread = threading.Thread(target=caller)
+    thread = threading.Thread(target=worker)
     thread.start()
     try:
-        result = rewrite()
+        result = action()
     finally:
         done.set()
         thread.join(60)
-    assert not thread.is_alive(), "the caller hangs"
+    assert not thread.is_alive(), "the other thread hangs"
     if errors:
         raise errors[0]
     return outs, result
+
+
+def _calls_during(model: nn.Module, x: torch.Tensor, rewrite: Callable[[], Any]
+                  ) -> Tuple[List[Any], Any]:
+    """The outputs of another thread's no-grad calls of ``model`` (at least 4, and on until
+    ``rewrite()`` returns), and what ``rewrite()`` returned."""
+    def call(_: int) -> Any:
+        with torch.no_grad():
+            return model(x)
+    return _during(call, rewrite, least=4, pause=0.001)
 
 
 def test_a_thread_calling_the_model_gets_fp32_or_rewritten_outputs_during_an_inplace_rewrite():
