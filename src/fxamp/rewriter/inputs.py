@@ -16,6 +16,7 @@ import torch.nn as nn
 from .._torch import reparametrize_module, tree_flatten
 
 from ..errors import ExampleInputError, is_library_file, short_path
+from ..frontends.common import own_copies
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def _run(model: nn.Module, args: tuple, kwargs: Dict[str, Any], grad: bool,
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]), \
             reparametrize_module(model, buffers, strict=False), autocast:
-        model(*args, **kwargs)
+        model(*own_copies(tuple(args)), **own_copies(dict(kwargs)))  # (caches stay as given)
 
 
 def check_example_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
