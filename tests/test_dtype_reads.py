@@ -153,3 +153,117 @@ def test_timm_rotary_and_pooler_dtype_reads_train_like_autocast(name):
     model = timm.create_model(name, pretrained=False, img_size=32, depth=1, embed_dim=64,
                               num_heads=2)
     _assert_like_autocast(model, (torch.randn(2, 3, 32, 32),), {})
+
+
+# -- conversions settled by one eager run under autocast (frontends/dtype_probe.py) ----------
+
+def _count_exports(monkeypatch) -> list:
+    calls: list = []
+    export = torch.export.export
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)
+    return calls
+
+
+def _eval_like_autocast(model: nn.Module, args: tuple, monkeypatch) -> int:
+    """Rewrite ``model`` (eval, export front end) and check its eval forward equals
+    autocast's bit for bit; returns how many times torch.export ran."""
+    ref = copy.deepcopy(model).eval()
+    model.eval()
+    calls = _count_exports(monkeypatch)
+    gm = fxamp.amp_rewrite(model, args, fxamp.RewriteConfig.make(
+        dtype=torch.bfloat16, target="cpu", frontend="export"))
+    monkeypatch.undo()
+    with torch.no_grad():
+        got = gm(*args)
+        with torch.autocast("cpu", torch.bfloat16):
+            want = ref(*args)
+    assert torch.equal(got.float(), want.float())  # (the rewrite returns FP32 outputs)
+    return len(calls)
+
+
+class _RMSNorm(nn.Module):
+    """T5's norm: literal FP32 conversions, and a bucket computed from integer positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.weight = nn.Linear(8, 8), nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.lin(x)
+        variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + 1e-6)
+        pos = torch.arange(x.shape[1]).float().log1p()
+        return self.weight * h + pos[:, None]
+
+
+def test_literal_fp32_conversions_need_no_export_under_autocast(monkeypatch):
+    assert _eval_like_autocast(_RMSNorm(), (torch.randn(2, 5, 8),), monkeypatch) == 1
+
+
+class _ToValueDtype(nn.Module):
+    """GPT-2's ``softmax(...).to(value.dtype)``: the conversion reaches a matmul only,
+    through ops that pass it on (a dropout in eval, a view)."""
+
+    def __init__(self, dropout: bool = False) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.drop = nn.Dropout(0.1) if dropout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        weights = (q @ k.transpose(-1, -2)).softmax(-1).to(v.dtype)
+        return self.drop(weights).transpose(-1, -2).contiguous().transpose(-1, -2) @ v
+
+
+def test_a_conversion_reaching_only_a_matmul_needs_no_export_under_autocast(monkeypatch):
+    assert _eval_like_autocast(_ToValueDtype(), (torch.randn(2, 5, 8),), monkeypatch) == 1
+
+
+def test_that_conversion_in_training_mode_still_trains_like_autocast():
+    """In training the dropout scales what it keeps, so the export under autocast decides."""
+    _assert_like_autocast(_ToValueDtype(dropout=True), (torch.randn(2, 5, 8),), {})
+
+
+class _TableToDtype(nn.Module):
+    """A conversion autocast makes bf16 that feeds an add: the eager run shows it differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + self.table.to(h.dtype)
+
+
+def test_a_conversion_to_a_bf16_dtype_is_still_exported_under_autocast(monkeypatch):
+    model = _TableToDtype()
+    assert _eval_like_autocast(model, (torch.randn(2, 8),), monkeypatch) == 2
+
+
+class _CountsCalls(nn.Module):
+    """Writes a buffer on every call: an eager run would change the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x).to(torch.float32).relu()
+
+
+def test_no_eager_run_for_a_model_that_writes_a_buffer(monkeypatch):
+    model = _CountsCalls().eval()
+    calls = _count_exports(monkeypatch)
+    fxamp.amp_rewrite(model, (torch.randn(2, 8),), fxamp.RewriteConfig.make(
+        dtype=torch.bfloat16, target="cpu", frontend="export"), inplace=True)
+    assert len(calls) == 2  # (the export under autocast, not an eager run, decides)
+    assert model.calls.item() == 0

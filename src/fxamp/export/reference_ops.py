@@ -49,12 +49,12 @@ def _conv(x: np.ndarray, w: np.ndarray, b: Optional[np.ndarray], auto_pad: Any,
     explicit = _explicit_pads(auto_pad, pads, dims)
     if explicit is None:
         return None
-    xt = torch.from_numpy(np.ascontiguousarray(x)).float()
+    xt = torch.from_numpy(np.array(x, dtype=np.float32))  # (a writable FP32 copy)
     if any(explicit):  # F.pad takes (last dim begin, end, ..., first dim begin, end)
         xt = F.pad(xt, [p for d in reversed(range(dims)) for p in (explicit[d],
                                                                     explicit[d + dims])])
     conv = (F.conv1d, F.conv2d, F.conv3d)[dims - 1]
-    out = conv(xt, torch.from_numpy(np.ascontiguousarray(w)).float(), None,
+    out = conv(xt, torch.from_numpy(np.array(w, dtype=np.float32)), None,
                stride=list(strides) if strides is not None else 1,
                dilation=list(dilations) if dilations is not None else 1,
                groups=int(group) if group else 1).numpy().astype(x.dtype)
@@ -76,7 +76,7 @@ def _max_pool(x: np.ndarray, auto_pad: Any, ceil_mode: Any, dilations: Any,
             or any(2 * p > k for p, k in zip(explicit, kernel_shape)):
         return None  # (PyTorch pads symmetrically, by at most half the kernel)
     pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[dims - 1]
-    out = pool(torch.from_numpy(np.ascontiguousarray(x)).float(), list(kernel_shape),
+    out = pool(torch.from_numpy(np.array(x, dtype=np.float32)), list(kernel_shape),
                stride=list(strides) if strides is not None else 1,  # (ONNX: 1)
                padding=explicit[:dims],
                dilation=list(dilations) if dilations is not None else 1,

@@ -33,8 +33,8 @@ from ..errors import TraceError
 from ..progress import shows
 from . import calls, checkpointing, custom_functions
 from .checkpoint_regions import outline
-from .common import (PACKED_ADVICE, as_tuple, packed_sequence_failure, training_flags,
-                     warn_mode_only, warn_one_mode)
+from .common import (PACKED_ADVICE, as_tuple, own_copies, packed_sequence_failure,
+                     training_flags, warn_mode_only, warn_one_mode)
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
 from .aten_inputs import ShapeCheck, batch_inputs, flat_inputs, plain_containers, plain_inputs_hook
@@ -246,6 +246,13 @@ def _export_in_mode(model: nn.Module, train: bool, args: tuple, kwargs: Dict[str
         return _export(model, args, kwargs, frontend, dynamic_shapes)
 
 
+def _eval_run(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+    """One eager eval-mode forward of ``model`` on its own copies of argument objects (the
+    run :mod:`.dtype_probe` records conversions in)."""
+    with training_flags(model, False):
+        model(*own_copies(args), **own_copies(kwargs))
+
+
 def export_trace(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
                  frontend: str = "export", dynamic_shapes: Any = None,
                  inference: bool = False,
@@ -283,7 +290,8 @@ def _export_modes(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
 
     def followed(gm: fx.GraphModule, train: bool) -> fx.GraphModule:
         follow_run_time_dtypes(gm, model, args, compute, lambda: _export_in_mode(
-            model, train, args, kwargs, frontend, dynamic_shapes), settled)
+            model, train, args, kwargs, frontend, dynamic_shapes), settled,
+            None if train else lambda: _eval_run(model, args, kwargs))
         return gm
 
     mode = model.training

@@ -38,6 +38,7 @@ import torch.nn as nn
 from .._torch import tree_flatten
 from ..errors import source_line
 from ..op_args import keep_fp32_values
+from . import dtype_probe
 from .modes import Alignment, align, node_arguments
 
 __all__ = ["follow_run_time_dtypes", "RunTimeReads", "Settled"]
@@ -142,18 +143,27 @@ class RunTimeReads(Alignment):
 def follow_run_time_dtypes(gm: fx.GraphModule, model: nn.Module, args: tuple,
                            compute: Optional[torch.dtype],
                            trace: Callable[[], fx.GraphModule],
-                           settled: Optional[Settled] = None) -> int:
+                           settled: Optional[Settled] = None,
+                           run: Optional[Callable[[], Any]] = None) -> int:
     """Give ``gm`` (the FP32 export of ``model`` called with ``args``) the values autocast's
     run reads from tensors' dtypes (see the module docstring); ``trace`` exports the model
     again (the same dynamic shapes and mode). ``settled``: the arguments the plan does
     without (a deployment plan's attention-mask fills, which it writes itself): a graph
-    whose every such value is settled is not exported again. Returns how many arguments
-    changed."""
+    whose every such value is settled is not exported again. ``run``: one eager forward of
+    the model in the graph's mode, on its own copies of the inputs, where such a run changes
+    nothing (None otherwise): conversions that it shows convert the same under autocast are
+    settled too (:mod:`.dtype_probe`). Returns how many arguments changed."""
     found = dtype_values(gm.graph, settled) if compute is not None else []
     if not found:
         return 0
     name = type(model).__name__
     device = _device_type(model, args)
+    if device in ("cpu", "cuda"):
+        found = _unsettled(gm, found, device, compute, run)
+        if not found:
+            log.debug("%s: every value that may come from a dtype reads the same under "
+                      "torch.autocast (one eager run); no export under autocast", name)
+            return 0
     if device not in ("cpu", "cuda"):
         first = found[0][0]
         log.warning("%s: %s has a dtype or a float constant that may come from a tensor's "
@@ -189,6 +199,23 @@ def follow_run_time_dtypes(gm: fx.GraphModule, model: nn.Module, args: tuple,
         gm.graph.lint()
         gm.recompile()
     return len(reads.changes) + len(reads.rewires)
+
+
+def _unsettled(gm: fx.GraphModule, found: List[Tuple[fx.Node, Union[int, str]]],
+               device: str, compute: torch.dtype, run: Optional[Callable[[], Any]]
+               ) -> List[Tuple[fx.Node, Union[int, str]]]:
+    """``found`` less the conversions :mod:`.dtype_probe` settles: those whose value only
+    reaches ops autocast casts anyway, then (when only conversions are left and ``run`` may
+    be made) those the eager autocast run shows convert the same."""
+    found = [(n, k) for n, k in found
+             if not (n.target in _TO and dtype_probe.reaches_lower_only(n, device))]
+    if not found or run is None or any(n.target not in _TO for n, _ in found) \
+            or dtype_probe.writes_state(gm.graph):
+        return found
+    seen = dtype_probe.conversions(run, device, compute)
+    if seen is None:
+        return found
+    return [(n, k) for n, k in found if not dtype_probe.settled_by_run(n, seen)]
 
 
 def _write(node: fx.Node, index: int, value: Any) -> Any:
