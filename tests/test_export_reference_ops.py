@@ -1,6 +1,6 @@
-"""The true-FP16 run's PyTorch Conv and MaxPool compute what onnx.reference's own do: the
-same roundings (FP16 inputs, FP32 sums, FP16 result, FP16 bias add), the sums in another
-order; a max exactly. Each case is one ONNX node run by both evaluators."""
+"""The true-FP16 run's PyTorch Conv, MaxPool and MatMul compute what onnx.reference's own
+do: the same roundings (FP16 inputs, FP32 sums, FP16 result, FP16 bias add), the sums in
+another order; a max exactly. Each case is one ONNX node run by both evaluators."""
 import numpy as np
 import pytest
 
@@ -82,3 +82,31 @@ def test_max_pool_with_indices_runs_onnx_reference_own():
     want = ReferenceEvaluator(model).run(None, {"x": x})
     got = evaluator(model).run(None, {"x": x})
     assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+MATMULS = [((2, 3, 17, 64), (2, 3, 64, 17)), ((40, 192), (192, 96)), ((64,), (64, 8)),
+           ((5, 64), (64,)), ((3, 1, 4, 32), (2, 32, 6))]  # (broadcast batch dims)
+
+
+@pytest.mark.parametrize("a_shape, b_shape", MATMULS)
+def test_fp16_matmul_matches_onnx_reference(a_shape, b_shape):
+    """Both sum the FP16 products in FP32 and round once: equal bits here (the order of the
+    sum could make a last-bit difference, so the bound is one FP16 step of the scale)."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(a_shape).astype(np.float16)
+    b = rng.standard_normal(b_shape).astype(np.float16)
+    model = _model("MatMul", {"a": a, "b": b}, {})
+    want = ReferenceEvaluator(model).run(None, {"a": a, "b": b})[0]
+    got = evaluator(model).run(None, {"a": a, "b": b})[0]
+    assert got.dtype == want.dtype == np.float16 and got.shape == want.shape
+    scale = float(np.abs(want.astype(np.float32)).max())
+    assert np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= scale * 2 ** -10
+
+
+def test_fp32_matmul_runs_onnx_reference_own():
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((8, 3)).astype(
+        np.float32)
+    model = _model("MatMul", {"a": a, "b": b}, {})
+    want = ReferenceEvaluator(model).run(None, {"a": a, "b": b})[0]
+    assert np.array_equal(evaluator(model).run(None, {"a": a, "b": b})[0], want)

@@ -219,7 +219,7 @@ def _widen(array: Any, onnx_type: int) -> Any:
     import numpy as np
 
     if onnx_type in FLOATS:
-        return np.asarray(array).astype(np.float32)
+        return np.asarray(array).astype(np.float32, copy=False)
     return np.asarray(array)
 
 

@@ -181,6 +181,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         double = _double_batch(inputs, second)
         if double is not None:
             cases.append(("a batch of twice the example's size", double))
+    example: Optional[List[Any]] = None  # (the reference's outputs on the example input)
     for done, (what, case) in enumerate(cases):
         leaves = [t for t in tree_leaves(case) if isinstance(t, torch.Tensor)]
         if len(leaves) != len(names):
@@ -190,6 +191,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
                 "not written; what to do: pass the model's inputs as plain tensors")
         with torch.no_grad():
             want = tensor_outputs(ref(*case))
+        example = want if example is None else example
         feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
         try:
             got = session.run(None, feed)
@@ -197,7 +199,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
             if exporter != "torchscript" and what != "the example input":
                 log.warning("the exported graph was checked on the example input only: "
                             "onnxruntime fails on %s (%s)", what, type(err).__name__)
-                return done, check_true_fp16(proto, ref, inputs, names, model)
+                return done, check_true_fp16(proto, ref, inputs, names, model, example)
             raise ExportError(f"the {exporter} exporter's graph fails on {what} in "
                               f"onnxruntime ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}); what to do: "
@@ -205,7 +207,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         problem = _compare(got, want)
         if problem is not None:
             raise _mismatch(model, case, what, got, problem, exporter)
-    error = check_true_fp16(proto, ref, inputs, names, model)
+    error = check_true_fp16(proto, ref, inputs, names, model, example)
     log.info("checked the exported graph against FP32 on %d inputs", len(cases))
     return len(cases), error
 
@@ -215,14 +217,15 @@ def _names(proto: Any) -> List[str]:
 
 
 def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
-                    names: List[str], model: Optional[torch.nn.Module] = None
-                    ) -> Optional[float]:
+                    names: List[str], model: Optional[torch.nn.Module] = None,
+                    want: Optional[List[Any]] = None) -> Optional[float]:
     """Run ``proto`` on the example input with every op in its declared type
     (``onnx.reference``) and compare it with the FP32 ``reference``: an output that differs
     by more than :data:`TRUE_FP16_RTOL` of its scale (or is inf/NaN where FP32 is finite)
     is a PlanOverflowError naming the first ONNX node that goes wrong, its fx node and the
     fix (the rewritten ``model``'s own overflow, where PyTorch runs it, names its node and
-    range first). Returns the largest relative error (None, logged, when the reference
+    range first). ``want``: the reference's outputs on ``inputs`` where the caller has them
+    (else it runs). Returns the largest relative error (None, logged, when the reference
     evaluator cannot run the file)."""
     leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
@@ -232,8 +235,9 @@ def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
         log.info("not checked in true FP16: onnx.reference cannot run it (%s: %s)",
                  type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         return None
-    with torch.no_grad():
-        want = tensor_outputs(reference(*inputs))
+    if want is None:
+        with torch.no_grad():
+            want = tensor_outputs(reference(*inputs))
     errors = [relative_error(g, w) for g, w in zip(got, want)]
     worst = max(errors, default=0.0)
     if worst == worst and worst <= TRUE_FP16_RTOL:
