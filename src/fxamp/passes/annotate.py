@@ -367,11 +367,14 @@ class FakeSession:
     def __init__(self, gm: fx.GraphModule, example_inputs: tuple) -> None:
         self.gm = gm
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        named = list(gm.named_parameters(remove_duplicate=False)) \
+            + list(gm.named_buffers(remove_duplicate=False))
+        alone: Dict[int, torch.Tensor] = {}  # (a tied weight: one fake for its names)
+        for _, t in named:  # (outside the fake mode: a detach there is a fake dispatch)
+            if id(t) not in alone:
+                alone[id(t)] = _alone(t)
         with self.mode:
-            alone: Dict[int, torch.Tensor] = {}  # (a tied weight: one fake for its names)
-            self.state = {name: self.mode.from_tensor(alone.setdefault(id(t), _alone(t)))
-                          for name, t in list(gm.named_parameters(remove_duplicate=False))
-                          + list(gm.named_buffers(remove_duplicate=False))}
+            self.state = {name: self.mode.from_tensor(alone[id(t)]) for name, t in named}
             self.inputs = _fake_inputs(self.mode, example_inputs)
         self.home = (observe.device_of(tuple(example_inputs))
                      or observe.device_of(list(self.state.values())) or torch.device("cpu"))
