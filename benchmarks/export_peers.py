@@ -192,24 +192,41 @@ def _correct(r: Dict[str, Any]) -> bool:
     return bool(r.get("ok")) and e is not None and e == e and e <= TRUE_FP16_RTOL
 
 
-def _goals(name: str, res: Dict[str, Dict[str, Any]]) -> List[str]:
+def output_step(wants: List[np.ndarray]) -> float:
+    """One FP16 step (2^-10 of the power of two at or below it) of each batch's largest
+    |output|, averaged over the batches, divided by their number: what one output element
+    rounded to the neighbouring FP16 value on one batch adds to the mean error."""
+    steps = [2.0 ** (np.floor(np.log2(max(float(np.abs(w).max()), 1e-30))) - 10)
+             for w in wants]
+    return statistics.fmean(steps) / max(1, len(wants))
+
+
+def _goals(name: str, res: Dict[str, Dict[str, Any]], t_fp32: float, step: float
+           ) -> List[str]:
     """The goal checks for one model: fxamp against the best correct peer (any peer's time
-    where no peer is correct); errors are compared on their mean over the batches."""
+    where no peer is correct); errors are compared on their mean over the batches, a
+    difference of at most ``step`` (:func:`output_step`: one last-bit flip of one output
+    on one batch) counting as equal; the time against the FP32 export (``t_fp32``) too."""
     fx = res.get("fxamp", {})
     ran = [res[t] for t in ("modelopt", "occ") if res.get(t, {}).get("ok")]
     good = [p for p in ran if _correct(p)]
     if not fx.get("ok"):
-        return [name, "fxamp failed"] + ["-"] * 4
+        return [name, "fxamp failed"] + ["-"] * 5
+    own = (f"{'yes' if fx['total'] <= 1.3 * t_fp32 else 'no'} "
+           f"({fx['total']:.2f} vs {t_fp32:.2f} s, {fx['total'] / t_fp32:.2f}x)")
     if not ran:
-        return [name] + ["- (no peer ran)"] * 3 + ["yes" if fx["bn"] == 0 else "no", "-"]
+        return [name] + ["- (no peer ran)"] * 3 + ["yes" if fx["bn"] == 0 else "no", "-",
+                                                   own]
     e = fx["fp16"]
     if not good:
         err = "yes (every peer is wrong)" if _correct(fx) else "no (fxamp is wrong too)"
         casts = share = "- (no correct peer)"
     else:
         best = min(p["fp16"] for p in good)
-        ok = _correct(fx) and e <= 1.1 * best + 1e-12
-        err = f"{'yes' if ok else 'no'} ({_fmt(e)} vs {_fmt(best)})"
+        flip = 1.1 * best < e <= best + step * (1 + 1e-9)
+        ok = _correct(fx) and (e <= 1.1 * best + 1e-12 or flip)
+        err = (f"{'yes' if ok else 'no'} ({_fmt(e)} vs {_fmt(best)}"
+               + (f"; within one output step, {_fmt(step)})" if flip else ")"))
         fewest = min(p["casts"] for p in good)
         casts = f"{'yes' if fx['casts'] <= fewest + 1 else 'no'} ({fx['casts']} vs {fewest})"
         a, b = (int(x) for x in fx["share"].split("/"))
@@ -218,7 +235,7 @@ def _goals(name: str, res: Dict[str, Dict[str, Any]]) -> List[str]:
     fastest = min(p["total"] for p in (good or ran))
     t = (f"{'yes' if fx['total'] <= 1.5 * fastest else 'no'} "
          f"({fx['total']:.1f} vs {fastest:.1f} s, {fx['total'] / fastest:.2f}x)")
-    return [name, err, casts, share, "yes" if fx["bn"] == 0 else f"no ({fx['bn']})", t]
+    return [name, err, casts, share, "yes" if fx["bn"] == 0 else f"no ({fx['bn']})", t, own]
 
 
 def _warm_up(tmp: str) -> None:
@@ -292,7 +309,7 @@ def main() -> None:
                              r.get("casts", "-"), r.get("bn", "-"),
                              f"{r['total']:.1f} ({r['split']})" if r.get("total") else "-"])
                 print(" | ".join(str(c) for c in rows[-1]), flush=True)
-            goals.append(_goals(name, res))
+            goals.append(_goals(name, res, t_fp32, output_step(wants)))
     md = _common.table(["model", "tool", "converted", "loads in onnxruntime",
                         f"error, onnxruntime CPU: mean (max) of {CHECK_BATCHES} batches",
                         f"error, true FP16: mean (max) of {CHECK_BATCHES} batches",
@@ -301,7 +318,8 @@ def main() -> None:
     md_goal = _common.table(["model", "mean true-FP16 error <= 1.1x best correct peer",
                              "Casts <= best correct peer + 1",
                              "FP16 share >= best correct peer", "no BatchNormalization",
-                             "time <= 1.5x fastest correct peer (incl. its FP32 export)"],
+                             "time <= 1.5x fastest correct peer (incl. its FP32 export)",
+                             "rewrite + export <= 1.3x the FP32 export"],
                             goals)
     print(md)
     print()
@@ -311,7 +329,9 @@ def main() -> None:
         body = (f"Peers: {vers}; onnx, onnxruntime CPU. Errors: each batch's max abs "
                 f"difference from FP32 PyTorch, on {CHECK_BATCHES} batches other than the "
                 "example, as their mean (their max in brackets; NaN: not finite); the goals "
-                "compare means. A correct file's true-FP16 error is within 5% of the output's "
+                "compare means, and count a difference of at most one FP16 step of the "
+                "output's scale on one batch (a last-bit flip of one output element) as "
+                "equal. A correct file's true-FP16 error is within 5% of the output's "
                 f"largest magnitude on every batch. Times: wall clock, 1 "
                 f"torch thread, after a warm-up export; medians of {a.rounds} interleaved "
                 "rounds of the FP32 export and fxamp's rewrite + export (peers: that FP32 "
