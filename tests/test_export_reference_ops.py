@@ -110,3 +110,41 @@ def test_fp32_matmul_runs_onnx_reference_own():
     model = _model("MatMul", {"a": a, "b": b}, {})
     want = ReferenceEvaluator(model).run(None, {"a": a, "b": b})[0]
     assert np.array_equal(evaluator(model).run(None, {"a": a, "b": b})[0], want)
+
+
+CONV_TRANSPOSES = [  # (x shape, w shape, attributes, bias, exact: no overlapping positions)
+    ((1, 8, 6, 6), (8, 4, 2, 2), {"strides": [2, 2]}, True, True),
+    ((2, 8, 5, 5), (8, 4, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1],
+                                  "output_padding": [1, 1]}, False, False),
+    ((1, 8, 5, 5), (8, 2, 3, 3), {"dilations": [2, 2]}, True, False),
+    ((1, 4, 7), (4, 4, 4), {"strides": [4]}, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("x_shape, w_shape, attrs, bias, exact", CONV_TRANSPOSES)
+def test_conv_transpose_matches_onnx_reference(dtype, x_shape, w_shape, attrs, bias, exact):
+    """Bit for bit where kernel positions do not overlap; otherwise within 2e-3 of the
+    output's scale (onnx.reference rounds each overlap's sum to FP16 once more)."""
+    rng = np.random.default_rng(5)
+    inputs = {"x": rng.standard_normal(x_shape).astype(dtype),
+              "w": (rng.standard_normal(w_shape) * 0.2).astype(dtype)}
+    if bias:
+        inputs["b"] = rng.standard_normal(w_shape[1] * attrs.get("group", 1)).astype(dtype)
+    model = _model("ConvTranspose", inputs, attrs)
+    want = ReferenceEvaluator(model).run(None, inputs)[0]
+    got = evaluator(model).run(None, inputs)[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if exact and dtype == np.float16:
+        assert np.array_equal(got, want)
+    scale = float(np.abs(want.astype(np.float32)).max())
+    assert np.abs(got.astype(np.float32) - want.astype(np.float32)).max() <= 2e-3 * scale
+
+
+def test_conv_transpose_with_an_output_shape_runs_onnx_reference_own():
+    rng = np.random.default_rng(6)
+    inputs = {"x": rng.standard_normal((1, 2, 4, 4)).astype(np.float16),
+              "w": rng.standard_normal((2, 2, 3, 3)).astype(np.float16)}
+    model = _model("ConvTranspose", inputs, {"strides": [2, 2], "output_shape": [9, 9]})
+    want = ReferenceEvaluator(model).run(None, inputs)[0]
+    assert np.array_equal(evaluator(model).run(None, inputs)[0], want)
