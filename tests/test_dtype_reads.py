@@ -157,33 +157,20 @@ def test_timm_rotary_and_pooler_dtype_reads_train_like_autocast(name):
 
 # -- conversions settled by one eager run under autocast (frontends/dtype_probe.py) ----------
 
-def _count_exports(monkeypatch) -> list:
-    calls: list = []
-    export = torch.export.export
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return export(*args, **kwargs)
-
-    monkeypatch.setattr(torch.export, "export", counted)
-    return calls
-
-
-def _eval_like_autocast(model: nn.Module, args: tuple, monkeypatch) -> int:
+def _eval_like_autocast(model: nn.Module, args: tuple, export_calls: list) -> int:
     """Rewrite ``model`` (eval, export front end) and check its eval forward equals
-    autocast's bit for bit; returns how many times torch.export ran."""
+    autocast's bit for bit; returns how many times torch.export ran for the rewrite."""
     ref = copy.deepcopy(model).eval()
     model.eval()
-    calls = _count_exports(monkeypatch)
     gm = fxamp.amp_rewrite(model, args, fxamp.RewriteConfig.make(
         dtype=torch.bfloat16, target="cpu", frontend="export"))
-    monkeypatch.undo()
+    calls = len(export_calls)
     with torch.no_grad():
         got = gm(*args)
         with torch.autocast("cpu", torch.bfloat16):
             want = ref(*args)
     assert torch.equal(got.float(), want.float())  # (the rewrite returns FP32 outputs)
-    return len(calls)
+    return calls
 
 
 class _RMSNorm(nn.Module):
@@ -201,8 +188,8 @@ class _RMSNorm(nn.Module):
         return self.weight * h + pos[:, None]
 
 
-def test_literal_fp32_conversions_need_no_export_under_autocast(monkeypatch):
-    assert _eval_like_autocast(_RMSNorm(), (torch.randn(2, 5, 8),), monkeypatch) == 1
+def test_literal_fp32_conversions_need_no_export_under_autocast(export_calls):
+    assert _eval_like_autocast(_RMSNorm(), (torch.randn(2, 5, 8),), export_calls) == 1
 
 
 class _ToValueDtype(nn.Module):
@@ -220,8 +207,8 @@ class _ToValueDtype(nn.Module):
         return self.drop(weights).transpose(-1, -2).contiguous().transpose(-1, -2) @ v
 
 
-def test_a_conversion_reaching_only_a_matmul_needs_no_export_under_autocast(monkeypatch):
-    assert _eval_like_autocast(_ToValueDtype(), (torch.randn(2, 5, 8),), monkeypatch) == 1
+def test_a_conversion_reaching_only_a_matmul_needs_no_export_under_autocast(export_calls):
+    assert _eval_like_autocast(_ToValueDtype(), (torch.randn(2, 5, 8),), export_calls) == 1
 
 
 def test_that_conversion_in_training_mode_still_trains_like_autocast():
@@ -242,9 +229,8 @@ class _TableToDtype(nn.Module):
         return h + self.table.to(h.dtype)
 
 
-def test_a_conversion_to_a_bf16_dtype_is_still_exported_under_autocast(monkeypatch):
-    model = _TableToDtype()
-    assert _eval_like_autocast(model, (torch.randn(2, 8),), monkeypatch) == 2
+def test_a_conversion_to_a_bf16_dtype_is_still_exported_under_autocast(export_calls):
+    assert _eval_like_autocast(_TableToDtype(), (torch.randn(2, 8),), export_calls) == 2
 
 
 class _CountsCalls(nn.Module):
@@ -260,10 +246,9 @@ class _CountsCalls(nn.Module):
         return self.lin(x).to(torch.float32).relu()
 
 
-def test_no_eager_run_for_a_model_that_writes_a_buffer(monkeypatch):
+def test_no_eager_run_for_a_model_that_writes_a_buffer(export_calls):
     model = _CountsCalls().eval()
-    calls = _count_exports(monkeypatch)
     fxamp.amp_rewrite(model, (torch.randn(2, 8),), fxamp.RewriteConfig.make(
         dtype=torch.bfloat16, target="cpu", frontend="export"), inplace=True)
-    assert len(calls) == 2  # (the export under autocast, not an eager run, decides)
+    assert len(export_calls) == 2  # (the export under autocast, not an eager run, decides)
     assert model.calls.item() == 0

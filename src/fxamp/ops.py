@@ -57,6 +57,9 @@ LOWER, FP32, FP32_OPT, PROMOTE, BANNED, FOLLOW = (oplists.LOWER, oplists.FP32,
                                                   oplists.BANNED, oplists.FOLLOW)
 #: the op names of an opaque call (:func:`autocast_ops`): autocast decides inside at run time
 RUNTIME = oplists.RUNTIME
+#: the tensor methods that are the model's own dtype conversions (``to``, ``float``,
+#: ``type_as``...)
+CONVERSION_METHODS = oplists.CONVERSION_METHODS
 
 
 def name(node: fx.Node) -> str:

@@ -37,9 +37,8 @@ import torch
 import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 
+from .. import ops
 from .._torch import OpOverload, op_schema
-from ..autocast_tables import LOWER, aten_category
-from ..oplists import CONVERSION_METHODS, aten_name
 from ..runtime import write_buffer_
 
 __all__ = ["Conversion", "conversions", "settled_by_run", "reaches_lower_only", "writes_state"]
@@ -72,7 +71,7 @@ def _user_frames() -> Tuple[Frame, ...]:
 
 
 class _Recorder(TorchFunctionMode):
-    """Records each tensor conversion call (:data:`CONVERSION_METHODS`): the dtypes in
+    """Records each tensor conversion call (``ops.CONVERSION_METHODS``): the dtypes in
     and out."""
 
     def __init__(self) -> None:
@@ -82,7 +81,7 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if getattr(func, "__name__", None) in CONVERSION_METHODS \
+        if getattr(func, "__name__", None) in ops.CONVERSION_METHODS \
                 and isinstance(out, torch.Tensor) and out.is_floating_point():
             source = args[0] if args and isinstance(args[0], torch.Tensor) else None
             self.seen.append((_user_frames(), None if source is None else source.dtype,
@@ -145,9 +144,9 @@ def reaches_lower_only(node: fx.Node, device: str) -> bool:
         if user in seen:
             continue
         seen.add(user)
-        if user.op != "call_function" or not isinstance(user.target, OpOverload):
+        name = ops.aten_name(user)
+        if not name:
             return False
-        name = aten_name(user.target)
         base = name.split(".")[0]
         if base in _PASS_THROUGH and user.args and user.args[0] in values \
                 and not any(a in values for a in user.args[1:]):
@@ -155,7 +154,7 @@ def reaches_lower_only(node: fx.Node, device: str) -> bool:
                 return False  # (a dropout in training mode scales what it keeps)
             values.add(user)
             stack.extend(user.users)
-        elif aten_category(name, device) != LOWER:
+        elif ops.aten_category(name, device) != ops.LOWER:
             return False
     return bool(seen)
 
