@@ -12,7 +12,8 @@ import torch.nn as nn
 import fxamp
 from fxamp.export import export_onnx
 from fxamp.export.onnx_export import _export_dynamo
-from fxamp.export.weight_view import low_weights_view
+from fxamp.export.onnx_passes import run_onnx_steps
+from fxamp.export.weight_view import FOLDED, fold_view_batchnorms, low_weights_view
 
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
@@ -57,21 +58,50 @@ def _initializers(proto):
     return {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
 
 
+def _values(proto):
+    """The file's initializers as (type, shape, bytes), whatever their names."""
+    return sorted((i.data_type, tuple(i.dims), numpy_helper.to_array(i).tobytes())
+                  for i in proto.graph.initializer)
+
+
 @pytest.mark.parametrize("kind", ["conv", "lstm"])
 def test_the_view_exports_the_file_the_casting_graph_exports(kind):
+    """The same file once the ONNX steps ran: the same ops and initializer values (a
+    BatchNorm folded in the view has its folded weight named after the Conv's weight, where
+    the ONNX fold names it after the Conv node)."""
     model, x = _model(kind)
     gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
     gm.eval()
     with contextlib.redirect_stdout(io.StringIO()):
         direct = torch.onnx.export(gm, x, dynamo=True, optimize=False).model_proto
-    viewed = _export_dynamo(gm, x, None)[0]
-    want, got = _initializers(direct), _initializers(viewed)
-    assert sorted(got) == sorted(want)
-    for name, value in want.items():
-        assert got[name].dtype == value.dtype and got[name].tobytes() == value.tobytes(), name
-    ops = collections.Counter(n.op_type for n in direct.graph.node)
-    assert collections.Counter(n.op_type for n in viewed.graph.node) == ops
-    assert ops["Cast"] > 2  # (the weights' Casts are there: the fold works from FP32)
+    assert collections.Counter(n.op_type for n in direct.graph.node)["Cast"] > 2
+    exported = _export_dynamo(gm, x, None)
+    viewed, folds = exported[0], exported[4]
+    assert folds == ([("conv", "bn")] if kind == "conv" else [])
+    want = run_onnx_steps(direct, "dynamo").model
+    got = run_onnx_steps(viewed, "dynamo").model
+    assert _values(got) == _values(want)
+    ops = collections.Counter(n.op_type for n in want.graph.node)
+    assert collections.Counter(n.op_type for n in got.graph.node) == ops
+
+
+def test_a_batchnorm_is_folded_in_the_view_from_the_fp32_values():
+    """The view's Conv reads the folded weight and bias (FP32 sources, cast once); the
+    BatchNorm is gone from the view and the model keeps its own."""
+    model, x = _model("conv")
+    gm = fxamp.amp_rewrite(model, x, fxamp.RewriteConfig.make(target="tensorrt"))
+    view, sources = low_weights_view(gm)
+    assert fold_view_batchnorms(view, sources) == [("conv", "bn")]
+    assert not any(n.op == "call_module" and n.target == "bn" for n in view.graph.nodes)
+    assert sorted(sources) == ["conv.bias" + FOLDED, "conv.weight" + FOLDED, "head.bias",
+                               "head.weight"]
+    bn = model.bn
+    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    want = model.conv.weight * scale[:, None, None, None]
+    assert torch.allclose(sources["conv.weight" + FOLDED], want.detach(), rtol=1e-6)
+    assert isinstance(model.bn, nn.BatchNorm2d) and "bn" in dict(model.named_children())
+    with torch.no_grad():  # the folded view computes what the casting graph does, in FP16
+        assert torch.allclose(view(*x), gm(*x), atol=2e-2, rtol=2e-2)
 
 
 def test_the_exporter_is_given_no_weight_cast():

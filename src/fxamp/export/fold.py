@@ -14,13 +14,39 @@ plan's decisions are the same (the folded Conv keeps its own plan line).
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from .constants import FLOATS, Constants, drop_dead
 from .onnx_metadata import NOTE, get_meta, set_meta
 from .repairs import astype
 
 log = logging.getLogger(__name__)
+
+
+def folded(weight: Any, bias: Any, gamma: Any, beta: Any, mean: Any, var: Any,
+           eps: float) -> Tuple[Any, Any]:
+    """The Conv weight and bias with an inference BatchNorm folded in, in FP32 numpy (the one
+    arithmetic of both folds, so their files agree bit for bit): ``s = gamma / sqrt(var +
+    eps)``, ``W' = W * s``, ``b' = (b - mean) * s + beta`` (``bias`` None: zero).
+
+    Args:
+        weight: the Conv's FP32 weight (output channels first).
+        bias: its FP32 bias, or None.
+        gamma: the BatchNorm's scale.
+        beta: its shift.
+        mean: its running mean.
+        var: its running variance.
+        eps: its epsilon (taken as FP32, as the ONNX attribute holds it).
+
+    Returns:
+        (weight, bias), FP32.
+    """
+    import numpy as np
+
+    scale = gamma / np.sqrt(var + np.float32(eps))
+    new_w = weight * scale.reshape((-1,) + (1,) * (weight.ndim - 1))
+    old_b = bias if bias is not None else np.zeros_like(mean)
+    return new_w, (old_b - mean) * scale + beta
 
 
 def fold_batchnorm(model: Any) -> int:
@@ -38,7 +64,7 @@ def fold_batchnorm(model: Any) -> int:
             readers[name] = readers.get(name, 0) + 1
     outputs = {o.name for o in graph.output}
     dropped = set()
-    folded = 0
+    count = 0
     nodes = list(graph.node)  # (held: the ids below stay theirs)
     for bn in nodes:
         if bn.op_type != "BatchNormalization" or len(bn.output) != 1 or len(bn.input) != 5:
@@ -55,11 +81,9 @@ def fold_batchnorm(model: Any) -> int:
         (gamma, _), (beta, _), (mean, _), (var, _), (weight, wtype) = values  # type: ignore
         if wtype not in FLOATS or any(v[0].dtype != np.float32 for v in values):  # type: ignore
             continue
-        eps = np.float32(next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5))
-        scale = gamma / np.sqrt(var + eps)
-        new_w = weight * scale.reshape((-1,) + (1,) * (weight.ndim - 1))
-        old_b = bias[0].astype(np.float32) if bias is not None else np.zeros_like(mean)
-        new_b = (old_b - mean) * scale + beta
+        eps = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+        new_w, new_b = folded(weight, None if bias is None else bias[0].astype(np.float32),
+                              gamma, beta, mean, var, eps)
         w_name, b_name = f"{conv.name}_fxamp_folded_w", f"{conv.name}_fxamp_folded_b"
         graph.initializer.append(numpy_helper.from_array(astype(new_w, wtype), w_name))
         graph.initializer.append(numpy_helper.from_array(astype(new_b, wtype), b_name))
@@ -69,13 +93,13 @@ def fold_batchnorm(model: Any) -> int:
         set_meta(conv, NOTE, (get_meta(conv, NOTE) or "") + f"BatchNormalization {bn.name} "
                  "folded into this Conv by fxamp. ")
         dropped.add(id(bn))
-        folded += 1
-    if folded:
+        count += 1
+    if count:
         keep = [n for n in nodes if id(n) not in dropped]
         del graph.node[:]
         graph.node.extend(keep)
         _drop_unread(model)
-    return folded
+    return count
 
 
 def _drop_unread(model: Any) -> None:

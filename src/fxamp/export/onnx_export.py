@@ -32,12 +32,12 @@ from ..progress import shows
 from ..rewriter import plan_of
 from ..rewriter.gc_scope import young_objects_only
 from ..frontends.common import as_tuple
-from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, get_meta, set_meta
+from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, NOTE, get_meta, set_meta
 from .onnx_passes import run_onnx_steps
 from .program import exported_program
 from .errors import ExportError
 from .verify import check_export
-from .weight_view import low_weights_view, restore_weight_casts
+from .weight_view import fold_view_batchnorms, low_weights_view, restore_weight_casts
 
 log = logging.getLogger(__name__)
 
@@ -89,25 +89,29 @@ def _fx_names(ep: Any, gm: fx.GraphModule) -> Dict[str, str]:
     return out
 
 
-def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
-                   opset: Optional[int]) -> Tuple[Any, Dict[str, str], Any, str]:
+def _export_dynamo(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]
+                   ) -> Tuple[Any, Dict[str, str], Any, str, List[Tuple[str, str]]]:
     """The dynamo exporter's graph, unoptimised (the ONNX steps, ``.onnx_passes``, run the
     optimizer once fxamp has folded the constants from their FP32 values). The exporter is
     given the graph with its weights cast already (``.weight_view``: half the ops to
     trace on a CNN); the file is what the casting graph exports to. An ATen graph (the
     ``torch.export`` front end's) goes to the exporter as the ``ExportedProgram`` it is
     (``.program``), without a second ``torch.export``; any other graph, or one the
-    exporter refuses in that form, is exported (captured) as a module. Returns the model,
-    the exporter's node names -> the plan's, the exporter's program and ``PLANNED`` or
-    ``CAPTURED``."""
+    exporter refuses in that form, is exported (captured) as a module. Inference BatchNorm
+    modules reading a convolution alone are folded into it in the view first
+    (:func:`.weight_view.fold_view_batchnorms`: the file the ONNX fold would write, for
+    less export work). Returns the model, the exporter's node names -> the plan's, the
+    exporter's program, ``PLANNED`` or ``CAPTURED``, and the (conv, BatchNorm) node names
+    folded in the view."""
     kwargs: Dict[str, Any] = {"dynamo": True, "verbose": False, "optimize": False}
     if opset is not None:
         kwargs["opset_version"] = opset
     if not isinstance(gm, fx.GraphModule):
         with contextlib.redirect_stdout(io.StringIO()):
             program = torch.onnx.export(gm, inputs, **kwargs)
-        return program.model_proto, {}, program.exported_program, CAPTURED
+        return program.model_proto, {}, program.exported_program, CAPTURED, []
     view, sources = low_weights_view(gm)
+    folds = fold_view_batchnorms(view, sources)
     program, mapping = _export_program(view, inputs, kwargs)
     capture = PLANNED
     if program is None:
@@ -117,7 +121,7 @@ def _export_dynamo(gm: fx.GraphModule, inputs: tuple,
         mapping = _fx_names(program.exported_program, view)
     proto = program.model_proto
     restore_weight_casts(proto, sources)
-    return proto, mapping, program.exported_program, capture
+    return proto, mapping, program.exported_program, capture, folds
 
 
 def _export_program(view: fx.GraphModule, inputs: tuple, kwargs: Dict[str, Any]
@@ -232,6 +236,17 @@ def _annotate(model: Any, gm: fx.GraphModule, mapping: Optional[Dict[str, str]])
         set_meta(node, MODULE, module)
 
 
+def _note_folds(model: Any, folds: List[Tuple[str, str]]) -> None:
+    """Note on each Conv of ``model`` that a BatchNorm was folded into in the exporter's
+    view (``folds``: (conv, BatchNorm) plan node names), as the ONNX fold notes its own."""
+    by_conv = dict(folds)
+    for node in model.graph.node:
+        bn = by_conv.get(get_meta(node, FX_NODE) or "") if node.op_type == "Conv" else None
+        if bn is not None:
+            set_meta(node, NOTE, (get_meta(node, NOTE) or "") + f"BatchNorm {bn} folded into "
+                     "this Conv by fxamp. ")
+
+
 def _eval_reference(reference: Optional[torch.nn.Module]) -> Any:
     """``reference`` called in eval mode without grad (None stays None)."""
     if reference is None:
@@ -300,10 +315,11 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
     used, error, capture = "", "", CAPTURED
     mapping: Optional[Dict[str, str]] = None
     ep = None
+    folds: List[Tuple[str, str]] = []
     with _eval_mode(gm):
         if exporter in ("auto", "dynamo"):
             try:
-                model, mapping, ep, capture = _export_dynamo(gm, inputs, opset)
+                model, mapping, ep, capture, folds = _export_dynamo(gm, inputs, opset)
                 used = "dynamo"
             except Exception as err:  # noqa: BLE001 - any exporter failure: try the next
                 error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -323,6 +339,7 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
     model, counts = steps.model, steps.counts
     repaired, eps_fixed = counts["types"], counts["eps"]
     _annotate(model, gm, mapping)
+    _note_folds(model, folds)
     # a traced graph (TorchScript) holds the branches the example took: check the file on a
     # second input too; torch.export's graph is checked the same way (cheap insurance)
     with _eval_mode(gm):
@@ -335,7 +352,7 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
             "fxamp.restored_eps_adds": str(counts.get("eps_adds", 0)),
             "fxamp.repaired_initializers": str(repaired), "fxamp.eps_fixed": str(eps_fixed),
             "fxamp.checked_inputs": str(checked),
-            "fxamp.folded_batchnorms": str(counts["batchnorm"]),
+            "fxamp.folded_batchnorms": str(counts["batchnorm"] + len(folds)),
             "fxamp.removed_casts": str(counts["casts"]),
             "fxamp.true_fp16_error": "-" if true_fp16 is None else f"{true_fp16:.3g}"}
     if error:
