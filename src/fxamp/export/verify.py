@@ -152,15 +152,13 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         raise ExportError("the example inputs are on device 'meta': the exported graph "
                           "cannot be checked against PyTorch; what to do: export with real "
                           "example inputs")
-    too_large = ExportError(f"the {exporter} exporter's graph is too large (> 1.8 GB) to "
-                            "check against PyTorch in memory; what to do: export the model's "
-                            "parts")
     try:
         data = proto.SerializeToString()  # (what onnxruntime loads; its size is the check)
-    except Exception:  # noqa: BLE001 - protobuf refuses a message past 2 GB (EncodeError,
-        raise too_large from None  # or ValueError, by implementation)
-    if len(data) > 1_800_000_000:
-        raise too_large
+    except Exception:  # noqa: BLE001 - protobuf refuses a message past 2 GB (EncodeError
+        data = None  # or ValueError, by implementation)
+    if data is None or len(data) > 1_800_000_000:
+        raise ExportError(f"the {exporter} exporter's graph is too large (> 1.8 GB) to check "
+                          "against PyTorch in memory; what to do: export the model's parts")
     ref = reference if reference is not None else fp32_reference(model)
     options = ort.SessionOptions()  # the file as written: no fusions or layout changes
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC

@@ -44,6 +44,12 @@ def _only_cast_to(node: fx.Node) -> Any:
     return dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)) in _ONNX_TYPE else None
 
 
+def _called(gm: fx.GraphModule) -> Set[str]:
+    """The modules ``gm``'s graph calls or reads (the view shares them with the model)."""
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_module"
+            or n.op == "get_attr" and isinstance(fetch_attr(gm, str(n.target)), nn.Module)}
+
+
 def _inside(target: str, called: Set[str]) -> bool:
     """Whether a module the graph calls or reads holds ``target`` (the view's root shares
     that module, so a copy put at ``target`` would land in the model's own module)."""
@@ -60,8 +66,7 @@ def low_weights_view(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[str, torc
     env: Dict[fx.Node, fx.Node] = {}
     root: Dict[str, Any] = {}
     sources: Dict[str, torch.Tensor] = {}
-    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"
-              or n.op == "get_attr" and isinstance(fetch_attr(gm, str(n.target)), nn.Module)}
+    called = _called(gm)
     for node in gm.graph.nodes:
         if node in env:  # a cast the view dropped
             continue
@@ -189,31 +194,32 @@ def fold_view_batchnorms(view: fx.GraphModule, sources: Dict[str, torch.Tensor]
     from .fold import folded
 
     done: List[Tuple[str, str]] = []
-    called = {str(n.target) for n in view.graph.nodes if n.op == "call_module"}
+    called = _called(view)
     for bn in list(view.graph.nodes):
         found = _foldable(view, bn, sources)
         if found is None or _inside(str(found[1].target) + FOLDED, called):
             continue
         conv, weight, bias, values = found
-        w_low = fetch_attr(view, str(weight.target))
         w32 = sources[str(weight.target)].cpu().numpy()
-        b32 = sources[str(bias.target)].cpu().numpy() if bias is not None else None
-        arrays = {k: None if values[k] is None else values[k].detach().cpu().numpy()
-                  for k in ("running_mean", "running_var", "weight", "bias")}
         channels = w32.shape[0]
-        gamma = arrays["weight"] if arrays["weight"] is not None \
-            else np.ones(channels, np.float32)
-        beta = arrays["bias"] if arrays["bias"] is not None else np.zeros(channels, np.float32)
-        new_w, new_b = folded(w32, b32, gamma, beta, arrays["running_mean"],
-                              arrays["running_var"], values["eps"])
+
+        def array(key: str, fill: Any = np.zeros) -> Any:
+            value = values[key]
+            return fill(channels, np.float32) if value is None \
+                else value.detach().cpu().numpy()
+
+        new_w, new_b = folded(
+            w32, sources[str(bias.target)].cpu().numpy() if bias is not None else None,
+            array("weight", np.ones), array("bias"), array("running_mean"),
+            array("running_var"), values["eps"])
+        prefix = str(weight.target)[:-len("weight")] \
+            if str(weight.target).endswith("weight") else str(weight.target) + "."
+        low = fetch_attr(view, str(weight.target)).dtype
         names = []
-        for value, base in ((new_w, str(weight.target)),
-                            (new_b, str(weight.target).rpartition(".")[0] + ".bias"
-                             if "." in str(weight.target) else "bias")):
-            name = base + FOLDED
-            source = torch.from_numpy(np.ascontiguousarray(value))
-            _set_attr(view, name, source.to(w_low.dtype))
-            sources[name] = source
+        for value, name in ((new_w, str(weight.target) + FOLDED),
+                            (new_b, prefix + "bias" + FOLDED)):
+            sources[name] = torch.from_numpy(np.ascontiguousarray(value))
+            _set_attr(view, name, sources[name].to(low))
             names.append(name)
         with view.graph.inserting_before(conv):
             w_node = view.graph.get_attr(names[0])

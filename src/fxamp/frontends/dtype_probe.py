@@ -52,10 +52,6 @@ Conversion = Tuple[Tuple[Frame, ...], Optional[torch.dtype], torch.dtype]
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
-#: ops a value passes through unchanged in eval mode (no arithmetic, no rounding)
-_PASS_THROUGH = frozenset({"dropout", "clone", "contiguous", "view", "_unsafe_view", "reshape",
-                           "permute", "transpose", "expand", "alias", "detach", "unsqueeze",
-                           "squeeze", "t"})
 
 
 def _user_frames() -> Tuple[Frame, ...]:
@@ -134,7 +130,7 @@ def settled_by_run(node: fx.Node, seen: List[Conversion]) -> bool:
 
 def reaches_lower_only(node: fx.Node, device: str) -> bool:
     """Whether every use of ``node``'s value reaches, through ops that pass it on unchanged
-    (:data:`_PASS_THROUGH`; a dropout only in eval), an op autocast runs in its compute
+    (``ops.moves_values``, an alias, a dropout in eval), an op autocast runs in its compute
     dtype on ``device`` (its lower-precision list: matmul, linear, conv...). Such ops cast
     their inputs to that dtype, so a conversion feeding only them computes the same
     whatever dtype it converts to under autocast."""
@@ -147,10 +143,10 @@ def reaches_lower_only(node: fx.Node, device: str) -> bool:
         name = ops.aten_name(user)
         if not name:
             return False
-        base = name.split(".")[0]
-        if base in _PASS_THROUGH and user.args and user.args[0] in values \
-                and not any(a in values for a in user.args[1:]):
-            if base == "dropout" and (len(user.args) < 3 or user.args[2] is not False):
+        dropout = ops.name(user) == "dropout"
+        if (ops.moves_values(user) or dropout or ops.name(user) == "alias") and user.args \
+                and user.args[0] in values and not any(a in values for a in user.args[1:]):
+            if dropout and (len(user.args) < 3 or user.args[2] is not False):
                 return False  # (a dropout in training mode scales what it keeps)
             values.add(user)
             stack.extend(user.users)
