@@ -18,11 +18,19 @@ dtypes its plan computes (``output=keep``), as autocast would.
 """
 from __future__ import annotations
 
+import ast
 import copy
+import dataclasses
+import enum
+import functools
 import inspect
 import logging
+import sys
+import textwrap
+import types
+import weakref
 from collections import Counter
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -33,7 +41,7 @@ from ..ops import module_label
 from ..plan import NodePrecision, Plan
 from ..errors import FxampError
 from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of, result_of
-from ..runtime import device_autocast, device_type
+from ..runtime import CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from .._version import __version__
 from .inplace import ATTR, InplaceForward, Planner, install, register, take
@@ -106,6 +114,8 @@ class BlocksRoot:
         def planned(block: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Any,
                     why: Optional[str]) -> nn.Module:
             key = share_key(block, args, kwargs) if why is None else None
+            if key is not None and config.dynamic_shapes is not None:  # (grown symbols)
+                key = (key, str(config.dynamic_shapes))
             known = self.shared.get(key) if key is not None else None
             gm = None
             if known is not None:
@@ -188,31 +198,290 @@ def _signature(value: Any) -> Any:
     return (type(value), id(value))  # (any other object: only the same one is alike)
 
 
-#: plain values a module holds that a trace may bake into its graph
+#: plain values a call may pass (:func:`_has_object`: anything else is an object, a KV cache)
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 #: the attribute HF decoder layers hold their index in: it is read only to index a KV cache
 #: (``past_key_values.update(k, v, self.layer_idx)``), so a call without one does not read it
+#: when the code of the block's modules reads it nowhere else (:func:`_reads_index`)
 _CACHE_INDEX = "layer_idx"
+#: the hook dicts whose hooks run when a module is called, and their per-hook flags (keyed by
+#: the hooks' handle ids, which differ from block to block for the same hook)
+_HOOKS = CALL_HOOKS
+_HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks_with_kwargs")
+#: a module's entries the key reads otherwise (its Parameters, buffers, children, mode and
+#: call hooks) or that no call reads (its state-dict hooks)
+_SKIP = frozenset({"_parameters", "_buffers", "_modules", "training", "_state_dict_hooks",
+                   "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                   "_load_state_dict_post_hooks", *_HOOKS, *_HOOK_FLAGS})
+#: the block's own entries that are none of its code's: fxamp's forward (its plan while
+#: planned) and result, torch.compile's call, FSDP2's state (``fully_shard`` per block). The
+#: block is called as a module, so its own hooks run around its graph, never in it
+_ROOT_SKIP = frozenset({"forward", ATTR, RESULT, "_compiled_call_impl"})
+_ROOT_PREFIXES = ("__composable_api_state_key",)
+#: how deep a value's containers and dataclasses are compared by value (deeper: by identity)
+_DEPTH = 4
+#: the most elements a tensor held as a plain attribute is compared by value with
+_SMALL = 1024
+#: the marks of a use of ``layer_idx`` that only passes it to a cache (a call's or a
+#: subscript's source text holds one: ``cache.update(k, v, self.layer_idx)``,
+#: ``past_key_value.get_seq_length(self.layer_idx)``, ``layer_past.update(...)``,
+#: ``cache.layers[self.layer_idx]``; or the call is an ``update``)
+_CACHE_MARKS = ("cache", "past")
 
 
-def _plain(value: Any) -> bool:
-    """A Python value a trace may bake in: a scalar, a dtype, or a tuple/list of them."""
+class _Same:
+    """An object compared by identity in a share key (held, so that its id is not reused). A
+    pickled or deep-copied key's is a new object alike to none: a copy of a model in block
+    mode plans its blocks not planned yet on their own."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __reduce__(self) -> tuple:
+        return (object, ())
+
+
+def _tensor_key(value: torch.Tensor) -> tuple:
+    """A tensor a module holds as a plain attribute (a trace bakes it in as a constant): its
+    class, dtype, shape, device, and its bytes when small, else the tensor itself."""
+    head = (type(value), value.dtype, tuple(value.shape), value.device, value.requires_grad)
+    if value.numel() <= _SMALL:
+        try:
+            flat = value.detach().reshape(-1).contiguous().cpu()
+            return (*head, flat.view(torch.uint8).numpy().tobytes())
+        except Exception:  # (meta, fake, sharded, quantized: no bytes to read)
+            pass
+    return (*head, _Same(value))
+
+
+def _value_key(value: Any, paths: Dict[int, str], depth: int = 0) -> Any:
+    """What a trace may read of a value a module holds: scalars, strings, dtypes and devices
+    by value; tuples, lists, dicts, sets, ``functools.partial`` objects and dataclasses by
+    their items (to :data:`_DEPTH`);
+    a small tensor by its bytes (:func:`_tensor_key`); a module or a bound method of the
+    block's own by its path in the block (alike from block to block); a module outside the
+    block without Parameters, buffers or children (``kernels``' per-layer ``Func``) by its
+    class and attributes; Enum members, functions and any other object by identity (an
+    object all blocks hold, HF's config, is alike).
+
+    Args:
+        value: the value.
+        paths: the block's modules (id -> path).
+        depth: how deep in containers ``value`` is.
+    """
+    if isinstance(value, enum.Enum):  # (before int and str: IntEnum, StrEnum)
+        return _Same(value)
+    if isinstance(value, float):  # (by repr: -0.0 is not 0.0)
+        return (type(value), repr(value))
+    if isinstance(value, (bool, int, str, bytes, type(None), torch.dtype, torch.device,
+                          torch.layout, torch.memory_format)):
+        return (type(value), value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_key(value)
+    if isinstance(value, nn.Module):
+        if id(value) in paths:
+            return ("module", paths[id(value)])
+        if depth < _DEPTH and _stateless(value):  # (a per-block helper: kernels' Func)
+            return (value.training, *_module_key(value, paths, depth + 1, lambda _: True))
+        return _Same(value)  # (one with state outside the block: only the same one is alike)
+    if isinstance(value, types.MethodType) and id(value.__self__) in paths:
+        return ("method", _Same(value.__func__), paths[id(value.__self__)])
+    if depth >= _DEPTH:
+        return _Same(value)
     if isinstance(value, (tuple, list)):
-        return all(_plain(v) for v in value)
-    return isinstance(value, _PLAIN)
+        return (type(value), tuple(_value_key(v, paths, depth + 1) for v in value))
+    if isinstance(value, dict):
+        return (type(value), tuple((_value_key(k, paths, depth + 1),
+                                    _value_key(v, paths, depth + 1)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return (type(value), frozenset(_value_key(v, paths, depth + 1) for v in value))
+    if isinstance(value, functools.partial):  # (HF's GELUTanh: one per module)
+        return (type(value), _value_key(value.func, paths, depth + 1),
+                _value_key(value.args, paths, depth + 1),
+                _value_key(value.keywords, paths, depth + 1),
+                _value_key(vars(value), paths, depth + 1))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = (vars(value) if hasattr(value, "__dict__")
+                  else {f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+        return (type(value), _value_key(fields, paths, depth + 1))
+    return _Same(value)
+
+
+def _hooks_key(module: nn.Module) -> tuple:
+    """The call hooks of a module in a block (they run only when it stays a call in the
+    graph): each hook by identity, with its flags (with kwargs, always called)."""
+    flags = [getattr(module, kind, None) or {} for kind in _HOOK_FLAGS]
+    return tuple((kind, tuple((_Same(hook), tuple(handle in f for f in flags))
+                              for handle, hook in hooks.items()))
+                 for kind in _HOOKS if (hooks := getattr(module, kind, None)))
+
+
+def _stateless(module: nn.Module) -> bool:
+    """Whether a module holds no Parameter, buffer or child."""
+    return not module._modules and all(
+        v is None for kind in (module._parameters, module._buffers) for v in kind.values())
+
+
+def _module_key(module: nn.Module, paths: Dict[int, str], depth: int,
+                keep: Callable[[str], bool]) -> tuple:
+    """A module's class and class ``forward``, the attributes it holds that ``keep`` keeps
+    (:func:`_value_key`, an instance ``forward`` too) and its call hooks.
+
+    Args:
+        module: the module.
+        paths: the block's modules (id -> path).
+        depth: how deep in containers the module is.
+        keep: whether an attribute's name counts.
+    """
+    held = tuple((name, _value_key(value, paths, depth)) for name, value in vars(module).items()
+                 if name not in _SKIP and keep(name))
+    return (type(module), _Same(type(module).forward), held, _hooks_key(module))
+
+
+#: class -> whether its code reads ``layer_idx`` other than for a cache (see _reads_index)
+_READS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+#: a module's name -> whether its functions (outside classes) read ``layer_idx`` so
+_READS_IN_MODULE: Dict[str, bool] = {}
+#: a module's name -> the syntax tree of its source
+_TREES: Dict[str, ast.Module] = {}
+#: the libraries whose classes' code never reads ``layer_idx`` (torch's, Python's own)
+_LIBRARIES = frozenset({"torch", *sys.stdlib_module_names})
+
+
+def _walk(tree: ast.AST, skip_init: bool) -> Iterator[ast.AST]:
+    """The nodes of ``tree``, without the ``__init__`` methods' when ``skip_init``."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if skip_init and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.name == "__init__":
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _reads_in(tree: ast.AST, skip_init: bool) -> bool:
+    """Whether code in ``tree`` reads an attribute ``layer_idx`` other than as an argument
+    of a cache's call or an index into a cache (see :data:`_CACHE_MARKS`).
+
+    Args:
+        tree: a class's or a function's syntax tree.
+        skip_init: leave out the ``__init__`` methods (they compute settings, held apart).
+    """
+    nodes = list(_walk(tree, skip_init))
+    parents = {child: node for node in nodes for child in ast.iter_child_nodes(node)}
+    for node in nodes:
+        if isinstance(node, ast.Constant) and node.value == _CACHE_INDEX:
+            return True  # (getattr(self, "layer_idx"), vars(self)["layer_idx"] ...)
+        if not (isinstance(node, ast.Attribute) and node.attr == _CACHE_INDEX
+                and isinstance(node.ctx, ast.Load)):
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Call) and node in (
+                *parent.args, *(k.value for k in parent.keywords)):
+            if isinstance(parent.func, ast.Attribute) and parent.func.attr == "update":
+                continue
+            user = parent.func
+        elif isinstance(parent, ast.Subscript) and node is parent.slice:
+            user = parent.value
+        else:
+            return True
+        if not any(mark in ast.unparse(user).lower() for mark in _CACHE_MARKS):
+            return True
+    return False
+
+
+def _module_tree(name: str) -> ast.Module:
+    """The syntax tree of the source of the Python module ``name`` (parsed once)."""
+    tree = _TREES.get(name)
+    if tree is None:
+        if len(_TREES) >= 8:  # (a model's classes come from a few modules)
+            _TREES.clear()
+        tree = _TREES[name] = ast.parse(inspect.getsource(sys.modules[name]))
+    return tree
+
+
+def _class_tree(cls: type) -> ast.AST:
+    """The syntax tree of the class statement of ``cls``: found by its qualified name in its
+    module's tree, else (a class made in a function, or under an ``if``) by
+    ``inspect.getsource``."""
+    node: Any = _module_tree(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        node = next((n for n in reversed(node.body)
+                     if isinstance(n, ast.ClassDef) and n.name == part), None)
+        if node is None:
+            return ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    return node
+
+
+def _class_reads_index(cls: type) -> bool:
+    """Whether the code of ``cls`` (its methods but ``__init__``, and the functions of its
+    module outside classes: HF's ``eager_attention_forward(module, ...)``) reads
+    ``layer_idx`` other than for a cache; True when its source cannot be read."""
+    known = _READS.get(cls)
+    if known is not None:
+        return known
+    try:
+        name = cls.__module__
+        if name not in _READS_IN_MODULE:
+            _READS_IN_MODULE[name] = any(
+                _reads_in(node, False) for node in _module_tree(name).body
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+        reads = _READS_IN_MODULE[name] or _reads_in(_class_tree(cls), True)
+    except (OSError, TypeError, SyntaxError, KeyError) as err:
+        log.debug("%s: its source cannot be read (%s): layer_idx counts", cls.__name__, err)
+        reads = True
+    _READS[cls] = reads
+    return reads
+
+
+def _reads_index(block: nn.Module) -> bool:
+    """Whether the code of the block's modules (their classes and base classes, but
+    torch's and Python's) may read ``layer_idx`` other than to index a cache."""
+    return any(_class_reads_index(cls) for cls in {
+        c for m in block.modules() for c in type(m).__mro__
+        if c.__module__.split(".")[0] not in _LIBRARIES})
 
 
 def _settings(block: nn.Module, cache: bool) -> tuple:
-    """Every plain attribute of the block's modules (a drop-path rate, a window shift, a
-    flag): the values its code may read and a trace bakes in. Blocks whose settings differ
-    (timm's and torchvision's stochastic depth rising with depth, Swin's shifted windows
-    every other block) do not share a plan. ``cache``: the call passes an object (a KV
-    cache), so HF's ``layer_idx`` counts too."""
-    return tuple((path, name, tuple(value) if isinstance(value, list) else value)
-                 for path, m in block.named_modules(remove_duplicate=False)
-                 for name, value in vars(m).items()
-                 if not name.startswith("_") and name != "training" and _plain(value)
-                 and (cache or name != _CACHE_INDEX))
+    """What the code of the block's modules may read besides Parameters and buffers, for
+    each module: its class and class ``forward``, and every attribute it holds (a drop-path
+    rate, a window shift, a flag, an ``_underscore`` value, a function, a dict, a dataclass,
+    an Enum member, a tensor, a config object, an instance ``forward``: see
+    :func:`_value_key`), and the call hooks of the modules inside it. Blocks whose settings
+    differ (timm's and torchvision's stochastic depth rising with depth, Swin's shifted
+    windows every other block, an activation chosen per block) do not share a plan.
+
+    Args:
+        block: the block.
+        cache: the call passes an object (a KV cache), so HF's ``layer_idx`` counts; without
+            one it counts only when the modules' code reads it (:func:`_reads_index`).
+    """
+    index = cache or _reads_index(block)
+    paths: Dict[int, str] = {}
+    for path, m in block.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), path)
+
+    def own(name: str) -> bool:  # (an attribute of a module in the block that counts)
+        return index or name != _CACHE_INDEX
+
+    def root(name: str) -> bool:
+        return own(name) and name not in _ROOT_SKIP and not name.startswith(_ROOT_PREFIXES)
+
+    out = []
+    for path, m in block.named_modules(remove_duplicate=False):
+        key = _module_key(m, paths, 0, own if path else root)
+        out.append((path, *(key if path else key[:-1])))  # (the block's own hooks: none)
+    return tuple(out)
 
 
 def _has_object(value: Any) -> bool:
@@ -226,8 +495,10 @@ def _has_object(value: Any) -> bool:
 
 def share_key(block: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
     """The key under which identical blocks share one plan: the block's class, each
-    Parameter's and buffer's name, shape and dtype, the training flags, the modules' plain
-    settings (:func:`_settings`) and the call's signature (:func:`_signature`).
+    Parameter's and buffer's name, shape and dtype, the training flags, everything else the
+    code of its modules may read (:func:`_settings`) and the call's signature
+    (:func:`_signature`). A block computes with another's plan only when all of these are
+    equal on it: the key errs towards planning a block on its own.
 
     Args:
         block: the block called.
