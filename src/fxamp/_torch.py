@@ -229,6 +229,10 @@ TRACE_PATCHES: Dict[str, Patch] = {p.name: p for p in (
           "fx and export: a model's own torch.inference_mode region is refused"),
     Patch("format_target", _fx_graph_module, "_format_target", "function",
           "fx code generation spells a module name holding a quote or a backslash"),
+    Patch("mha_fastpath", lambda: torch.backends.mha, "get_fastpath_enabled", "function",
+          "eager recording runs: torch.nn's fused Transformer fast path (taken in eval "
+          "without grad) is off, so the dtypes recorded are the regular path's, which the "
+          "plan computes"),
     Patch("stderr", lambda: sys, "stderr", "stream",
           "export: what torch prints to stderr while fxamp exports is captured"),
     Patch("checkpoint_impl", lambda: torch.utils.checkpoint, "_checkpoint_impl", "function",

@@ -140,6 +140,8 @@ def _check_device(program: Any, result: Any, args: tuple, kwargs: dict) -> None:
 #: how torch.export's input guard (an exported graph's ``_guards_fn``) words a failure
 GUARD_FAILED = "Guard failed: "
 _NAMED = re.compile(r"\b([A-Za-z_]\w*)(?=\.size\(\)|\[)")
+#: a guard on one fixed size (``x.size()[1] == 12``)
+_FIXED = re.compile(r"^[\w.\[\]'\"]+\.size\(\)\[\d+\] == \d+$")
 
 
 def guard_error(program: Any, err: AssertionError) -> Optional[InputShapeError]:
@@ -165,6 +167,8 @@ def guard_error(program: Any, err: AssertionError) -> Optional[InputShapeError]:
         "check with the model itself); or, if the model takes such inputs, rewrite it with "
         "example inputs like this call's")
     error.__cause__ = err
+    if _FIXED.match(condition):  # (a size the export fixed: a miss of this graph, which a
+        error.program = program  # type: ignore[attr-defined]  # graph planned on it takes)
     return error
 
 
@@ -182,7 +186,11 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
                 guard.check()  # (something changed: followed, re-planned or refused)
             if calls is not None and (*map(type, args), *kwargs,
                                       *map(type, kwargs.values())) not in calls.direct:
-                args, kwargs = calls.admit(args, kwargs)  # (refused, or made the graph's)
+                try:
+                    args, kwargs = calls.admit(args, kwargs)  # (refused, or the graph's)
+                except Exception as err:  # (CallStructureError: a miss of this graph)
+                    err.program = self
+                    raise
             if result.mode is not None and self.training is not result.mode:
                 _refuse_mode(self, result.mode)
             if DEVICE_CHECKED not in own:  # (once per module: its first call's device)

@@ -37,7 +37,8 @@ from .common import (PACKED_ADVICE, as_tuple, own_copies, packed_sequence_failur
                      training_flags, warn_mode_only, warn_one_mode)
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
-from .aten_inputs import ShapeCheck, batch_inputs, flat_inputs, plain_containers, plain_inputs_hook
+from .aten_inputs import (ShapeCheck, batch_inputs, flat_inputs, input_names, plain_containers,
+                          plain_inputs_hook)
 from .base import STATIC_SHAPES, Request, Traced
 from .buffer_writes import export_write_backs
 from .dtype_reads import Settled, follow_run_time_dtypes
@@ -80,6 +81,97 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]
 
     return {name: tree_map(spec, value)
             for name, value in _bound_inputs(model, args, kwargs).items()}
+
+
+def call_leaves(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[Any]:
+    """What a call gives each leaf of the forward's arguments (by parameter name, in
+    torch.export's ``dynamic_shapes`` order): a tensor's shape, a Python int's value, else
+    None; [] where the call does not bind to the forward.
+
+    Args:
+        model: the model called.
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+    """
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+        return value if type(value) is int else None
+
+    try:
+        bound = _bound_inputs(model, args, kwargs)
+    except TraceError:
+        return []
+    found: List[Any] = []
+    _zip_specs(bound, None, lambda value, _: found.append(leaf(value)))
+    return found
+
+
+def grown_dimensions(first: List[Any], now: List[Any]) -> List[tuple]:
+    """The (leaf, dimension) pairs where a call's leaves (:func:`call_leaves`) differ from
+    the first call's: a tensor dimension of another size, or (leaf, None) for a Python int
+    of another value; [] where the two do not have the same leaves and ranks.
+
+    Args:
+        first: the first call's leaves.
+        now: this call's.
+    """
+    if len(first) != len(now):
+        return []
+    grown: List[tuple] = []
+    for index, (a, b) in enumerate(zip(first, now)):
+        if type(a) is int and type(b) is int and a != b:
+            grown.append((index, None))
+        elif isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+            grown.extend((index, dim) for dim, (x, y) in enumerate(zip(a, b)) if x != y)
+    return grown
+
+
+def grown_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
+                         grown: Iterable[tuple]) -> Any:
+    """:func:`default_dynamic_shapes` with every (leaf, dimension) of ``grown`` symbolic
+    too (``Dim.AUTO``: torch.export specialises it where the code needs a fixed size), and
+    a Python int leaf (dimension None) an input of the graph: torch.compile's automatic
+    dynamic, for a module planned on its calls (``rewriter/inplace.py``).
+
+    Args:
+        model: the model about to be planned.
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+        grown: the pairs made symbolic (:func:`grown_dimensions`).
+    """
+    from torch.export import Dim
+
+    wanted: Dict[int, set] = {}
+    for index, dim in grown:
+        wanted.setdefault(index, set()).add(dim)
+    counter = iter(range(1 << 30))
+
+    def spec(value: Any, default: Any) -> Any:
+        dims = wanted.get(next(counter), ())
+        if not dims:
+            return default
+        if not isinstance(value, torch.Tensor):
+            return Dim.AUTO
+        out = dict(default or {})
+        out.update({d: Dim.AUTO for d in dims if d is not None})
+        return out
+
+    bound = _bound_inputs(model, args, kwargs)
+    defaults = default_dynamic_shapes(model, args, kwargs)
+    return {name: _zip_specs(value, defaults[name], spec) for name, value in bound.items()}
+
+
+def _zip_specs(value: Any, default: Any, spec: Any) -> Any:
+    """``spec(leaf, its default spec)`` over ``value``'s leaves (inside plain dicts, lists
+    and tuples, in order), in the containers of ``default_dynamic_shapes``."""
+    if type(value) is dict:
+        default = default if isinstance(default, dict) else {}
+        return {k: _zip_specs(v, default.get(k), spec) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        default = default if isinstance(default, (list, tuple)) else [None] * len(value)
+        return type(value)(_zip_specs(v, d, spec) for v, d in zip(value, default))
+    return spec(value, default)
 
 
 #: torch loggers that print whole graphs as warnings when an export fails; fxamp reports
@@ -412,5 +504,19 @@ class AtenFrontend:
         gm.register_forward_pre_hook(ShapeCheck(traced.graph_module, model, args, kwargs),
                                      with_kwargs=True)
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
-        return calls.call_structure(gm, model, args, kwargs, values=True)
+        return calls.call_structure(gm, model, args, kwargs, values=True,
+                                    symbolic=symbolic_scalars(traced.graph_module, model,
+                                                              args, kwargs))
+
+
+def symbolic_scalars(gm: fx.GraphModule, model: nn.Module, args: tuple,
+                     kwargs: Dict[str, Any]) -> frozenset:
+    """The names of the Python scalar inputs the export kept symbolic (a ``SymInt``
+    placeholder: any value runs the graph), which the call structure does not compare."""
+    names = input_names(model, args, kwargs)
+    inputs = list(gm.graph.find_nodes(op="placeholder"))
+    if len(names) != len(inputs):
+        return frozenset()
+    return frozenset(name for name, node in zip(names, inputs)
+                     if isinstance(node.meta.get("val"), torch.SymInt))
 

@@ -64,7 +64,7 @@ class ShapeCheck:
                  kwargs: Dict[str, Any]) -> None:
         self.sizes = input_sizes(gm)
         self.model_name = type(model).__name__
-        names = _input_names(model, args, kwargs)
+        names = input_names(model, args, kwargs)
         if len(names) == len(self.sizes):  # the forward's own names, not the graph's
             self.sizes = [(name, sizes) for name, (_, sizes) in zip(names, self.sizes)]
         self.bounds = symbolic_bounds(gm, [name for name, _ in self.sizes])
@@ -76,6 +76,16 @@ class ShapeCheck:
             flat = flat_inputs(module, args, kwargs)  # type: ignore[arg-type]
         except Exception:  # noqa: BLE001 - another structure: the graph's own check says so
             return None
+        try:
+            self._check(flat)
+        except Exception as err:  # (InputShapeError: a size this graph fixed, a miss of it
+            if not getattr(err, "bound", False):  # that a graph planned on it takes; not
+                err.program = module  # type: ignore[attr-defined]  # a bound the code set)
+            raise
+        return None
+
+    def _check(self, flat: tuple) -> None:
+        """Each input's rank and fixed sizes, then the symbolic dimensions' bounds."""
         for (name, sizes), value in zip(self.sizes, flat):
             if sizes is None or not isinstance(value, torch.Tensor):
                 continue
@@ -86,7 +96,6 @@ class ShapeCheck:
                     self._raise(name, sizes, dim, value)
         if self.bounds:
             self._check_bounds(flat)
-        return None
 
     def _check_bounds(self, flat: tuple) -> None:
         """The dynamic dimensions against the range torch.export derived for them and the
@@ -102,7 +111,7 @@ class ShapeCheck:
             if (upper is not None and size > upper) or (lower > 2 and size < lower):
                 bound = (f"at most {upper}" if upper is not None and size > upper
                          else f"at least {lower}")
-                raise InputShapeError(
+                raise _bound(InputShapeError(
                     f"the rewritten {self.model_name} was exported for input {name!r} with "
                     f"dimension {dim} of size {bound}: torch.export bounded that dimension "
                     "from what "
@@ -112,15 +121,15 @@ class ShapeCheck:
                     f"do: call it with dimension {dim} of {name!r} of size {bound} (past "
                     "such a bound the FP32 model usually fails too: check with the model "
                     "itself); or, if the model takes such sizes, rewrite it with example "
-                    "inputs of that size")
+                    "inputs of that size"))
             first = seen.setdefault(symbol, (name, dim, size))
             if first[2] != size:
-                raise InputShapeError(
+                raise _bound(InputShapeError(
                     f"the rewritten {self.model_name} was exported with dimension {dim} of "
                     f"input {name!r} equal to dimension {first[1]} of input {first[0]!r} "
                     f"({self.model_name}'s code combines them on the example); this call "
                     f"gives {size} and {first[2]}\n  what to do: call it with the two of "
-                    "the same size, as the model needs")
+                    "the same size, as the model needs"))
 
     def _raise(self, name: str, sizes: Tuple[Optional[int], ...], dim: Optional[int],
                value: torch.Tensor) -> None:
@@ -160,6 +169,13 @@ class ShapeCheck:
             f"{sizes[dim]}")
 
 
+def _bound(err: Exception) -> Exception:
+    """``err`` marked as a bound the model's code set (not a size the export fixed): no
+    graph planned on the call would take it, so it is raised, not planned for."""
+    err.bound = True  # type: ignore[attr-defined]
+    return err
+
+
 def symbolic_bounds(gm: fx.GraphModule, names: List[str]
                     ) -> List[Tuple[int, str, int, Any, int, Optional[int]]]:
     """(input index, name, dimension, symbol, lower, upper) of each dynamic dimension of
@@ -184,7 +200,7 @@ def symbolic_bounds(gm: fx.GraphModule, names: List[str]
             if b[5] is not None or b[4] > 2 or count[b[3]] > 1]
 
 
-def _input_names(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[str]:
+def input_names(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[str]:
     """The forward parameter (and the path inside it) of each leaf of ``(args, kwargs)``
     in torch.export's order; [] where they cannot be told."""
     from .._torch import keystr, tree_flatten_with_path

@@ -92,7 +92,7 @@ class CallStructure:
 
     def __init__(self, signature: inspect.Signature, model_name: str, args: tuple,
                  kwargs: Dict[str, Any], graph: inspect.Signature,
-                 values: bool = False) -> None:
+                 values: bool = False, symbolic: frozenset = frozenset()) -> None:
         self.signature = signature
         self.graph = graph  # the graph's forward
         self.model_name = model_name
@@ -109,8 +109,9 @@ class CallStructure:
             if self.var_keyword else {}
         # ``values``: the graph holds the example's Python scalars as constants (torch.export
         # specialises them): a call with another value is another structure
+        # (but those it takes as symbols: ``symbolic``)
         self.scalars = {name: value for name, value in self._named(bound).items()
-                        if type(value) in _SCALARS} if values else {}
+                        if type(value) in _SCALARS and name not in symbolic} if values else {}
         self.form = (len(args), frozenset(kwargs))
         # the graph's forward parameters, when each is one of the model's (else calls in
         # another form than the example's go to the graph as they are)
@@ -194,12 +195,14 @@ class CallStructure:
                    for name, value in zip(self.targets or (), values))
 
     def _refuse_value(self, name: str, example: Any, value: Any) -> None:
-        raise CallStructureError(
+        err = CallStructureError(
             f"{self.model_name} was called with {name!r} = {_shown(value)}; its rewrite's "
             f"example had {name!r} = {example!r}. torch.export took the model and holds the "
             f"example's Python values as constants, so its graph runs that value alone\n  "
             f"what to do: rewrite with inplace=True (each value is planned on its first "
             f"call), or with an example that has {name!r} = {_shown(value)} for those calls")
+        err.scalar = name  # type: ignore[attr-defined]  # (a value the graph fixed)
+        raise err
 
     def _refuse(self, name: str, example: Any, given: bool, value: Any,
                 passed: bool) -> None:
@@ -227,7 +230,8 @@ def _shown(value: Any) -> str:
 
 
 def call_structure(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[str, Any],
-                   values: bool = False) -> Optional["CallStructure"]:
+                   values: bool = False, symbolic: frozenset = frozenset()
+                   ) -> Optional["CallStructure"]:
     """The example's :class:`CallStructure`, which the rewritten module ``gm`` (a Program)
     checks on entry (``Rewritten.calls``); None when the model's forward cannot be read.
 
@@ -238,6 +242,7 @@ def call_structure(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[st
         kwargs: the example's keyword arguments.
         values: the graph holds the example's Python scalars (bool, int, float, str) as
             constants (torch.export specialises them): a call with another value is refused.
+        symbolic: the names of those the graph takes as inputs (symbols): not compared.
 
     Returns:
         The call structure, or None.
@@ -245,7 +250,8 @@ def call_structure(gm: nn.Module, model: nn.Module, args: tuple, kwargs: Dict[st
     try:
         signature = inspect.signature(model.forward)
         structure = CallStructure(signature, type(model).__name__, tuple(args),
-                                  dict(kwargs), inspect.signature(gm.forward), values)
+                                  dict(kwargs), inspect.signature(gm.forward), values,
+                                  symbolic)
     except (TypeError, ValueError) as err:
         log.debug("%s: call structure not checked: %s", type(model).__name__, err)
         return None

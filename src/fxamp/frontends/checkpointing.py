@@ -137,14 +137,16 @@ def recording(graph_of: Callable[[], Optional[fx.Graph]],
             return original(function, args, kwargs, **options)
         region = Region(next(_IDS), _given(options), {mode})
         before = next(iter(reversed(graph.nodes)), None)
+        # (the arguments' nodes before the call: a no-op ``x.to(x.dtype)`` in the function,
+        # HF's RMSNorm's, returns ``x`` itself, and torch.export then maps it to that node)
+        given = [node_of(value) for value in args]
         result = function(*args, **kwargs)  # (inline: no no_grad of the reentrant variant)
         made = _created_since(graph, before)
         if not made:
             return result  # (nothing traced: no tensor op to checkpoint)
         for node in made:
             _write(node, TAG, (region,) + tags(node))
-        for position, value in enumerate(args):
-            node = node_of(value)
+        for position, node in enumerate(given):
             if node is not None and node not in made:
                 _write(node, ARGS, arg_marks(node) + ((region.id, position),))
                 region.n_args += 1

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from .. import _torch
 from .._torch import reparametrize_module, tree_flatten, tree_map, tree_unflatten
 
 from ..errors import FxampError
@@ -51,6 +52,16 @@ def low_dtype(values: Any) -> Optional[torch.dtype]:
     leaves, _ = tree_flatten(values)
     return next((v.dtype for v in leaves if isinstance(v, torch.Tensor)
                  and v.dtype in (torch.float16, torch.bfloat16)), None)
+
+
+def regular_path() -> "contextlib.AbstractContextManager":
+    """torch.nn's fused fast path (``nn.TransformerEncoderLayer``, ``nn.MultiheadAttention``,
+    taken in eval mode without grad) off on this thread: a recording run without grad gets
+    the dtypes of the regular path, the one a plan computes and autocast takes with grad
+    and in training (under autocast the fast path gives bf16 where the regular path gives
+    FP32, and a child would get its output cast to bf16 in every mode; a model first called
+    in eval, as Lightning's sanity check does, then trained with wrong gradients)."""
+    return _torch.patched("mha_fastpath", lambda original: False)
 
 
 def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
@@ -85,7 +96,7 @@ def submodule_calls(model: nn.Module, paths: Sequence[str], args: tuple,
             hooks.append(model.get_submodule(path).register_forward_hook(hook,
                                                                          with_kwargs=True))
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]), \
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), regular_path(), \
                     reparametrize_module(model, buffers, strict=False), \
                     (device_autocast(device_type((args, kwargs)), autocast) if autocast
                      else contextlib.nullcontext()):

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 import operator
 import os
 import threading
@@ -31,12 +32,17 @@ from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tup
 import torch
 import torch.nn as nn
 
-from ..errors import CallStructureError, FxampError, UnsupportedModelError
+from ..errors import CallStructureError, FxampError, InputShapeError, UnsupportedModelError
+from ..frontends.aten import call_leaves, grown_dimensions, grown_dynamic_shapes
+from ..frontends.common import in_output_dtype
 from ..frontends.hooks import ROOT_HOOKS
 from ..frontends.shadow import Shadow
 from ..program import call_key
 from ..result import ATTR as RESULT, Pending, has_result, result_of
+from ..runtime import device_autocast, device_type
 from ..structure import StructureChanged, mirrors
+
+log = logging.getLogger(__name__)
 
 #: where the rewritten module lives in the model's ``__dict__``
 ATTR = "_fxamp_rewritten"
@@ -131,6 +137,36 @@ def _eager_planning() -> Dict[str, Callable[..., Any]]:
     return _EAGER
 
 
+#: the graphs one in-place forward plans for its calls (a mode, a call structure, the
+#: dtypes of its floating inputs, a size or Python value a graph fixed) since its structure
+#: last changed; past it, that module runs under torch.autocast (torch.compile's
+#: ``cache_size_limit``, 8, then its fallback to eager)
+LIMIT = 8
+#: what a graph raises for a call it was not traced for (another call structure or Python
+#: value, another size where it fixed one): a miss when ``err.program`` is that graph
+MISSES = (CallStructureError, InputShapeError)
+
+
+def _missed(err: BaseException, gm: Any) -> bool:
+    """Whether ``err`` is ``gm``'s own refusal of a call (not a nested module's error)."""
+    return getattr(err, "program", None) is gm
+
+
+def _float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """The dtypes of a call's floating tensor arguments: a graph planned on a call holds
+    for those alone (autocast would compute a bf16 and an fp32 input differently)."""
+    return tuple(v.dtype for v in (*args, *kwargs.values())
+                 if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def _reason(err: Optional[BaseException], fallback: str) -> str:
+    """A miss as the give-up warning names it: its message's first sentence."""
+    if err is None:
+        return fallback
+    text = str(err).split("\n", 1)[0]
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 #: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
 #: rewritten module, not installed (set by the pipeline, which owns amp_rewrite); ``why`` is
 #: None for a first call (of the model, a mode or a call structure), else the change that
@@ -173,6 +209,16 @@ class InplaceForward:
         self.theirs: List[nn.Module] = []
         self.flags: tuple = ()
         self.mode: Optional[bool] = None  # the first graph's (None: it follows the mode)
+        # graphs planned on calls: how many since the structure last changed (LIMIT), the
+        # first call's argument leaves and the (leaf, dimension) pairs seen to change since
+        # (planned symbolic), the first graph's floating input dtypes (None: not planned on
+        # a call), the misses that made them, and why the module runs under autocast now
+        self.count = 0
+        self.seen: List[Any] = []
+        self.grown: set = set()
+        self.dtypes: Optional[tuple] = None
+        self.misses: List[str] = []
+        self.fallback: Optional[str] = None
         _eager_planning()  # (before any compiled region can reach the planning methods)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -244,7 +290,10 @@ class InplaceForward:
                     mine.training = theirs.training
                 self.flags = flags
         gm = model.__dict__.get(ATTR)
-        if gm is None:  # (no example inputs: planned on the first call)
+        fresh = gm is None
+        if fresh:  # (no example inputs: planned on the first call)
+            if self.fallback is not None:
+                return self._autocast(args, kwargs)
             gm = self._first(args, kwargs)
         try:
             return self._run(gm, args, kwargs)
@@ -252,18 +301,42 @@ class InplaceForward:
             if not err.replan or self.plan is None:
                 raise
             gm = self._replanned(gm, args, kwargs, str(err))
+        except BaseException:
+            if fresh:  # (a first call that fails keeps no plan: the next one plans anew)
+                self._forget(gm)
+            raise
         return self._run(gm, args, kwargs)
 
     def _run(self, gm: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
-        """The call on the first graph, or on the one made for its mode or structure."""
+        """The call on the first graph, or on the one made for its mode, structure, input
+        dtypes and sizes (planned on this call when none is)."""
+        if self.fallback is not None:
+            return self._autocast(args, kwargs)
         if self.mode is not None and self.mode is not self.model.training:
-            return self._variant(args, kwargs)
+            return self._variant(args, kwargs, None)
+        if self.dtypes is not None and _float_dtypes(args, kwargs) != self.dtypes:
+            return self._variant(args, kwargs, None)
         try:
             return gm(*args, **kwargs)
-        except CallStructureError:
-            if self.plan is None:
+        except MISSES as err:
+            if self.plan is None or not _missed(err, gm):
                 raise
-            return self._variant(args, kwargs)
+            return self._variant(args, kwargs, err, gm)
+
+    def _forget(self, gm: nn.Module) -> None:
+        """Drop a graph whose first call failed (the call's error is the model's, or
+        autocast's, as the FP32 model raises it; a plan made for it is kept nowhere)."""
+        with self.lock:
+            if self.model.__dict__.get(ATTR) is gm:
+                self.model.__dict__[ATTR] = None
+                self.model.__dict__[RESULT] = Pending(self.config, type(self.model).__name__)
+                self.model.__dict__["forward"] = self
+                self.dtypes, self.seen, self.count = None, [], 0
+            self.variants = {k: [g for g in v if g is not gm]
+                             for k, v in self.variants.items()}
+            forget = getattr(self.plan, "forget", None)
+            if forget is not None:
+                forget(gm)
 
     @_outside_compile
     def _first(self, args: tuple, kwargs: Dict[str, Any]) -> nn.Module:
@@ -273,6 +346,7 @@ class InplaceForward:
             if gm is None:
                 gm = self._planned(args, kwargs, None)
                 self.put(gm)
+                self.dtypes = _float_dtypes(args, kwargs)
             return gm
 
     @_outside_compile
@@ -282,34 +356,105 @@ class InplaceForward:
         with self.lock:
             gm = self.model.__dict__.get(ATTR)
             if gm is stale or gm is None or any(stale in v for v in self.variants.values()):
+                self.count, self.seen, self.grown, self.misses = 0, [], set(), []
+                self.fallback = None  # (a new structure: planned anew, with a new bound)
                 gm = self._planned(args, kwargs, why)
                 self.put(gm)
+                if self.dtypes is not None:
+                    self.dtypes = _float_dtypes(args, kwargs)
             return gm
 
     @_outside_compile
-    def _variant(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
-        """The call run on the graph made for its mode and call structure, planned on this
-        call when none is."""
-        key = (self.model.training, call_key(args, kwargs))
+    def _variant(self, args: tuple, kwargs: Dict[str, Any], miss: Optional[BaseException],
+                 first: Optional[nn.Module] = None) -> Any:
+        """The call run on a graph made for its mode, call structure and floating input
+        dtypes that takes it, planned on this call when none does: with every dimension and
+        Python int seen to change since the first call symbolic (torch.compile's automatic
+        dynamic). A new graph for a size or value ``first`` (the first graph) fixed
+        replaces it, the old one kept last. Past ``LIMIT`` graphs, the module runs under
+        torch.autocast from now on, with one warning naming it and what kept changing."""
+        dtypes = _float_dtypes(args, kwargs)
+        key = (self.model.training, call_key(args, kwargs), dtypes)
         for gm in self.variants.get(key, ()):
             try:
                 return gm(*args, **kwargs)
-            except CallStructureError:  # (another Python value than that graph's)
-                continue
+            except MISSES as err:
+                if not _missed(err, gm):
+                    raise
+                miss = err
+        if miss is None:
+            miss_text = ("its input dtypes " + ", ".join(str(d).replace("torch.", "")
+                                                          for d in dtypes)
+                         if self.dtypes is not None and dtypes != self.dtypes
+                         else f"{'train' if self.model.training else 'eval'} mode")
+        else:
+            miss_text = _reason(miss, "")
         with self.lock:
-            known = self.variants.get(key, [])
-            gm = self._planned(args, kwargs, None)
-            self.variants = {**self.variants, key: [*known, gm]}
-        return gm(*args, **kwargs)
+            if self.fallback is None and self.count >= LIMIT:
+                self._give_up(miss_text)
+            if self.fallback is None:
+                if miss_text not in self.misses:
+                    self.misses.append(miss_text)
+                known = self.variants.get(key, [])
+                gm = self._planned(args, kwargs, None)
+                grows = first is not None and (isinstance(miss, InputShapeError)
+                                               or getattr(miss, "scalar", None) is not None)
+                if grows and self.model.__dict__.get(ATTR) is first:
+                    variants = self.variants
+                    self.put(gm)  # (the new first graph; the old one tried last)
+                    self.variants = {**variants, key: [*known, first]}
+                else:
+                    self.variants = {**self.variants, key: [gm, *known]}
+        if self.fallback is not None:
+            return self._autocast(args, kwargs)
+        try:
+            return gm(*args, **kwargs)
+        except BaseException:
+            self._forget(gm)  # (a call that fails keeps no plan)
+            raise
+
+    def _give_up(self, miss: str) -> None:
+        """Stop planning: the module runs under torch.autocast from now on (one warning)."""
+        name = type(self.model).__name__
+        self.fallback = miss
+        changed = "; ".join([*self.misses[-4:], miss])
+        log.warning(
+            "%s: %d graphs were planned for its calls (the limit, as torch.compile's "
+            "cache_size_limit), and this call needs another; it runs under torch.autocast "
+            "from now on (autocast's dtypes for every op, so fxamp's numerics rules do not "
+            "apply to it). What kept changing: %s. what to do: give it calls of fewer "
+            "shapes, modes and Python values (pad to a few lengths; pass a changing number "
+            "as a tensor), or rewrite it with example inputs and "
+            "RewriteConfig.make(dynamic_shapes=...)", name, self.count, changed)
+
+    def _autocast(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        """The call run as torch.autocast runs it: the module's own forward under autocast
+        of the plan's dtype, its outputs in the policy's output dtype."""
+        model, policy = self.model, self.config.policy
+        with device_autocast(device_type((args, kwargs)), policy.compute):
+            out = type(model).forward(model, *args, **kwargs)
+        return in_output_dtype(out, policy.output_dtype)
 
     def _planned(self, args: tuple, kwargs: Dict[str, Any], why: Optional[str]) -> nn.Module:
-        """A graph of the model planned on this call (the caller holds the lock)."""
+        """A graph of the model planned on this call (the caller holds the lock), with the
+        dimensions and Python ints seen to change since the first call symbolic."""
         if self.plan is None or self.config is None:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} cannot be planned on this call: its rewrite "
                 "kept no config. what to do: rewrite the model again")
+        config = self.config
         with planning(self.model, self.lock):
-            return self.plan(self.model, args, kwargs, self.config, why)
+            leaves = call_leaves(self.model, args, kwargs)
+            if not self.seen:
+                self.seen = leaves
+            else:
+                self.grown.update(grown_dimensions(self.seen, leaves))
+            if self.grown:
+                config = config.replace(dynamic_shapes=grown_dynamic_shapes(
+                    self.model, args, kwargs, self.grown))
+            gm = self.plan(self.model, args, kwargs, config, why)
+        self.count += 1
+        return gm
 
 
 def planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:

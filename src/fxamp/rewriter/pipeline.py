@@ -328,12 +328,24 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
             model, (args, kwargs))
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
-                torch.random.fork_rng(devices=devices):
+                torch.random.fork_rng(devices=devices), _own_saved_tensors():
             gm = _rewrite_top(model, args, config, on_call=True)
     if config.policy.weights == "stored":
         restore_stored(model, gm, swaps)
         store_weights(model, gm)
     return gm
+
+
+def _keep(value: Any) -> Any:
+    return value
+
+
+def _own_saved_tensors() -> Any:
+    """The tensors planning's runs of the model save for backward kept as they are, out of
+    any saved-tensor hooks the call is made under: a block's first call inside a
+    non-reentrant ``torch.utils.checkpoint`` (whose hooks count and drop what the forward
+    saves, and whose recompute, running the plan alone, must save as many)."""
+    return torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
 
 
 def isolated(value: Any) -> Any:
