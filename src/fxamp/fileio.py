@@ -25,7 +25,7 @@ import shutil
 import stat
 import sys
 import tempfile
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .errors import OutputFileError
 
@@ -34,6 +34,47 @@ log = logging.getLogger(__name__)
 __all__ = ["atomic_write_text", "atomic_write_bytes", "atomic_directory", "output_error",
            "writes_in_place", "Staging", "make_temporary_directory",
            "temporary_directory_named"]
+
+
+def _limit(value: int) -> str:
+    """A resource limit as ``ulimit`` shows it: bytes, or ``unlimited``."""
+    import resource
+
+    return "unlimited" if value == resource.RLIM_INFINITY else f"{value} bytes"
+
+
+def _too_large_advice(path: str) -> str:
+    """What to do about EFBIG ("File too large") while writing ``path``: this process's
+    per-file size limit (``ulimit -f``, RLIMIT_FSIZE; Python ignores SIGXFSZ, so the write
+    fails instead of the process being killed) when one is set, else the file system's
+    largest file.
+
+    Args:
+        path: the file whose write failed.
+
+    Returns:
+        The advice, naming the limit in bytes.
+    """
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        limited = soft != resource.RLIM_INFINITY
+    except (ImportError, OSError, ValueError, AttributeError):  # no such limit (Windows)
+        limited = False
+    if limited:
+        most = "" if hard == soft else f", hard limit {_limit(hard)}"
+        blocks = f" (ulimit -f {soft // 1024}, in 1024-byte blocks)" if soft >= 1024 else ""
+        return (f"the file is larger than this process may write: its per-file size limit "
+                f"(RLIMIT_FSIZE) is {soft} bytes{blocks}{most}; setting TMPDIR or writing "
+                "elsewhere does not help. Raise "
+                "the limit in the shell that runs fxamp (ulimit -f unlimited, or a size above "
+                "the file's) and run again; the old file is unchanged")
+    where = os.path.dirname(os.path.abspath(path))
+    return (f"the file system of {where} cannot hold a file this large (FAT32, for one, "
+            "stops at 4 GiB): write to another file system (fxamp stages some outputs in the "
+            "temporary directory: set TMPDIR to a directory on another file system too) and "
+            "run again; the old file is unchanged")
 
 
 def _advice(err: OSError) -> str:
@@ -67,6 +108,23 @@ def temporary_directory_named() -> str:
     return f"{tempfile.gettempdir()} (TMPDIR is not set)"
 
 
+#: the folder of each file :class:`Staging` keeps (real path) -> the output it goes to
+_STAGED: Dict[str, str] = {}
+
+
+def _staged_target(path: str) -> Optional[str]:
+    """The output a file of a :class:`Staging` folder is staged for (the target, or a
+    companion file beside it), or None for any other path."""
+    real = os.path.realpath(os.path.abspath(path))
+    folder, name = os.path.split(real)
+    target = _STAGED.get(folder)
+    if target is None:
+        return None
+    if name == os.path.basename(os.path.abspath(target)):
+        return target
+    return os.path.join(os.path.dirname(target), name)
+
+
 def _fxamp_temporary(path: str) -> bool:
     """Whether ``path`` lies in one of fxamp's own temporary folders (``fxamp-*.tmp`` in
     the temporary directory: :class:`Staging`, in-place targets' copies)."""
@@ -94,10 +152,16 @@ def _temporary_advice(err: OSError) -> str:
 
 def output_error(path: str, err: OSError) -> OutputFileError:
     """An :class:`OutputFileError` for ``err`` raised while writing ``path`` (for a file of
-    fxamp's own temporary folders, naming the temporary directory and ``TMPDIR``)."""
+    fxamp's own temporary folders, naming the temporary directory and ``TMPDIR``, and the
+    output it is staged for; for "File too large", the per-file size limit)."""
     cause = err.strerror or str(err) or type(err).__name__
-    advice = _temporary_advice(err) if _fxamp_temporary(path) else _advice(err)
-    made = OutputFileError(f"cannot write {path}: {cause}\n  what to do: {advice}")
+    if err.errno == errno.EFBIG:  # the size limit holds wherever the file is staged
+        advice = _too_large_advice(path)
+    else:
+        advice = _temporary_advice(err) if _fxamp_temporary(path) else _advice(err)
+    target = _staged_target(path)
+    shown = f"{target} (staged as {path})" if target else path
+    made = OutputFileError(f"cannot write {shown}: {cause}\n  what to do: {advice}")
     made.errno = err.errno
     made.filename = path
     return made
@@ -386,6 +450,7 @@ class Staging:
         folder = os.path.join(self.root, str(len(self._entries)))
         os.mkdir(folder)
         self._entries.append((folder, target))
+        _STAGED[os.path.realpath(folder)] = target
         return os.path.join(folder, os.path.basename(os.path.abspath(target)))
 
     def commit(self) -> None:
@@ -407,6 +472,8 @@ class Staging:
                 copy_into(os.path.join(folder, name), target)
 
     def close(self) -> None:
+        for folder, _ in self._entries:
+            _STAGED.pop(os.path.realpath(folder), None)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "Staging":

@@ -14,8 +14,9 @@ fxamp --version
 The command is a package, one module per command group: ``factory`` (loading
 MODULE:FACTORY, the RewriteConfig of the model arguments), ``plans`` (plan, diff, check),
 ``show``, ``audit``, ``export``, ``demo``; ``terminal`` (any stream encoding, a closed
-standard output, termination signals); this module holds the argument parser and
-:func:`main`.
+standard output, termination signals, the per-file size limit); ``refusals`` (the flags
+refused rather than ignored: given twice, contradicting the policy, unused, more
+``--input-shape`` than inputs); this module holds the argument parser and :func:`main`.
 """
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ from .demo import cmd_demo
 from .export import cmd_export
 from .factory import load_factory
 from .plans import cmd_check, cmd_diff, cmd_plan
+from .refusals import Once, refuse_ignored_flags
 from .show import cmd_show
-from .terminal import Terminated, result_stream, streams_for_any_encoding, terminating_raises
+from .terminal import (Terminated, file_size_errors, result_stream, streams_for_any_encoding,
+                       terminating_raises)
 
 __all__ = ["main", "build_parser", "load_factory"]
 
@@ -100,20 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("factory", help="MODULE:FACTORY or FILE.py:FACTORY returning a model "
                        "or (model, inputs)")
-        p.add_argument("--dtype", default=None, type=_compute_dtype,
-                       help=dtype_help + " (default fp16, or the policy's compute=)")
-        p.add_argument("--target", default="cuda", choices=list(TARGETS),
+        p.add_argument("--dtype", default=None, type=_compute_dtype, action=Once,
+                       help=dtype_help + " (default fp16, or the policy's compute=; one "
+                       "that contradicts the policy's is refused)")
+        p.add_argument("--target", default="cuda", choices=list(TARGETS), action=Once,
                        help="cuda or cpu: whose autocast lists to mirror (training; default "
-                       "cuda: a plan file is the same on every machine, whatever device the "
-                       "factory's model is on); tensorrt: a deployment plan, all FP16 except "
-                       "where numbers or the engine need FP32")
-        p.add_argument("--policy", default=None, help='policy string, e.g. "fp32:head.*"')
-        p.add_argument("--frontend", default="auto", choices=list(FRONTENDS),
+                       "cuda, or the policy's target=: a plan file is the same on every "
+                       "machine, whatever device the factory's model is on); tensorrt: a "
+                       "deployment plan, all FP16 except where numbers or the engine need "
+                       "FP32 (one that contradicts the policy's is refused)")
+        p.add_argument("--policy", default=None, action=Once,
+                       help='policy string, e.g. "fp32:head.*" (items comma-separated)')
+        p.add_argument("--frontend", default="auto", choices=list(FRONTENDS), action=Once,
                        help="torch.fx, torch.export, or auto: fx, then export, then fx "
                        "around untraceable submodules (default auto)")
         p.add_argument("--input-shape", type=_shape, action="append",
                        help="shape of an FP32 input (random for export; on device meta, without "
-                       "data, for the commands that only plan); repeat for several inputs")
+                       "data, for the commands that only plan); repeat for several inputs, "
+                       "one per input of the forward, in order")
         p.add_argument("--rule", action="append", metavar="MODULE:RULE",
                        help="a user decision rule (MODULE:NAME or FILE.py:NAME naming a "
                        "fxamp.DecisionRule object or subclass, or a list of them); repeat "
@@ -121,27 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
     model_args(p)
-    p.add_argument("-o", "--output", help="write the plan to this file")
+    p.add_argument("-o", "--output", action=Once, help="write the plan to this file")
     p.set_defaults(func=cmd_plan, result_on_stdout=True)
 
     d = sub.add_parser("diff", help="diff two plan files (exit 1 when they differ)")
     d.add_argument("old")
     d.add_argument("new")
-    d.add_argument("--format", default="text", choices=["text", "markdown"])
+    d.add_argument("--format", default="text", choices=["text", "markdown"], action=Once)
     d.set_defaults(func=cmd_diff, result_on_stdout=True)
 
     c = sub.add_parser("check", help="fail (exit 1) when a model's plan differs from a file")
     model_args(c)
-    c.add_argument("--plan", required=True, help="the committed plan file")
+    c.add_argument("--plan", required=True, action=Once, help="the committed plan file")
     c.add_argument("--update", action="store_true", help="rewrite the plan file instead")
-    c.add_argument("--format", default="text", choices=["text", "markdown"])
+    c.add_argument("--format", default="text", choices=["text", "markdown"], action=Once,
+                   help="of the differences (not with --update)")
     c.set_defaults(func=cmd_check, result_on_stdout=True)
 
     s = sub.add_parser("show", help="draw the graph coloured by precision")
     model_args(s)
-    s.add_argument("-o", "--output", required=True, help="graph.html, graph.dot, graph.svg, "
-                   "graph.mmd")
-    s.add_argument("--format", choices=["html", "dot", "svg", "mermaid", "model-explorer"],
+    s.add_argument("-o", "--output", required=True, action=Once, help="graph.html, "
+                   "graph.dot, graph.svg, graph.mmd")
+    s.add_argument("--format", action=Once,
+                   choices=["html", "dot", "svg", "mermaid", "model-explorer"],
                    help="default: from the file extension, else html; model-explorer: node "
                    "data JSON for Google's Model Explorer (OUTPUT and OUTPUT's .rule.json)")
     s.set_defaults(func=cmd_show)
@@ -150,30 +159,34 @@ def build_parser() -> argparse.ArgumentParser:
                        "(exit 1 when there is an error finding)")
     model_args(a)
     a.add_argument("--min-severity", default="info", choices=["error", "warning", "info"],
+                   action=Once,
                    help="show findings of this severity and above (default: all)")
-    a.add_argument("--onnx", metavar="FILE", help="also check this exported ONNX file (opset, "
-                   "dynamic batch axis)")
+    a.add_argument("--onnx", metavar="FILE", action=Once, help="also check this exported "
+                   "ONNX file (opset, dynamic batch axis)")
     a.set_defaults(func=cmd_audit, result_on_stdout=True)
 
     e = sub.add_parser("export", help="rewrite, export to ONNX and report what a backend "
                        "really runs in which precision")
     model_args(e)
-    e.add_argument("-o", "--output", required=True, help="the ONNX file to write")
-    e.add_argument("--report", help="write a precision report (.md, .json or .html)")
-    e.add_argument("--backend", default="auto", choices=list(BACKEND_CHOICES),
+    e.add_argument("-o", "--output", required=True, action=Once,
+                   help="the ONNX file to write")
+    e.add_argument("--report", action=Once,
+                   help="write a precision report (.md, .json or .html)")
+    e.add_argument("--backend", default="auto", choices=list(BACKEND_CHOICES), action=Once,
                    help="backend the report inspects (default auto: TensorRT when it and a "
-                   "GPU are there, else onnxruntime)")
-    e.add_argument("--model-explorer", metavar="FILE.json",
+                   "GPU are there, else onnxruntime; only with --report or --model-explorer)")
+    e.add_argument("--model-explorer", metavar="FILE.json", action=Once,
                    help="also write Model Explorer node data for the ONNX file: planned "
                    "precision to FILE.json, actual to FILE.actual.json (rule and reason go "
                    "into the ONNX nodes' metadata)")
     e.set_defaults(func=cmd_export)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")
-    m.add_argument("--steps", type=_positive, default=30, help="training steps (default 30)")
-    m.add_argument("--dtype", default=torch.float16, type=_compute_dtype,
+    m.add_argument("--steps", type=_positive, default=30, action=Once,
+                   help="training steps (default 30)")
+    m.add_argument("--dtype", default=torch.float16, type=_compute_dtype, action=Once,
                    help=dtype_help + " (default fp16)")
-    m.add_argument("--target", default=None, choices=list(TRAINING_TARGETS),
+    m.add_argument("--target", default=None, choices=list(TRAINING_TARGETS), action=Once,
                    help="whose autocast lists to mirror (default: the device the demo "
                    "trains on: cuda when there is a GPU, else cpu)")
     m.set_defaults(func=cmd_demo, result_on_stdout=True)
@@ -209,7 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        with terminating_raises(), streams_for_any_encoding():
+        with terminating_raises(), streams_for_any_encoding(), file_size_errors():
+            refuse_ignored_flags(args)  # before any work
             if getattr(args, "result_on_stdout", False) and not getattr(args, "output", None):
                 result_stream(args.command, " or give -o FILE" if args.command == "plan"
                               else "")  # (refused before the work when it is closed)

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import (FactoryError, FxampError, excerpt, is_library_file, short_path,
                       shorten)
+from .refusals import check_input_count
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,7 @@ def load_factory(spec: str, shapes: Sequence[Tuple[int, ...]]
     of ``shapes`` (--input-shape) when given."""
     model, inputs = load_model(spec)
     if shapes:
+        check_input_count(spec, model, shapes)
         inputs = tuple(random_input(s) for s in shapes)
     if inputs is None:
         raise _no_inputs(spec)
@@ -253,6 +255,7 @@ def plan_only(args: argparse.Namespace, run: Callable[[torch.nn.Module, tuple], 
         if inputs is None:
             raise _no_inputs(args.factory)
         return run(model, inputs)
+    check_input_count(args.factory, model, shapes)
     total = sum(input_bytes(s) for s in shapes)
     inputs = tuple(random_input(s, "meta") for s in shapes)
     try:

@@ -8,7 +8,9 @@
   closed pipe, ``> /dev/full``) is an :class:`~fxamp.errors.FxampError`, not a traceback;
 - :func:`terminating_raises`: SIGTERM and SIGHUP end the command through
   :class:`Terminated`, like Ctrl-C through KeyboardInterrupt, so its ``finally`` and
-  ``with`` blocks remove the temporary files and folders it made (``fileio.Staging``).
+  ``with`` blocks remove the temporary files and folders it made (``fileio.Staging``);
+- :func:`file_size_errors`: a write past the per-file size limit (``ulimit -f``) is an
+  error naming the limit, never a kill by SIGXFSZ.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, TextIO, Tuple
 from ..errors import FxampError
 
 __all__ = ["Terminated", "terminating_raises", "streams_for_any_encoding", "result_stream",
-           "write_result", "ERRORS"]
+           "write_result", "file_size_errors", "ERRORS"]
 
 #: the codecs error handler :func:`streams_for_any_encoding` gives the standard streams
 ERRORS = "fxamp-ascii"
@@ -159,3 +161,24 @@ def terminating_raises() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
             _REPLACED.pop(sig, None)
+
+
+@contextlib.contextmanager
+def file_size_errors() -> Iterator[None]:
+    """Within the block, a write past this process's per-file size limit (``ulimit -f``,
+    RLIMIT_FSIZE) fails with ``OSError`` EFBIG, which names the limit (``fileio``), instead
+    of SIGXFSZ killing the process without a word. Python ignores SIGXFSZ at start-up; this
+    covers an interpreter that did not (embedded, ``install_signal_handlers`` off). The
+    handler is put back after the block; off the main thread nothing changes."""
+    sig = getattr(signal, "SIGXFSZ", None)
+    if sig is None or threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(sig) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(sig, signal.SIG_IGN)
+    _REPLACED[sig] = signal.SIG_DFL
+    try:
+        yield
+    finally:
+        signal.signal(sig, signal.SIG_DFL)
+        _REPLACED.pop(sig, None)
