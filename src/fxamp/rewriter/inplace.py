@@ -110,7 +110,8 @@ _TRAINING = operator.attrgetter("training")
 #: the planning methods behind ``torch.compiler.disable`` by name, made at the first rewrite
 #: (not at import: ``torch.compiler.disable`` imports torch._dynamo)
 _EAGER: Dict[str, Callable[..., Any]] = {}
-_PLANNING = ("_first", "_replanned", "_variant")
+_PLANNING = ("_first", "_replanned", "_variant", "_planned_run")
+_COMPILING = torch.compiler.is_compiling
 
 
 def _outside_compile(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -294,18 +295,38 @@ class InplaceForward:
         if fresh:  # (no example inputs: planned on the first call)
             if self.fallback is not None:
                 return self._autocast(args, kwargs)
+            if _COMPILING():  # (a compiled region: planned and run outside it, see below)
+                return self._planned_run(None, args, kwargs, None)
             gm = self._first(args, kwargs)
         try:
             return self._run(gm, args, kwargs)
         except StructureChanged as err:
             if not err.replan or self.plan is None:
                 raise
+            if _COMPILING():
+                return self._planned_run(gm, args, kwargs, str(err))
             gm = self._replanned(gm, args, kwargs, str(err))
         except BaseException:
             if fresh:  # (a first call that fails keeps no plan: the next one plans anew)
                 self._forget(gm)
             raise
         return self._run(gm, args, kwargs)
+
+    @_outside_compile
+    def _planned_run(self, stale: Optional[nn.Module], args: tuple, kwargs: Dict[str, Any],
+                     why: Optional[str]) -> Any:
+        """A call that plans, inside a region torch.compile traces (a per-layer
+        ``layer.compile()``): planned and run eagerly, outside the trace (the compiled code
+        would otherwise read the new graph's Parameters as constants: no gradients). The
+        region's next call is traced again with the graph in place."""
+        gm = self._first(args, kwargs) if stale is None else self._replanned(
+            stale, args, kwargs, why or "")
+        try:
+            return self._run(gm, args, kwargs)
+        except BaseException:
+            if stale is None:
+                self._forget(gm)
+            raise
 
     def _run(self, gm: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
         """The call on the first graph, or on the one made for its mode, structure, input
@@ -488,12 +509,20 @@ def planning(model: nn.Module, lock: Any) -> Iterator[None]:
     """``model`` with its own forward back for the planning thread while it is planned on
     a call; other threads' calls wait for the plan (see ``planning_forward``)."""
     taken = take(model)
+    # (a module compiled on its own, ``layer.compile()``: planning traces its code, not
+    # the compiled call, whose trace would read the Parameters as constants)
+    compiled = [(m, m.__dict__["_compiled_call_impl"]) for m in model.modules()
+                if m.__dict__.get("_compiled_call_impl") is not None]
+    for m, _ in compiled:
+        m.__dict__["_compiled_call_impl"] = None
     model.__dict__["forward"] = planning_forward(model, lock)
     try:
         yield
     finally:
         model.__dict__.pop("forward", None)
         model.__dict__.update(taken)
+        for m, call in compiled:
+            m.__dict__["_compiled_call_impl"] = call
 
 
 def _keywords(forward: Callable[..., Any]) -> Optional[FrozenSet[str]]:
