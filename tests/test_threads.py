@@ -94,7 +94,8 @@ def _patched_objects() -> Dict[str, Any]:
               (torch.autograd.Function, "apply"), (torch, "is_grad_enabled"),
               (torch._C, "_set_grad_enabled"), (autocast_mode.autocast, "__enter__"),
               (torch.autograd.grad_mode.inference_mode, "__enter__"), (sys, "stderr"),
-              (torch.utils.checkpoint, "_checkpoint_impl")]
+              (torch.utils.checkpoint, "_checkpoint_impl"),
+              (torch.backends.mha, "get_fastpath_enabled")]
     return {f"{getattr(o, '__name__', o)}.{a}": vars(o)[a] for o, a in owners}
 
 
@@ -308,7 +309,8 @@ def test_a_rewrite_leaves_torch_as_it_was_also_when_it_raises():
         for a in ("is_grad_enabled", "_set_grad_enabled", "__setattr__", "apply", "stderr")
     } | {(torch.amp.autocast_mode.autocast, "__enter__"),
          (torch.autograd.grad_mode.inference_mode, "__enter__"),
-         (torch.fx.graph, "_format_target"), (torch.utils.checkpoint, "_checkpoint_impl")}
+         (torch.fx.graph, "_format_target"), (torch.utils.checkpoint, "_checkpoint_impl"),
+         (torch.backends.mha, "get_fastpath_enabled")}
 
 
 _IMPORT_PROBE = """

@@ -501,7 +501,29 @@ def planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
             pass
         return model.forward(*args, **kwargs)
 
+    forward.fxamp_planning = True  # type: ignore[attr-defined]  # (see check_own_forward)
     return forward
+
+
+def check_own_forward(model: nn.Module) -> None:
+    """Refuse an in-place rewrite of a model whose instance has a ``forward`` of its own
+    (the rewrite replaces it), naming fxamp's own planning forward as what it is.
+
+    Args:
+        model: the model about to be rewritten in place.
+    """
+    forward = model.__dict__.get("forward")
+    if forward is None:
+        return
+    if getattr(forward, "fxamp_planning", False):
+        raise FxampError(
+            f"{type(model).__name__} is being planned now, on a call in another thread (its "
+            "in-place rewrite plans it on its calls); what to do: rewrite it again once "
+            "that call returns, or rewrite it before any thread calls it")
+    raise FxampError(
+        f"{type(model).__name__} has a forward of its own set on the instance "
+        f"({forward!r}); inplace=True replaces it. what to do: rewrite with inplace=False "
+        "and use the returned module")
 
 
 @contextlib.contextmanager
@@ -509,6 +531,9 @@ def planning(model: nn.Module, lock: Any) -> Iterator[None]:
     """``model`` with its own forward back for the planning thread while it is planned on
     a call; other threads' calls wait for the plan (see ``planning_forward``)."""
     taken = take(model)
+    earlier = taken.get(RESULT)
+    model.__dict__[RESULT] = Pending(getattr(earlier, "config", None), type(model).__name__,
+                                     planning=True)
     # (a module compiled on its own, ``layer.compile()``: planning traces its code, not
     # the compiled call, whose trace would read the Parameters as constants)
     compiled = [(m, m.__dict__["_compiled_call_impl"]) for m in model.modules()
@@ -520,6 +545,7 @@ def planning(model: nn.Module, lock: Any) -> Iterator[None]:
         yield
     finally:
         model.__dict__.pop("forward", None)
+        model.__dict__.pop(RESULT, None)
         model.__dict__.update(taken)
         for m, call in compiled:
             m.__dict__["_compiled_call_impl"] = call
@@ -549,11 +575,7 @@ def install(model: nn.Module, gm: Optional[nn.Module], plan: Optional[Planner] =
             a structure change).
         config: the config to plan with when ``gm`` is None.
     """
-    if "forward" in model.__dict__:
-        raise FxampError(
-            f"{type(model).__name__} has a forward of its own set on the instance "
-            f"({model.__dict__['forward']!r}); inplace=True replaces it. what to do: "
-            "rewrite with inplace=False and use the returned module")
+    check_own_forward(model)
     forward = InplaceForward(model, _keywords(model.forward), plan, config)
     if gm is None:
         model.__dict__[ATTR] = None
