@@ -293,6 +293,7 @@ def autocast_wrapper(fn: Callable, dtype: torch.dtype, label: str) -> Callable:
             return fn(*args, **kwargs)
 
     safe = "".join(c if c.isalnum() else "_" for c in label)
+    call.fxamp_wrapped = fn  # type: ignore[attr-defined]  # (an FP32 run calls it as is)
     call.__name__ = f"autocast_{safe}"
     call.__qualname__ = call.__name__
     call.__module__ = __name__

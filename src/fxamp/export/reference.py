@@ -23,6 +23,7 @@ from ..op_args import fp32_values
 from ..graph_run import GraphRun
 from ..ops import OP_NODES
 from ..result import has_result
+from ..runtime import autocast_module
 from ..weight_cache import is_cast_node
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -69,6 +70,12 @@ class _Fp32Run(GraphRun):
             sub = self.fetch_attr(str(n.target))
             if isinstance(sub, fx.GraphModule) and has_result(sub):
                 return _widen(_Fp32Run(sub).run(*args, **kwargs))
+        if n.op == "call_function":  # (a call autocast decides inside: run in FP32, with
+            if n.target is autocast_module:  # no FP16 kernel needed)
+                return _widen(args[0](*args[2:], **kwargs))
+            wrapped = getattr(n.target, "fxamp_wrapped", None)
+            if wrapped is not None:
+                return _widen(wrapped(*args, **kwargs))
         return _widen(getattr(self, n.op)(n.target, args, kwargs))
 
 
