@@ -51,6 +51,8 @@ class Pending:
 
     config: RewriteConfig
     source: str = ""
+    #: the model is being planned now, on a call in another thread
+    planning: bool = False
 
 
 def has_result(module: object) -> bool:
@@ -61,6 +63,11 @@ def has_result(module: object) -> bool:
 def result_of(module: object) -> Rewritten:
     """The ``Rewritten`` ``module`` holds; FxampError when amp_rewrite did not make it."""
     value = getattr(module, ATTR, None)
+    if isinstance(value, Pending) and value.planning:
+        raise NotPlannedError(
+            f"{value.source or type(module).__name__} is being planned now, on a call in "
+            "another thread (rewritten in place, planned on its calls). what to do: read "
+            "its plan once that call returns")
     if isinstance(value, Pending):
         raise NotPlannedError(
             f"{value.source or type(module).__name__} was rewritten in place without example "

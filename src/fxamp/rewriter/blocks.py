@@ -44,7 +44,8 @@ from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of, re
 from ..runtime import CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from .._version import __version__
-from .inplace import ATTR, InplaceForward, Planner, install, register, take
+from .inplace import (ATTR, InplaceForward, Planner, check_own_forward, install, register,
+                      take)
 from .stored import store_like
 
 log = logging.getLogger(__name__)
@@ -105,34 +106,14 @@ class BlocksRoot:
         self.__dict__.update(state)
         register(self.model)  # (a copy of a model in block mode)
 
-    def planner(self, plan: Planner) -> Planner:
-        """``plan`` for the blocks: a block identical to one planned already (same class,
-        Parameter and buffer shapes and dtypes, mode, and call signature) gets a copy of
-        that one's graphs bound to its own modules instead of a new trace; each plan made
-        is counted (the composed plan is made anew after)."""
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["shared"] = {}  # (its keys hold the blocks' objects: a copy shares anew)
+        return state
 
-        def planned(block: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Any,
-                    why: Optional[str]) -> nn.Module:
-            key = share_key(block, args, kwargs) if why is None else None
-            if key is not None and config.dynamic_shapes is not None:  # (grown symbols)
-                key = (key, str(config.dynamic_shapes))
-            known = self.shared.get(key) if key is not None else None
-            gm = None
-            if known is not None:
-                try:
-                    if config.policy.weights == "stored":  # (its graphs read stored weights)
-                        store_like(known[0], block)
-                    gm = bound_to(known[1], known[0], block)
-                except FxampError as err:  # (an eager-front-end result: no copy)
-                    log.info("%s: planned on its own: %s", type(block).__name__, err)
-            if gm is None:
-                gm = plan(block, args, kwargs, config, why)
-                if key is not None and key not in self.shared:
-                    self.shared[key] = (block, gm)
-            self.planned += 1
-            return gm
-
-        return planned
+    def planner(self, plan: Planner) -> "SharedPlanner":
+        """``plan`` for the blocks (:class:`SharedPlanner`)."""
+        return SharedPlanner(self, plan)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         model, policy = self.model, self.config.policy
@@ -182,6 +163,45 @@ class BlocksRoot:
                            config)
         model.__dict__[RESULT] = result
         self.composed = self.planned
+
+
+class SharedPlanner:
+    """The blocks' planner: a block identical to one planned already (:func:`share_key`)
+    gets a copy of that one's graphs bound to its own modules instead of a new trace; each
+    plan made is counted (the composed plan is made anew after). An object, not a closure,
+    so a model in block mode pickles (``torch.save``, a spawn worker)."""
+
+    def __init__(self, root: BlocksRoot, plan: Planner) -> None:
+        self.root = root
+        self.plan = plan
+
+    def __call__(self, block: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Any,
+                 why: Optional[str]) -> nn.Module:
+        shared = self.root.shared
+        key = share_key(block, args, kwargs) if why is None else None
+        if key is not None and config.dynamic_shapes is not None:  # (grown symbols)
+            key = (key, str(config.dynamic_shapes))
+        known = shared.get(key) if key is not None else None
+        gm = None
+        if known is not None:
+            try:
+                if config.policy.weights == "stored":  # (its graphs read stored weights)
+                    store_like(known[0], block)
+                gm = bound_to(known[1], known[0], block)
+            except FxampError as err:  # (an eager-front-end result: no copy)
+                log.info("%s: planned on its own: %s", type(block).__name__, err)
+        if gm is None:
+            gm = self.plan(block, args, kwargs, config, why)
+            if key is not None and key not in shared:
+                shared[key] = (block, gm)
+        self.root.planned += 1
+        return gm
+
+    def forget(self, gm: nn.Module) -> None:
+        """Share ``gm`` no more (its first call failed: the next identical block plans)."""
+        shared = self.root.shared
+        for key in [k for k, (_, known) in shared.items() if known is gm]:
+            del shared[key]
 
 
 def _signature(value: Any) -> Any:
@@ -549,11 +569,7 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
         plan: what plans a block on a call (the pipeline's).
         config: the rewrite's config (a block's plan keeps its outputs' dtypes).
     """
-    if "forward" in model.__dict__:
-        raise FxampError(
-            f"{type(model).__name__} has a forward of its own set on the instance "
-            f"({model.__dict__['forward']!r}); inplace=True replaces it. what to do: "
-            "rewrite with inplace=False and use the returned module")
+    check_own_forward(model)
     root = BlocksRoot(model, paths, config)
     inner = config.for_part()
     counted = root.planner(plan)

@@ -1,0 +1,116 @@
+"""A model rewritten in place and planned on its calls, in every state fxamp leaves it in:
+pickled and loaded (``torch.save``) before and after its first call, and asked about while
+another thread plans it (``plan_of``, ``amp_rewrite``): the copy trains like the original,
+and a message names what is really happening."""
+from __future__ import annotations
+
+import copy
+import io
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from fxamp.errors import FxampError, NotPlannedError
+
+BF16 = torch.bfloat16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _step(model: nn.Module, x: torch.Tensor, amp: bool = False):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=BF16, enabled=amp):
+        out = model(x)
+    out.float().pow(2).mean().backward()
+    return out.detach().float(), [p.grad.clone() for p in model.parameters()]
+
+
+def _reloaded(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("called", [False, True])
+def test_a_block_mode_model_pickles_and_the_copy_trains_like_autocast(called):
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    x = torch.randn(4, 8)
+    if called:
+        _step(model, x)
+    copied = _reloaded(model)
+    out, grads = _step(copied, x)
+    want, want_grads = _step(ref, x, amp=True)
+    assert torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert "blocks.0" in str(fxamp.plan_of(copied))
+
+
+class Gated(nn.Module):
+    """A block whose planning waits for a gate (the first run of its code, in the planning
+    thread), so another thread can look at the model meanwhile."""
+
+    def __init__(self, started: threading.Event, gate: threading.Event) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.started, self.gate = started, gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gate.is_set():
+            self.started.set()
+            assert self.gate.wait(30)
+        return self.fc(x)
+
+
+def test_while_another_thread_plans_the_messages_say_so():
+    started, gate = threading.Event(), threading.Event()
+    torch.manual_seed(0)
+    model = Gated(started, gate)
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    errors: list = []
+
+    def first_call() -> None:
+        try:
+            model(torch.randn(2, 8))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    worker = threading.Thread(target=first_call)
+    worker.start()
+    try:
+        assert started.wait(30)
+        with pytest.raises(NotPlannedError, match="being planned now, on a call in another"):
+            fxamp.plan_of(model)
+        with pytest.raises(FxampError, match="being planned now, on a call in another"):
+            fxamp.amp_rewrite(model, config="compute=fp16", inplace=True)
+    finally:
+        gate.set()
+        worker.join(60)
+    assert not errors
+    assert "fc" in str(fxamp.plan_of(model))
