@@ -391,3 +391,49 @@ def test_per_layer_compile_before_the_first_call_trains_every_parameter(backend)
             assert torch.allclose(la, lb, rtol=0, atol=2e-3), step
         for n in gb:
             assert torch.allclose(ga[n], gb[n], rtol=2e-2, atol=2e-3), (step, n)
+
+
+@pytest.mark.slow
+def test_a_lightning_module_without_forward_is_refused_and_the_advice_trains_like_autocast():
+    """The one line on a LightningModule whose steps call its submodule changed nothing:
+    refused, naming the submodule; rewriting that submodule, as advised, trains under
+    Lightning's Trainer (precision 32) like Lightning's bf16-mixed."""
+    L = pytest.importorskip("lightning.pytorch")
+    demos = pytest.importorskip("lightning.pytorch.demos")
+    import torch.nn.functional as F
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = demos.Transformer(vocab_size=50, ninp=32, nhead=2, nhid=64,
+                                           nlayers=2, dropout=0.0)
+            self.losses: list = []
+
+        def training_step(self, batch, index):
+            x, y = batch
+            loss = F.nll_loss(self.model(x, y).float(), y.view(-1))
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(fxamp.UnsupportedModelError, match=r"amp_rewrite\(module\.model,"):
+        fxamp.amp_rewrite(Module(), config="compute=bf16", inplace=True)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 50, (4, 12), generator=g), torch.randint(0, 50, (4, 12),
+                                                                         generator=g))
+            for _ in range(3)]
+    runs = []
+    for precision in ("32-true", "bf16-mixed"):
+        module = Module()
+        if precision == "32-true":
+            fxamp.amp_rewrite(module.model, config="compute=bf16", inplace=True)
+        trainer = L.Trainer(max_steps=3, precision=precision, accelerator="cpu",
+                            logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        loader = torch.utils.data.DataLoader(data, batch_size=None)
+        trainer.fit(module, train_dataloaders=loader)
+        runs.append(module.losses)
+    assert len(runs[0]) == 3 and all(torch.equal(a, b) for a, b in zip(*runs))

@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 
 
 
+#: forwards that only defer to ``nn.Module``'s (which raises NotImplementedError)
+_NO_FORWARD = ("LightningModule.forward",)
+
+
 def check_module(model: Any) -> None:
     """Refuse anything but an ``nn.Module``, naming what it is.
 
@@ -58,6 +62,23 @@ def check_module(model: Any) -> None:
         raise UnsupportedModelError(
             f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
             "what to do: wrap the callable in an nn.Module")
+    forward = type(model).forward
+    if forward is nn.Module.forward or getattr(forward, "__qualname__", "") in _NO_FORWARD:
+        # (a LightningModule's steps call its submodules, never its own forward: rewriting
+        # it would change nothing, silently)
+        name = type(model).__name__
+        children = [f"{path} ({type(m).__name__})" for path, m in model.named_children()
+                    if type(m).forward is not nn.Module.forward]
+        first = children[0].split(" ")[0] if children else "net"
+        raise UnsupportedModelError(
+            f"{name} has no forward of its own (it inherits "
+            f"{getattr(forward, '__qualname__', 'nn.Module.forward')}, which raises "
+            f"NotImplementedError), so its training and validation steps call its "
+            f"submodules, and a rewrite of {name} would change nothing they compute. what "
+            f"to do: rewrite the submodule the steps call, e.g. "
+            f"fxamp.amp_rewrite(module.{first}, config=..., inplace=True)"
+            + (f"; its submodules with a forward: {', '.join(children[:6])}"
+               if children else ""))
 
 
 def check_model(model: Any, sharded_ok: bool = False) -> None:
