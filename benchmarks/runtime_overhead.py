@@ -8,7 +8,8 @@ all, the in-place ones on copies) this prints:
 
 - process CPU time per call (``time.process_time``, 1 torch thread): a forward without grad
   (its logits as FP32, which fxamp's default ``output=fp32`` returns and autocast's bf16
-  logits are cast to) and a training step (zero_grad + forward + FP32 cross-entropy + backward + AdamW step);
+  logits are cast to) and a training step (zero_grad + forward + FP32 cross-entropy +
+  backward + AdamW step);
   variants run interleaved, each round every variant ``--steps`` times, medians over rounds,
   and the ratio to autocast per round (median);
 - Python function calls of one training forward (cProfile's count, builtins included);
@@ -19,8 +20,13 @@ all, the in-place ones on copies) this prints:
 ``fxamp guard=on`` is the opt-in range guard (a plan calibrated on the example input, every
 low-precision node with a range checked per call): its cost, not a default.
 
-    python benchmarks/runtime_overhead.py [--layers 4] [--d 256] [--vocab 50257] [--seq 32]
-        [--rounds 15] [--steps 5] [--docs]
+``--model llama`` takes a tiny Hugging Face ``LlamaForCausalLM`` instead (``--d`` hidden,
+``2 * --d`` MLP, 4 heads, 2 key-value heads, ``use_cache=False``; its logits are the output)
+with the FP32, autocast and block-mode variants alone: block mode's decoder layers take
+Python scalars and a tuple of tensors on every call, the per-call checks' hardest case.
+
+    python benchmarks/runtime_overhead.py [--model decoder|llama] [--layers 4] [--d 256]
+        [--vocab 50257] [--seq 32] [--batch 1] [--rounds 15] [--steps 5] [--docs]
 """
 from __future__ import annotations
 
@@ -46,6 +52,30 @@ from _decoder import Decoder  # noqa: E402
 import fxamp  # noqa: E402
 
 BF16 = torch.bfloat16
+#: the variants ``--model llama`` runs
+LLAMA_VARIANTS = ("fp32", "autocast", "fxamp blocks")
+
+
+class Logits(torch.nn.Module):
+    """A Hugging Face causal LM called on token ids, giving its logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def _llama(args: argparse.Namespace) -> Logits:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.d,
+                                   intermediate_size=2 * args.d,
+                                   num_hidden_layers=args.layers, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=args.seq,
+                                   use_cache=False)
+    return Logits(transformers.LlamaForCausalLM(cfg))
 
 
 def _variants(model: torch.nn.Module, x: torch.Tensor, only: str = "") -> Dict[str, Callable]:
@@ -55,6 +85,16 @@ def _variants(model: torch.nn.Module, x: torch.Tensor, only: str = "") -> Dict[s
             return model(v)
 
     out: Dict[str, Callable] = {"fp32": model, "autocast": autocast}
+    if isinstance(model, Logits):  # (block mode alone: the HF model's blocks rewritten)
+        if only in ("", "fxamp blocks"):
+            blocks = copy.deepcopy(model)
+            fxamp.amp_rewrite(blocks.model,
+                              config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                              inplace=True)
+            with torch.no_grad():
+                blocks(x)
+            out["fxamp blocks"] = blocks
+        return {k: out[k] for k in LLAMA_VARIANTS if k in out and (not only or k == only)}
     if only in ("", "fxamp inplace"):
         inplace = copy.deepcopy(model)
         out["fxamp inplace"] = fxamp.amp_rewrite(inplace, (x,),
@@ -136,19 +176,22 @@ def _held(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("decoder", "llama"), default="decoder")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--docs", action="store_true", help="append the table to docs/benchmarks.md")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = Decoder(vocab=args.vocab, d=args.d, layers=args.layers, heads=4, context=args.seq)
-    x = torch.randint(0, args.vocab, (1, args.seq))
-    y = torch.randint(0, args.vocab, (1 * args.seq,))
+    model = (_llama(args) if args.model == "llama" else
+             Decoder(vocab=args.vocab, d=args.d, layers=args.layers, heads=4, context=args.seq))
+    x = torch.randint(0, args.vocab, (args.batch, args.seq))
+    y = torch.randint(0, args.vocab, (args.batch * args.seq,))
     variants = _variants(model, x)
     n_params = sum(p.numel() for p in model.parameters())
     opts = {name: torch.optim.AdamW(_params(name, fn, model), lr=1e-4)
@@ -194,13 +237,17 @@ def main() -> None:
     table = _common.table(["variant", "forward ms (CPU)", "/ autocast", "train step ms (CPU)",
                            "/ autocast", "Python calls / forward", "/ fp32",
                            "extra bytes held / param"], rows)
-    print(f"Decoder: {args.layers} layers, d={args.d}, vocab {args.vocab}, batch 1, seq "
-          f"{args.seq}; {n_params / 1e6:.1f}M parameters; 1 torch thread")
+    what = ("Hugging Face LlamaForCausalLM (block mode)" if args.model == "llama"
+            else "Decoder")
+    print(f"{what}: {args.layers} layers, d={args.d}, vocab {args.vocab}, batch {args.batch}, "
+          f"seq {args.seq}; {n_params / 1e6:.1f}M parameters; 1 torch thread")
     print(table)
     if args.docs:
-        _common.append_docs("Run-time overhead per call at batch 1 (benchmarks/runtime_overhead.py)",
-                            table, f"Decoder: {args.layers} layers, d={args.d}, vocab "
-                            f"{args.vocab}, batch 1, seq {args.seq}; process CPU time, 1 torch "
+        _common.append_docs(f"Run-time overhead per call at batch {args.batch} "
+                            "(benchmarks/runtime_overhead.py)",
+                            table, f"{what}: {args.layers} layers, d={args.d}, vocab "
+                            f"{args.vocab}, batch {args.batch}, seq {args.seq}; process CPU "
+                            "time, 1 torch "
                             f"thread, {args.rounds} interleaved rounds of {args.steps} calls, "
                             "medians; extra bytes: live CPU tensor memory after a training "
                             "step and zero_grad(set_to_none=True), minus autocast's.")

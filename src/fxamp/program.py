@@ -10,7 +10,10 @@ A call of a Program runs, in this order and on every exit path:
 2. the call structure check (:mod:`fxamp.frontends.calls`, kept in the result): the
    arguments' types and keyword names against the call forms seen to have the example's
    structure (tensor, None or left out per argument). While they match this is one C-level
-   tuple and set lookup; another structure is refused naming the argument;
+   tuple and set lookup; where the graph also fixed Python scalars or takes lists of tensors,
+   the form's key with those scalars' values and the lists' item types
+   (:func:`call_values`: one Python call). Another structure or value is refused naming the
+   argument;
 3. the mode check: a graph traced for one training mode only (its model traces differently
    in train and eval mode) refuses a call in the other with ``ModeError``;
 4. on the Program's first call only (one ``__dict__`` lookup on the later ones), the device
@@ -37,7 +40,8 @@ import functools
 import logging
 import re
 import weakref
-from typing import Any, Callable, Dict, Optional, Protocol, Set, Tuple
+from itertools import repeat
+from typing import Any, Callable, Dict, FrozenSet, Optional, Protocol, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -70,6 +74,10 @@ class EntryCheck(Protocol):
     takes as they are, and ``admit`` for any other call."""
 
     direct: Set[Tuple[Any, ...]]
+    #: call keys whose admission depends on values the key does not hold (Python scalars
+    #: the graph fixed, the items of lists of tensors): per key, what to read of the call
+    #: (:func:`call_values`) and the readings seen to be admitted as they are
+    valued: Dict[Tuple[Any, ...], Tuple[Tuple[tuple, tuple], FrozenSet[tuple]]]
 
     def admit(self, args: tuple, kwargs: Dict[str, Any]) -> Tuple[tuple, Dict[str, Any]]:
         """The call's arguments as the graph takes them, or a ``CallStructureError``."""
@@ -80,6 +88,24 @@ def call_key(args: tuple, kwargs: dict) -> tuple:
     """A call's key for the call structure check: its arguments' types and keyword names
     (the expression :func:`_owned` computes inline)."""
     return (*map(type, args), *kwargs, *map(type, kwargs.values()))
+
+
+def call_values(args: tuple, kwargs: dict, picks: Tuple[tuple, tuple]) -> tuple:
+    """What a call's key does not hold but its admission reads (the expression
+    :func:`_owned` runs on a key in ``EntryCheck.valued``): the values at positions
+    ``picks[0]`` of ``(*args, *kwargs.values())`` (Python scalars), then the item types of
+    those at ``picks[1]`` (lists and tuples). C-level: no Python call but this one.
+
+    Args:
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+        picks: (scalar positions, list positions) in the call's arguments.
+
+    Returns:
+        The values, then a tuple of item types per list.
+    """
+    get = (*args, *kwargs.values()).__getitem__
+    return (*map(get, picks[0]), *map(tuple, map(map, repeat(type), map(get, picks[1]))))
 
 
 def _note_outer_autocast(was: Tuple[str, ...]) -> None:
@@ -137,6 +163,10 @@ def _check_device(program: Any, result: Any, args: tuple, kwargs: dict) -> None:
                 model, target, target, device, device, device)
 
 
+#: a module's hook dicts that run when it is called, with their flags (by hook id)
+CALL_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                   "_backward_pre_hooks", "_backward_hooks")
 #: how torch.export's input guard (an exported graph's ``_guards_fn``) words a failure
 GUARD_FAILED = "Guard failed: "
 _NAMED = re.compile(r"\b([A-Za-z_]\w*)(?=\.size\(\)|\[)")
@@ -184,13 +214,16 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
             guard, calls = result.structure, result.calls
             if guard is not None and (guard.key is None or guard.key != guard.now()):
                 guard.check()  # (something changed: followed, re-planned or refused)
-            if calls is not None and (*map(type, args), *kwargs,
-                                      *map(type, kwargs.values())) not in calls.direct:
-                try:
-                    args, kwargs = calls.admit(args, kwargs)  # (refused, or the graph's)
-                except Exception as err:  # (CallStructureError: a miss of this graph)
-                    err.program = self
-                    raise
+            if calls is not None:
+                key = (*map(type, args), *kwargs, *map(type, kwargs.values()))
+                if key not in calls.direct and (
+                        (seen := calls.valued.get(key)) is None
+                        or call_values(args, kwargs, seen[0]) not in seen[1]):
+                    try:
+                        args, kwargs = calls.admit(args, kwargs)  # (refused, or the graph's)
+                    except Exception as err:  # (CallStructureError: a miss of this graph)
+                        err.program = self
+                        raise
             if result.mode is not None and self.training is not result.mode:
                 _refuse_mode(self, result.mode)
             if DEVICE_CHECKED not in own:  # (once per module: its first call's device)
@@ -240,10 +273,16 @@ class Program(fx.GraphModule):
 
     def __deepcopy__(self, memo: dict) -> Any:
         """``GraphModule``'s copy (which keeps only the attributes the graph reads), with
-        the rewrite's result (its plan, its structure and call checks, for the copy)."""
+        the rewrite's result (its plan, its structure and call checks, for the copy) and
+        its call hooks, as ``nn.Module``'s copy keeps them (``GraphModule``'s drops them:
+        the export front end's input checks, :data:`CALL_HOOK_DICTS`)."""
         res = super().__deepcopy__(memo)
         if RESULT in self.__dict__:
             res.__dict__[RESULT] = copy.deepcopy(self.__dict__[RESULT], memo)
+        for name in CALL_HOOK_DICTS:
+            hooks = self.__dict__.get(name)
+            if hooks:
+                res.__dict__[name] = copy.deepcopy(hooks, memo)
         return res
 
     def __reduce__(self) -> Tuple[Any, ...]:

@@ -2,11 +2,20 @@
 (:func:`flat_inputs`; :func:`batch_inputs` for a calibration batch), the sizes the export
 fixed (:func:`input_sizes`) and the pre-hook that checks a call against them with fxamp's
 message (:class:`ShapeCheck`), and the plain containers an exported graph's input spec
-expects (:func:`plain_containers`)."""
+expects (:func:`plain_containers`, :func:`plain_inputs_hook`).
+
+Both pre-hooks run on every call of an exported graph, so each has a path without pytree:
+:class:`ShapeCheck` reads the inputs straight from the call along its graph's input spec
+where that spec is flat (each argument a tensor or other leaf, or a list or tuple of leaves:
+what a decoder layer takes), and :func:`plain_inputs_hook` gives nothing where the call
+holds no dict subclass to make plain (its containers are plain lists, tuples and dicts).
+Either takes the general path for anything else; both paths check and refuse alike."""
 from __future__ import annotations
 
+import copy
 import inspect
-from typing import Any, Dict, List, Optional, Tuple
+from operator import itemgetter
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -55,10 +64,66 @@ def input_sizes(gm: fx.GraphModule) -> List[Tuple[str, Optional[Tuple[Optional[i
     return out
 
 
+def _children(spec: Any) -> List[Any]:
+    """A pytree spec's children (``TreeSpec.child`` where torch has it, else
+    ``children_specs``)."""
+    if hasattr(spec, "child"):
+        return [spec.child(i) for i in range(spec.num_children)]
+    return list(spec.children_specs)
+
+
+#: a step of :func:`input_reads`: (0 for args, 1 for kwargs; the index or keyword; how
+#: many items of a list or tuple, None for a leaf, -1 for a None the spec holds; a getter
+#: of those items, for two or more)
+Read = Tuple[int, Any, Optional[int], Optional[Any]]
+
+
+def input_reads(spec: Any) -> Optional[Tuple[Read, ...]]:
+    """How to read an exported graph's inputs (in placeholder order) straight from a call
+    ``(args, kwargs)`` along its input spec, as ``tree_flatten_spec`` reads them: each
+    argument a leaf, a None, or a list or tuple of leaves. None for any other spec (nested
+    containers, a dict or a class of its own as an argument): read with :func:`flat_inputs`.
+
+    Args:
+        spec: the graph's ``_in_spec`` (the spec of ``(args, kwargs)``), or None.
+
+    Returns:
+        The steps, or None.
+    """
+    try:
+        if spec is None or spec.type is not tuple or spec.num_children != 2:
+            return None
+        args_spec, kwargs_spec = _children(spec)
+        if args_spec.type is not tuple or kwargs_spec.type is not dict:
+            return None
+        steps: List[Read] = []
+        for where, node, keys in ((0, args_spec, range(args_spec.num_children)),
+                                  (1, kwargs_spec, kwargs_spec.context)):
+            for key, child in zip(keys, _children(node)):
+                if child.is_leaf():
+                    steps.append((where, key, None, None))
+                elif child.type is type(None) and not child.num_children:
+                    steps.append((where, key, -1, None))
+                elif child.type in (tuple, list) and all(c.is_leaf()
+                                                         for c in _children(child)):
+                    n = child.num_children
+                    steps.append((where, key, n, itemgetter(*range(n)) if n > 1 else None))
+                else:
+                    return None
+    except (AttributeError, TypeError, ValueError):  # (a spec of another torch's form)
+        return None
+    return tuple(steps)
+
+
 class ShapeCheck:
     """A forward pre-hook raising InputShapeError when a call's input has another size on a
     dimension the export specialised (fxamp's message instead of the exported graph's
-    guard), naming the input and dimension and the ``dynamic_shapes=`` that allows it."""
+    guard), naming the input and dimension and the ``dynamic_shapes=`` that allows it.
+
+    It reads the inputs along the module's input spec straight from the call where
+    :func:`input_reads` can (kept with the spec it was made from), else with
+    :func:`flat_inputs`; a call that does not fit the spec is not checked either way (the
+    graph's own check says so)."""
 
     def __init__(self, gm: fx.GraphModule, model: nn.Module, args: tuple,
                  kwargs: Dict[str, Any]) -> None:
@@ -70,10 +135,38 @@ class ShapeCheck:
         self.bounds = symbolic_bounds(gm, [name for name, _ in self.sizes])
         #: every dimension fixed on purpose (a deployment plan's capture)
         self.static = bool(gm.meta.get(STATIC_SHAPES))
+        #: (the input spec, :func:`input_reads` of it) of the module last checked
+        self.reads: Tuple[Any, Optional[Tuple[Read, ...]]] = (None, None)
+
+    def __deepcopy__(self, memo: dict) -> "ShapeCheck":
+        """A copy (a copied Program's hook) sharing the sizes and bounds, which nothing
+        changes; its reads are made from the copy's own spec."""
+        new = copy.copy(self)
+        new.reads = (None, None)
+        memo[id(self)] = new
+        return new
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        spec = module.__dict__.get("_in_spec")
+        known, reads = self.reads
+        if known is not spec:
+            reads = input_reads(spec)
+            self.reads = (spec, reads)
         try:
-            flat = flat_inputs(module, args, kwargs)  # type: ignore[arg-type]
+            if reads is None:
+                flat = flat_inputs(module, args, kwargs)  # type: ignore[arg-type]
+            else:
+                flat = []
+                for where, key, count, items in reads:
+                    value = (kwargs if where else args)[key]
+                    if count is None:
+                        flat += (value,)
+                    elif count > 1:
+                        flat += items(value)
+                    elif count == 1:
+                        flat += (value[0],)
+                    elif count < 0 and value is not None:
+                        return None  # (the spec holds None here: another structure)
         except Exception:  # noqa: BLE001 - another structure: the graph's own check says so
             return None
         try:
@@ -89,7 +182,7 @@ class ShapeCheck:
         for (name, sizes), value in zip(self.sizes, flat):
             if sizes is None or not isinstance(value, torch.Tensor):
                 continue
-            if value.dim() != len(sizes):
+            if value.ndim != len(sizes):  # (an attribute: no call)
                 self._raise(name, sizes, None, value)
             for dim, size in enumerate(sizes):
                 if size is not None and value.shape[dim] != size:
@@ -231,6 +324,31 @@ def plain_containers(value: Any) -> Any:
     return value
 
 
-def plain_inputs_hook(_module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-    """A forward pre-hook giving an exported graph its inputs with plain dicts."""
+#: the types :func:`plain_containers` gives back as they are (exactly these: a subclass
+#: takes the general path)
+_LEAVES = frozenset({torch.Tensor, nn.Parameter, type(None), bool, int, float, str})
+
+
+def _plain(values: Iterable[Any]) -> bool:
+    """Whether :func:`plain_containers` would give each of ``values`` back alike: a leaf
+    of :data:`_LEAVES`, or a plain list, tuple or dict of such (at any depth)."""
+    for value in values:
+        kind = type(value)
+        if kind in _LEAVES:
+            continue
+        if kind is tuple or kind is list:
+            if _plain(value):
+                continue
+        elif kind is dict and _plain(value.values()):
+            continue
+        return False
+    return True
+
+
+def plain_inputs_hook(_module: nn.Module, args: tuple, kwargs: dict
+                      ) -> Optional[Tuple[tuple, dict]]:
+    """A forward pre-hook giving an exported graph its inputs with plain dicts (None, the
+    call as it is, where it holds no container to make plain)."""
+    if _plain(args) and _plain(kwargs.values()):
+        return None
     return plain_containers(tuple(args)), plain_containers(dict(kwargs))

@@ -5,14 +5,17 @@ are None and which are left out (a ``mask is not None`` branch is taken or not, 
 placeholder exists or not), and what a list or tuple of tensors holds (each item is an input
 of its own). :class:`CallStructure` keeps the example's, by the model's own parameter names.
 The Program's entry (``fxamp/program.py``) compares a key of each call (the arguments' types
-and keyword names: C-level, no Python call) with the keys already seen to fit; only a new
-key (every call, where the example has Python values or lists of tensors to compare) reaches
-:meth:`CallStructure.admit`, which binds the call to the model's forward and
+and keyword names: C-level, no Python call) with the keys already seen to fit; where the
+example has Python values the graph fixed or lists of tensors, a key alone does not decide,
+so the entry also compares what the key leaves out (those values, and the item types of each
+list: :func:`fxamp.program.call_values`) with the readings seen to fit for that key. Only a
+new key or reading reaches :meth:`CallStructure.admit`, which binds the call to the model's
+forward and
 
 - refuses another structure with :class:`~fxamp.errors.CallStructureError`, naming the
   argument, what the example had and the example to rewrite with;
-- passes a call of the example's form on (its key is remembered: the next such call costs
-  the key alone);
+- passes a call of the example's form on (its key, with its values where they count, is
+  remembered: the next such call costs the key and that reading alone);
 - gives the graph a call of the same structure in another form (a keyword given
   positionally, a None default given or left out) as the graph's positional inputs (bound
   on each such call).
@@ -22,13 +25,13 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..errors import CallStructureError
-from ..program import call_key
+from ..program import call_key, call_values
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ _MISSING = object()
 _SCALARS = (bool, int, float, str)
 _NAMED = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
           inspect.Parameter.KEYWORD_ONLY)
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def kind(value: Any) -> Any:
@@ -90,6 +94,10 @@ class CallStructure:
     """The example's structure by the model's forward parameters, and the call keys seen to
     have it (see the module docstring)."""
 
+    #: (an instance's own once it remembers a call; a structure pickled before it had one
+    #: reads this empty one)
+    valued: Dict[Tuple[Any, ...], Tuple[Tuple[tuple, tuple], FrozenSet[tuple]]] = {}
+
     def __init__(self, signature: inspect.Signature, model_name: str, args: tuple,
                  kwargs: Dict[str, Any], graph: inspect.Signature,
                  values: bool = False, symbolic: frozenset = frozenset()) -> None:
@@ -124,12 +132,17 @@ class CallStructure:
         # admitted)
         self.direct: Set[Tuple[Any, ...]] = set() if self.scalars or self.lists \
             else {call_key(args, kwargs)}
+        # the other keys admitted as they are: what admission read beyond the key (the
+        # scalars' values, the lists' item types) and the readings seen to pass; replaced,
+        # never changed in place (a copy shares it; a thread reads a whole entry)
+        self.valued: Dict[Tuple[Any, ...], Tuple[Tuple[tuple, tuple], FrozenSet[tuple]]] = {}
 
     def __deepcopy__(self, memo: dict) -> "CallStructure":
         """A copy sharing the example's values (only their kinds and descriptions are read;
         an activation a block was first called with is no graph leaf to copy)."""
         new = copy.copy(self)
         new.direct = set(self.direct)
+        new.valued = dict(self.valued)
         memo[id(self)] = new
         return new
 
@@ -171,17 +184,56 @@ class CallStructure:
                 value = named.get(name, _MISSING)
                 if type(value) is not type(example) or value != example:
                     self._refuse_value(name, example, value)
-        direct = not self.scalars and not self.lists
         if self.targets is None:
-            if direct and (len(args), frozenset(kwargs)) == self.form:
-                self.direct.add(call_key(args, kwargs))
+            if (len(args), frozenset(kwargs)) == self.form:
+                self._remember(args, kwargs)
             return args, kwargs
         values = tuple(self._value(bound, name) for name in self.targets)
         if self._binds_alike(args, kwargs, values):  # (as the graph's forward takes it)
-            if direct:
-                self.direct.add(call_key(args, kwargs))
+            self._remember(args, kwargs)
             return args, kwargs
         return values, {}
+
+    def _remember(self, args: tuple, kwargs: Dict[str, Any]) -> None:
+        """Remember a call admitted as it is, for the entry to pass the next alike call
+        without :meth:`admit`: by its key alone where nothing else counts (no scalar the
+        graph fixed is given, no list is passed), else with what it read of the call's
+        values (:func:`~fxamp.program.call_values`): the scalars' values, the lists' item
+        types. A call whose lists hold containers (kinds a level deeper) is not remembered.
+
+        Args:
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+        """
+        key = call_key(args, kwargs)
+        flat = (*args, *kwargs.values())
+        lists = tuple(i for i, value in enumerate(flat) if type(value) in (list, tuple))
+        scalars: tuple = ()
+        if self.scalars:
+            where = self._positions(args, kwargs)
+            scalars = tuple(where[name] for name in self.scalars if name in where)
+        if not scalars and not lists:  # (the key decides)
+            self.direct.add(key)
+            return
+        reading = call_values(args, kwargs, (scalars, lists))
+        if any(t in (list, tuple) for items in reading[len(scalars):] for t in items):
+            return
+        seen = self.valued.get(key)
+        known = seen[1] if seen is not None else frozenset()
+        self.valued = {**self.valued, key: ((scalars, lists), known | {reading})}
+
+    def _positions(self, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, int]:
+        """Where each argument the call gives is in ``(*args, *kwargs.values())``, by the
+        forward's parameter name (a ``**kwargs`` keyword by its own)."""
+        where = {}
+        params = iter(self.signature.parameters.values())
+        for index in range(len(args)):
+            param = next(params, None)
+            if param is None or param.kind not in _POSITIONAL:
+                break  # (the rest go to ``*args``)
+            where[param.name] = index
+        where.update((name, len(args) + i) for i, name in enumerate(kwargs))
+        return where
 
     def _binds_alike(self, args: tuple, kwargs: Dict[str, Any], values: tuple) -> bool:
         """Whether the graph's forward binds the call to ``values`` itself (the binding
