@@ -114,3 +114,44 @@ def test_while_another_thread_plans_the_messages_say_so():
         worker.join(60)
     assert not errors
     assert "fc" in str(fxamp.plan_of(model))
+
+
+class Act(nn.Module):
+    def __init__(self, act: str = "gelu") -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return torch.relu(y) if self.act == "relu" else torch.nn.functional.gelu(y)
+
+
+class Acts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Act(), Act(), Act()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_block_replaced_after_the_first_call_is_planned_and_the_plan_says_so():
+    torch.manual_seed(0)
+    model = Acts()
+    ref = copy.deepcopy(model)
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    x = torch.randn(4, 8)
+    model(x)
+    old = model.blocks[1]
+    torch.manual_seed(1)
+    new = Act("relu")
+    model.blocks[1], ref.blocks[1] = new, copy.deepcopy(new)
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref(x)
+    assert torch.equal(model(x).float(), want.float())
+    assert "forward" in new.__dict__ and "forward" not in old.__dict__  # (rewritten; undone)
+    text = str(fxamp.plan_of(model))
+    assert "blocks.1/relu" in text and "blocks.1/gelu" not in text

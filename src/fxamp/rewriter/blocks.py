@@ -30,7 +30,7 @@ import textwrap
 import types
 import weakref
 from collections import Counter
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -95,6 +95,10 @@ class BlocksRoot:
         self.config = config
         self.planned = 0  # blocks' plans made so far (counted by :meth:`planner`)
         self.composed = -1
+        # (each block's container, its name there and the block installed: a block replaced
+        # since is seen on the next call, in a few dict lookups)
+        self.slots: List[Tuple[nn.Module, str, nn.Module]] = []
+        self.planner_of: Optional[Planner] = None  # (what installs a replacement)
         # (a block's share_key -> the first block planned with it and its graph)
         self.shared: Dict[tuple, tuple] = {}
         try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
@@ -115,7 +119,43 @@ class BlocksRoot:
         """``plan`` for the blocks (:class:`SharedPlanner`)."""
         return SharedPlanner(self, plan)
 
+    def install(self, plan: Planner) -> None:
+        """Rewrite the blocks in place, each planned on its first call by ``plan``."""
+        self.planner_of = plan
+        inner = self.config.for_part()
+        self.slots = []
+        for path in self.paths:
+            parent, _, name = path.rpartition(".")
+            container = self.model.get_submodule(parent)
+            block = container._modules[name]
+            if not isinstance(block.__dict__.get("forward"), InplaceForward) or \
+                    block.__dict__["forward"].plan is not plan:
+                if isinstance(block.__dict__.get("forward"), InplaceForward):
+                    take(block)  # (its own rewrite, of this policy)
+                install(block, None, plan, inner)
+            self.slots.append((container, name, block))
+
+    def _replaced(self) -> None:
+        """Blocks replaced since the last call (``model.blocks[1] = Block(...)``): the
+        new ones are rewritten, each planned on its next call, the old ones get their own
+        forward back, and the plan is composed anew (it says which are not planned yet)."""
+        old = [block for _, _, block in self.slots]
+        assert self.planner_of is not None
+        self.install(self.planner_of)
+        now = {id(block) for _, _, block in self.slots}
+        for block in old:
+            if id(block) not in now and isinstance(block.__dict__.get("forward"),
+                                                   InplaceForward):
+                take(block)
+        log.warning("%s: a block was replaced since its last call; the new one is planned "
+                    "on its first call", type(self.model).__name__)
+        self.composed = -1
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for container, name, block in self.slots:
+            if container._modules.get(name) is not block:
+                self._replaced()
+                break
         model, policy = self.model, self.config.policy
         with device_autocast(device_type((args, kwargs)), policy.compute):
             out = type(model).forward(model, *args, **kwargs)
@@ -136,7 +176,10 @@ class BlocksRoot:
         for path in self.paths:
             block = model.get_submodule(path)
             gm = block.__dict__.get(ATTR)
-            if gm is None or not has_result(gm):
+            if gm is None or not has_result(gm):  # (not called yet: replaced, or unused)
+                nodes[path] = NodePrecision(
+                    torch.float32, Rule.NESTED, "a block, called as a module: not planned "
+                    "yet (it is planned on its first call)", module_label(block), path)
                 continue
             plan = plan_of(gm)
             text = repr(list(plan.nodes.items()))  # (identical blocks: identical lines)
@@ -571,13 +614,7 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
     """
     check_own_forward(model)
     root = BlocksRoot(model, paths, config)
-    inner = config.for_part()
-    counted = root.planner(plan)
-    for path in paths:
-        block = model.get_submodule(path)
-        if isinstance(block.__dict__.get("forward"), InplaceForward):
-            take(block)  # (its own rewrite, of this policy)
-        install(block, None, counted, inner)
+    root.install(root.planner(plan))
     model.__dict__["forward"] = root
     model.__dict__[RESULT] = Pending(config, type(model).__name__)
     register(model)
