@@ -154,6 +154,11 @@ def test_a_changing_int_makes_at_most_two_plans_in_twenty_steps(caplog):
         want.sum().backward()
         assert not _same_grads(model, ref)
     assert _plans(caplog) <= 2, caplog.text
+    made = fxamp.graphs_of(model)  # (what each graph was made for, and why)
+    assert list(made) == ["blocks.0", "blocks.1"]
+    assert made["blocks.0"][0] == "train mode, floating inputs float32: the first call"
+    assert len(made["blocks.0"]) == 2 and "'count'" in made["blocks.0"][1]
+    assert "1 dimension(s) or int(s) symbolic" in made["blocks.0"][1]
 
 
 class _Branching(nn.Module):
@@ -186,6 +191,8 @@ def test_past_the_limit_a_block_runs_under_autocast_with_one_warning(caplog):
               r.getMessage()]
     assert len(warned) == 2 and "_Branching" in warned[0].getMessage()
     assert "scale" in warned[0].getMessage()  # (what kept changing)
+    assert fxamp.graphs_of(model)["blocks.0"][-1].startswith(
+        f"runs under torch.autocast from now on ({LIMIT} graphs)")
 
 
 class _Linear(nn.Module):

@@ -8,7 +8,7 @@ from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
 from .rules import DecisionRule  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
-from .rewriter.inplace import rewritten  # noqa: E402
+from .rewriter.inplace import graphs_of, rewritten  # noqa: E402
 from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
 from .passes.audit import Finding  # noqa: E402
 from .rewriter.audit import audit  # noqa: E402
@@ -24,5 +24,5 @@ __all__ = [
     "PlanFormatError", "ExampleInputError", "InputShapeError", "CallStructureError", "ModeError",
     "NotPlannedError", "RuleError", "DecisionRule", "OverlappingRewriteError", "audit",
     "Finding", "train",
-    "RewriteConfig", "config_of", "weight_cache_bytes", "rewritten",
+    "RewriteConfig", "config_of", "weight_cache_bytes", "rewritten", "graphs_of",
 ]

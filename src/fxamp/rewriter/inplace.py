@@ -220,6 +220,7 @@ class InplaceForward:
         self.dtypes: Optional[tuple] = None
         self.misses: List[str] = []
         self.fallback: Optional[str] = None
+        self.made: List[str] = []  # (each graph planned on a call: what for, why; graphs_of)
         _eager_planning()  # (before any compiled region can reach the planning methods)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -368,6 +369,7 @@ class InplaceForward:
                 gm = self._planned(args, kwargs, None)
                 self.put(gm)
                 self.dtypes = _float_dtypes(args, kwargs)
+                self.made = [f"{self._made_for(args, kwargs)}: the first call"]
             return gm
 
     @_outside_compile
@@ -378,6 +380,7 @@ class InplaceForward:
             gm = self.model.__dict__.get(ATTR)
             if gm is stale or gm is None or any(stale in v for v in self.variants.values()):
                 self.count, self.seen, self.grown, self.misses = 0, [], set(), []
+                self.made = [f"{self._made_for(args, kwargs)}: planned again, {why}"]
                 self.fallback = None  # (a new structure: planned anew, with a new bound)
                 gm = self._planned(args, kwargs, why)
                 self.put(gm)
@@ -418,6 +421,7 @@ class InplaceForward:
                     self.misses.append(miss_text)
                 known = self.variants.get(key, [])
                 gm = self._planned(args, kwargs, None)
+                self.made.append(f"{self._made_for(args, kwargs)}: {miss_text}")
                 grows = first is not None and (isinstance(miss, InputShapeError)
                                                or getattr(miss, "scalar", None) is not None)
                 if grows and self.model.__dict__.get(ATTR) is first:
@@ -434,10 +438,19 @@ class InplaceForward:
             self._forget(gm)  # (a call that fails keeps no plan)
             raise
 
+    def _made_for(self, args: tuple, kwargs: Dict[str, Any]) -> str:
+        """What a graph planned on this call is for: the mode and the floating inputs'
+        dtypes (and the dimensions and ints symbolic in it)."""
+        dtypes = ", ".join(str(d).replace("torch.", "") for d in _float_dtypes(args, kwargs))
+        grown = f", {len(self.grown)} dimension(s) or int(s) symbolic" if self.grown else ""
+        return (f"{'train' if self.model.training else 'eval'} mode, floating inputs "
+                f"{dtypes or 'none'}{grown}")
+
     def _give_up(self, miss: str) -> None:
         """Stop planning: the module runs under torch.autocast from now on (one warning)."""
         name = type(self.model).__name__
         self.fallback = miss
+        self.made.append(f"runs under torch.autocast from now on ({LIMIT} graphs): {miss}")
         changed = "; ".join([*self.misses[-4:], miss])
         log.warning(
             "%s: %d graphs were planned for its calls (the limit, as torch.compile's "
@@ -476,6 +489,30 @@ class InplaceForward:
             gm = self.plan(self.model, args, kwargs, config, why)
         self.count += 1
         return gm
+
+
+def graphs_of(model: nn.Module) -> Dict[str, List[str]]:
+    """The graphs an in-place rewrite planned on the calls of ``model`` and its parts (the
+    model itself, or each block in block mode), by module path (``""``: the model): for
+    each, what it was made for (the mode, the floating inputs' dtypes, how many dimensions
+    and Python ints it takes as symbols) and why (the first call, or what the call before it
+    missed: another size, value, dtype or mode); and whether the module runs under
+    ``torch.autocast`` now, past the limit of graphs. The plan (``plan_of``) is the first
+    graph's; these are the run-time facts beside it.
+
+    Args:
+        model: a model rewritten with ``amp_rewrite(..., inplace=True)``.
+
+    Returns:
+        ``{path: [one line per graph, in the order they were planned]}``, for the modules
+        planned on a call so far.
+    """
+    found: Dict[str, List[str]] = {}
+    for path, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, InplaceForward) and forward.made:
+            found[path] = list(forward.made)
+    return found
 
 
 def planning_forward(model: nn.Module, lock: Any) -> Callable[..., Any]:
