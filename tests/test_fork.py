@@ -245,3 +245,50 @@ def test_a_child_forked_while_a_rewrite_froze_the_heap_unfreezes_it() -> None:
     assert done.returncode == 0, out
     assert re.search(r"parent freeze count [1-9]\d* child status 0", done.stdout), out
     assert "child freeze count 0\n" in done.stdout, out
+
+
+class _Gated(nn.Module):
+    """A module whose first run of its code (in the planning thread) waits for a gate."""
+
+    def __init__(self, started: threading.Event, gate: threading.Event) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.started, self.gate = started, gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gate.is_set():
+            self.started.set()
+            self.gate.wait(CHILD_TIMEOUT_S)
+        return self.fc(x)
+
+
+def test_a_fork_while_another_thread_plans_the_first_call_plans_in_the_child():
+    """In place, planned on its first call: a process forked while another thread plans
+    the model computes its own call (planned anew in the child, like autocast) instead of
+    waiting for a planning thread it does not have."""
+    started, gate, ready = threading.Event(), threading.Event(), threading.Event()
+    ready.set()
+    torch.manual_seed(0)
+    model = _Gated(started, gate)
+    torch.manual_seed(0)
+    ref = _Gated(threading.Event(), ready)
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    worker = threading.Thread(target=lambda: model(torch.randn(2, 8)))
+    worker.start()
+    assert started.wait(CHILD_TIMEOUT_S)
+    x = torch.randn(3, 8)
+    pid = os.fork()
+    if pid == 0:  # (the child: its own call, bounded by an alarm)
+        try:
+            import signal
+            signal.alarm(int(CHILD_TIMEOUT_S))
+            gate.set()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = ref(x)
+            os._exit(0 if torch.equal(model(x).float(), want.float()) else 3)
+        except BaseException:  # noqa: BLE001 - any failure is the exit code
+            os._exit(4)
+    gate.set()
+    worker.join(CHILD_TIMEOUT_S)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # (-14: it hung until the alarm)

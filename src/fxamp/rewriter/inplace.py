@@ -86,9 +86,22 @@ def register(model: nn.Module) -> None:
         _INSTALLED.add(model)
 
 
+#: every in-place forward alive (a forked child gives each a new lock)
+_FORWARDS: "weakref.WeakSet[InplaceForward]" = weakref.WeakSet()
+
+
 def _after_fork_in_child() -> None:
+    """In a forked child: new locks (another thread may have held one at the fork), and a
+    model that thread was planning put back as before its planning (the child plans it
+    on its own call; no thread of the child would ever finish that plan)."""
     global _INSTALLED_LOCK
-    _INSTALLED_LOCK = threading.Lock()  # (another thread may have held it at the fork)
+    _INSTALLED_LOCK = threading.Lock()
+    for forward in list(_FORWARDS):
+        forward.lock = threading.RLock()
+        stash = forward.__dict__.get("stash")
+        if stash is not None:
+            forward.stash = None
+            _put_back(forward.model, *stash)
 
 
 if hasattr(os, "register_at_fork"):  # (POSIX)
@@ -221,16 +234,21 @@ class InplaceForward:
         self.misses: List[str] = []
         self.fallback: Optional[str] = None
         self.made: List[str] = []  # (each graph planned on a call: what for, why; graphs_of)
+        self.stash: Optional[tuple] = None  # (what planning took off the model meanwhile)
+        _FORWARDS.add(self)
         _eager_planning()  # (before any compiled region can reach the planning methods)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("lock", None)
+        state["stash"] = None  # (a copy is not being planned)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock = threading.RLock()
+        self.__dict__.setdefault("stash", None)
+        _FORWARDS.add(self)
         register(self.model)  # (a copy of an in-place model)
 
     def __deepcopy__(self, memo: dict) -> "InplaceForward":
@@ -477,7 +495,7 @@ class InplaceForward:
                 f"{type(self.model).__name__} cannot be planned on this call: its rewrite "
                 "kept no config. what to do: rewrite the model again")
         config = self.config
-        with planning(self.model, self.lock):
+        with planning(self.model, self.lock, self):
             leaves = call_leaves(self.model, args, kwargs)
             if not self.seen:
                 self.seen = leaves
@@ -564,9 +582,13 @@ def check_own_forward(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def planning(model: nn.Module, lock: Any) -> Iterator[None]:
+def planning(model: nn.Module, lock: Any, owner: Optional["InplaceForward"] = None
+             ) -> Iterator[None]:
     """``model`` with its own forward back for the planning thread while it is planned on
-    a call; other threads' calls wait for the plan (see ``planning_forward``)."""
+    a call; other threads' calls wait for the plan (see ``planning_forward``). ``owner``
+    (the model's in-place forward) holds what was taken meanwhile, so that a process forked
+    now puts it back in the child (:func:`_after_fork_in_child`), which has no planning
+    thread to wait for."""
     taken = take(model)
     earlier = taken.get(RESULT)
     model.__dict__[RESULT] = Pending(getattr(earlier, "config", None), type(model).__name__,
@@ -578,14 +600,23 @@ def planning(model: nn.Module, lock: Any) -> Iterator[None]:
     for m, _ in compiled:
         m.__dict__["_compiled_call_impl"] = None
     model.__dict__["forward"] = planning_forward(model, lock)
+    if owner is not None:
+        owner.stash = (taken, compiled)
     try:
         yield
     finally:
-        model.__dict__.pop("forward", None)
-        model.__dict__.pop(RESULT, None)
-        model.__dict__.update(taken)
-        for m, call in compiled:
-            m.__dict__["_compiled_call_impl"] = call
+        _put_back(model, taken, compiled)
+        if owner is not None:
+            owner.stash = None
+
+
+def _put_back(model: nn.Module, taken: Dict[str, Any], compiled: list) -> None:
+    """Undo what :func:`planning` did to ``model``."""
+    model.__dict__.pop("forward", None)
+    model.__dict__.pop(RESULT, None)
+    model.__dict__.update(taken)
+    for m, call in compiled:
+        m.__dict__["_compiled_call_impl"] = call
 
 
 def _keywords(forward: Callable[..., Any]) -> Optional[FrozenSet[str]]:
