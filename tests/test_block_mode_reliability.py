@@ -155,3 +155,44 @@ def test_a_block_replaced_after_the_first_call_is_planned_and_the_plan_says_so()
     assert "forward" in new.__dict__ and "forward" not in old.__dict__  # (rewritten; undone)
     text = str(fxamp.plan_of(model))
     assert "blocks.1/relu" in text and "blocks.1/gelu" not in text
+
+
+class Holding(nn.Module):
+    """A block that calls a module it holds in a plain list (not registered)."""
+
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.extra = [shared]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.extra[0](x)
+
+
+class Holds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Holding(self.aux), Holding(self.aux)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_block_calling_an_unregistered_module_trains_every_parameter(caplog):
+    """The module a block holds in a plain list got no gradient (its Parameters were
+    constants in the block's graph): such a block runs under autocast, with a warning
+    naming the attribute."""
+    torch.manual_seed(0)
+    model = Holds()
+    ref = copy.deepcopy(model)
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    x = torch.randn(4, 8)
+    out, grads = _step(model, x)
+    want, want_grads = _step(ref, x, amp=True)
+    assert torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert "extra[0] (Linear)" in caplog.text and "register them" in caplog.text
+    assert fxamp.graphs_of(model)["blocks.0"][0].startswith("runs under torch.autocast")

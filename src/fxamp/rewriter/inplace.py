@@ -317,6 +317,8 @@ class InplaceForward:
             if _COMPILING():  # (a compiled region: planned and run outside it, see below)
                 return self._planned_run(None, args, kwargs, None)
             gm = self._first(args, kwargs)
+            if gm is None:  # (it runs under autocast: see _first)
+                return self._autocast(args, kwargs)
         try:
             return self._run(gm, args, kwargs)
         except StructureChanged as err:
@@ -340,6 +342,8 @@ class InplaceForward:
         region's next call is traced again with the graph in place."""
         gm = self._first(args, kwargs) if stale is None else self._replanned(
             stale, args, kwargs, why or "")
+        if gm is None:
+            return self._autocast(args, kwargs)
         try:
             return self._run(gm, args, kwargs)
         except BaseException:
@@ -383,7 +387,19 @@ class InplaceForward:
         """The model's first graph, planned on this call (once, whichever thread calls)."""
         with self.lock:
             gm = self.model.__dict__.get(ATTR)
-            if gm is None:
+            if gm is None and self.fallback is None and self.plan is not None:
+                held = unregistered_parameters(self.model)
+                if held:  # (a graph would read their Parameters as constants: no grads)
+                    self.fallback = f"it calls modules it does not register: {held}"
+                    self.made = [f"runs under torch.autocast: {self.fallback}"]
+                    log.warning(
+                        "%s calls modules holding Parameters that it does not register "
+                        "(%s): a graph of it would read those Parameters as constants and "
+                        "they would get no gradient, so it runs under torch.autocast "
+                        "(autocast's dtypes and gradients). what to do: register them "
+                        "(an nn.ModuleList or an attribute instead of a plain list or "
+                        "dict) and rewrite again", type(self.model).__name__, held)
+            if gm is None and self.fallback is None:
                 gm = self._planned(args, kwargs, None)
                 self.put(gm)
                 self.dtypes = _float_dtypes(args, kwargs)
@@ -507,6 +523,41 @@ class InplaceForward:
             gm = self.plan(self.model, args, kwargs, config, why)
         self.count += 1
         return gm
+
+
+def unregistered_parameters(model: nn.Module, limit: int = 3) -> List[str]:
+    """Where ``model``'s modules hold, outside their registered children (in a plain list,
+    tuple or dict, or as an attribute of another object), a module with Parameters that
+    require grad: ``"blocks.0.extra[0] (Linear)"``, at most ``limit``.
+
+    Args:
+        model: the module about to be planned on its own.
+        limit: how many to name.
+    """
+    mine = {id(m) for m in model.modules()}
+    found: List[str] = []
+
+    def walk(value: Any, where: str, depth: int) -> None:
+        if len(found) >= limit or depth > 2:
+            return
+        if isinstance(value, nn.Module):
+            if id(value) not in mine and any(p.requires_grad for p in value.parameters()):
+                found.append(f"{where} ({type(value).__name__})")
+            return
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value[:64]):
+                walk(item, f"{where}[{i}]", depth + 1)
+        elif isinstance(value, dict):
+            for key, item in list(value.items())[:64]:
+                walk(item, f"{where}[{key!r}]", depth + 1)
+
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            if name in ("_modules", "_parameters", "_buffers") or name.endswith("hooks"):
+                continue
+            if isinstance(value, (nn.Module, list, tuple, dict)):
+                walk(value, f"{path}.{name}" if path else name, 0)
+    return found
 
 
 def graphs_of(model: nn.Module) -> Dict[str, List[str]]:
