@@ -196,3 +196,31 @@ def test_a_block_calling_an_unregistered_module_trains_every_parameter(caplog):
     assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
     assert "extra[0] (Linear)" in caplog.text and "register them" in caplog.text
     assert fxamp.graphs_of(model)["blocks.0"][0].startswith("runs under torch.autocast")
+
+
+class SharedFc(nn.Module):
+    def __init__(self, shared: nn.Linear) -> None:
+        super().__init__()
+        self.fc1 = shared
+        self.fc2 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_stored_weights_on_blocks_sharing_one_linear_evaluate_like_autocast():
+    """weights=stored: block 0 stored the shared Linear's weight in bf16 while it was
+    planned; block 1, planned next, was refused ('already torch.bfloat16 ... call
+    model.float()') although the user's model is FP32."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(SharedFc(shared), SharedFc(shared)).eval()
+    ref = copy.deepcopy(model)
+    fxamp.amp_rewrite(model, config="compute=bf16,weights=stored", inplace=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref(x)
+        assert torch.equal(model(x).float(), want.float())
+        assert torch.equal(model(x).float(), want.float())
+    assert model[0].fc1.weight.dtype == BF16  # (stored once, shared)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -283,6 +284,7 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
             with torch.no_grad():
                 new = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
             _replace_everywhere(roots, param, new)
+            _MADE_LOW[id(new)] = new
             for _, mod, attr in places:
                 mod.register_load_state_dict_pre_hook(_ConvertOnLoad(attr, dtype))
             for part, cast in casts:
@@ -376,6 +378,11 @@ def record_of(model: nn.Module) -> Optional[StoredRecord]:
     return model.__dict__.get(ATTR)
 
 
+#: every Parameter fxamp stored in low precision (held weakly): a module planned later that
+#: shares one (blocks sharing an ``nn.Linear``) is planned with an FP32 stand-in for it too
+_MADE_LOW: "weakref.WeakValueDictionary[int, nn.Parameter]" = weakref.WeakValueDictionary()
+
+
 @contextlib.contextmanager
 def planning_in_fp32(model: nn.Module) -> Iterator[Dict[int, nn.Parameter]]:
     """``model`` with FP32 stand-ins for its stored Parameters while it is planned again (a
@@ -386,12 +393,15 @@ def planning_in_fp32(model: nn.Module) -> Iterator[Dict[int, nn.Parameter]]:
         model: a model rewritten in place with ``weights=stored``.
     """
     record = record_of(model)
-    if record is None or not record.stored:
+    names = list(record.stored) if record is not None else []
+    names += [name for name, p in model.named_parameters()  # (stored planning another)
+              if _MADE_LOW.get(id(p)) is p and name not in names]
+    if not names:
         yield {}
         return
     swaps: Dict[int, nn.Parameter] = {}
     done: List[Tuple[nn.Parameter, nn.Parameter]] = []
-    for name in record.stored:
+    for name in names:
         try:
             param = model.get_parameter(name)
         except AttributeError:
@@ -462,6 +472,7 @@ def store_like(source: nn.Module, block: nn.Module) -> None:
         for _, module, attr in holders.get(id(param), []):
             module.register_load_state_dict_pre_hook(_ConvertOnLoad(attr, dtype))
         _replace_everywhere([block], param, new)
+        _MADE_LOW[id(new)] = new
         mine.stored[name] = dtype
     theirs = dict(block.named_modules(remove_duplicate=False))
     for path, module in source.named_modules(remove_duplicate=False):
