@@ -444,3 +444,41 @@ def test_a_lightning_module_without_forward_is_refused_and_the_advice_trains_lik
         trainer.fit(module, train_dataloaders=loader)
         runs.append(module.losses)
     assert len(runs[0]) == 3 and all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+class _Listed(nn.Module):
+    """A block given ``[tensor, float]``: torch.export guards the float's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, extra: list) -> torch.Tensor:
+        t, f = extra
+        if x.shape[0] > 1:  # (fx cannot take it: the export front end plans it)
+            x = x * 1.0
+        return self.fc(x) * f + t
+
+
+class _ListedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Listed(), _Listed()])
+
+    def forward(self, x: torch.Tensor, f: float) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, [x, f])
+        return x
+
+
+def test_a_float_in_a_list_that_changes_is_another_graph_not_an_error():
+    torch.manual_seed(0)
+    model = _ListedNet()
+    ref = copy.deepcopy(model)
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    x = torch.randn(4, 8)
+    for f in (1.0, 2.0, 3.0, 2.0):
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref(x, f)
+        assert torch.equal(model(x, f).float(), want.float()), f
+    assert len(fxamp.graphs_of(model)["blocks.0"]) == 3

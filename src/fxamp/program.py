@@ -170,8 +170,9 @@ CALL_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_for
 #: how torch.export's input guard (an exported graph's ``_guards_fn``) words a failure
 GUARD_FAILED = "Guard failed: "
 _NAMED = re.compile(r"\b([A-Za-z_]\w*)(?=\.size\(\)|\[)")
-#: a guard on one fixed size (``x.size()[1] == 12``)
-_FIXED = re.compile(r"^[\w.\[\]'\"]+\.size\(\)\[\d+\] == \d+$")
+#: a guard on one fixed size or Python value of an input (``x.size()[1] == 12``, a float
+#: in a list ``extra[1] == 1.0``): a graph planned on a call that breaks it takes that call
+_FIXED = re.compile(r"^[\w.\[\]'\"]+(\.size\(\)\[\d+\])? == [\w.+\-'\"]+$")
 
 
 def guard_error(program: Any, err: AssertionError) -> Optional[InputShapeError]:
