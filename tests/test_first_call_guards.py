@@ -58,10 +58,18 @@ def _hf(name: str, cache: bool = False):
                                     num_heads=4, dropout_rate=0.0, use_cache=cache,
                                     decoder_start_token_id=0)
         return transformers.T5ForConditionalGeneration(cfg)
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64,
-                                   use_cache=cache)
+    if name == "roberta":
+        cfg = transformers.RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, intermediate_size=64,
+                                         num_labels=3, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, pad_token_id=0)
+        return transformers.RobertaForSequenceClassification(cfg)
+    kind = transformers.Qwen2Config if name == "qwen2" else transformers.LlamaConfig
+    cfg = kind(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               use_cache=cache)
+    if name == "qwen2":
+        return transformers.Qwen2ForCausalLM(cfg)
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -70,7 +78,7 @@ def _batch(name: str, b: int, s: int, g: torch.Generator) -> dict:
     mask = torch.ones(b, s, dtype=torch.long)
     if s > 2:
         mask[0, s // 2:] = 0  # (a padded row)
-    if name == "bert":
+    if name in ("bert", "roberta"):
         return {"input_ids": ids, "attention_mask": mask, "labels": ids[:, 0] % 3}
     if name == "t5":
         labels = ids[:, : max(2, s // 2)].contiguous()
@@ -79,7 +87,8 @@ def _batch(name: str, b: int, s: int, g: torch.Generator) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,cache", [("bert", False), ("llama", False), ("llama", True),
+@pytest.mark.parametrize("name,cache", [("bert", False), ("roberta", False), ("llama", False),
+                                        ("llama", True), ("qwen2", False), ("qwen2", True),
                                         ("gpt2", False), ("t5", False)])
 def test_batch_and_sequence_change_every_step_like_autocast(name, cache, caplog):
     """Six training steps of another batch size and padded length each, then three eval
