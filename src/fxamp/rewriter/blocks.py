@@ -22,6 +22,7 @@ import ast
 import copy
 import dataclasses
 import enum
+import fnmatch
 import functools
 import inspect
 import logging
@@ -39,7 +40,7 @@ from ..config import RewriteConfig
 from ..ir import Rule
 from ..ops import module_label
 from ..plan import NodePrecision, Plan
-from ..errors import FxampError
+from ..errors import FxampError, PolicyError
 from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of, result_of
 from ..runtime import CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
@@ -120,9 +121,11 @@ class BlocksRoot:
         return SharedPlanner(self, plan)
 
     def install(self, plan: Planner) -> None:
-        """Rewrite the blocks in place, each planned on its first call by ``plan``."""
+        """Rewrite the blocks in place, each planned on its first call by ``plan`` with its
+        own overrides (:func:`block_overrides`)."""
         self.planner_of = plan
         inner = self.config.for_part()
+        routed = block_overrides(self.model, self.paths, inner.policy.overrides)
         self.slots = []
         for path in self.paths:
             parent, _, name = path.rpartition(".")
@@ -132,7 +135,9 @@ class BlocksRoot:
                     block.__dict__["forward"].plan is not plan:
                 if isinstance(block.__dict__.get("forward"), InplaceForward):
                     take(block)  # (its own rewrite, of this policy)
-                install(block, None, plan, inner)
+                mine = inner.replace(policy=dataclasses.replace(
+                    inner.policy, overrides=tuple(routed[path])))
+                install(block, None, plan, mine)
             self.slots.append((container, name, block))
 
     def _replaced(self) -> None:
@@ -208,6 +213,49 @@ class BlocksRoot:
         self.composed = self.planned
 
 
+def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[str, list]:
+    """Each block's overrides in block mode, where each block is planned on its own: an
+    override naming a module inside one block by its absolute path
+    (``fp32:model.layers.1.mlp.*``) goes to that block alone, made relative to it
+    (``fp32:mlp.*``); any other (``fp32:mlp.down_proj``, an op label) to every block. One
+    naming only modules of the glue (``fp32:lm_head``: the model's own forward, run under
+    torch.autocast) is refused now, not on every call.
+
+    Args:
+        model: the model in block mode.
+        paths: its blocks.
+        overrides: the policy's overrides.
+
+    Raises:
+        PolicyError: an override that names only modules outside the blocks.
+    """
+    routed: Dict[str, list] = {path: [] for path in paths}
+    modules = [name for name, _ in model.named_modules() if name]
+    for override in overrides:
+        pattern = override.pattern
+        owner = next((p for p in paths if pattern.startswith(p + ".") or pattern == p), None)
+        if owner is not None:
+            rest = pattern[len(owner) + 1:] or "*"
+            routed[owner].append(dataclasses.replace(override, pattern=rest))
+            continue
+        absolute = [m for m in modules if fnmatch.fnmatchcase(m, pattern)]
+        inside = [m for m in absolute if any(m == p or m.startswith(p + ".") for p in paths)]
+        if absolute and not inside and not any(
+                fnmatch.fnmatchcase(rel, pattern) for p in paths
+                for rel, _ in model.get_submodule(p).named_modules() if rel):
+            raise PolicyError(
+                f"policy override '{override}' names {', '.join(absolute[:3])}, outside the "
+                f"blocks ({paths[0]} ...): without example inputs the model is rewritten in "
+                "block mode, where only the blocks are planned and the model's own forward "
+                "(embeddings, final norm, head, loss) runs under torch.autocast, so no plan "
+                "line can take it. what to do: rewrite with example inputs "
+                "(amp_rewrite(model, example_inputs, config, inplace=True): one plan, "
+                f"{absolute[0]} included), or drop the override")
+        for path in paths:
+            routed[path].append(override)
+    return routed
+
+
 class SharedPlanner:
     """The blocks' planner: a block identical to one planned already (:func:`share_key`)
     gets a copy of that one's graphs bound to its own modules instead of a new trace; each
@@ -222,8 +270,8 @@ class SharedPlanner:
                  why: Optional[str]) -> nn.Module:
         shared = self.root.shared
         key = share_key(block, args, kwargs) if why is None else None
-        if key is not None and config.dynamic_shapes is not None:  # (grown symbols)
-            key = (key, str(config.dynamic_shapes))
+        if key is not None:  # (its own overrides; symbols grown on its calls)
+            key = (key, str(config.policy), str(config.dynamic_shapes))
         known = shared.get(key) if key is not None else None
         gm = None
         if known is not None:

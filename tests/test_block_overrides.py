@@ -1,0 +1,70 @@
+"""Overrides in block mode (``amp_rewrite(model, config=..., inplace=True)`` without
+example inputs, each block planned on its own): an absolute module path inside one block
+changes that block alone (which then has a plan of its own), a relative one every block,
+and one naming only the glue (the model's own forward, under torch.autocast) is refused at
+``amp_rewrite`` time, with advice that works when followed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxamp
+
+transformers = pytest.importorskip("transformers")
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _lines(model) -> dict:
+    """Each plan line's (module path, dtype), by node name."""
+    return {name: (node.module, node.dtype) for name, node in fxamp.plan_of(model).nodes.items()}
+
+
+def test_an_absolute_path_in_one_block_changes_that_block_alone():
+    plain, model = _llama(), _llama()
+    fxamp.amp_rewrite(plain, config="compute=bf16", inplace=True)
+    fxamp.amp_rewrite(model, config="compute=bf16,fp32:model.layers.1.mlp.*", inplace=True)
+    plain(input_ids=IDS)
+    model(input_ids=IDS)
+    before, after = _lines(plain), _lines(model)
+    # (layer 1 has a plan of its own: its lines are listed, not "the same plan as")
+    assert any(n.startswith("model.layers.1/") for n in after)
+    assert not any(n.startswith("model.layers.1/") for n in before)
+    mlp = {n for n, (module, _) in after.items() if module.startswith("model.layers.1.mlp.")
+           and n.startswith("model.layers.1/") and ("linear" in n or "silu" in n)}
+    assert mlp and all(after[n][1] == torch.float32 for n in mlp), mlp
+    same = {n.replace("model.layers.1/", "model.layers.0/") for n in mlp}
+    assert all(before[n][1] == torch.bfloat16 for n in same if "linear" in n)
+    assert {n: v for n, v in after.items() if n.startswith("model.layers.0/")} == {
+        n: v for n, v in before.items() if n.startswith("model.layers.0/")}
+
+
+def test_a_relative_path_changes_every_block():
+    plain, model = _llama(), _llama()
+    fxamp.amp_rewrite(plain, config="compute=bf16", inplace=True)
+    fxamp.amp_rewrite(model, config="compute=bf16,fp32:mlp.down_proj", inplace=True)
+    plain(input_ids=IDS)
+    model(input_ids=IDS)
+    after, before = _lines(model), _lines(plain)
+    downs = [n for n, (module, _) in after.items()
+             if module.endswith("mlp.down_proj") and "linear" in n]
+    assert downs and all(after[n][1] == torch.float32 for n in downs)
+    assert all(before[n][1] == torch.bfloat16 for n in downs)
+
+
+def test_an_override_of_the_glue_is_refused_up_front_and_the_advice_works():
+    with pytest.raises(fxamp.PolicyError, match="names lm_head, outside the blocks"):
+        fxamp.amp_rewrite(_llama(), config="compute=bf16,fp32:lm_head", inplace=True)
+    model = _llama()  # (the advice: with example inputs, one plan, lm_head included)
+    fxamp.amp_rewrite(model, (IDS,), "compute=bf16,fp32:lm_head", inplace=True)
+    model(IDS)
+    heads = [v for v in _lines(model).values() if v[0] == "lm_head"]
+    assert heads and all(dtype == torch.float32 for _, dtype in heads)
