@@ -10,6 +10,11 @@ declared in ``fxamp.export.onnx_passes`` (``ONNX_STEPS``: BatchNorm and constant
 the FP32 values, each weight rounded once, onnxscript's optimizer, the weight-cast fold,
 repairs, Cast pairs); then every node gets its provenance (the plan node, the module) and the
 file its metadata (``fxamp.export.onnx_metadata``).
+
+What is exported is one graph (:func:`flat_graph`): a model rewritten in place exports the
+graph it computes with, and a model in block mode (its blocks' graphs called from its own
+code under autocast, ``rewriter/blocks.py``) a flat rewrite of its FP32 form with its config,
+made on the example inputs; the model keeps its rewrite.
 """
 from __future__ import annotations
 
@@ -29,8 +34,11 @@ from .._version import __version__
 from ..fileio import atomic_directory
 from ..frontends.common import training_flags
 from ..progress import shows
-from ..rewriter import plan_of
+from ..rewriter import amp_rewrite, plan_of
+from ..rewriter.blocks import config_of_blocks, is_blocks
 from ..rewriter.gc_scope import young_objects_only
+from ..rewriter.inplace import is_inplace, rewritten
+from ..rewriter.overlap import own_forwards
 from ..frontends.common import as_tuple
 from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, NOTE, get_meta, set_meta
 from .onnx_passes import run_onnx_steps
@@ -258,6 +266,40 @@ def _eval_reference(reference: Optional[torch.nn.Module]) -> Any:
     return run
 
 
+def flat_graph(model: torch.nn.Module, inputs: tuple) -> torch.nn.Module:
+    """The one graph to export for ``model``: a model in block mode (no graph of the whole
+    model exists: the glue between its blocks is its own Python code) is rewritten afresh
+    with its config on ``inputs``, from a shadow with its own forwards back
+    (``rewriter/overlap.own_forwards``: the model keeps its block mode, the new graph shares
+    its Parameters); a model rewritten in place with one graph gives that graph
+    (``fxamp.rewritten``); any other module is itself.
+
+    Args:
+        model: what ``export_onnx`` was given.
+        inputs: the example's positional arguments.
+
+    Returns:
+        The rewritten module to export.
+
+    Raises:
+        NotPlannedError: an in-place model planned on its first call, not called yet.
+    """
+    if is_blocks(model):
+        config = config_of_blocks(model)
+        view = own_forwards(model)
+        try:
+            flat = amp_rewrite(view.root, inputs, config)
+        finally:
+            view.release()
+        log.info("%s is in block mode (its blocks rewritten in place, its own forward under "
+                 "autocast): exporting a flat rewrite of it with its config (%s) made on the "
+                 "example inputs", type(model).__name__, config.policy)
+        return flat
+    if is_inplace(model) and not isinstance(model, fx.GraphModule):
+        return rewritten(model)
+    return model
+
+
 @shows(lambda gm, inputs, path, **k: f"ONNX export to {os.path.basename(path)}")
 def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                 opset: Optional[int] = None, exporter: str = "auto",
@@ -272,8 +314,13 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     inference: modules are put in eval mode for it (their flags are restored). The file's
     metadata holds the plan and what the export repaired.
 
+    A model ``amp_rewrite(..., inplace=True)`` rewrote exports the graph it computes with;
+    one in block mode (rewritten in place without example inputs) exports a flat rewrite
+    of its FP32 form with its config, made on ``example_inputs`` (``flat_graph``); the
+    model keeps its rewrite either way.
+
     Args:
-        gm: a GraphModule ``fxamp.amp_rewrite`` made.
+        gm: a GraphModule ``fxamp.amp_rewrite`` made, or a model it rewrote in place.
         example_inputs: the forward's arguments to export with (a tuple, or one tensor).
         path: the ``.onnx`` file to write (atomically; a model over 1.8 GB gets its
             weights in ``path + ".data"``).
@@ -298,10 +345,11 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
         raise ExportError("export_onnx needs onnx, onnxscript and onnxruntime; what to do: "
                           "pip install 'fxamp[onnx]' (or pip install onnx onnxscript "
                           "onnxruntime)") from None
-    plan = plan_of(gm)
     inputs = as_tuple(example_inputs)
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ExportError(f"exporter must be auto, dynamo or torchscript, got {exporter!r}")
+    gm = flat_graph(gm, inputs)
+    plan = plan_of(gm)
     with young_objects_only():  # (full collections scan what the export allocates only)
         return _export_onnx(gm, plan, inputs, path, opset, exporter, reference)
 

@@ -119,11 +119,13 @@ def repair_types(model: Any) -> int:
                 continue
             old = ONNX_FLOAT_NAMES.get(init.data_type, "?")
             array = numpy_helper.to_array(init)
-            if uses.get(name, 0) > 1:  # shared: give this node its own copy
-                new = numpy_helper.from_array(astype(array, want), f"{name}_fxamp_{want}")
-                model.graph.initializer.append(new)
-                inits[new.name] = new
-                node.input[list(node.input).index(name)] = new.name
+            if uses.get(name, 0) > 1:  # shared: read a copy in this type (one per type:
+                copy = f"{name}_fxamp_{want}"  # the exporter shares equal initializers,
+                if copy not in inits:  # two blocks' fresh norm weights, say)
+                    new = numpy_helper.from_array(astype(array, want), copy)
+                    model.graph.initializer.append(new)
+                    inits[copy] = new
+                node.input[list(node.input).index(name)] = copy
             else:
                 init.CopyFrom(numpy_helper.from_array(astype(array, want), name))
                 for value in model.graph.value_info:  # the exporter's type of the old value

@@ -4,7 +4,9 @@
 The rewrite runs with one ``RewriteConfig`` (front end and example
 kwargs included), so the audited decisions are exactly the rewrite's. When the rewrite
 refuses the model for a banned op it is rewritten again with an ``fp32:<node>`` override per
-banned node, so those are reported rather than raised.
+banned node, so those are reported rather than raised. A model in block mode (rewritten in
+place without example inputs, ``rewriter/blocks.py``) is audited as its FP32 form, a shadow
+with its own forwards back (``overlap.own_forwards``): the model keeps its block mode.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from ..passes.audit.findings import Finding
 from ..passes.audit.context import audit_context
 from ..passes.audit.results import audit_result
 from ..policy import Policy, make_policy
+from .blocks import is_blocks
+from .overlap import own_forwards
 from .pipeline import amp_rewrite
 
 log = logging.getLogger(__name__)
@@ -64,7 +68,7 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
     context is read by ``passes/audit/context.py``.
 
     Args:
-        model: the FP32 model to audit (left unchanged).
+        model: the FP32 model to audit (left unchanged; a model in block mode keeps it).
         example_inputs: the forward's positional arguments (a tuple, or one tensor).
         example_kwargs: the forward's keyword arguments.
         dtype: the low-precision dtype.
@@ -96,16 +100,35 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
     args = () if example_inputs is None else (
         tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else
         (example_inputs,))
+    # (block mode: a flat rewrite of the model would take its blocks' rewrites off; the
+    # shadow's are taken off instead, and the model computes with its own as before)
+    view = own_forwards(model) if isinstance(model, nn.Module) and is_blocks(model) else None
     try:
-        gm = amp_rewrite(model, args, config=config)
+        gm = _rewrite(model if view is None else view.root, args, config)
+    finally:
+        if view is not None:
+            view.release()
+    findings = audit_result(gm, pol)
+    findings += audit_context(model, pol, optimizer=optimizer, scaler=scaler, batch=batch,
+                              steps_per_epoch=steps_per_epoch, onnx=onnx)
+    return findings
+
+
+def _rewrite(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
+    """``amp_rewrite(model, args, config)``; a model it refuses for a banned op is rewritten
+    with an ``fp32:<node>`` override per banned node.
+
+    Args:
+        model: the model to rewrite (a block-mode model's FP32 shadow).
+        args: the example's positional arguments.
+        config: the rewrite's config.
+    """
+    try:
+        return amp_rewrite(model, args, config=config)
     except FxampError as err:
         banned = _banned_nodes(model, args, config) if isinstance(model, nn.Module) else []
         if not banned:
             raise
         log.info("audit: the rewrite refused %s (%s); auditing with FP32 overrides for them",
                  ", ".join(banned), str(err).splitlines()[0])
-        gm = amp_rewrite(model, args, config=config.with_fp32(banned))
-    findings = audit_result(gm, pol)
-    findings += audit_context(model, pol, optimizer=optimizer, scaler=scaler, batch=batch,
-                              steps_per_epoch=steps_per_epoch, onnx=onnx)
-    return findings
+        return amp_rewrite(model, args, config=config.with_fp32(banned))

@@ -18,8 +18,9 @@ from typing import Iterator, List, Optional, Tuple
 import torch.nn as nn
 
 from ..errors import OverlappingRewriteError
+from ..frontends.shadow import Shadow
 from ..policy import Policy, dtype_name
-from .blocks import BlocksRoot
+from .blocks import BlocksRoot, uninstall_blocks
 from .inplace import InplaceForward, installed, take
 
 
@@ -33,6 +34,31 @@ def inplace_policy(module: nn.Module) -> Optional[Policy]:
     if isinstance(forward, (InplaceForward, BlocksRoot)) and forward.config is not None:
         return forward.config.policy
     return None
+
+
+def own_forwards(model: nn.Module) -> Shadow:
+    """A shadow of ``model`` (``frontends/shadow.py``) with the model's own in-place rewrite
+    taken off: in block mode its root's and its blocks' own forwards back (their shadows'),
+    else its root's. The shadow computes the FP32 model and is what a tool that knows only
+    the flat form (a rewrite with example inputs, ``fxamp.audit``, the tolerance search, the
+    ONNX export, the overflow replay) reads or rewrites, while the user's model keeps its
+    rewrite, for this thread and the others. A rewrite of the shadow's root holds the
+    user's modules (``Shadow.to_real``). The caller releases the shadow
+    (``Shadow.release``) when done.
+
+    Args:
+        model: a module, rewritten in place or not.
+
+    Returns:
+        The shadow; its ``root`` stands for ``model``.
+    """
+    shadow = Shadow(model)
+    root = shadow.root
+    if isinstance(root.__dict__.get("forward"), BlocksRoot):
+        uninstall_blocks(root)  # (the shadows' blocks: the model's keep their forwards)
+    else:
+        take(root)
+    return shadow
 
 
 def same_policy(a: Optional[Policy], b: Optional[Policy]) -> bool:

@@ -38,7 +38,8 @@ from .gc_scope import young_objects_only
 from .blocks import block_paths, config_of_blocks, install_blocks, is_blocks, uninstall_blocks
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, take, uninstalled
 from .inputs import AutocastOff, check_example_inputs
-from .overlap import check_overlap, inplace_policy, owners, parts_off, same_policy
+from .overlap import (check_overlap, inplace_policy, own_forwards, owners, parts_off,
+                      same_policy)
 from .pass_list import pass_list, plan_lines, plan_nodes
 from .state_dict import complete_state
 from .stored import planning_in_fp32, restore_stored, store_weights
@@ -266,6 +267,12 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
                 and config_of_blocks(model) == config:
             log.info("model was already rewritten in place with the same config")
             return model
+        if not inplace:  # (a flat rewrite of its FP32 form: the model keeps its block mode)
+            view = own_forwards(model)
+            try:
+                return _amp_rewrite(view.root, example_inputs, config, False)
+            finally:
+                view.release()
         uninstall_blocks(model)
     check_model(model)
     if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)

@@ -12,12 +12,19 @@ then bisects that group down and drops flips that are not needed. Flipped nodes 
 prefix, or a suffix, of the graph's low-precision nodes kept in FP32. Both report how many
 model evaluations they used (one evaluation = one rewrite run over the data; the scoring
 pass counts as one).
+
+Both search flat rewrites of the FP32 model. A model rewritten in place (block mode too:
+``rewriter/blocks.py``) is searched as its FP32 form, a shadow with its own forwards back
+(``overlap.own_forwards``): the references are the FP32 model's outputs, the results share
+its Parameters, and the model keeps its rewrite.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple,
+                    Union)
 
 import torch
 import torch.fx as fx
@@ -34,6 +41,9 @@ from ..progress import advance, shows, track
 from ..runtime import eligible
 from ..frontends.common import as_tuple
 from ..result import result_of, set_result
+from .blocks import is_blocks
+from .inplace import is_inplace
+from .overlap import own_forwards
 from .pipeline import amp_rewrite, check_model, plan_of
 
 log = logging.getLogger(__name__)
@@ -180,6 +190,28 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
     return scorer.scores
 
 
+@contextlib.contextmanager
+def fp32_form(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` as the search reads it: itself, or, for a model rewritten in place (in block
+    mode or with one graph), a shadow of it with its own forwards back (its FP32 code:
+    ``overlap.own_forwards``), released after. The model keeps its rewrite.
+
+    Args:
+        model: the model to search.
+
+    Yields:
+        The FP32 model to reference, trace and rewrite.
+    """
+    if not isinstance(model, nn.Module) or not (is_blocks(model) or is_inplace(model)):
+        yield model
+        return
+    view = own_forwards(model)
+    try:
+        yield view.root
+    finally:
+        view.release()
+
+
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
              metric: Optional[Metric], policy: Union[None, str, Policy], dtype: torch.dtype,
              target: Optional[str], frontend: str,
@@ -208,7 +240,8 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
     traces with the same front end as the rewrites.
 
     Args:
-        model: the FP32 model (left unchanged).
+        model: the FP32 model (left unchanged), or a model rewritten in place (searched as
+            its FP32 form; it keeps its rewrite).
         example_inputs: the forward's arguments to trace with (a tuple, or one tensor).
         data: the batches to measure the error on (each a tuple of the forward's
             arguments, or one tensor); the FP32 model's outputs on them are the reference.
@@ -232,8 +265,14 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
         FxampError: ``data`` holds no batch, or the model cannot be rewritten (the
             subclass says why, as ``amp_rewrite`` does).
     """
-    evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target,
-                        frontend, config)
+    with fp32_form(model) as fp32:
+        evaluate = _prepare(fp32, example_inputs, data, metric, policy, dtype, target,
+                            frontend, config)
+        return _search(fp32, evaluate, rtol)
+
+
+def _search(model: nn.Module, evaluate: _Evaluator, rtol: float) -> SearchResult:
+    """:func:`search` on the FP32 model, its evaluator made."""
     error, gm = evaluate([])
     if error <= rtol:
         return SearchResult(gm, [], evaluate.count, error, True, evaluate.history)
@@ -290,7 +329,8 @@ def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], 
     suffix, of the low-precision nodes in graph order; keep the smaller.
 
     Args:
-        model: the FP32 model (left unchanged).
+        model: the FP32 model (left unchanged), or a model rewritten in place (searched as
+            its FP32 form; it keeps its rewrite).
         example_inputs: the forward's arguments to trace with (a tuple, or one tensor).
         data: the batches to measure the error on (each a tuple of the forward's
             arguments, or one tensor).
@@ -311,8 +351,14 @@ def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], 
     Raises:
         FxampError: ``data`` holds no batch, or the model cannot be rewritten.
     """
-    evaluate = _prepare(model, example_inputs, data, metric, policy, dtype, target,
-                        frontend, config)
+    with fp32_form(model) as fp32:
+        evaluate = _prepare(fp32, example_inputs, data, metric, policy, dtype, target,
+                            frontend, config)
+        return _bisect(evaluate, rtol)
+
+
+def _bisect(evaluate: _Evaluator, rtol: float) -> SearchResult:
+    """:func:`bisect_baseline`, its evaluator made."""
     error, gm = evaluate([], rule=Rule.BISECT)
     if error <= rtol:
         return SearchResult(gm, [], evaluate.count, error, True, evaluate.history)

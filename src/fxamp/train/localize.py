@@ -5,23 +5,44 @@ for inf/NaN; a tensor hook on every node output that requires grad records, duri
 (scaled) backward pass, the first node in backward order whose gradient is non-finite.
 Nothing in the model changes: gradients are taken with ``torch.autograd.grad`` (no
 ``.grad`` is written), buffers (BatchNorm running stats) are restored and the RNG is forked.
+
+A model rewritten in place replays the graph it computes with for the call (its mode's, its
+call structure's). A model in block mode (rewritten in place without example inputs,
+``rewriter/blocks.py``) replays its own code (the glue) under autocast, as it runs, on a
+shadow of its module tree (``frontends/shadow.py``) whose blocks replay their graphs node
+by node: a node is named ``<block path>/<node>``, as the model's plan names it. The glue's
+ops (embeddings, the final norm, the head) are no graph nodes: a non-finite value they make
+shows as the loss's.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.fx as fx
-from .._torch import tree_flatten
+import torch.nn as nn
+from .._torch import first_child_spec, tree_flatten
 
-from ..errors import FxampError, source_line
+from ..errors import CallStructureError, FxampError, ModeError, NotPlannedError, source_line
+from ..frontends.aten_inputs import flat_inputs
+from ..frontends.common import in_output_dtype
+from ..frontends.shadow import Shadow
 from ..graph_run import GraphRun
 from .. import ir
 from ..plan import Plan
 from ..policy import dtype_name
+from ..program import DEVICES, call_key
+from ..result import ATTR as RESULT, Rewritten
 from ..rewriter import plan_of
+from ..rewriter.blocks import is_blocks
+from ..rewriter.inplace import ATTR, InplaceForward
+from ..runtime import device_autocast, device_type
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Overflow", "localize"]
 
@@ -89,14 +110,76 @@ def _non_finite(value: Any) -> bool:
                and not bool(torch.isfinite(t).all()) for t in tree_flatten(value)[0])
 
 
-class _Replay(GraphRun):
-    """Runs a GraphModule node by node, noting the first non-finite output and hooking grads."""
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Every ``torch.autocast`` off while a graph is replayed (as its ``Program`` turns it
+    off: the plan says each node's dtype; a block's graph is called from glue under
+    autocast), back on after."""
+    was = [device for device in DEVICES if torch.is_autocast_enabled(device)]
+    for device in was:
+        torch.set_autocast_enabled(device, False)
+    try:
+        yield
+    finally:
+        for device in was:
+            torch.set_autocast_enabled(device, True)
 
-    def __init__(self, gm: fx.GraphModule):
+
+def _graph_inputs(gm: fx.GraphModule, args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """The placeholder values of ``gm`` for the call ``gm(*args, **kwargs)``, as its generated
+    forward takes them: the call admitted by the rewrite's call structure check, bound to
+    the forward's signature (keywords and defaults), flattened along its input spec.
+
+    Args:
+        gm: a rewritten graph.
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+
+    Raises:
+        CallStructureError: the graph was not traced for this call's structure.
+    """
+    result = gm.__dict__.get(RESULT)
+    calls = result.calls if isinstance(result, Rewritten) else None
+    if calls is not None:
+        args, kwargs = calls.admit(args, kwargs)
+    try:
+        bound = inspect.signature(gm.forward).bind(*args, **kwargs)
+    except TypeError as err:
+        raise CallStructureError(
+            f"the replay cannot pass this call to the rewritten graph ({err}); what to do: "
+            "call the model in loss_fn as in training") from None
+    bound.apply_defaults()
+    names, values = list(bound.arguments), list(bound.arguments.values())
+    spec = gm.__dict__.get("_in_spec")
+    if spec is None:
+        return tuple(values)
+    first = first_child_spec(spec)
+    count = first.num_children if first is not None else len(values)
+    return flat_inputs(gm, tuple(values[:count]), dict(zip(names[count:], values[count:])))
+
+
+class _Replay(GraphRun):
+    """Runs a GraphModule node by node, noting the first non-finite output and hooking grads.
+
+    Args:
+        gm: the graph.
+        path: the module path of the block it is the graph of ("": the model's).
+    """
+
+    def __init__(self, gm: fx.GraphModule, path: str = "") -> None:
         super().__init__(gm, garbage_collect_values=True)
+        self.path = path
         self.forward_bad = ""
         self.backward_bad = ""
         self.handles: List[Any] = []
+
+    def call(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        """The graph run on a call's arguments, with autocast off; its output as the
+        graph's forward returns it."""
+        flat = _graph_inputs(self.module, args, kwargs)  # type: ignore[arg-type]
+        with _autocast_off():
+            out = self.run(*flat, enable_io_processing=False)
+        return self.module.graph.process_outputs(out)
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
@@ -110,35 +193,159 @@ class _Replay(GraphRun):
                     self.handles.append(t.register_hook(self._hook(n.name)))
         return out
 
-    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
+    def _hook(self, name: str) -> Callable[[Optional[torch.Tensor]], None]:
+        def hook(grad: Optional[torch.Tensor]) -> None:
+            if grad is None:  # (an output whose gradient autograd leaves undefined)
+                return
             if not self.backward_bad and not bool(torch.isfinite(grad).all()):
                 self.backward_bad = name
         return hook
 
 
-class _ReplayModule:
-    """Stands in for the model inside ``loss_fn`` during a replay."""
+def _float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    return tuple(v.dtype for v in (*args, *kwargs.values())
+                 if isinstance(v, torch.Tensor) and v.is_floating_point())
 
-    def __init__(self, gm: fx.GraphModule, replays: List[_Replay]):
-        self.gm = gm
+
+def _graphs(module: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[fx.GraphModule]:
+    """The graphs ``module`` may run for this call: a rewritten GraphModule itself; for a
+    module rewritten in place, those planned for the call's mode, structure and floating
+    input dtypes first, then its first graph, then the others."""
+    forward = module.__dict__.get("forward")
+    if not isinstance(forward, InplaceForward):
+        return [module] if isinstance(module, fx.GraphModule) else []
+    variants = forward.variants
+    key = (module.training, call_key(args, kwargs), _float_dtypes(args, kwargs))
+    found: List[fx.GraphModule] = []
+    for gm in (*variants.get(key, ()), module.__dict__.get(ATTR),
+               *(g for graphs in variants.values() for g in graphs)):
+        if isinstance(gm, fx.GraphModule) and all(gm is not g for g in found):
+            found.append(gm)
+    return found
+
+
+def _graph_for(module: nn.Module, label: str, args: tuple,
+               kwargs: Dict[str, Any]) -> fx.GraphModule:
+    """The graph ``module`` computes this call with (see :func:`_graphs`).
+
+    Args:
+        module: a rewritten GraphModule, a module rewritten in place or a block.
+        label: what the errors call it.
+        args: the call's positional arguments.
+        kwargs: the call's keyword arguments.
+
+    Raises:
+        NotPlannedError: no graph of it was planned for this call (not called yet, or not in
+            this mode or call structure).
+    """
+    graphs = _graphs(module, args, kwargs)
+    if not graphs and not isinstance(module.__dict__.get("forward"), InplaceForward):
+        raise FxampError(f"{label} was not made by fxamp.amp_rewrite as a graph; what to do: "
+                         "localize the GraphModule amp_rewrite returned, or a model it "
+                         "rewrote in place")
+    missed: Optional[Exception] = None
+    for gm in graphs:
+        result = gm.__dict__.get(RESULT)
+        mode = result.mode if isinstance(result, Rewritten) else None
+        if mode is not None and mode is not module.training:
+            continue
+        try:
+            _graph_inputs(gm, args, kwargs)
+        except (CallStructureError, ModeError) as err:
+            missed = err
+            continue
+        return gm
+    what = "was not called yet" if not graphs else (
+        f"has no graph planned for this call ({'train' if module.training else 'eval'} mode"
+        + (f"; {str(missed).splitlines()[0]}" if missed is not None else "") + ")")
+    raise NotPlannedError(
+        f"{label} is rewritten in place and planned on its calls, and it {what}, so there is "
+        "no graph of it to replay; what to do: run the model once on this batch as in "
+        "training (a forward in the same mode), then localize")
+
+
+class _ReplayModule:
+    """Stands in for the model inside ``loss_fn`` during a replay (a rewritten GraphModule,
+    or a model rewritten in place with one graph per call).
+
+    Args:
+        module: the model given to :func:`localize`.
+        replays: where each call's replay is recorded.
+    """
+
+    def __init__(self, module: nn.Module, replays: List[_Replay]) -> None:
+        self.module = module
         self.replays = replays
-        self.training = gm.training
+        self.training = module.training
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            placeholders = [n.target for n in self.gm.graph.nodes if n.op == "placeholder"]
-            args = args + tuple(kwargs.pop(name) for name in placeholders[len(args):]
-                                if name in kwargs)
-            if kwargs:
-                raise FxampError(f"replay cannot pass keyword arguments {sorted(kwargs)}; "
-                                 "what to do: call the model with positional arguments")
-        replay = _Replay(self.gm)
+        gm = _graph_for(self.module, type(self.module).__name__, args, kwargs)
+        replay = _Replay(gm)
         self.replays.append(replay)
-        return replay.run(*args)
+        return replay.call(args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.gm, name)
+        return getattr(self.module, name)
+
+
+class _BlockReplay:
+    """A block's ``forward`` in a block-mode replay (set on the block's shadow): the graph
+    the block computes this call with, replayed node by node; a block that runs under
+    autocast (past its limit of graphs) runs its own code under autocast, as it does.
+
+    Args:
+        path: the block's path in the model.
+        block: the user's block (its in-place forward holds its graphs).
+        shadow: the block's shadow (its own code, for a block under autocast).
+        replays: where each call's replay is recorded.
+    """
+
+    def __init__(self, path: str, block: nn.Module, shadow: nn.Module,
+                 replays: List[_Replay]) -> None:
+        self.path, self.block, self.shadow, self.replays = path, block, shadow, replays
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.block.__dict__.get("forward")
+        if isinstance(forward, InplaceForward) and forward.fallback is not None:
+            policy = forward.config.policy
+            with device_autocast(device_type((args, kwargs)), policy.compute):
+                out = type(self.block).forward(self.shadow, *args, **kwargs)
+            return in_output_dtype(out, policy.output_dtype)
+        gm = _graph_for(self.block, f"block {self.path} ({type(self.block).__name__})",
+                        args, kwargs)
+        replay = _Replay(gm, self.path)
+        self.replays.append(replay)
+        return replay.call(args, kwargs)
+
+
+class _BlocksReplayModule:
+    """Stands in for a model in block mode inside ``loss_fn``: its own forward (the glue)
+    on a shadow of it, under autocast of the plan's dtype as block mode runs it, its blocks'
+    shadows replaying their graphs (:class:`_BlockReplay`).
+
+    Args:
+        model: the model in block mode.
+        replays: where each block call's replay is recorded.
+    """
+
+    def __init__(self, model: nn.Module, replays: List[_Replay]) -> None:
+        self.model = model
+        self.root = model.__dict__["forward"]  # (its BlocksRoot: the paths, the config)
+        self.shadow = Shadow(model)
+        for path in self.root.paths:
+            shadow = self.shadow.root.get_submodule(path)
+            shadow.__dict__["forward"] = _BlockReplay(path, model.get_submodule(path), shadow,
+                                                      replays)
+        self.training = model.training
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        policy = self.root.config.policy
+        with device_autocast(device_type((args, kwargs)), policy.compute):
+            out = type(self.model).forward(self.shadow.root, *args, **kwargs)
+        return in_output_dtype(out, policy.output_dtype)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
 
 
 def _blame(gm: fx.GraphModule, plan: Plan, name: str) -> Optional[fx.Node]:
@@ -173,14 +380,16 @@ def _preserved(gm: fx.GraphModule):
                         b.copy_(buffers[name])
 
 
-def localize(gm: fx.GraphModule, loss_fn: Callable[..., torch.Tensor], *batch: Any,
+def localize(gm: nn.Module, loss_fn: Callable[..., torch.Tensor], *batch: Any,
              scale: float = 1.0, step: int = -1) -> Overflow:
     """Replay ``loss_fn(model, *batch)`` through ``gm`` and say where inf/NaN first appear.
 
     Nothing in the model changes (see the module docstring).
 
     Args:
-        gm: a GraphModule ``amp_rewrite`` made.
+        gm: a GraphModule ``amp_rewrite`` made, or a model it rewrote in place (in block
+            mode too: each block's graph is replayed, its nodes named
+            ``<block path>/<node>``).
         loss_fn: ``loss_fn(model, *batch) -> loss``; it gets a stand-in for ``gm`` that
             runs in a ``torch.fx.Interpreter``.
         *batch: the batch to replay.
@@ -196,15 +405,20 @@ def localize(gm: fx.GraphModule, loss_fn: Callable[..., torch.Tensor], *batch: A
     Raises:
         FxampError: ``gm`` was not made by ``amp_rewrite``, or ``loss_fn`` returned no
             tensor.
+        NotPlannedError: a model rewritten in place (or a block of one in block mode) has
+            no graph planned for the call yet: run it once on the batch first.
     """
-    plan = plan_of(gm)
+    blocks = is_blocks(gm)
+    if not blocks:
+        plan_of(gm)  # (FxampError: not made by amp_rewrite)
     replays: List[_Replay] = []
     param_names: Dict[int, str] = {id(p): n for n, p in gm.named_parameters()}
     params = [p for p in gm.parameters() if p.requires_grad]
     bad_param = ""
+    stand_in: Any = _BlocksReplayModule(gm, replays) if blocks else _ReplayModule(gm, replays)
     with _preserved(gm):
         try:
-            loss = loss_fn(_ReplayModule(gm, replays), *batch)
+            loss = loss_fn(stand_in, *batch)
             if not isinstance(loss, torch.Tensor):
                 raise FxampError(f"loss_fn must return a tensor, got {type(loss).__name__}")
             loss_bad = _non_finite(loss)
@@ -218,21 +432,38 @@ def localize(gm: fx.GraphModule, loss_fn: Callable[..., torch.Tensor], *batch: A
             for replay in replays:
                 for handle in replay.handles:
                     handle.remove()
-    forward_bad = next((r.forward_bad for r in replays if r.forward_bad), "")
-    backward_bad = next((r.backward_bad for r in reversed(replays) if r.backward_bad), "")
-    if forward_bad:
-        phase, raw = "forward", forward_bad
+            if blocks:
+                stand_in.shadow.release()
+    forward = next((r for r in replays if r.forward_bad), None)
+    backward = next((r for r in reversed(replays) if r.backward_bad), None)
+    if forward is not None:
+        phase, where, raw = "forward", forward, forward.forward_bad
     elif loss_bad:
-        phase, raw = "loss", ""
-    elif backward_bad or bad_param:
-        phase, raw = "backward", backward_bad
+        phase, where, raw = "loss", None, ""
+    elif backward is not None or bad_param:
+        phase, where, raw = "backward", backward, backward.backward_bad if backward else ""
     else:
-        phase, raw = "none", ""
-    node = _blame(gm, plan, raw) if raw else None
-    entry = plan.nodes.get(node.name) if node is not None else None
-    return Overflow(phase=phase, node=node.name if node is not None else "",
-                    module=entry.module if entry else "",
+        phase, where, raw = "none", None, ""
+    node, entry = None, None
+    if where is not None:
+        graph: fx.GraphModule = where.module  # type: ignore[assignment]
+        plan = plan_of(graph)
+        node = _blame(graph, plan, raw)
+        entry = plan.nodes.get(node.name) if node is not None else None
+    prefix = _prefix(where)
+    module = entry.module if entry else ""
+    if where is not None and where.path and entry is not None:  # (as the model's plan says)
+        module = f"{where.path}.{module}" if module else where.path
+    return Overflow(phase=phase, node=f"{prefix}{node.name}" if node is not None else "",
+                    module=module,
                     source=source_line(node) if node is not None else "",
                     dtype=entry.dtype if entry else None, op=entry.op if entry else "",
-                    forward_node=forward_bad, backward_node=backward_bad,
+                    forward_node=f"{_prefix(forward)}{forward.forward_bad}" if forward else "",
+                    backward_node=(f"{_prefix(backward)}{backward.backward_bad}"
+                                   if backward else ""),
                     parameter=bad_param, scale=float(scale), step=step)
+
+
+def _prefix(replay: Optional[_Replay]) -> str:
+    """``<block path>/`` for a block's replay, "" for the model's graph."""
+    return f"{replay.path}/" if replay is not None and replay.path else ""
