@@ -224,3 +224,14 @@ def test_stored_weights_on_blocks_sharing_one_linear_evaluate_like_autocast():
         assert torch.equal(model(x).float(), want.float())
         assert torch.equal(model(x).float(), want.float())
     assert model[0].fc1.weight.dtype == BF16  # (stored once, shared)
+
+
+def test_rewritten_of_a_block_mode_model_names_the_blocks_and_the_advice_works():
+    torch.manual_seed(0)
+    model = Net()
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    model(torch.randn(4, 8))
+    with pytest.raises(FxampError, match=r"block mode .*rewritten\(model.get_submodule"):
+        fxamp.rewritten(model)
+    gm = fxamp.rewritten(model.get_submodule("blocks.0"))
+    assert "blocks.0" not in str(fxamp.plan_of(gm)) and gm is not model.blocks[0]

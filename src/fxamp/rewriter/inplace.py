@@ -769,6 +769,16 @@ def rewritten(model: nn.Module) -> nn.Module:
         NotPlannedError: ``model`` is planned on its first call and has not been called.
         FxampError: ``amp_rewrite`` did not rewrite ``model``.
     """
+    root = model.__dict__.get("forward")
+    paths = getattr(root, "paths", None)
+    if paths and callable(getattr(root, "planner", None)):  # (a BlocksRoot: block mode)
+        raise FxampError(
+            f"{type(model).__name__} is rewritten in block mode (in place, without example "
+            f"inputs): each block ({paths[0]} ...) computes with its own graph and the "
+            "model's own forward runs between them under torch.autocast, so there is no "
+            f"one rewritten module. what to do: fxamp.rewritten(model.get_submodule("
+            f"{paths[0]!r})) for a block's graph (after the first call); or rewrite with "
+            "example inputs for one graph of the whole model")
     if isinstance(model.__dict__.get(RESULT), Pending):
         result_of(model)  # (raises NotPlannedError: planned on its first call)
     gm = model.__dict__.get(ATTR)
