@@ -90,6 +90,25 @@ def _in_place_refusal() -> str:
     return "no error"
 
 
+def _planned_then_sharded_refusal() -> str:
+    """The model planned on a first call, then sharded with param_dtype: the next call sees
+    BF16 Parameters as a change since its plan."""
+    import fxamp
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = Net()
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
+    model(torch.randn(4, 8))
+    _shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+    try:
+        model(torch.randn(4, 8))
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
 def _advice_followed() -> list:
     import fxamp
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -114,7 +133,7 @@ def _advice_followed() -> list:
 
 def _all(rank: int) -> dict:
     return {"helper": _helper_sees_the_policy(), "in_place": _in_place_refusal(),
-            "advice": _advice_followed()}
+            "planned": _planned_then_sharded_refusal(), "advice": _advice_followed()}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +153,13 @@ def test_parameter_check_names_fsdp2_param_dtype_as_the_cause(results) -> None:
 
 def test_in_place_model_sharded_with_param_dtype_is_refused_naming_the_policy(results):
     _names_the_policy(results["in_place"])
+
+
+def test_a_model_planned_then_sharded_with_param_dtype_is_refused_naming_the_policy_first(
+        results):
+    text = results["planned"]
+    _names_the_policy(text)
+    assert "half()" not in text, text  # (not blamed on a dtype change of the user's)
 
 
 def test_following_the_advice_fully_shard_without_param_dtype_matches_autocast(results):

@@ -141,7 +141,7 @@ def check_parameter_dtypes(model: nn.Module) -> None:
                 f"parameter {name!r} is already {p.dtype}; fxamp keeps FP32 master weights "
                 "and casts per op. what to do: call model.float() before amp_rewrite")
         where = repr(sharded) if sharded else _unsharded_name(model)
-        raise UnsupportedModelError(
+        err = UnsupportedModelError(
             f"parameter {name!r} is {p.dtype} in this call because FSDP2's fully_shard on "
             f"{where} was given mp_policy=MixedPrecisionPolicy(param_dtype={p.dtype}): it "
             f"all-gathers the Parameters in {str(p.dtype).replace('torch.', '')} for "
@@ -151,6 +151,8 @@ def check_parameter_dtypes(model: nn.Module) -> None:
             "fully_shard (no mp_policy, or MixedPrecisionPolicy() with param_dtype=None): "
             "the rewritten model already computes in low precision where torch.autocast "
             "would; or use FSDP2's param_dtype on the model without fxamp")
+        err.cause_named = True  # type: ignore[attr-defined]  # (the whole cause: raised as is)
+        raise err
 
 
 def _unsharded_name(module: nn.Module) -> str:

@@ -347,7 +347,7 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
         try:
             check_model(model, sharded_ok=True)
         except UnsupportedModelError as err:
-            if why is None:
+            if why is None or getattr(err, "cause_named", False):
                 raise
             raise UnsupportedModelError(f"{name} changed after its in-place rewrite ({why}) "
                                         f"and cannot be planned again: {err}") from None
