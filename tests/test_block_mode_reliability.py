@@ -208,6 +208,17 @@ class SharedFc(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+def test_a_module_registered_in_several_blocks_is_named_in_one_warning(caplog):
+    """Its gradients sum in FP32 (each block's graph casts on its own) where autocast's
+    cast cache sums them in bf16: the documented limit is logged when it happens."""
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(SharedFc(shared), SharedFc(shared))
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    warned = [r.getMessage() for r in caplog.records if "registered in several" in
+              r.getMessage()]
+    assert len(warned) == 1 and "0.fc1, 1.fc1" in warned[0] and "cast cache" in warned[0]
+
+
 def test_stored_weights_on_blocks_sharing_one_linear_evaluate_like_autocast():
     """weights=stored: block 0 stored the shared Linear's weight in bf16 while it was
     planned; block 1, planned next, was refused ('already torch.bfloat16 ... call

@@ -139,6 +139,9 @@ class BlocksRoot:
                     inner.policy, overrides=tuple(routed[path])))
                 install(block, None, plan, mine)
             self.slots.append((container, name, block))
+        if not self.__dict__.get("noted_shared"):
+            self.noted_shared = True
+            _note_shared_modules(self.model, self.paths)
 
     def _replaced(self) -> None:
         """Blocks replaced since the last call (``model.blocks[1] = Block(...)``): the
@@ -211,6 +214,30 @@ class BlocksRoot:
                            config)
         model.__dict__[RESULT] = result
         self.composed = self.planned
+
+
+def _note_shared_modules(model: nn.Module, paths: List[str]) -> None:
+    """One warning naming the modules with Parameters that several blocks register (one
+    module in each of them): each block's graph casts their weights on its own, so their
+    gradients sum in FP32, where autocast's cast cache sums them in low precision."""
+    owners: Dict[int, List[str]] = {}
+    names: Dict[int, str] = {}
+    for path in paths:
+        for sub, module in model.get_submodule(path).named_modules():
+            if next(module.parameters(recurse=False), None) is None:
+                continue
+            where = f"{path}.{sub}" if sub else path
+            owners.setdefault(id(module), []).append(where)
+            names.setdefault(id(module), type(module).__name__)
+    shared = [(names[k], v) for k, v in owners.items() if len(v) > 1]
+    if shared:
+        log.warning(
+            "%s: %s registered in several blocks (%s); each block's graph casts its weights "
+            "on its own, so its gradients sum in FP32, where torch.autocast's cast cache "
+            "sums them in low precision: those gradients may differ from autocast's by a "
+            "rounding (docs/coverage.md, 'cast cache')", type(model).__name__,
+            ", ".join(f"a {cls}" for cls, _ in shared[:3]),
+            "; ".join(", ".join(where) for _, where in shared[:3]))
 
 
 def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[str, list]:
