@@ -247,25 +247,12 @@ def test_a_child_forked_while_a_rewrite_froze_the_heap_unfreezes_it() -> None:
     assert "child freeze count 0\n" in done.stdout, out
 
 
-class _Gated(nn.Module):
-    """A module whose first run of its code (in the planning thread) waits for a gate."""
-
-    def __init__(self, started: threading.Event, gate: threading.Event) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.started, self.gate = started, gate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.gate.is_set():
-            self.started.set()
-            self.gate.wait(CHILD_TIMEOUT_S)
-        return self.fc(x)
-
-
 def test_a_fork_while_another_thread_plans_the_first_call_plans_in_the_child():
     """In place, planned on its first call: a process forked while another thread plans
     the model computes its own call (planned anew in the child, like autocast) instead of
     waiting for a planning thread it does not have."""
+    from test_block_mode_reliability import Gated as _Gated  # (waits on its gate)
+
     started, gate, ready = threading.Event(), threading.Event(), threading.Event()
     ready.set()
     torch.manual_seed(0)
