@@ -109,3 +109,24 @@ def test_an_lstm_gru_classifier_exports_its_recurrent_ops_in_fp16(tmp_path, fron
     with torch.no_grad():
         want = model(*x)
     assert relative_error(run_true_fp16(proto, feed)[0], want) < 1e-2
+
+
+@pytest.mark.slow
+def test_a_file_the_reference_evaluator_cannot_run_says_so_in_its_metadata(tmp_path, caplog):
+    """BERT's file: onnx.reference fails inside GatherElements. The true-FP16 check was
+    skipped with an INFO line and a bare '-'; now a warning and the file's metadata say
+    it was not checked, and why."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=64,
+                                  max_position_embeddings=64)
+    model = transformers.BertModel(cfg).eval()
+    ids = torch.randint(0, 100, (1, 16))
+    gm = fxamp.amp_rewrite(model, (ids,), "compute=fp16,target=tensorrt")
+    path = tmp_path / "bert.onnx"
+    export_onnx(gm, (ids,), str(path))
+    meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert meta["fxamp.true_fp16_error"] == "-"
+    assert meta["fxamp.true_fp16_skipped"].startswith("onnx.reference cannot run the file")
+    assert "not checked in true FP16" in caplog.text

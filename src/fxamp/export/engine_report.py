@@ -159,7 +159,8 @@ def _true_fp16(path: str, session: Any, inputs: Sequence[Any], refs: List[Any],
                rows: List[Dict[str, Any]]) -> None:
     """Add each row's true-FP16 result (``onnx.reference``, every op in its declared type):
     ``true_fp16_max_abs`` and ``true_fp16_ok`` (within ``TRUE_FP16_RTOL`` of the output's
-    scale); left out when the reference evaluator cannot run the file."""
+    scale); where the reference evaluator cannot run the file, ``true_fp16_skipped`` says
+    why instead."""
     import numpy as np
     import onnx
 
@@ -169,7 +170,11 @@ def _true_fp16(path: str, session: Any, inputs: Sequence[Any], refs: List[Any],
     try:
         got = run_true_fp16(onnx.load(path), feeds(session, inputs))
     except Exception as err:  # noqa: BLE001 - an op onnx.reference lacks
-        log.info("no true-FP16 result: onnx.reference cannot run %s (%s)", path, err)
+        reason = (f"onnx.reference cannot run the file ({type(err).__name__}: "
+                  f"{str(err).splitlines()[0] if str(err) else ''})")
+        log.warning("no true-FP16 result for %s: %s", path, reason)
+        for row in rows:
+            row["true_fp16_skipped"] = reason
         return
     for row, out, ref in zip(rows, got, refs):
         r = ref.detach().float().cpu().numpy()

@@ -402,7 +402,10 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
             "fxamp.checked_inputs": str(checked),
             "fxamp.folded_batchnorms": str(counts["batchnorm"] + len(folds)),
             "fxamp.removed_casts": str(counts["casts"]),
-            "fxamp.true_fp16_error": "-" if true_fp16 is None else f"{true_fp16:.3g}"}
+            "fxamp.true_fp16_error": (f"{true_fp16:.3g}" if isinstance(true_fp16, float)
+                                      else "-")}
+    if isinstance(true_fp16, str):  # (not checked, and why: never silently)
+        meta["fxamp.true_fp16_skipped"] = true_fp16
     if error:
         meta["fxamp.dynamo_error"] = error
     for key, value in meta.items():

@@ -102,6 +102,10 @@ class PrecisionReport:
             line += (f"; numerics vs FP32 PyTorch: max abs error {worst:.3g}"
                      + (f", {len(bad)} output(s) over tolerance" if bad else ", within tolerance"))
         true16 = [r for r in self.numerics if "true_fp16_max_abs" in r]
+        skipped = next((r["true_fp16_skipped"] for r in self.numerics
+                        if "true_fp16_skipped" in r), None)
+        if skipped:
+            line += f"; true FP16 not checked: {skipped}"
         if true16:
             worst16 = max(r["true_fp16_max_abs"] for r in true16)
             wrong = [r for r in true16 if not r.get("true_fp16_ok", True)]

@@ -18,7 +18,7 @@ same way.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 from .._torch import tree_leaves, tree_map
@@ -135,13 +135,14 @@ def _mismatch(model: torch.nn.Module, case: Any, what: str, got: List[Any],
 
 
 def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: str,
-                 reference: Optional[Callable[..., Any]] = None) -> Tuple[int, Optional[float]]:
+                 reference: Optional[Callable[..., Any]] = None
+                 ) -> Tuple[int, Union[float, str, None]]:
     """Run ``proto`` with onnxruntime and the FP32 reference (``reference``, default the
     rewritten ``model`` with its casts made FP32: :func:`fp32_reference`) on the example
     inputs, a second input and (dynamic batch only) a double batch; raise ExportError when
     they disagree or the file cannot be checked; then the true-FP16 check
     (:func:`check_true_fp16`). Returns (the number of inputs checked, the true-FP16
-    relative error, None when not measured)."""
+    relative error, or why it was not measured)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -221,23 +222,25 @@ def _names(proto: Any) -> List[str]:
 
 def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
                     names: List[str], model: Optional[torch.nn.Module] = None,
-                    want: Optional[List[Any]] = None) -> Optional[float]:
+                    want: Optional[List[Any]] = None) -> Union[float, str]:
     """Run ``proto`` on the example input with every op in its declared type
     (``onnx.reference``) and compare it with the FP32 ``reference``: an output that differs
     by more than :data:`TRUE_FP16_RTOL` of its scale (or is inf/NaN where FP32 is finite)
     is a PlanOverflowError naming the first ONNX node that goes wrong, its fx node and the
     fix (the rewritten ``model``'s own overflow, where PyTorch runs it, names its node and
     range first). ``want``: the reference's outputs on ``inputs`` where the caller has them
-    (else it runs). Returns the largest relative error (None, logged, when the reference
-    evaluator cannot run the file)."""
+    (else it runs). Returns the largest relative error, or why the file was not checked
+    (the reference evaluator cannot run it: logged as a warning)."""
     leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
     try:
         got = run_true_fp16(proto, feed)
     except Exception as err:  # noqa: BLE001 - an op the reference evaluator lacks
-        log.info("not checked in true FP16: onnx.reference cannot run it (%s: %s)",
-                 type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-        return None
+        reason = (f"onnx.reference cannot run the file ({type(err).__name__}: "
+                  f"{str(err).splitlines()[0] if str(err) else ''})")
+        log.warning("the exported file was not checked in true FP16: %s; its metadata "
+                    "says so (fxamp.true_fp16_skipped)", reason)
+        return reason
     if want is None:
         with torch.no_grad():
             want = tensor_outputs(reference(*inputs))
