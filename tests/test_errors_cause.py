@@ -157,3 +157,28 @@ def test_an_rnns_own_flat_weight_cache_is_no_side_effect(caplog):
         fxamp.amp_rewrite(model, (torch.randn(2, 3, 4),),
                           fxamp.RewriteConfig.make(target="cpu", dtype=torch.bfloat16))
     assert not [r for r in caplog.records if "changed its own state" in r.getMessage()]
+
+
+def test_an_export_mismatch_where_the_rewritten_model_is_off_fp32_blames_the_plan():
+    """The file and the rewritten model both differ from FP32 beyond the check's tolerance
+    (and from each other): the plan's precision is the cause named, not the exporter (the
+    message said 'the rewritten model agrees with FP32' without measuring it)."""
+    from fxamp.export.overflow import PlanOverflowError
+    from fxamp.export.verify import ExporterNumbersError, _compare, _mismatch
+
+    class Off(torch.nn.Module):  # (the rewritten model: 5% of its scale off FP32)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 1.05
+
+    x = torch.linspace(-1, 1, 64).reshape(1, 64)
+    want = [x.clone()]
+    got = [(x * 1.10).numpy()]
+    problem = _compare(got, want)
+    assert problem is not None
+    error = _mismatch(Off(), (x,), "the example input", got, problem, "dynamo", want)
+    assert isinstance(error, PlanOverflowError) and not isinstance(error, ExporterNumbersError)
+    assert "the rewritten model itself differs from FP32" in str(error)
+    # (within tolerance of FP32, the rewritten model clears the plan: the exporter is named)
+    close = _mismatch(torch.nn.Identity(), (x,), "the example input", got, problem,
+                      "dynamo", want)
+    assert isinstance(close, ExporterNumbersError)

@@ -102,10 +102,13 @@ def _run_rewritten(model: torch.nn.Module, case: Any) -> Optional[List[torch.Ten
 
 
 def _mismatch(model: torch.nn.Module, case: Any, what: str, got: List[Any],
-              problem: Tuple[int, str], exporter: str) -> ExportError:
-    """The error for a file that disagrees with FP32 on ``case``: the plan's numbers (the
-    rewritten model overflows or disagrees too), the exporter's optimizer (torch.export's
-    graph holds no branch, so the exporter changed the numbers), or a traced branch."""
+              problem: Tuple[int, str], exporter: str,
+              want: Optional[List[torch.Tensor]] = None) -> ExportError:
+    """The error for a file that disagrees with FP32 (``want``) on ``case``: the plan's
+    numbers (the rewritten model overflows, agrees with the file, or is itself off FP32
+    beyond the tolerance: measured before blaming anything else), the exporter's optimizer
+    (torch.export's graph holds no branch, so the exporter changed the numbers), or a
+    traced branch."""
     index, detail = problem
     which = f"output {index}" if index >= 0 else "the outputs"
     overflow = find_overflow(model, case) if isinstance(model, fx.GraphModule) else None
@@ -118,6 +121,19 @@ def _mismatch(model: torch.nn.Module, case: Any, what: str, got: List[Any],
             f"ONNX file agree, and both differ from FP32: {which}: {detail}. what to do: give "
             "calibration_data like this input, keep the sensitive nodes in FP32 with a policy "
             "override ('fp32:NODE'), or rewrite with target='tensorrt'")
+    off = _compare(own, want) if own is not None and want is not None else None
+    if off is not None:  # (the rewritten model is off FP32 too: the plan, not the exporter)
+        index2, detail2 = off
+        own_which = f"output {index2}" if index2 >= 0 else "the outputs"
+        return PlanOverflowError(
+            f"the plan's precision changes the result on {what} beyond the check's "
+            f"tolerance (rtol {RTOL:g}, atol {ATOL:g} of the output's scale): the rewritten "
+            f"model itself differs from FP32 ({own_which}: {detail2}), and its ONNX file by "
+            f"as much again ({which}: {detail}), each rounding its FP16 ops in its own "
+            "order. what to do: keep the "
+            "sensitive nodes in FP32 with a policy override ('fp32:NODE'; fxamp.search finds "
+            "them within a tolerance), give calibration_data like this input, or, for "
+            "random weights, check with trained ones")
     if exporter != "torchscript":
         return ExporterNumbersError(
             f"the {exporter} ONNX exporter changed the numbers on {what}: {which}: {detail}, "
@@ -210,7 +226,7 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
                               "export with example inputs of the shapes it will get") from None
         problem = _compare(got, want)
         if problem is not None:
-            raise _mismatch(model, case, what, got, problem, exporter)
+            raise _mismatch(model, case, what, got, problem, exporter, want)
     error = check_true_fp16(proto, ref, inputs, names, model, example)
     log.info("checked the exported graph against FP32 on %d inputs", len(cases))
     return len(cases), error
