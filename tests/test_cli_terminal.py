@@ -234,8 +234,9 @@ def _under_the_mounts() -> List[str]:
 def test_an_unusable_tmpdir_is_named_in_the_error(work: Path) -> None:
     hidden = _under_the_mounts()
     if hidden:  # (the mounts would hide the interpreter itself: exit 127, not fxamp's error)
-        pytest.skip(f"{' and '.join(hidden)} lie under /tmp or /var/tmp, which this test "
-                    "mounts a read-only tmpfs over; run it from a checkout elsewhere")
+        pytest.skip(f"{' and '.join(hidden)} {'lie' if len(hidden) > 1 else 'lies'} under "
+                    "/tmp or /var/tmp, which this test mounts a read-only tmpfs over; run it "
+                    "from a checkout elsewhere")
     # TMPDIR and every directory Python's tempfile falls back to are read-only
     r = _in_a_mount_namespace(
         "mount -t tmpfs -o ro,size=16k tmpfs /tmp && mount -t tmpfs -o ro,size=16k tmpfs "
