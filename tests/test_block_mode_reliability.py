@@ -246,3 +246,15 @@ def test_rewritten_of_a_block_mode_model_names_the_blocks_and_the_advice_works()
         fxamp.rewritten(model)
     gm = fxamp.rewritten(model.get_submodule("blocks.0"))
     assert "blocks.0" not in str(fxamp.plan_of(gm)) and gm is not model.blocks[0]
+
+
+def test_a_module_hidden_from_the_whole_model_is_not_taken_for_an_unregistered_one(caplog):
+    """A teacher held in a plain list and registered nowhere (hidden from parameters() on
+    purpose) is no cause for autocast: the blocks are planned."""
+    torch.manual_seed(0)
+    teacher = nn.Linear(8, 8)
+    model = nn.Sequential(Holding(teacher), Holding(teacher))
+    fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+    model(torch.randn(4, 8))
+    assert "register them" not in caplog.text
+    assert fxamp.graphs_of(model)["0"][0].endswith("the first call")

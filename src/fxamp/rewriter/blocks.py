@@ -138,6 +138,7 @@ class BlocksRoot:
                 mine = inner.replace(policy=dataclasses.replace(
                     inner.policy, overrides=tuple(routed[path])))
                 install(block, None, plan, mine)
+                block.__dict__["forward"].enclosing = self.model  # (unregistered_parameters)
             self.slots.append((container, name, block))
         if not self.__dict__.get("noted_shared"):
             self.noted_shared = True

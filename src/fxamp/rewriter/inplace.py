@@ -387,8 +387,9 @@ class InplaceForward:
         """The model's first graph, planned on this call (once, whichever thread calls)."""
         with self.lock:
             gm = self.model.__dict__.get(ATTR)
-            if gm is None and self.fallback is None and self.plan is not None:
-                held = unregistered_parameters(self.model)
+            enclosing = self.__dict__.get("enclosing")
+            if gm is None and self.fallback is None and enclosing is not None:
+                held = unregistered_parameters(self.model, enclosing)
                 if held:  # (a graph would read their Parameters as constants: no grads)
                     self.fallback = f"it calls modules it does not register: {held}"
                     self.made = [f"runs under torch.autocast: {self.fallback}"]
@@ -525,23 +526,27 @@ class InplaceForward:
         return gm
 
 
-def unregistered_parameters(model: nn.Module, limit: int = 3) -> List[str]:
+def unregistered_parameters(model: nn.Module, enclosing: nn.Module,
+                            limit: int = 3) -> List[str]:
     """Where ``model``'s modules hold, outside their registered children (in a plain list,
-    tuple or dict, or as an attribute of another object), a module with Parameters that
-    require grad: ``"blocks.0.extra[0] (Linear)"``, at most ``limit``.
+    tuple or dict), a module with Parameters that require grad and that ``enclosing`` (the
+    whole model ``model`` is a block of) trains: ``"extra[0] (Linear)"``, at most
+    ``limit``. (A module hidden from the whole model, a frozen teacher, is not named.)
 
     Args:
-        model: the module about to be planned on its own.
+        model: the block about to be planned on its own.
+        enclosing: the model it is a block of.
         limit: how many to name.
     """
     mine = {id(m) for m in model.modules()}
+    trained = {id(p) for p in enclosing.parameters() if p.requires_grad}
     found: List[str] = []
 
     def walk(value: Any, where: str, depth: int) -> None:
         if len(found) >= limit or depth > 2:
             return
         if isinstance(value, nn.Module):
-            if id(value) not in mine and any(p.requires_grad for p in value.parameters()):
+            if id(value) not in mine and any(id(p) in trained for p in value.parameters()):
                 found.append(f"{where} ({type(value).__name__})")
             return
         if isinstance(value, (list, tuple)):
