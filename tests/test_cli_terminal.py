@@ -2,6 +2,7 @@
 subprocess): an ASCII console, a closed or full standard output, SIGTERM during an export,
 a full or unusable temporary directory (``TMPDIR``)."""
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -220,28 +221,33 @@ def test_a_full_tmpdir_is_named_in_the_error(work: Path) -> None:
     assert "Traceback" not in r.stderr and not (work / "model.onnx").exists()
 
 
-def _under_the_mounts() -> List[str]:
-    """The paths the command needs (the interpreter's environment, fxamp's source) that lie
-    under /tmp or /var/tmp, which the next test mounts over."""
-    import fxamp
-
-    needed = {"the Python environment": Path(sys.prefix).resolve(),
-              "fxamp's source": Path(fxamp.__file__).resolve().parent}
-    return [f"{what} ({path})" for what, path in needed.items()
-            if any(path.is_relative_to(top) for top in (Path("/tmp"), Path("/var/tmp")))]
+def _read_only_tmp_script() -> str:
+    """Shell commands that mount a read-only tmpfs over /tmp and /var/tmp, keeping visible
+    what the command needs that lies under them (the Python environment, the checkout, the
+    PYTHONPATH entries: a checkout under /tmp, as a CI clone may be): each is bound back
+    from a holder of the old directory before the tmpfs is made read-only."""
+    tops = ("/tmp", "/var/tmp")
+    needed = {Path(p) for p in (sys.prefix, sys.base_prefix, ROOT, *os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep)) if p}
+    needed |= {p.resolve() for p in needed}
+    keep = sorted({str(p) for p in needed if any(str(p).startswith(t + "/") for t in tops)})
+    steps = ["mount -t tmpfs -o size=16k tmpfs /mnt"]
+    for n, top in enumerate(tops):
+        steps += [f"mkdir /mnt/{n}", f"mount --bind {top} /mnt/{n}",
+                  f"mount -t tmpfs -o size=16k tmpfs {top}"]
+        for path in (k for k in keep if k.startswith(top + "/")):
+            old = f"/mnt/{n}{path[len(top):]}"
+            steps += [f"mkdir -p {shlex.quote(path)}",
+                      f"mount --bind {shlex.quote(old)} {shlex.quote(path)}"]
+        steps.append(f"mount -o remount,ro,size=16k tmpfs {top}")
+    return " && ".join(steps)
 
 
 def test_an_unusable_tmpdir_is_named_in_the_error(work: Path) -> None:
-    hidden = _under_the_mounts()
-    if hidden:  # (the mounts would hide the interpreter itself: exit 127, not fxamp's error)
-        pytest.skip(f"{' and '.join(hidden)} {'lie' if len(hidden) > 1 else 'lies'} under "
-                    "/tmp or /var/tmp, which this test mounts a read-only tmpfs over; run it "
-                    "from a checkout elsewhere")
     # TMPDIR and every directory Python's tempfile falls back to are read-only
     r = _in_a_mount_namespace(
-        "mount -t tmpfs -o ro,size=16k tmpfs /tmp && mount -t tmpfs -o ro,size=16k tmpfs "
-        '/var/tmp && cd /tmp && exec "$@"', sys.executable, "-m", "fxamp", "export",
-        "fxamp.demo:small_cnn", "--target", "cpu", "-o", "/dev/null", cwd=work,
+        _read_only_tmp_script() + ' && cd /tmp && exec "$@"', sys.executable, "-m", "fxamp",
+        "export", "fxamp.demo:small_cnn", "--target", "cpu", "-o", "/dev/null", cwd=work,
         TMPDIR="/tmp/scratch")
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if "rewriting" not in line]

@@ -164,14 +164,13 @@ def _true_fp16(path: str, session: Any, inputs: Sequence[Any], refs: List[Any],
     import numpy as np
     import onnx
 
-    from .overflow import run_true_fp16
+    from .overflow import run_true_fp16, unrunnable
     from .reference import TRUE_FP16_RTOL
 
     try:
         got = run_true_fp16(onnx.load(path), feeds(session, inputs))
     except Exception as err:  # noqa: BLE001 - an op onnx.reference lacks
-        reason = (f"onnx.reference cannot run the file ({type(err).__name__}: "
-                  f"{str(err).splitlines()[0] if str(err) else ''})")
+        reason = unrunnable(err)
         log.warning("no true-FP16 result for %s: %s", path, reason)
         for row in rows:
             row["true_fp16_skipped"] = reason

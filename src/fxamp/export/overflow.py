@@ -101,6 +101,13 @@ def find_overflow(gm: fx.GraphModule, inputs: tuple) -> Optional[Overflow]:
     return finder.found
 
 
+def unrunnable(err: BaseException) -> str:
+    """Why a file was not checked in true FP16, for the warning, the file's metadata
+    (``fxamp.true_fp16_skipped``) and the report: ``run_true_fp16`` raised ``err``."""
+    first = str(err).splitlines()[0] if str(err) else ""
+    return f"onnx.reference cannot run the file ({type(err).__name__}: {first})"
+
+
 def run_true_fp16(proto: Any, feed: Dict[str, Any]) -> List[Any]:
     """The outputs of an ONNX model with every op computed in its declared type (by
     ``onnx.reference.ReferenceEvaluator``; Conv and MaxPool by PyTorch kernels that round

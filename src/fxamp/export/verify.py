@@ -26,7 +26,7 @@ from .._torch import tree_leaves, tree_map
 import torch.fx as fx
 
 from .overflow import (PlanOverflowError, find_overflow, first_divergent_node,
-                       first_nonfinite_node, run_true_fp16)
+                       first_nonfinite_node, run_true_fp16, unrunnable)
 from .reference import TRUE_FP16_RTOL, fp32_reference, relative_error, tensor_outputs
 from .errors import ExportError
 
@@ -252,8 +252,7 @@ def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
     try:
         got = run_true_fp16(proto, feed)
     except Exception as err:  # noqa: BLE001 - an op the reference evaluator lacks
-        reason = (f"onnx.reference cannot run the file ({type(err).__name__}: "
-                  f"{str(err).splitlines()[0] if str(err) else ''})")
+        reason = unrunnable(err)
         log.warning("the exported file was not checked in true FP16: %s; its metadata "
                     "says so (fxamp.true_fp16_skipped)", reason)
         return reason

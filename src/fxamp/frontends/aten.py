@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import re
 import inspect
+import itertools
 import io
 import logging
 import threading
@@ -145,7 +146,7 @@ def grown_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
     wanted: Dict[int, set] = {}
     for index, dim in grown:
         wanted.setdefault(index, set()).add(dim)
-    counter = iter(range(1 << 30))
+    counter = itertools.count()
 
     def spec(value: Any, default: Any) -> Any:
         dims = wanted.get(next(counter), ())

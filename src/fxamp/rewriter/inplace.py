@@ -32,7 +32,8 @@ from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tup
 import torch
 import torch.nn as nn
 
-from ..errors import CallStructureError, FxampError, InputShapeError, UnsupportedModelError
+from ..errors import (CallStructureError, FxampError, InputShapeError, UnsupportedModelError,
+                      shorten)
 from ..frontends.aten import call_leaves, grown_dimensions, grown_dynamic_shapes
 from ..frontends.common import in_output_dtype
 from ..frontends.hooks import ROOT_HOOKS
@@ -171,14 +172,6 @@ def _float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
     for those alone (autocast would compute a bf16 and an fp32 input differently)."""
     return tuple(v.dtype for v in (*args, *kwargs.values())
                  if isinstance(v, torch.Tensor) and v.is_floating_point())
-
-
-def _reason(err: Optional[BaseException], fallback: str) -> str:
-    """A miss as the give-up warning names it: its message's first sentence."""
-    if err is None:
-        return fallback
-    text = str(err).split("\n", 1)[0]
-    return text if len(text) <= 160 else text[:157] + "..."
 
 
 #: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
@@ -447,7 +440,7 @@ class InplaceForward:
                          if self.dtypes is not None and dtypes != self.dtypes
                          else f"{'train' if self.model.training else 'eval'} mode")
         else:
-            miss_text = _reason(miss, "")
+            miss_text = shorten(str(miss).split("\n", 1)[0], 160)
         with self.lock:
             if self.fallback is None and self.count >= LIMIT:
                 self._give_up(miss_text)
