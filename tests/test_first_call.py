@@ -1,7 +1,7 @@
 """Planned on first call: ``amp_rewrite(model,
 inplace=True)`` needs no example; each training mode and call structure no graph covers is
 planned on its first call and kept; a returned module never runs a graph traced for another
-mode (``ModeError``); planning leaves the user's RNG as it was and happens once, whichever
+mode (it plans that mode on its first call in it); planning leaves the user's RNG as it was and happens once, whichever
 thread calls (rewriter/inplace.py)."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.errors import ModeError, NotPlannedError
+from fxamp.result import result_of, set_result
 
 BF16 = torch.bfloat16
 
@@ -54,12 +55,25 @@ def _autocast(model, *args, **kwargs):
 X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
 
-def test_a_returned_module_refuses_the_mode_its_graph_was_not_traced_for():
+def test_a_returned_module_plans_the_mode_its_graph_was_not_traced_for_on_its_first_call():
     ref, model = _pair()
     gm = fxamp.amp_rewrite(model.train(), (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
-    assert fxamp.plan_of(gm) is not None
+    assert result_of(gm).mode is True
+    gm.eval(), ref.eval()
+    assert torch.equal(gm(X), _autocast(ref, X))  # (the train graph would give x * 2)
+    gm.train(), ref.train()
+    torch.manual_seed(1)
+    got = gm(X)
+    torch.manual_seed(1)
+    assert torch.equal(got, _autocast(ref, X))
+
+
+def test_a_module_with_a_one_mode_graph_and_no_planner_refuses_naming_the_model():
+    ref, model = _pair()
+    gm = fxamp.amp_rewrite(model.train(), (X,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"))
+    set_result(gm, result_of(gm).replace(other_mode=None))
     gm.eval()
-    with pytest.raises(ModeError, match="called in eval mode.*train mode only"):
+    with pytest.raises(ModeError, match="^Net was called in eval mode.*train mode only"):
         gm(X)
 
 

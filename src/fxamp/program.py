@@ -7,15 +7,17 @@ A call of a Program runs, in this order and on every exit path:
    modules, Parameters, buffers, training flags and dtypes against what the graphs were built
    on, and the hooks registered since on modules the graphs run as ops (every graph part:
    checkpoint regions included). While nothing changed this is a few C-level comparisons;
-2. the call structure check (:mod:`fxamp.frontends.calls`, kept in the result): the
+2. the mode check: a graph traced for one training mode only (its model traces differently
+   in train and eval mode) hands a call in the other to that mode's graph, planned on its
+   first call (``Rewritten.other_mode``, a top-level returned module's), or refuses it with
+   ``ModeError`` where nothing plans it;
+3. the call structure check (:mod:`fxamp.frontends.calls`, kept in the result): the
    arguments' types and keyword names against the call forms seen to have the example's
    structure (tensor, None or left out per argument). While they match this is one C-level
    tuple and set lookup; where the graph also fixed Python scalars or takes lists of tensors,
    the form's key with those scalars' values and the lists' item types
    (:func:`call_values`: one Python call). Another structure or value is refused naming the
    argument;
-3. the mode check: a graph traced for one training mode only (its model traces differently
-   in train and eval mode) refuses a call in the other with ``ModeError``;
 4. on the Program's first call only (one ``__dict__`` lookup on the later ones), the device
    check: a plan for one of "cpu" / "cuda" run on the other logs one warning naming both
    (their autocast lists differ, so its numbers are not that device's autocast's);
@@ -119,11 +121,13 @@ def _note_outer_autocast(was: Tuple[str, ...]) -> None:
                     ", ".join(was))
 
 
-def _refuse_mode(program: Any, mode: bool) -> None:
-    """A call in the mode ``program``'s graph was not traced for: refused by name."""
-    have, other = ("train", "eval") if mode else ("eval", "train")
+def _refuse_mode(program: Any, result: Any) -> None:
+    """A call in the mode ``program``'s graph was not traced for (``result.mode`` is the
+    one it was), where nothing plans the other: refused, naming the model."""
+    have, other = ("train", "eval") if result.mode else ("eval", "train")
+    model = (result.source or type(program).__name__).rsplit(".", 1)[-1]
     raise ModeError(
-        f"{type(program).__name__} was called in {other} mode, but its model traces "
+        f"{model} was called in {other} mode, but its model traces "
         f"differently in train and eval mode and its rewritten graph is for {have} mode only "
         f"(it never runs a graph traced for another mode). what to do: rewrite with "
         f"inplace=True, which plans each mode on its first call in it; or rewrite a copy in "
@@ -215,6 +219,10 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
             guard, calls = result.structure, result.calls
             if guard is not None and (guard.key is None or guard.key != guard.now()):
                 guard.check()  # (something changed: followed, re-planned or refused)
+            if result.mode is not None and self.training is not result.mode:
+                if result.other_mode is None:
+                    _refuse_mode(self, result)
+                return result.other_mode(self, args, kwargs)  # (that mode's own graph)
             if calls is not None:
                 key = (*map(type, args), *kwargs, *map(type, kwargs.values()))
                 if key not in calls.direct and (
@@ -225,8 +233,6 @@ def _owned(graph_forward: Callable[..., Any]) -> Callable[..., Any]:
                     except Exception as err:  # (CallStructureError: a miss of this graph)
                         err.program = self
                         raise
-            if result.mode is not None and self.training is not result.mode:
-                _refuse_mode(self, result.mode)
             if DEVICE_CHECKED not in own:  # (once per module: its first call's device)
                 _check_device(self, result, args, kwargs)
         was = tuple(filter(_ENABLED, DEVICES))

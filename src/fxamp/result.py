@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 from .config import RewriteConfig
 from .errors import FxampError, NotPlannedError
@@ -38,6 +38,10 @@ class Rewritten:
     #: modes trace alike, or their difference became reads of ``training``), True / False
     #: when only that mode's graph could be kept; a call in the other mode never runs it
     mode: Optional[bool] = field(default=None, compare=False)
+    #: a returned module's graphs for the mode ``mode`` is not (``rewriter/modes.py``),
+    #: planned on its first call in that mode; None: such a call is refused (``ModeError``)
+    other_mode: Optional[Callable[[Any, tuple, Dict[str, Any]], Any]] = field(
+        default=None, compare=False, repr=False)
 
     def replace(self, **changes: Any) -> "Rewritten":
         """A copy with ``changes`` (the result itself is never changed)."""

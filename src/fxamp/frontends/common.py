@@ -56,8 +56,8 @@ def warn_one_mode(model: nn.Module, gm: Any, mode: bool, how: str = "traces") ->
     runs it)."""
     gm.meta[MODE] = mode  # (no hazard: a call in the other mode never runs it)
     log.info("%s %s differently in train and eval mode: the rewritten graph is for %s "
-                "mode only; in place, the first call in %s mode is planned on that call; a "
-                "returned module refuses it (ModeError)", type(model).__name__, how,
+                "mode only; the first call in %s mode is planned on that call "
+                "(in place, or by a returned module)", type(model).__name__, how,
                 _MODES[mode], _MODES[not mode])
 
 

@@ -38,6 +38,7 @@ from .gc_scope import young_objects_only
 from .blocks import block_paths, config_of_blocks, install_blocks, is_blocks, uninstall_blocks
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, take, uninstalled
 from .inputs import AutocastOff, check_example_inputs
+from .modes import OtherMode
 from .overlap import (check_overlap, inplace_policy, own_forwards, owners, parts_off,
                       same_policy)
 from .pass_list import pass_list, plan_lines, plan_nodes
@@ -238,8 +239,9 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
         TypeError: a keyword ``amp_rewrite`` does not take.
         InputShapeError: (raised by the result) a call with another size on a static
             dimension of an exported graph.
-        ModeError: (raised by a returned, not in-place, result) a call in a mode no
-            graph covers; ``CallStructureError`` for a call structure no graph covers.
+        CallStructureError: (raised by a returned, not in-place, result) a call structure
+            no graph covers. (A call in the training mode its graph was not traced for is
+            planned on that call: ``rewriter/modes.py``.)
     """
     config = _config(config, deprecated)
     if config.policy.weights == "stored" and not inplace:
@@ -323,11 +325,24 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
     gm = _rewrite_top(model, args, resolved)
     if inplace and pol.weights == "stored":
         store_weights(model, gm)
-    return install(model, gm, _plan_call) if inplace else gm
+    if inplace:
+        return install(model, gm, _plan_call)
+    if has_result(gm) and result_of(gm).mode is not None:  # (its other mode: on a call)
+        set_result(gm, result_of(gm).replace(other_mode=OtherMode(model, resolved,
+                                                                  _plan_mode)))
+    return gm
+
+
+def _plan_mode(model: nn.Module, mode: bool, args: tuple, kwargs: Dict[str, Any],
+               config: RewriteConfig) -> nn.Module:
+    """A returned module's graph for ``mode``, planned on a call in it (``OtherMode``): the
+    model it was made from planned as ``_plan_call`` plans, traced in ``mode`` (on its
+    shadow: the model's flags stay)."""
+    return _plan_call(model, args, kwargs, config, None, mode)
 
 
 def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: RewriteConfig,
-               why: Optional[str]) -> nn.Module:
+               why: Optional[str], mode: Optional[bool] = None) -> nn.Module:
     """An in-place rewritten model planned, with its config, on a call's arguments: its
     first call without example inputs, a mode or call structure no graph covers (``why``
     None), or a structure change since its plan (``why`` says which). Planned with any
@@ -335,11 +350,12 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
     hooks off (they ran on this call, and run on the next ones, around the new graph), on
     copies of the call's Python objects (``isolated``), and with the RNG states of the
     CPU and the initialised CUDA devices put back after (the user's run is unchanged);
-    returns the new rewritten module (the in-place forward keeps it)."""
+    returns the new rewritten module (the in-place forward keeps it). ``mode``: traced in
+    that training mode rather than the model's."""
     name = type(model).__name__
     if why is None:
         log.info("%s: planning it on this call (%s mode)", name,
-                 "train" if model.training else "eval")
+                 "train" if (model.training if mode is None else mode) else "eval")
     else:
         log.warning("%s changed after its in-place rewrite (%s): planning it again on this "
                     "call's inputs", name, why)
@@ -357,7 +373,7 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
         with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
                 torch.random.fork_rng(devices=devices), _own_saved_tensors():
-            gm = _rewrite_top(model, args, config, on_call=True)
+            gm = _rewrite_top(model, args, config, on_call=True, mode=mode)
     if config.policy.weights == "stored":
         restore_stored(model, gm, swaps)
         store_weights(model, gm)
@@ -414,16 +430,20 @@ def isolated(value: Any) -> Any:
 
 
 def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig,
-                 on_call: bool = False) -> nn.Module:
+                 on_call: bool = False, mode: Optional[bool] = None) -> nn.Module:
     """The top-level rewrite: the model is left exactly as it was, and the FP32 model's own
     error is raised when it fails on the example inputs.
 
     What is traced is a shadow of the model's module tree (``frontends/shadow.py``: no
     other thread sees the trace swap or set anything on the model's modules); the result
     holds the model's own modules. ``on_call``: an in-place model planned on one of its
-    calls (its call hooks run around the new graph, not in it)."""
+    calls (its call hooks run around the new graph, not in it). ``mode``: traced in that
+    training mode (the shadow's: the model's flags stay)."""
     with _torch.tracing():  # another thread's rewrite waits (see _torch.TRACE_PATCHES)
         shadow = Shadow(model, on_call)
+        if mode is not None:  # (flags only: the returned module's train() or eval(), which
+            for module in shadow.root.modules():  # reached the model's modules, ran their
+                module.training = mode  # own train() there; its shadows copy what it set)
         try:
             with parts_off(shadow.root):  # (the shadow's parts: the model's keep theirs)
                 gm = _rewrite_locked(shadow.root, args, config)
