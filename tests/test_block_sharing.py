@@ -349,3 +349,46 @@ def test_hf_layers_without_a_cache_still_share_one_plan(name):
     layers = _LAYERS[name]
     for i in (1, 2):
         assert f"the same plan as {layers}.0" in plan.nodes[f"{layers}.{i}"].reason
+
+
+@pytest.mark.slow  # (transformers' import, the eager recording runs)
+def test_hf_layers_with_a_kv_cache_share_one_eager_plan_each_reading_its_own_layer_index():
+    """With HF's default ``use_cache=True`` every decoder layer takes the eager front end
+    (the cache is an object its code appends to). Identical layers share one eager plan,
+    made once: each copy runs its own layer's Python forward, so ``layer_idx`` (read live,
+    to index the cache) is its own. Training, and a decode step with the cache, equal
+    autocast's; before, each layer was recorded and planned on its own (32 layers: 4.6x
+    torch.export's time)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    ref = transformers.LlamaForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with _traces() as traces:
+        fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
+        out = model(input_ids=ids, labels=ids)
+    assert traces.count == 1  # (one layer planned; the other three share its plan)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(input_ids=ids, labels=ids)
+    assert torch.equal(out.loss, want.loss)
+    out.loss.backward(), want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    plan = fxamp.plan_of(model)
+    for i in (1, 2, 3):
+        assert "the same plan as model.layers.0" in plan.nodes[f"model.layers.{i}"].reason
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        prompt = model(input_ids=ids[:, :8], use_cache=True)
+        step = model(input_ids=ids[:, 8:9], past_key_values=prompt.past_key_values)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_prompt = ref(input_ids=ids[:, :8], use_cache=True)
+            ref_step = ref(input_ids=ids[:, 8:9], past_key_values=ref_prompt.past_key_values)
+    assert torch.equal(step.logits, ref_step.logits)
+    cache = step.past_key_values
+    assert cache.get_seq_length() == 9 and len(cache.layers) == 4  # (each layer its own)
+    for k in range(4):
+        assert cache.layers[k].keys.shape[-2] == 9

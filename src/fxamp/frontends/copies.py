@@ -5,11 +5,14 @@ The refusal is an instance attribute (``__reduce_ex__`` / ``__deepcopy__``), so 
 stops the copy of a module that holds the result (an in-place rewritten model)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import copy
+from typing import Any, Callable, Dict
 
 import torch.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..result import has_result, result_of
+from .hooks import CALL_HOOK_DICTS
 
 _WHAT = ("what to do: copy or pickle the original FP32 model and rewrite the copy "
          "(amp_rewrite is deterministic), or save state_dict(), which loads into a rewrite "
@@ -31,3 +34,32 @@ def refuse_copies(module: nn.Module, frontend: str, deepcopy: bool = True) -> No
     module.__dict__["__reduce_ex__"] = _refusal("pickling", module, frontend)
     if deepcopy:
         module.__dict__["__deepcopy__"] = _refusal("deepcopy", module, frontend)
+
+
+def bound_to(gm: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:
+    """A copy of ``gm`` (a rewritten graph of ``source``) reading ``block``'s modules,
+    Parameters, buffers and call-hook dicts at the same paths instead: the same plan, no new
+    trace.
+
+    Args:
+        gm: the rewritten module of ``source`` (one that can be deep-copied).
+        source: the module it was planned for.
+        block: an identical module (the same share key, ``rewriter/blocks.py``).
+    """
+    memo: Dict[int, Any] = {}
+    if has_result(gm):  # (the plan is frozen: the copies share it, and warn once for it)
+        plan = result_of(gm).plan
+        memo[id(plan)] = plan
+    theirs = dict(block.named_modules(remove_duplicate=False))
+    for path, mine in source.named_modules(remove_duplicate=False):
+        other = theirs[path]
+        memo[id(mine)] = other
+        for kind in ("_parameters", "_buffers"):
+            for name, value in getattr(mine, kind).items():
+                if value is not None:
+                    memo[id(value)] = getattr(other, kind)[name]
+        for kind in CALL_HOOK_DICTS:  # (an eager root's child holds its original's)
+            hooks = mine.__dict__.get(kind)
+            if hooks is not None and other.__dict__.get(kind) is not None:
+                memo[id(hooks)] = other.__dict__[kind]
+    return copy.deepcopy(gm, memo)

@@ -34,16 +34,22 @@ from ..config import RewriteConfig
 from ..ops import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
-from ..result import Rewritten, one_mode, plan_of, set_result
+from ..result import ATTR as RESULT, Rewritten, one_mode, plan_of, result_of, set_result
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
 from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
 from .common import in_output_dtype, nested_header, nested_lines, own_copies, top_header
-from .hooks import share_call_hooks, without_call_hooks
+from .copies import bound_to, refuse_copies
+from .hooks import CALL_HOOK_DICTS, share_call_hooks, without_call_hooks
 from .shadow import real_of
 
 log = logging.getLogger(__name__)
+
+#: an eager root's ``__dict__`` key: how each rewritten child is called, by path (whether
+#: it takes FP32 inputs, the input dtypes it was planned for, the dtypes its outputs are
+#: cast to), read by :func:`rebound` to make the same root for an identical module
+PARTS = "fxamp_eager_parts"
 
 
 def low_dtype(values: Any) -> Optional[torch.dtype]:
@@ -180,7 +186,9 @@ def _reading_from(module: nn.Module, original: nn.Module) -> None:
 
     shared = ("_is_full_backward_hook",) + (
         LAYER_FLAGS if is_checkpointing_layer(original) else ())
-    attrs: Dict[str, Any] = {"__getattr__": __getattr__}
+    # (its qualname is the class's: a copy of a graph module, which torch makes from the
+    # class below any named like its own per-instance class, is a plain one again)
+    attrs: Dict[str, Any] = {"__getattr__": __getattr__, "__qualname__": cls.__qualname__}
     attrs.update({name: _through(original, name) for name in shared})
     module.__class__ = type(cls.__name__, (cls,), attrs)
 
@@ -224,6 +232,7 @@ def _output_casts(result: nn.Module, nested: Dict[str, Plan],
             continue
         sub = result.get_submodule(name)
         _cast_outputs(sub, want)
+        result.__dict__[PARTS][name]["recast"] = want
         names = sorted({dtype_name(w) for w, g in zip(want, got) if w != g and w})
         done[name] = (f"; its output is cast to {', '.join(names)}, its dtype under "
                       "torch.autocast (the model casts it to a dtype read at run time, "
@@ -295,6 +304,82 @@ def _put(result: nn.Module, model: nn.Module, path: str, sub: nn.Module) -> None
     holder._modules[name] = sub
 
 
+def _call_as_planned(result: nn.Module, model: nn.Module, name: str, sub: nn.Module,
+                     part: Dict[str, Any]) -> None:
+    """Put ``sub`` (the rewritten child ``name`` of ``model``) into ``result`` (its eager
+    root), called as ``part`` says: its inputs in the dtypes it was planned for, autocast
+    off, attributes and call hooks read from the user's child, outputs recast."""
+    child = real_of(model.get_submodule(name))  # (the user's: read and shared after)
+    _as_planned(sub, part["fp32"], part["planned"], child)
+    _reading_from(sub, child)
+    share_call_hooks(sub, child)
+    _put(result, model, name, sub)
+    if part["recast"] is not None:
+        _cast_outputs(sub, part["recast"])
+
+
+def _eager_forward(result: nn.Module, model: nn.Module, pol: Policy) -> None:
+    """Set ``result``'s forward: ``model``'s class's own, run under ``torch.autocast`` of the
+    policy's compute dtype, its output in the policy's output dtype."""
+    original = type(model).forward
+    low = pol.compute
+    out_dtype = pol.output_dtype
+
+    def forward(*a: Any, **kw: Any) -> Any:
+        with device_autocast(device_type((a, kw)), low):
+            out = original(result, *a, **kw)
+        return in_output_dtype(out, out_dtype)
+
+    try:  # what a caller reading the signature sees (HF Trainer drops other columns)
+        forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    result.forward = forward  # type: ignore[method-assign]
+
+
+def is_eager_root(module: nn.Module) -> bool:
+    """Whether ``module`` is an eager root (:func:`eager_root`'s result)."""
+    return PARTS in module.__dict__
+
+
+def rebound(result: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:
+    """The eager root ``result`` (rewritten from ``source``) made for ``block``, a module
+    proved identical to ``source`` (the same share key, ``rewriter/blocks.py``): a shallow
+    copy of ``block`` whose rewritten children are copies of ``result``'s bound to
+    ``block``'s modules (an eager child made the same way), each called as in ``result``;
+    the same plan, no recording run and no trace. Its Python forward reads ``block``'s own
+    attributes (an HF layer's ``layer_idx``).
+
+    Args:
+        result: an eager root.
+        source: the user's module it was made from.
+        block: the user's module to make it for.
+
+    Returns:
+        ``block``'s eager root.
+    """
+    done = result_of(result)
+    new = copy.copy(block)
+    for name in ("forward", RESULT):  # (an in-place block's own: none of its code's)
+        new.__dict__.pop(name, None)
+    for kind in CALL_HOOK_DICTS:  # (they run around it, as a block planned on a call's)
+        if getattr(block, kind, None):
+            new.__dict__[kind] = type(getattr(block, kind))()
+    new._modules = dict(block._modules)
+    parts = result.__dict__[PARTS]
+    for name, part in parts.items():
+        sub, mine, theirs = (result.get_submodule(name), source.get_submodule(name),
+                             block.get_submodule(name))
+        # (a graph's copy has none of the wrapping forward, which is set up anew)
+        made = rebound(sub, mine, theirs) if is_eager_root(sub) else bound_to(sub, mine, theirs)
+        _call_as_planned(new, block, name, made, part)
+    new.__dict__[PARTS] = parts
+    _eager_forward(new, block, done.policy)
+    set_result(new, done)
+    refuse_copies(new, "eager")
+    return new
+
+
 def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Policy,
                calls: Dict[str, Tuple[tuple, dict, Any]], children: Dict[str, nn.Module],
                header: Dict[str, str], fp32_inputs: Sequence[str] = (),
@@ -317,29 +402,16 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
                      autocast_calls or {}, pol)
     nested: Dict[str, Plan] = {}
     runtime: List[str] = [name for name in calls if name not in children]
+    parts: Dict[str, Dict[str, Any]] = {}
     for name, sub in children.items():
-        child = real_of(model.get_submodule(name))  # (the user's: read and shared after)
-        _as_planned(sub, name in fp32_inputs, _planned_dtypes(calls.get(name)), child)
-        _reading_from(sub, child)
-        share_call_hooks(sub, child)
-        _put(result, model, name, sub)
+        parts[name] = {"fp32": name in fp32_inputs, "planned": _planned_dtypes(calls.get(name)),
+                       "recast": None}
+        _call_as_planned(result, model, name, sub, parts[name])
         nested[name] = plan_of(sub)
     if not nested:
         raise FxampError(f"none of {type(model).__name__}'s children could be rewritten")
-    original = type(model).forward
-    low = pol.compute
-    out_dtype = pol.output_dtype
-
-    def forward(*a: Any, **kw: Any) -> Any:
-        with device_autocast(device_type((a, kw)), low):
-            out = original(result, *a, **kw)
-        return in_output_dtype(out, out_dtype)
-
-    try:  # what a caller reading the signature sees (HF Trainer drops other columns)
-        forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        pass
-    result.forward = forward  # type: ignore[method-assign]
+    result.__dict__[PARTS] = parts
+    _eager_forward(result, model, pol)
     # the children's dtypes under the rewritten model, from one run on the example inputs
     outs = submodule_calls(result, list(calls), args, kwargs)
     recast: Dict[str, str] = {}
@@ -366,7 +438,7 @@ def eager_root(model: nn.Module, args: tuple, kwargs: Dict[str, Any], pol: Polic
             nodes.update(nested_lines({name: nested[name]}))
         else:
             nodes[name] = NodePrecision(dtype, Rule.RUNTIME, "not traceable: runs under "
-                                        f"torch.autocast ({dtype_name(low)}) at run time",
+                                        f"torch.autocast ({dtype_name(pol.compute)}) at run time",
                                         label, name)
     header = nested_header(dict(header, frontend="eager"), runtime, nested)
     if config is not None:  # (the top-level rewrite)

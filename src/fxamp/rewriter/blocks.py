@@ -19,7 +19,6 @@ dtypes its plan computes (``output=keep``), as autocast would.
 from __future__ import annotations
 
 import ast
-import copy
 import dataclasses
 import enum
 import fnmatch
@@ -41,9 +40,11 @@ from ..ir import Rule
 from ..ops import module_label
 from ..plan import NodePrecision, Plan
 from ..errors import FxampError, PolicyError
-from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of, result_of
+from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of
 from ..runtime import CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
+from ..frontends.copies import bound_to as copy_bound_to
+from ..frontends.eager import PARTS, is_eager_root, rebound
 from .._version import __version__
 from .inplace import (ATTR, InplaceForward, Planner, check_own_forward, install, register,
                       take)
@@ -298,9 +299,15 @@ class SharedPlanner:
                  why: Optional[str]) -> nn.Module:
         shared = self.root.shared
         key = share_key(block, args, kwargs) if why is None else None
+        live = None  # (with a KV cache: the key of an eager root, which reads it live)
         if key is not None:  # (its own overrides; symbols grown on its calls)
-            key = (key, str(config.policy), str(config.dynamic_shapes))
+            tail = (str(config.policy), str(config.dynamic_shapes))
+            if _has_object((args, kwargs)):
+                live = (share_key(block, args, kwargs, live_index=True), *tail, "live")
+            key = (key, *tail)
         known = shared.get(key) if key is not None else None
+        if known is None and live is not None:
+            known = shared.get(live)
         gm = None
         if known is not None:
             try:
@@ -313,6 +320,8 @@ class SharedPlanner:
             gm = self.plan(block, args, kwargs, config, why)
             if key is not None and key not in shared:
                 shared[key] = (block, gm)
+            if live is not None and live not in shared and _index_live(gm):
+                shared[live] = (block, gm)
         self.root.planned += 1
         return gm
 
@@ -632,7 +641,29 @@ def _has_object(value: Any) -> bool:
     return not isinstance(value, (torch.Tensor, *_PLAIN))
 
 
-def share_key(block: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
+def _index_live(gm: nn.Module) -> bool:
+    """Whether ``gm`` is an eager root that reads HF's ``layer_idx`` only where its Python
+    code runs on each call (its own forward, its eager children's): none of the graphs in
+    it holds a module with one. Blocks that differ only in ``layer_idx`` then share it,
+    each copy reading its own block's (:func:`.eager.rebound`).
+
+    Args:
+        gm: a block's rewritten module.
+    """
+    if not is_eager_root(gm):
+        return False
+    for name in gm.__dict__[PARTS]:
+        sub = gm.get_submodule(name)
+        if is_eager_root(sub):
+            if not _index_live(sub):
+                return False
+        elif any(_CACHE_INDEX in m.__dict__ for m in sub.modules()):
+            return False
+    return True
+
+
+def share_key(block: nn.Module, args: tuple, kwargs: Dict[str, Any],
+              live_index: bool = False) -> tuple:
     """The key under which identical blocks share one plan: the block's class, each
     Parameter's and buffer's name, shape and dtype, the training flags, everything else the
     code of its modules may read (:func:`_settings`) and the call's signature
@@ -643,38 +674,31 @@ def share_key(block: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
         block: the block called.
         args: the call's positional arguments.
         kwargs: the call's keyword arguments.
+        live_index: HF's ``layer_idx`` does not count even with a KV cache passed (for
+            a plan that reads it live: :func:`_index_live`).
     """
     return (type(block),
             tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
                   for n, t in block.named_parameters()),
             tuple((n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()),
             tuple(m.training for m in block.modules()),
-            _settings(block, _has_object((args, kwargs))),
+            _settings(block, _has_object((args, kwargs)) and not live_index),
             _signature(args), _signature(kwargs))
 
 
 def bound_to(gm: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:
-    """A copy of ``gm`` (a rewritten graph of ``source``) reading ``block``'s modules,
-    Parameters and buffers at the same paths instead: the same plan, no new trace.
+    """A copy of ``gm`` (a block's rewritten module, planned for ``source``) reading
+    ``block``'s modules, Parameters and buffers at the same paths instead: the same plan, no
+    new trace (an eager root is made anew for ``block`` from copies of its children).
 
     Args:
         gm: the rewritten module of ``source``.
         source: the block it was planned for.
         block: an identical block (same :func:`share_key`).
     """
-    memo: Dict[int, Any] = {}
-    if has_result(gm):  # (the plan is frozen: the copies share it, and warn once for it)
-        plan = result_of(gm).plan
-        memo[id(plan)] = plan
-    theirs = dict(block.named_modules(remove_duplicate=False))
-    for path, mine in source.named_modules(remove_duplicate=False):
-        other = theirs[path]
-        memo[id(mine)] = other
-        for kind in ("_parameters", "_buffers"):
-            for name, value in getattr(mine, kind).items():
-                if value is not None:
-                    memo[id(value)] = getattr(other, kind)[name]
-    return copy.deepcopy(gm, memo)
+    if is_eager_root(gm):
+        return rebound(gm, source, block)
+    return copy_bound_to(gm, source, block)
 
 
 def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
