@@ -37,7 +37,9 @@ def test_a_deployment_plan_of_a_masked_encoder_exports_once_static(name, exports
                            fxamp.RewriteConfig.make(target="tensorrt", frontend="export"))
     assert exports == [None]  # one export, no symbolic dimension, none under autocast
     plan = fxamp.plan_of(gm)
-    assert any(p.rule == "mask_fill" for p in plan.nodes.values())
+    # (a padding mask gets its fill rule; BERT called without one builds no mask in eager,
+    # and none in the export either: frontends/mask_skips.py)
+    assert any(p.rule == "mask_fill" for p in plan.nodes.values()) is (name == "distilbert_pad")
     with torch.no_grad():  # the same numbers as the model on another batch of that shape
         assert torch.allclose(gm(*check).float(), model(*check), atol=1e-3, rtol=1e-3)
 

@@ -48,7 +48,7 @@ __all__ = [
     "SET_GRAD", "IS_GRAD", "has_kernel_for_dispatch_key",
     "storage_use_count", "tensor_use_count", "in_dispatch_or_function_mode",
     "is_functorch_wrapped", "functorch_active", "graph_codegen", "node_erased",
-    "rename_node", "foreach_copy_",
+    "rename_node", "foreach_copy_", "eager_compiler_flags",
     "Patch", "TRACE_PATCHES", "tracing", "tracing_thread", "patched", "format_target",
     "spelling_names", "spell_names", "SpellingTracer",
 ]
@@ -169,6 +169,29 @@ def foreach_copy_(dsts: list, srcs: list) -> None:
     """Copy each of ``srcs`` into the matching tensor of ``dsts`` in one fused call
     (``torch._foreach_copy_``; the lists hold tensors of one dtype and device)."""
     torch._foreach_copy_(dsts, srcs)
+
+
+@contextlib.contextmanager
+def eager_compiler_flags() -> Iterator[None]:
+    """Within the block, ``torch.compiler.is_compiling()`` and ``is_exporting()`` answer
+    False, as in eager (``torch.compiler._is_compiling_flag`` / ``_is_exporting_flag``,
+    which torch.export sets for the whole process while it runs); both are put back on
+    every exit path. Only for a call that reads no tensor (a library's decision of which
+    path to take), made while fxamp exports; a torch without the flags changes nothing."""
+    import torch.compiler as compiler
+
+    names = ("_is_compiling_flag", "_is_exporting_flag")
+    if not all(hasattr(compiler, name) for name in names):
+        yield
+        return
+    saved = [getattr(compiler, name) for name in names]
+    for name in names:
+        setattr(compiler, name, False)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(compiler, name, value)
 
 
 # -- patches applied while tracing ------------------------------------------------------

@@ -44,6 +44,7 @@ from .base import STATIC_SHAPES, Request, Traced
 from .buffer_writes import export_write_backs
 from .dtype_reads import Settled, follow_run_time_dtypes
 from .hooks import hooked_modules, without_root_hooks
+from .mask_skips import eager_mask_skips
 from .modes import align, follow_mode, reads_training, root_flag
 
 __all__ = ["AtenFrontend", "export_trace", "default_dynamic_shapes", "flat_inputs",
@@ -261,7 +262,7 @@ def _export(model: nn.Module, args: tuple, kwargs: Dict[str, Any],
             shapes = default_dynamic_shapes(model, args, kwargs)
         else:
             shapes = None if dynamic_shapes is STATIC else dynamic_shapes
-        with quiet_torch_logs(), refusing_inference_mode(), \
+        with quiet_torch_logs(), refusing_inference_mode(), eager_mask_skips(), \
                 checkpointing.export_recording(model.training):
             program = torch.export.export(model, args, kwargs, strict=False,
                                           dynamic_shapes=shapes)
