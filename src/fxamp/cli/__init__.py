@@ -7,7 +7,7 @@ fxamp check MODULE:FACTORY --plan FILE [--update]
 fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
 fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu|tensorrt] [--policy P]
             [--frontend auto|fx|export] [--onnx FILE]
-fxamp export MODULE:FACTORY -o model.onnx [--report report.md] [--backend auto]
+fxamp export MODULE:FACTORY -o model.onnx [--report report.md] [--backend auto] [--dynamic]
 fxamp demo
 fxamp --version
 
@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write Model Explorer node data for the ONNX file: planned "
                    "precision to FILE.json, actual to FILE.actual.json (rule and reason go "
                    "into the ONNX nodes' metadata)")
+    e.add_argument("--dynamic", action="store_true",
+                   help="write a file whose batch axis (dim 0 of every tensor input) and "
+                   "sequence axis (dim 1 of integer inputs of 2+ dimensions: token ids, "
+                   "masks) take any size; the checks run at the example's sizes and at "
+                   "others (default: every axis fixed at the example's size)")
     e.set_defaults(func=cmd_export)
 
     m = sub.add_parser("demo", help="rewrite and train the built-in small CNN")

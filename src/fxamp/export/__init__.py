@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from .backends import CHOICES as BACKEND_CHOICES, Backend, get_backend
 from .engine_report import check_numerics, precision_report
-from .errors import BackendUnavailableError, ExportError, NumericsError, UnknownBackendError
+from .errors import (BackendUnavailableError, DynamicShapesError, ExportError, NumericsError,
+                     UnknownBackendError)
 from .layers import LayerPrecision
 from .onnx_export import export_onnx
 from .overflow import PlanOverflowError, run_true_fp16
@@ -19,7 +20,8 @@ from .trt_build import tensorrt_available
 
 __all__ = ["export_onnx", "precision_report", "check_numerics", "tensorrt_available",
            "PrecisionReport", "LayerPrecision", "ExportError", "BackendUnavailableError",
-           "NumericsError", "PlanOverflowError", "ExporterNumbersError", "run_true_fp16",
+           "NumericsError", "DynamicShapesError", "PlanOverflowError", "ExporterNumbersError",
+           "run_true_fp16",
            "SCHEMA", "predict",
            "predict_fp16", "Prediction", "SOURCES", "Backend", "BACKEND_CHOICES",
            "get_backend", "UnknownBackendError"]

@@ -150,6 +150,7 @@ def fold_constants(model: Any) -> int:
                 v[0].size <= max(SIZE_LIMIT, consts.sources(o))  # type: ignore[index]
                 for o, v in zip(node.output, values)):
             folded.add(id(node))
+    folded -= _shared_transposes(consts, folded)
     if not folded:
         return 0
     written = 0
@@ -168,6 +169,39 @@ def fold_constants(model: Any) -> int:
     graph.node.extend(keep)
     drop_dead(model)
     return written
+
+
+def _shared_transposes(consts: Constants, folded: Set[int]) -> Set[int]:
+    """The ids of the folded ``Transpose`` nodes to keep as nodes: those whose input is read
+    by a node that stays too (a tied weight: an embedding's Gather table that the output
+    projection reads transposed). Folded, the weight would be written twice, once as it is
+    and once transposed; kept, the file holds it once and the Transpose reads it. The values
+    are the same either way: a transpose moves the rounded values, it rounds nothing.
+
+    Args:
+        consts: the graph's constants (its nodes, in graph order).
+        folded: the ids of the nodes to be folded.
+
+    Returns:
+        The ids of the Transposes to keep.
+    """
+    readers: Dict[str, List[Any]] = {}
+    for node in consts.nodes:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    keep: Set[int] = set()
+    for node in consts.nodes:
+        if id(node) not in folded or node.op_type != "Transpose" or not node.input:
+            continue
+        source = node.input[0]
+        read_as_is = any(id(r) not in folded for r in readers.get(source, ()) if r is not node)
+        read_moved = any(id(r) not in folded for o in node.output for r in readers.get(o, ()))
+        if read_as_is and read_moved:
+            keep.add(id(node))
+    if keep:
+        log.debug("%d transposed weight(s) also read as they are (tied): kept as Transpose "
+                 "nodes, each weight stored once", len(keep))
+    return keep
 
 
 def drop_dead(model: Any) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..plan import Plan
 from ..ir import Rule
 from ..policy import dtype_name
+from .dynamic import AXES_KEY, other_shape, parse_axes, shape_text
 from .backends import ONNXRUNTIME, TENSORRT, alias_device, choose
 from .onnx_metadata import FX_NODE, MODULE, NOTE, get_meta
 from .onnx_types import ONNX_FLOAT_NAMES, compute_dtype
@@ -152,7 +153,27 @@ def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "aut
     if reference is not None and inputs is not None:
         report.numerics = check_numerics(path, reference, inputs, rtol=rtol, atol=atol,
                                          raise_on_error=False, device=device)
+        other = _other_sizes(model, inputs)
+        if other is not None:  # (a file with dynamic axes: measured at other sizes too)
+            rows = check_numerics(path, reference, other, rtol=rtol, atol=atol,
+                                  raise_on_error=False, device=device)
+            for row in rows:
+                row["output"] = f"{row['output']} at {shape_text(other)}"
+            report.numerics += rows
     return report
+
+
+def _other_sizes(model: Any, inputs: Sequence[Any]) -> Optional[tuple]:
+    """The inputs at other sizes of the file's dynamic axes (``fxamp.dynamic_axes``, which
+    ``export_onnx(..., dynamic_shapes=...)`` writes), or None for a file without them."""
+    text = next((p.value for p in model.metadata_props if p.key == AXES_KEY), "")
+    if not text:
+        return None
+    initializers = {i.name for i in model.graph.initializer}
+    names = [i.name for i in model.graph.input if i.name not in initializers]
+    case = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    axes = parse_axes(text, names)
+    return other_shape(case, axes) if axes else None
 
 
 def _true_fp16(path: str, session: Any, inputs: Sequence[Any], refs: List[Any],

@@ -20,3 +20,9 @@ class UnknownBackendError(FxampError, ValueError):
 
 class NumericsError(FxampError):
     """The exported model's outputs differ from the FP32 PyTorch model beyond tolerance."""
+
+
+class DynamicShapesError(ExportError):
+    """An ONNX file with dynamic axes cannot be made as asked: an axis torch.export fixes
+    (the model's code needs that size), a spec naming no input, or a rewritten graph that
+    cannot be traced again with dynamic shapes; the message names the cause and what to do."""

@@ -41,10 +41,11 @@ from ..rewriter.inplace import is_inplace, rewritten
 from ..rewriter.overlap import own_forwards
 from ..frontends.common import as_tuple
 from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, NOTE, get_meta, set_meta
+from . import dynamic
 from .onnx_passes import run_onnx_steps
 from .program import exported_program
 from .errors import ExportError
-from .verify import check_export
+from .verify import check_export, input_names
 from .weight_view import fold_view_batchnorms, low_weights_view, restore_weight_casts
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ def _fx_names(ep: Any, gm: fx.GraphModule) -> Dict[str, str]:
     return out
 
 
-def _export_dynamo(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]
+def _export_dynamo(gm: fx.GraphModule, inputs: tuple, opset: Optional[int],
+                   spec: Optional[Tuple[Any, ...]] = None
                    ) -> Tuple[Any, Dict[str, str], Any, str, List[Tuple[str, str]]]:
     """The dynamo exporter's graph, unoptimised (the ONNX steps, ``.onnx_passes``, run the
     optimizer once fxamp has folded the constants from their FP32 values). The exporter is
@@ -110,17 +112,21 @@ def _export_dynamo(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]
     (:func:`.weight_view.fold_view_batchnorms`: the file the ONNX fold would write, for
     less export work). Returns the model, the exporter's node names -> the plan's, the
     exporter's program, ``PLANNED`` or ``CAPTURED``, and the (conv, BatchNorm) node names
-    folded in the view."""
+    folded in the view. With dynamic axes (``spec``, positional ``dynamic_shapes``) the
+    graph is captured with them: the planned program holds the example's sizes."""
     kwargs: Dict[str, Any] = {"dynamo": True, "verbose": False, "optimize": False}
     if opset is not None:
         kwargs["opset_version"] = opset
+    if spec is not None:
+        kwargs["dynamic_shapes"] = spec
     if not isinstance(gm, fx.GraphModule):
         with contextlib.redirect_stdout(io.StringIO()):
             program = torch.onnx.export(gm, inputs, **kwargs)
         return program.model_proto, {}, program.exported_program, CAPTURED, []
     view, sources = low_weights_view(gm)
     folds = fold_view_batchnorms(view, sources)
-    program, mapping = _export_program(view, inputs, kwargs)
+    program, mapping = (None, {}) if spec is not None else \
+        _export_program(view, inputs, kwargs)
     capture = PLANNED
     if program is None:
         capture = CAPTURED
@@ -155,10 +161,12 @@ def _export_program(view: fx.GraphModule, inputs: tuple, kwargs: Dict[str, Any]
     return program, {k: renamed.get(v, v) for k, v in names.items()}
 
 
-def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int]) -> Any:
+def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int],
+                        spec: Optional[Tuple[Any, ...]] = None) -> Any:
     """The TorchScript exporter's graph, without its constant folding: that would write
     each weight FP16 before the ONNX steps fold BatchNorm from the FP32 weight (a folded
-    weight rounded twice); the ONNX steps fold the constants instead."""
+    weight rounded twice); the ONNX steps fold the constants instead. ``spec``'s dynamic
+    axes become the exporter's ``dynamic_axes``."""
     import onnx
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,10 +174,25 @@ def _export_torchscript(gm: fx.GraphModule, inputs: tuple, opset: Optional[int])
         kwargs: Dict[str, Any] = {"dynamo": False, "do_constant_folding": False}
         if opset is not None:
             kwargs["opset_version"] = opset
+        if spec is not None:
+            kwargs.update(_torchscript_axes(gm, inputs, spec))
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # "legacy exporter": we know
             torch.onnx.export(gm, inputs, path, **kwargs)
         return onnx.load(path)
+
+
+def _torchscript_axes(gm: torch.nn.Module, inputs: tuple, spec: Tuple[Any, ...]
+                      ) -> Dict[str, Any]:
+    """The TorchScript exporter's ``input_names`` and ``dynamic_axes`` for ``spec``."""
+    names = [f"input_{i}" for i in range(len(inputs))]
+    found = dynamic.forward_names(gm, len(inputs))
+    if len(found) == len(inputs):
+        names = found
+    axes: Dict[str, Dict[int, str]] = {}
+    for index, axis in dynamic.requested_axes(spec):
+        axes.setdefault(names[index], {})[axis] = f"{names[index]}_dim_{axis}"
+    return {"input_names": names, "dynamic_axes": axes}
 
 
 # -- provenance ----------------------------------------------------------------------
@@ -303,7 +326,8 @@ def flat_graph(model: torch.nn.Module, inputs: tuple) -> torch.nn.Module:
 @shows(lambda gm, inputs, path, **k: f"ONNX export to {os.path.basename(path)}")
 def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                 opset: Optional[int] = None, exporter: str = "auto",
-                reference: Optional[torch.nn.Module] = None) -> str:
+                reference: Optional[torch.nn.Module] = None,
+                dynamic_shapes: Any = None) -> str:
     """Export a model made by ``fxamp.amp_rewrite`` to ONNX.
 
     Before the file is written, the exported graph is run with onnxruntime and compared with
@@ -319,6 +343,11 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     of its FP32 form with its config, made on ``example_inputs`` (``flat_graph``); the
     model keeps its rewrite either way.
 
+    With ``dynamic_shapes`` the file's axes it names are dynamic (``fxamp.export.dynamic``):
+    a graph traced for the example's sizes (a deployment plan is planned static) is made
+    again from its model with its config and those shapes, and the checks run at the
+    example's sizes and at other sizes of those axes too.
+
     Args:
         gm: a GraphModule ``fxamp.amp_rewrite`` made, or a model it rewrote in place.
         example_inputs: the forward's arguments to export with (a tuple, or one tensor).
@@ -330,6 +359,11 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
         reference: the FP32 model the file is checked against (default: ``gm`` with its
             casts made FP32, see ``fxamp.export.reference.fp32_reference``); the check
             never runs an FP16 op in PyTorch.
+        dynamic_shapes: the file's dynamic axes, as ``torch.export`` takes them (a dict
+            keyed by the forward's parameter names, or a tuple with one entry per input:
+            ``{0: Dim.AUTO}``, a list per axis, or None); ``"auto"``: the batch (dim 0) of
+            every tensor input and the sequence (dim 1) of integer inputs of two or more
+            dimensions; None (default): every axis as the example has it.
 
     Returns:
         ``path``.
@@ -337,6 +371,8 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     Raises:
         ExportError: onnx, onnxscript or onnxruntime is missing, an unknown ``exporter``,
             every exporter failed, or the exported graph disagrees with the model.
+        DynamicShapesError: an axis of ``dynamic_shapes`` cannot be dynamic (the message
+            says why and what to do).
         FxampError: ``gm`` was not made by ``amp_rewrite``.
     """
     try:
@@ -349,14 +385,20 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ExportError(f"exporter must be auto, dynamo or torchscript, got {exporter!r}")
     gm = flat_graph(gm, inputs)
+    spec = dynamic.positional_spec(dynamic_shapes, gm, inputs)
+    if spec is not None and not dynamic.requested_axes(spec):
+        spec = None  # (every axis static: the example's sizes, as without a spec)
+    if spec is not None:
+        gm = dynamic.dynamic_graph(gm, inputs, spec)
     plan = plan_of(gm)
     with young_objects_only():  # (full collections scan what the export allocates only)
-        return _export_onnx(gm, plan, inputs, path, opset, exporter, reference)
+        return _export_onnx(gm, plan, inputs, path, opset, exporter, reference, spec)
 
 
 def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
                  opset: Optional[int], exporter: str,
-                 reference: Optional[torch.nn.Module]) -> str:
+                 reference: Optional[torch.nn.Module],
+                 spec: Optional[Tuple[Any, ...]] = None) -> str:
     """:func:`export_onnx`'s work, its arguments checked."""
     import onnx
 
@@ -367,7 +409,7 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
     with _eval_mode(gm):
         if exporter in ("auto", "dynamo"):
             try:
-                model, mapping, ep, capture, folds = _export_dynamo(gm, inputs, opset)
+                model, mapping, ep, capture, folds = _export_dynamo(gm, inputs, opset, spec)
                 used = "dynamo"
             except Exception as err:  # noqa: BLE001 - any exporter failure: try the next
                 error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -378,7 +420,7 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
                             error)
         if not used:
             try:
-                model = _export_torchscript(gm, inputs, opset)
+                model = _export_torchscript(gm, inputs, opset, spec)
                 used = "torchscript"
             except Exception as err:  # noqa: BLE001
                 raise ExportError(f"both ONNX exporters failed; dynamo: {error or '-'}; "
@@ -388,11 +430,18 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
     repaired, eps_fixed = counts["types"], counts["eps"]
     _annotate(model, gm, mapping)
     _note_folds(model, folds)
+    axes = dynamic.requested_axes(spec) if spec is not None else []
+    names = input_names(model)
+    extra: List[Tuple[str, tuple]] = []
+    if axes:
+        dynamic.check_file_axes(model, names, inputs, axes)
+        other = dynamic.other_shape(inputs, axes)
+        extra.append((f"the example at other sizes ({dynamic.shape_text(other)})", other))
     # a traced graph (TorchScript) holds the branches the example took: check the file on a
     # second input too; torch.export's graph is checked the same way (cheap insurance)
     with _eval_mode(gm):
         checked, true_fp16 = check_export(model, gm, inputs, used,
-                                          _eval_reference(reference))
+                                          _eval_reference(reference), extra)
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, CAPTURE: capture,
             "fxamp.plan": plan.to_text(),
             "fxamp.folded_weight_casts": str(sum(counts.get(name, 0) for name in (
@@ -404,6 +453,10 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
             "fxamp.removed_casts": str(counts["casts"]),
             "fxamp.true_fp16_error": (f"{true_fp16:.3g}" if isinstance(true_fp16, float)
                                       else "-")}
+    if axes:
+        meta[dynamic.AXES_KEY] = dynamic.axes_text(names, axes)
+        meta["fxamp.checked_shapes"] = "; ".join(
+            dynamic.shape_text(case) for case in [inputs] + [c for _, c in extra])
     if isinstance(true_fp16, str):  # (not checked, and why: never silently)
         meta["fxamp.true_fp16_skipped"] = true_fp16
     if error:

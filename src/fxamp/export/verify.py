@@ -18,7 +18,7 @@ same way.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from .._torch import tree_leaves, tree_map
@@ -28,7 +28,7 @@ import torch.fx as fx
 from .overflow import (PlanOverflowError, find_overflow, first_divergent_node,
                        first_nonfinite_node, run_true_fp16, unrunnable)
 from .reference import TRUE_FP16_RTOL, fp32_reference, relative_error, tensor_outputs
-from .errors import ExportError
+from .errors import DynamicShapesError, ExportError
 
 log = logging.getLogger(__name__)
 
@@ -151,14 +151,17 @@ def _mismatch(model: torch.nn.Module, case: Any, what: str, got: List[Any],
 
 
 def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: str,
-                 reference: Optional[Callable[..., Any]] = None
+                 reference: Optional[Callable[..., Any]] = None,
+                 extra: Sequence[Tuple[str, tuple]] = ()
                  ) -> Tuple[int, Union[float, str, None]]:
     """Run ``proto`` with onnxruntime and the FP32 reference (``reference``, default the
     rewritten ``model`` with its casts made FP32: :func:`fp32_reference`) on the example
-    inputs, a second input and (dynamic batch only) a double batch; raise ExportError when
-    they disagree or the file cannot be checked; then the true-FP16 check
-    (:func:`check_true_fp16`). Returns (the number of inputs checked, the true-FP16
-    relative error, or why it was not measured)."""
+    inputs, a second input, (dynamic batch only) a double batch and the ``extra`` cases
+    ((what, inputs): the example at other sizes of a file's dynamic axes, which must run);
+    raise ExportError when they disagree or the file cannot be checked; then the true-FP16
+    check (:func:`check_true_fp16`) on the example and the ``extra`` cases. Returns (the
+    number of inputs checked, the largest true-FP16 relative error, or why it was not
+    measured)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -197,10 +200,12 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
     second = second_input(inputs)
     cases: List[Tuple[str, Any]] = [("the example input", inputs),
                                     ("a second input (the example's values negated)", second)]
+    cases += list(extra)  # (their axes were asked for: they must run, before the rest)
     if _dynamic_batch(proto):
         double = _double_batch(inputs, second)
         if double is not None:
             cases.append(("a batch of twice the example's size", double))
+    strict = {id(case) for what, case in cases[2:]} if extra else set()
     example: Optional[List[Any]] = None  # (the reference's outputs on the example input)
     for done, (what, case) in enumerate(cases):
         leaves = [t for t in tree_leaves(case) if isinstance(t, torch.Tensor)]
@@ -209,13 +214,21 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
                 f"the {exporter} exporter's graph takes {len(names)} inputs where the model "
                 f"takes {len(leaves)} tensors: it cannot be checked against PyTorch, so it is "
                 "not written; what to do: pass the model's inputs as plain tensors")
-        with torch.no_grad():
-            want = tensor_outputs(ref(*case))
+        try:
+            with torch.no_grad():
+                want = tensor_outputs(ref(*case))
+        except Exception as err:  # noqa: BLE001 - at other sizes: the model's code, named
+            if id(case) not in strict:
+                raise
+            raise _other_sizes_error(what, "the model", err) from None
         example = want if example is None else example
         feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
         try:
             got = session.run(None, feed)
         except Exception as err:  # noqa: BLE001 - onnxruntime's own errors
+            if id(case) in strict:
+                raise _other_sizes_error(what, "the exported file (onnxruntime)", err) \
+                    from None
             if exporter != "torchscript" and what != "the example input":
                 log.warning("the exported graph was checked on the example input only: "
                             "onnxruntime fails on %s (%s)", what, type(err).__name__)
@@ -228,25 +241,47 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         if problem is not None:
             raise _mismatch(model, case, what, got, problem, exporter, want)
     error = check_true_fp16(proto, ref, inputs, names, model, example)
+    for what, case in extra:  # (the same check at the other sizes of the dynamic axes)
+        if isinstance(error, str):
+            break  # (the reference evaluator cannot run this file: said once)
+        other = check_true_fp16(proto, ref, case, names, model, what=what)
+        error = other if isinstance(other, str) else max(error, other)
     log.info("checked the exported graph against FP32 on %d inputs", len(cases))
     return len(cases), error
 
 
-def _names(proto: Any) -> List[str]:
+def _other_sizes_error(what: str, who: str, err: Exception) -> DynamicShapesError:
+    """The error for a file with dynamic axes that ``who`` cannot run at other sizes."""
+    return DynamicShapesError(
+        f"{who} fails on {what} ({type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}): the model's code needs the "
+        "example's size on an axis dynamic_shapes asks to be dynamic (a reshape to a fixed "
+        "size, a size checked against a constant), so the file is not written. what to do: "
+        "leave that axis static (dynamic_shapes without it), or change the model so it "
+        "takes other sizes there")
+
+
+def input_names(proto: Any) -> List[str]:
+    """The names of ``proto``'s graph inputs that are no initializers, in order."""
     return [i.name for i in _graph_inputs(proto)]
+
+
+_names = input_names
 
 
 def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
                     names: List[str], model: Optional[torch.nn.Module] = None,
-                    want: Optional[List[Any]] = None) -> Union[float, str]:
-    """Run ``proto`` on the example input with every op in its declared type
-    (``onnx.reference``) and compare it with the FP32 ``reference``: an output that differs
-    by more than :data:`TRUE_FP16_RTOL` of its scale (or is inf/NaN where FP32 is finite)
-    is a PlanOverflowError naming the first ONNX node that goes wrong, its fx node and the
-    fix (the rewritten ``model``'s own overflow, where PyTorch runs it, names its node and
-    range first). ``want``: the reference's outputs on ``inputs`` where the caller has them
-    (else it runs). Returns the largest relative error, or why the file was not checked
-    (the reference evaluator cannot run it: logged as a warning)."""
+                    want: Optional[List[Any]] = None,
+                    what: str = "the example input") -> Union[float, str]:
+    """Run ``proto`` on ``inputs`` (``what``: the example input by default) with every op
+    in its declared type (``onnx.reference``) and compare it with the FP32 ``reference``:
+    an output that differs by more than :data:`TRUE_FP16_RTOL` of its scale (or is inf/NaN
+    where FP32 is finite) is a PlanOverflowError naming the first ONNX node that goes
+    wrong, its fx node and the fix (the rewritten ``model``'s own overflow, where PyTorch
+    runs it, names its node and range first). ``want``: the reference's outputs on
+    ``inputs`` where the caller has them (else it runs). Returns the largest relative
+    error, or why the file was not checked (the reference evaluator cannot run it: logged
+    as a warning)."""
     leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
     try:
@@ -265,7 +300,7 @@ def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
         return worst
     overflow = find_overflow(model, inputs) if isinstance(model, fx.GraphModule) else None
     if overflow is not None:
-        raise overflow.error("the example input")
+        raise overflow.error(what)
     nonfinite = worst == float("inf")
     node = first_nonfinite_node(proto, feed) if nonfinite else \
         first_divergent_node(proto, feed, TRUE_FP16_RTOL)
@@ -274,12 +309,13 @@ def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
                    None) if node is not None else None
     where = f"ONNX node {label!r} ({node.op_type}" if node is not None else "a node ("
     where += f", fx node {fx_name!r})" if fx_name else ")"
+    case = what
     what = ("gives inf/NaN while its inputs are finite" if nonfinite else
             f"is the first to differ from its FP32 value by more than {TRUE_FP16_RTOL:g} of "
             f"its scale (the outputs differ by up to {worst:.3g} of theirs, tolerance "
             f"{TRUE_FP16_RTOL:g})")
     raise PlanOverflowError(
-        f"the exported file is wrong in true FP16 on the example input: {where} {what} "
+        f"the exported file is wrong in true FP16 on {case}: {where} {what} "
         "(onnx.reference computes every op in its declared type; onnxruntime's CPU provider "
         "runs FP16 nodes in FP32 and hides it). what to do: keep it in FP32 with the policy "
         f"override 'fp32:{fx_name or label}', give calibration_data that reaches these "
