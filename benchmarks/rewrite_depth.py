@@ -6,7 +6,13 @@ For each depth, interleaved in one process (medians over ``--repeat`` rounds, wa
 - ``flat``: ``amp_rewrite(model, (ids,), inplace=True)`` (one graph of the whole model,
   traced up front from the example) followed by its first call;
 - ``blocks``: ``amp_rewrite(model, inplace=True)`` with no example followed by its first
-  call, which plans the blocks (identical decoder layers share one plan) and runs.
+  call, which plans the blocks (identical decoder layers share one plan) and runs;
+- ``blocks+example``: ``amp_rewrite(model, (ids,), RewriteConfig.make(...,
+  partition="blocks"), inplace=True)``: the example is the first call, made in the rewrite
+  (no call after it: the rewrite is the first call);
+- ``blocks+cache``: as ``blocks``, with HF's default ``use_cache=True``: every decoder layer
+  takes the eager front end (the KV cache is an object its code appends to), and identical
+  ones share one eager plan.
 
 The rewrites' rows include one forward (the first call); ``forward`` is a plain FP32
 forward of the same model, for scale. bf16, target cpu. All depths run on the CPU: the
@@ -35,7 +41,7 @@ from _common import append_docs, table  # noqa: E402
 import fxamp  # noqa: E402
 
 
-def _llama(layers: int, device: str):
+def _llama(layers: int, device: str, cache: bool = False):
     import transformers
 
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
@@ -44,8 +50,14 @@ def _llama(layers: int, device: str):
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg)
-    model.config.use_cache = False
+    model.config.use_cache = cache
     return model.train()
+
+
+#: the rewrites measured, in the table's order
+_ROWS = ("flat", "blocks", "blocks+example", "blocks+cache")
+_HEADERS = (["layers", "forward s", "torch.export s"] + [f"{k} s" for k in _ROWS]
+            + [f"{k} / export" for k in _ROWS])
 
 
 def _timed(fn) -> float:
@@ -56,7 +68,9 @@ def _timed(fn) -> float:
 
 def measure(layers: int, device: str, repeat: int, meta_all: bool) -> dict:
     base = _llama(layers, device)
+    cached = _llama(layers, device, cache=True)
     ids = torch.randint(0, 256, (2, 16), device=device)
+    bf16 = fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu")
     run = {
         "forward": lambda m: m(ids),
         "torch.export": lambda m: torch.export.export(m, (ids,), strict=False),
@@ -65,13 +79,16 @@ def measure(layers: int, device: str, repeat: int, meta_all: bool) -> dict:
                                               config=fxamp.RewriteConfig.make(dtype=torch.bfloat16,
                                                                               target="cpu"),
                                               inplace=True)(ids),
+        "blocks+example": lambda m: fxamp.amp_rewrite(
+            m, (ids,), bf16.replace(partition="blocks"), inplace=True),
+        "blocks+cache": lambda m: fxamp.amp_rewrite(m, config=bf16, inplace=True)(ids),
     }
     if device == "meta" and not meta_all:
         run = {k: v for k, v in run.items() if k in ("forward", "blocks")}
     times = {k: [] for k in run}
     for _ in range(repeat):
         for name, fn in run.items():
-            model = copy.deepcopy(base)
+            model = copy.deepcopy(cached if name == "blocks+cache" else base)
             times[name].append(_timed(lambda: fn(model)))
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -94,21 +111,17 @@ def main(argv=None) -> int:
         found[depth] = got
         export = got.get("torch.export")
         rows.append([f"{depth} ({device})", f"{got['forward']:.2f}",
-                     f"{export:.2f}" if export else "-",
-                     f"{got['flat']:.2f}" if "flat" in got else "-",
-                     f"{got['blocks']:.2f}",
-                     f"{got['blocks'] / export:.2f}x" if export else "-",
-                     f"{got['flat'] / export:.2f}x" if export and "flat" in got else "-"])
-        print(table(["layers", "forward s", "torch.export s", "flat s", "blocks s",
-                     "blocks / export", "flat / export"], rows[-1:]), flush=True)
+                     f"{export:.2f}" if export else "-"]
+                    + [f"{got[k]:.2f}" if k in got else "-" for k in _ROWS]
+                    + [f"{got[k] / export:.2f}x" if export and k in got else "-"
+                       for k in _ROWS])
+        print(table(_HEADERS, rows[-1:]), flush=True)
     depths = sorted(found)
     notes = ""
     if 8 in found and 32 in found:
-        notes = (f"blocks at 32 layers / blocks at 8 layers: "
-                 f"{found[32]['blocks'] / found[8]['blocks']:.2f}x; flat: "
-                 f"{found[32]['flat'] / found[8]['flat']:.2f}x")
-    body = table(["layers", "forward s", "torch.export s", "flat s", "blocks s",
-                  "blocks / export", "flat / export"], rows)
+        notes = "32 layers / 8 layers: " + "; ".join(
+            f"{k} {found[32][k] / found[8][k]:.2f}x" for k in _ROWS if k in found[8])
+    body = table(_HEADERS, rows)
     print(body)
     if notes:
         print(notes)

@@ -39,6 +39,10 @@ Calibration = Union[None, Iterable[Any], Plan, Dict[str, RangeStats]]
 Rules = Union[None, DecisionRule, Iterable[DecisionRule]]
 
 
+#: the partitions ``RewriteConfig.partition`` names (besides a function)
+PARTITIONS = ("auto", "blocks", "flat")
+
+
 @dataclass(frozen=True)
 class RewriteConfig:
     """How to rewrite: the policy, the front end, the example keyword arguments, the
@@ -67,6 +71,16 @@ class RewriteConfig:
             rewrite without example inputs keeps it until its first call; every other
             rewrite resolves it at once (``for_model``), and the config a rewrite stores
             never has it.
+        partition: which modules an in-place rewrite plans as regions of their own, each a
+            module that keeps its place in the model's tree (its hooks, FSDP2's
+            ``fully_shard`` per layer, a per-layer ``compile()`` keep working), with the
+            model's own forward around them under ``torch.autocast``: ``"auto"`` (the
+            default: the blocks, repeated children or ``_no_split_modules``, without
+            example inputs; one graph of the whole model with them), ``"blocks"`` (the
+            blocks with example inputs too: the example is then the first call, planned
+            now), ``"flat"`` (one graph of the whole model, also without example inputs),
+            or a function ``(path, module) -> bool`` picking the regions (the outermost
+            modules it picks, as torchao's ``module_filter_fn``).
 
     Raises:
         FxampError: an unknown front end.
@@ -81,11 +95,15 @@ class RewriteConfig:
     dynamic_shapes: Any = field(default=None, compare=False)
     rules: Tuple[DecisionRule, ...] = ()
     follow_device: bool = False
+    partition: Any = "auto"
 
     def __post_init__(self) -> None:
         if self.frontend not in FRONTENDS:
             raise FxampError(f"unknown frontend {self.frontend!r}; valid: "
                              f"{', '.join(FRONTENDS)}")
+        if self.partition not in PARTITIONS and not callable(self.partition):
+            raise FxampError(f"unknown partition {self.partition!r}; valid: "
+                             f"{', '.join(PARTITIONS)}, or a function (path, module) -> bool")
         check_calibration(self.calibration)
         rules = checked_rules(self.rules)
         names = tuple(str(rule.name) for rule in rules)
@@ -106,7 +124,8 @@ class RewriteConfig:
              target: Optional[str] = None, frontend: str = "auto",
              example_kwargs: Optional[Dict[str, Any]] = None,
              calibration_data: Calibration = None,
-             dynamic_shapes: Any = None, rules: Rules = None) -> "RewriteConfig":
+             dynamic_shapes: Any = None, rules: Rules = None,
+             partition: Any = "auto") -> "RewriteConfig":
         """A config from keywords: ``RewriteConfig.make(dtype=torch.bfloat16,
         target="cpu")``, ``RewriteConfig.make(policy="cpu-bf16")`` (a recipe,
         ``fxamp.policy.RECIPES``); ``amp_rewrite(model, inputs, "cpu-bf16")`` is the same.
@@ -122,6 +141,8 @@ class RewriteConfig:
             calibration_data: an iterable of input tuples, a ``Plan`` or ranges.
             dynamic_shapes: torch.export's ``dynamic_shapes``.
             rules: the user's decision rules (``fxamp.DecisionRule`` objects).
+            partition: ``"auto"``, ``"blocks"``, ``"flat"`` or a function ``(path,
+                module) -> bool`` (see the class docstring).
 
         Returns:
             The config.
@@ -134,7 +155,7 @@ class RewriteConfig:
         follow = target is None and not names_target(policy)
         return cls(_policy(policy, dtype, target or "cuda"), frontend,
                    dict(example_kwargs) if example_kwargs else None, calibration_data,
-                   dynamic_shapes, rules, follow)  # (checked in __post_init__)
+                   dynamic_shapes, rules, follow, partition)  # (checked in __post_init__)
 
     def for_model(self, model: nn.Module, inputs: Any = None) -> "RewriteConfig":
         """This config with its target resolved: when it follows the device, the policy's

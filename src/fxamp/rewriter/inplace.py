@@ -66,7 +66,8 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
         "calling them, so their hooks never run. what to do: for FSDP2 per layer, rewrite "
         "in place without example inputs (amp_rewrite(model, config=..., "
         "inplace=True): each layer stays a module called as one, planned on its first "
-        "call), then fully_shard each layer and the root; or keep the example and "
+        "call), or with them and RewriteConfig.make(..., partition='blocks') (planned on "
+        "the example now), then fully_shard each layer and the root; or keep one graph and "
         "fully_shard(model) on the root alone (one FSDP2 group)")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -102,8 +102,9 @@ def check_model(model: Any, sharded_ok: bool = False) -> None:
             "by FSDP2's fully_shard: its parameters are DTensors gathered by module hooks "
             "that a rewritten graph does not call. what to do: rewrite first, in place, "
             "then shard: amp_rewrite(model, config=..., inplace=True) (no "
-            "example: each layer stays a module), then fully_shard each layer and the root; "
-            "or, with example inputs, fully_shard(model) on the root alone")
+            "example, or an example and partition='blocks': each layer stays a module), "
+            "then fully_shard each layer and the root; or, one graph with example inputs, "
+            "fully_shard(model) on the root alone")
     check_parameter_dtypes(model)  # (names FSDP2's MixedPrecisionPolicy where it is why)
 
 
@@ -306,17 +307,29 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
             f"this model was already rewritten by fxamp with policy "
             f"{result_of(model).policy}; asked for {pol}. what to do: rewrite the "
             "original FP32 model instead")
-    if example_inputs is None and not example_kwargs:
-        if inplace:  # planned on its first call, from that call's arguments
-            if config.calibration is not None and not isinstance(config.calibration,
-                                                                 (Plan, dict)):
-                raise FxampError("calibration_data needs example_inputs too (the batches "
-                                 "are checked against the example's structure); what to "
-                                 "do: pass example_inputs, or calibrate from a Plan's ranges")
-            paths = block_paths(model)
-            if paths:  # (the module tree stays: each block planned on its first call)
-                return install_blocks(model, paths, _plan_call, config)
-            return install(model, None, _plan_call, config)
+    example = example_inputs is not None or bool(example_kwargs)
+    if not inplace and config.partition not in ("auto", "flat"):
+        raise FxampError(
+            f"partition={config.partition!r} keeps the model's module tree, each region a "
+            f"module of {type(model).__name__} planned in place, so it needs inplace=True; "
+            "what to do: amp_rewrite(model, ..., inplace=True) (on copy.deepcopy(model) to "
+            "keep the FP32 model), or leave partition out for one returned graph")
+    if inplace and (not example or config.partition not in ("auto", "flat")):
+        if config.calibration is not None and not isinstance(config.calibration, (Plan, dict)):
+            raise FxampError("calibration_data needs a rewrite of the whole model with "
+                             "example_inputs (the batches are checked against the "
+                             "example's structure); what to do: pass example_inputs (and "
+                             "partition='auto'), or calibrate from a Plan's ranges")
+        paths = regions(model, config.partition)
+        if paths:  # (the module tree stays: each block planned on its first call)
+            install_blocks(model, paths, _plan_call, config)
+        else:
+            install(model, None, _plan_call, config)
+        if example:  # (the example is the first call, made now)
+            first_call(model, () if example_inputs is None else as_tuple(example_inputs),
+                       dict(example_kwargs or {}))
+        return model
+    if not example:
         raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
                          "arguments) to know which values are floating tensors; what to do: "
                          "pass e.g. (torch.randn(1, 3, 224, 224),), or rewrite with "
@@ -331,6 +344,52 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
         set_result(gm, result_of(gm).replace(other_mode=OtherMode(model, resolved,
                                                                   _plan_mode)))
     return gm
+
+
+def regions(model: nn.Module, partition: Any) -> List[str]:
+    """The paths of the modules an in-place rewrite plans on their own (``partition``, see
+    ``RewriteConfig``): the blocks, none (``"flat"``: the whole model is one), or the
+    outermost modules a function picks.
+
+    Args:
+        model: the model rewritten.
+        partition: ``"auto"``, ``"blocks"``, ``"flat"`` or ``(path, module) -> bool``.
+    """
+    if partition == "flat":
+        return []
+    if not callable(partition):
+        return block_paths(model)
+    picked: List[str] = []
+    for path, module in model.named_modules():
+        if path and not any(path.startswith(p + ".") for p in picked) and partition(
+                path, module):
+            picked.append(path)
+    return picked
+
+
+def first_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+    """Plan an in-place model now, on its example: the example is its first call, made as
+    a call of the user's would be (in the model's mode, with grad), so the plan is the
+    one the lazy first call on the same batch would make, text for text. The call changes
+    nothing: the RNG states are put back, the buffers' values too (a BatchNorm's
+    statistics), the Python objects in the arguments are copies (``isolated``) and the
+    output is dropped. A failure is the model's or the plan's, raised as on a first call.
+
+    Args:
+        model: the in-place rewritten model, planned on its calls.
+        args: the example's positional arguments.
+        kwargs: the example's keyword arguments.
+    """
+    args, kwargs = isolated((args, kwargs))
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            model(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
 
 
 def _plan_mode(model: nn.Module, mode: bool, args: tuple, kwargs: Dict[str, Any],

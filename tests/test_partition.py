@@ -1,0 +1,142 @@
+"""``RewriteConfig.partition``: which modules an in-place rewrite plans as regions of their
+own, each kept in the model's module tree. With ``partition="blocks"`` example inputs are
+only an early first call: the plan is made now, on the example, and equals the plan the lazy
+first call makes on the same batch; the layers stay modules, so a hook added later fires and
+per-layer ``compile()`` runs the compiled layers (FSDP2 per layer: test_blocks_fsdp2.py)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from fxamp.errors import FxampError
+
+BF16 = torch.bfloat16
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _llama(layers: int = 2):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def _config(partition="auto"):
+    return fxamp.RewriteConfig.make(dtype=BF16, target="cpu", partition=partition)
+
+
+def _step(model, autocast: bool):
+    with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+        out = model(input_ids=IDS, labels=IDS)
+    out.loss.backward()
+    return out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def test_an_example_with_partition_blocks_plans_now_the_plan_the_first_call_makes():
+    ref = _llama()
+    ahead, lazy = copy.deepcopy(ref), copy.deepcopy(ref)
+    fxamp.amp_rewrite(ahead, (IDS,), _config("blocks"), inplace=True)
+    plan = fxamp.plan_of(ahead)  # (planned: no call of the user's yet)
+    assert plan.header["frontend"] == "blocks"
+    fxamp.amp_rewrite(lazy, config=_config(), inplace=True)
+    lazy(IDS)
+    assert plan.to_text() == fxamp.plan_of(lazy).to_text()
+    assert [type(layer) for layer in ahead.model.layers] == [
+        transformers.models.llama.modeling_llama.LlamaDecoderLayer] * 2
+    loss, grads = _step(ahead, False)
+    ref_loss, ref_grads = _step(ref, True)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+
+
+def test_the_example_call_changes_no_statistics_and_no_random_state():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.bn = nn.BatchNorm1d(8)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.bn(self.fc(x))) + x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), nn.Linear(8, 2)).train()
+    before = [b.clone() for b in model.buffers()]
+    x = torch.randn(4, 8)
+    rng = torch.random.get_rng_state()
+    fxamp.amp_rewrite(model, (x,), _config("blocks"), inplace=True)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+    assert fxamp.plan_of(model).header["frontend"] == "blocks"
+
+
+def test_with_an_example_a_hook_added_later_fires_and_per_layer_compile_runs():
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, (IDS,), _config("blocks"), inplace=True)
+    fired, compiled = [], []
+    model.model.layers[1].register_forward_hook(lambda *a: fired.append(1))
+
+    def backend(gm, example_inputs):
+        compiled.append(len(gm.graph.nodes))
+        return gm.forward
+
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    torch._dynamo.reset()
+    loss, _ = _step(model, False)
+    assert fired == [1]
+    assert compiled, "the compiled layers never ran"
+    ref_loss, _ = _step(ref, True)
+    assert torch.equal(loss, ref_loss)
+
+
+def test_partition_flat_without_example_plans_the_whole_model_on_its_first_call():
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config("flat"), inplace=True)
+    loss, _ = _step(model, False)
+    assert fxamp.plan_of(model).header["frontend"] != "blocks"
+    assert torch.equal(loss, _step(ref, True)[0])
+
+
+def test_a_partition_function_picks_the_regions():
+    ref = _llama()
+    model = copy.deepcopy(ref)
+    picked = []
+
+    def mlps(path, module):
+        picked.append(path)
+        return path.endswith(".mlp")
+
+    fxamp.amp_rewrite(model, (IDS,), _config(mlps), inplace=True)
+    plan = fxamp.plan_of(model)
+    assert plan.header["frontend"] == "blocks"
+    assert {name.split("/")[0] for name in plan.nodes} >= {"model.layers.0.mlp",
+                                                           "model.layers.1.mlp"}
+    assert not any(p.startswith("model.layers.0.mlp.") for p in picked)  # (outermost only)
+    loss, grads = _step(model, False)
+    ref_loss, ref_grads = _step(ref, True)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+
+
+def test_partition_blocks_on_a_returned_module_is_refused_with_what_to_do():
+    with pytest.raises(FxampError, match="needs inplace=True.*copy.deepcopy"):
+        fxamp.amp_rewrite(_llama(), (IDS,), _config("blocks"))
+
+
+def test_an_unknown_partition_is_refused_naming_the_valid_ones():
+    with pytest.raises(FxampError, match="unknown partition 'layers'.*auto, blocks, flat"):
+        _config("layers")
