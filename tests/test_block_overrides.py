@@ -68,3 +68,24 @@ def test_an_override_of_the_glue_is_refused_up_front_and_the_advice_works():
     model(IDS)
     heads = [v for v in _lines(model).values() if v[0] == "lm_head"]
     assert heads and all(dtype == torch.float32 for _, dtype in heads)
+
+
+@pytest.mark.parametrize("example", [False, True])
+def test_with_partition_blocks_an_override_of_the_glue_changes_exactly_its_lines(example):
+    """The advice's other half: with ``partition="blocks"`` the glue's modules (embeddings,
+    final norm, head) are regions with plan lines, so ``fp32:lm_head`` changes exactly the
+    head's lines, with or without example inputs (planned then on the example)."""
+    plain, model = _llama(), _llama()
+    ex = (IDS,) if example else None
+    fxamp.amp_rewrite(plain, ex, fxamp.RewriteConfig.make(
+        policy="compute=bf16,target=cpu", partition="blocks"), inplace=True)
+    fxamp.amp_rewrite(model, ex, fxamp.RewriteConfig.make(
+        policy="compute=bf16,target=cpu,fp32:lm_head", partition="blocks"), inplace=True)
+    if not example:
+        plain(IDS), model(IDS)
+    before, after = _lines(plain), _lines(model)
+    assert set(before) == set(after)
+    changed = {n for n in after if after[n] != before[n]}
+    assert changed and all(after[n][0] == "lm_head" for n in changed)
+    assert all(after[n][1] == torch.float32 for n in changed)
+    assert any(before[n][1] == torch.bfloat16 for n in changed)  # (the head's linear)

@@ -36,6 +36,7 @@ def _config(partition="auto"):
 
 
 def _step(model, autocast: bool):
+    torch.manual_seed(2)  # (GPT-2's dropout)
     with torch.autocast("cpu", dtype=BF16, enabled=autocast):
         out = model(input_ids=IDS, labels=IDS)
     out.loss.backward()
@@ -48,7 +49,7 @@ def test_an_example_with_partition_blocks_plans_now_the_plan_the_first_call_make
     fxamp.amp_rewrite(ahead, (IDS,), _config("blocks"), inplace=True)
     plan = fxamp.plan_of(ahead)  # (planned: no call of the user's yet)
     assert plan.header["frontend"] == "blocks"
-    fxamp.amp_rewrite(lazy, config=_config(), inplace=True)
+    fxamp.amp_rewrite(lazy, config=_config("blocks"), inplace=True)
     lazy(IDS)
     assert plan.to_text() == fxamp.plan_of(lazy).to_text()
     assert [type(layer) for layer in ahead.model.layers] == [
@@ -140,3 +141,35 @@ def test_partition_blocks_on_a_returned_module_is_refused_with_what_to_do():
 def test_an_unknown_partition_is_refused_naming_the_valid_ones():
     with pytest.raises(FxampError, match="unknown partition 'layers'.*auto, blocks, flat"):
         _config("layers")
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0,
+                                  use_cache=False)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("make, glue", [
+    (_llama, ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"]),
+    (_gpt2, ["transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"])])
+def test_partition_blocks_plans_the_glues_modules_and_trains_like_autocast(make, glue):
+    """The glue's modules (embeddings, final norm, head: a tied one too) are regions with
+    plan lines; the code between them runs under autocast; 2 steps equal autocast's."""
+    ref = make()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, (IDS,), _config("blocks"), inplace=True)
+    plan = fxamp.plan_of(model)
+    regions = [name for name in plan.nodes if "/" not in name]
+    assert all(path in regions for path in glue), regions
+    assert {plan.nodes[name].module for name in plan.nodes if name.startswith("lm_head/")} \
+        == {"lm_head"}
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for _ in range(2):
+        loss, grads = _step(model, False)
+        ref_loss, ref_grads = _step(ref, True)
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()

@@ -77,8 +77,9 @@ class RewriteConfig:
             model's own forward around them under ``torch.autocast``: ``"auto"`` (the
             default: the blocks, repeated children or ``_no_split_modules``, without
             example inputs; one graph of the whole model with them), ``"blocks"`` (the
-            blocks with example inputs too: the example is then the first call, planned
-            now), ``"flat"`` (one graph of the whole model, also without example inputs),
+            blocks and the glue's modules, its embeddings, final norm and head, each with
+            plan lines; with example inputs too: the example is then the first call,
+            planned now), ``"flat"`` (one graph of the whole model, also without example inputs),
             or a function ``(path, module) -> bool`` picking the regions (the outermost
             modules it picks, as torchao's ``module_filter_fn``).
 

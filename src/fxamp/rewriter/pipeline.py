@@ -348,7 +348,8 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
 
 def regions(model: nn.Module, partition: Any) -> List[str]:
     """The paths of the modules an in-place rewrite plans on their own (``partition``, see
-    ``RewriteConfig``): the blocks, none (``"flat"``: the whole model is one), or the
+    ``RewriteConfig``): the blocks (``"auto"``), the blocks and the glue's modules
+    (``"blocks"``: :func:`glue_parts`), none (``"flat"``: the whole model is one), or the
     outermost modules a function picks.
 
     Args:
@@ -358,13 +359,46 @@ def regions(model: nn.Module, partition: Any) -> List[str]:
     if partition == "flat":
         return []
     if not callable(partition):
-        return block_paths(model)
+        paths = block_paths(model)
+        if not paths or partition != "blocks":
+            return paths
+        order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+        return sorted(paths + glue_parts(model, paths), key=order.__getitem__)
     picked: List[str] = []
     for path, module in model.named_modules():
         if path and not any(path.startswith(p + ".") for p in picked) and partition(
                 path, module):
             picked.append(path)
     return picked
+
+
+def glue_parts(model: nn.Module, blocks: List[str]) -> List[str]:
+    """The glue's modules: the outermost modules of ``model`` outside its ``blocks`` and
+    holding none, that hold Parameters or buffers (an embedding, a final norm, a head,
+    rotary tables); containers without a forward of their own are looked into. Planned as
+    regions of their own, they get plan lines, the numerics rules and overrides, while the
+    model's own code between them (masks, reshapes, a loss) runs under ``torch.autocast``.
+
+    Args:
+        model: the model.
+        blocks: its blocks' paths.
+    """
+    found: List[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if path in blocks:
+                continue
+            if any(b.startswith(path + ".") for b in blocks) or \
+                    type(child).forward is nn.Module.forward:
+                walk(child, f"{path}.")
+            elif next(child.parameters(), None) is not None or \
+                    next(child.buffers(), None) is not None:
+                found.append(path)
+
+    walk(model, "")
+    return found
 
 
 def first_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
