@@ -282,3 +282,46 @@ def test_lora_on_llama_q_k_v_o_trains_like_peft_under_autocast():
     for (loss, grads), (ref_loss, ref_grads) in zip(*runs):
         assert loss == ref_loss and grads.keys() == ref_grads.keys() and len(grads) == 16
         assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+@pytest.mark.parametrize("order", ["lora, then the one line", "the one line, then lora"])
+def test_all_linear_lora_planned_on_first_call_trains_like_peft_under_autocast(order):
+    """``target_modules="all-linear"`` LoRA on a Llama in block mode, applied before or
+    after ``amp_rewrite(..., inplace=True)``: PEFT casts a bf16 activation up to the adapter
+    weight's FP32 before ``lora_A`` (``_cast_input_dtype``), a node only the autocast trace
+    has, so the two traces did not align and the block kept the FP32 trace's
+    ``result.to(torch.float32)``: the MLP's SiLU ran in FP32 where autocast runs bf16 (loss
+    off by 2e-4). That cast feeds only a Linear, which autocast casts to bf16 anyway, so
+    the alignment passes over it; 3 AdamW steps equal autocast's, every gradient too."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0,
+                             init_lora_weights=False)
+    base = _llama()
+    ref = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
+    cfg = fxamp.RewriteConfig.make(dtype=BF16, target="cpu")
+    if order.startswith("lora"):
+        model = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
+        model.load_state_dict(ref.state_dict())
+        fxamp.amp_rewrite(model, config=cfg, inplace=True)
+    else:
+        inner = copy.deepcopy(base)
+        fxamp.amp_rewrite(inner, config=cfg, inplace=True)
+        model = peft.get_peft_model(inner, copy.deepcopy(config))
+        model.load_state_dict(ref.state_dict())
+    ids = _ids()
+    runs = []
+    for m, autocast in ((model, False), (ref, True)):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        steps = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = _loss(m, autocast, input_ids=ids, labels=ids)
+            loss.backward()
+            steps.append((loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                        if p.requires_grad}))
+            opt.step()
+        runs.append(steps)
+    for (loss, grads), (ref_loss, ref_grads) in zip(*runs):
+        assert loss == ref_loss and grads.keys() == ref_grads.keys()
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), [
+            n for n in grads if not torch.equal(grads[n], ref_grads[n])]

@@ -51,6 +51,14 @@ _TO = tuple(getattr(torch.ops.aten.to, name) for name in ("dtype", "dtype_layout
                                                           "other")
             if hasattr(torch.ops.aten.to, name))
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: ops ``torch.autocast`` casts to the low dtype on every device (its matmuls and
+#: convolutions): an FP32 input and the same values in the low dtype give them one result
+_LOWERED = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "conv1d", "conv2d", "conv3d")
+    if hasattr(torch.ops.aten, name))
+#: the metadata assertion a non-strict export records before a ``to``
+_ASSERT_METADATA = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
+_ASSERT_METADATA = _ASSERT_METADATA.default if _ASSERT_METADATA is not None else None
 #: the constants ``torch.finfo(x.dtype)`` gives for an FP32 ``x``
 _FP32_CONSTANTS = frozenset(float(getattr(torch.finfo(torch.float32), name))
                             for name in ("min", "max", "eps", "tiny"))
@@ -133,6 +141,35 @@ class RunTimeReads(Alignment):
             self.rewires.append((self._user, a, source))
             return True
         return False
+
+    def skip(self, others: List[fx.Node], j: int) -> int:
+        """Past the casts to FP32 that only the autocast trace has (in FP32 they are no-ops
+        the trace leaves out: PEFT's ``x.to(lora_A.weight.dtype)`` of a bf16 activation),
+        each with its metadata assertion, where every use of the cast is an op autocast
+        casts to the low dtype anyway (a Linear): there the cast changes no value, so the
+        FP32 graph, which reads the tensor itself, computes what autocast computes. Each
+        stands for its input."""
+        k = j
+        while k < len(others):
+            node = others[k]
+            if node.op == "call_function" and node.target is _ASSERT_METADATA \
+                    and k + 1 < len(others) and self._lowered_upcast(others[k + 1]):
+                k += 1
+                continue
+            if not self._lowered_upcast(node):
+                break
+            self.match[node] = self.match[node.args[0]]
+            k += 1
+        return k
+
+    def _lowered_upcast(self, node: fx.Node) -> bool:
+        """Whether ``node`` (of the autocast trace) casts a matched tensor to FP32 for uses
+        that autocast all casts to the low dtype."""
+        return (node.op == "call_function" and node.target in _TO
+                and isinstance(node.args[0], fx.Node) and node.args[0] in self.match
+                and torch.float32 in (*node.args[1:], *node.kwargs.values())
+                and bool(node.users)
+                and all(u.op == "call_function" and u.target in _LOWERED for u in node.users))
 
     def change(self, a: fx.Node, b: fx.Node, index: int, va: Any, vb: Any) -> Optional[Any]:
         if (va in _FLOATS and vb in _FLOATS) or (type(va) is float and type(vb) is float):

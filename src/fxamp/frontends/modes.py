@@ -159,6 +159,17 @@ class Alignment:
         self.match[b] = a
         return True
 
+    def skip(self, others: List[fx.Node], j: int) -> int:
+        """The index past nodes at ``others[j:]`` (the other graph's) that this graph may
+        lack, each matched with what it stands for; ``j`` when there are none (here: never:
+        the two modes' graphs have the same nodes).
+
+        Args:
+            others: the other graph's nodes, in order.
+            j: the first one not matched yet.
+        """
+        return j
+
     def change(self, a: fx.Node, b: fx.Node, index: int, va: Any, vb: Any) -> Optional[Any]:
         """The record of argument ``index`` differing, ``va`` in ``a`` (train graph) and
         ``vb`` in ``b`` (eval graph), where such a difference may be followed; None where
@@ -301,6 +312,8 @@ def align(train: fx.Graph, eval_: fx.Graph, roots: Tuple[nn.Module, nn.Module],
             aligned.alias[node] = node.args[0]
         else:
             past = _skip_static_aliases(aligned, others, j)
+            if past == j:
+                past = aligned.skip(others, j)
             if past == j or not aligned.compare(node, others[past], roots):
                 return None
             j = past + 1
