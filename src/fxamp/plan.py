@@ -2,17 +2,24 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .errors import PlanFormatError
+from .errors import NotPlannedError, PlanFormatError
 from .plan_text import (COLUMNS, FORMAT, FORMAT_V1, REGENERATE_ADVICE, escape_text,  # noqa: F401
                         quote_rest, parse, quote_token)
 from .plan_records import NodePrecision, RangeStats  # noqa: F401 - re-exported
 from .policy import dtype_name
+
+#: the header key that marks a skeleton: ``planned: no`` (absent in a plan made by planning)
+PLANNED_KEY = "planned"
+#: its value in a skeleton
+NOT_PLANNED = "no"
 
 
 @dataclass
@@ -46,6 +53,13 @@ class Plan:
     def policy(self) -> str:
         """The policy string the plan was made with."""
         return self.header.get("policy", "")
+
+    @property
+    def planned(self) -> bool:
+        """False for a skeleton: the plan of a model in block mode before its first call
+        (header ``planned: no``), which lists the blocks and the policy but no decision;
+        True for any plan made by planning."""
+        return self.header.get(PLANNED_KEY) != NOT_PLANNED
 
     @property
     def truncation_checked(self) -> bool:
@@ -153,19 +167,188 @@ class _Change:
     name: str
     old: Optional[NodePrecision]
     new: Optional[NodePrecision]
+    #: a change made alike in several blocks of a block-mode plan: their paths (``name``
+    #: then spells them ``model.layers.{0..31}/linear_6``), and how many blocks their
+    #: container holds; empty for a change of one line
+    blocks: Tuple[str, ...] = ()
+    total: int = 0
+
+    @property
+    def weight(self) -> int:
+        """How many plan lines the change stands for."""
+        return len(self.blocks) or 1
+
+    @property
+    def scope(self) -> str:
+        """``[all 32 blocks]`` / ``[2 of 32 blocks]`` for a grouped change, else ``""``."""
+        if not self.blocks:
+            return ""
+        n = len(self.blocks)
+        return f"[all {n} blocks]" if n == self.total else f"[{n} of {self.total} blocks]"
+
+
+def skeleton_refusal(which: str) -> NotPlannedError:
+    """The error for a skeleton (:attr:`Plan.planned` False) given where a real plan is
+    needed.
+
+    Args:
+        which: the plan's name in the message (``the first plan``, a file's path).
+    """
+    return NotPlannedError(
+        f"{which} is a skeleton (its header says '{PLANNED_KEY}: {NOT_PLANNED}'): the plan of "
+        "a model in block mode before its first call, which lists the blocks and the policy "
+        "but no block's decisions, so there is nothing to compare. what to do: call the "
+        "model once (a forward on a real batch) and take fxamp.plan_of(model) again (save "
+        "that one in place of the skeleton's file)")
 
 
 def _changes(a: Plan, b: Plan) -> Tuple[List[Tuple[str, str, str]], List[_Change]]:
+    blocks = _is_blocks(a) and _is_blocks(b)
     headers = []
     for key in dict.fromkeys(list(a.header) + list(b.header)):
         va, vb = a.header.get(key, "-"), b.header.get(key, "-")
-        if key not in _VERSION_KEYS and va != vb:
+        # (block mode: which blocks list their own lines is in the lines compared below)
+        if key not in _VERSION_KEYS and va != vb and not (blocks and key == "nested"):
             headers.append((key, va, vb))
-    changes = [_Change("-" if name not in b.nodes else "~", name, pa, b.nodes.get(name))
-               for name, pa in a.nodes.items() if b.nodes.get(name) != pa]
-    changes += [_Change("+", name, None, pb) for name, pb in b.nodes.items()
-                if name not in a.nodes]
-    return headers, changes
+    if blocks:
+        return headers, _block_changes(a, b)
+    return headers, _line_changes(a.nodes, b.nodes)
+
+
+def _line_changes(a: Dict[str, NodePrecision], b: Dict[str, NodePrecision]) -> List[_Change]:
+    """The lines of ``a`` changed or removed in ``b``, then those ``b`` adds, by name."""
+    changes = [_Change("-" if name not in b else "~", name, pa, b.get(name))
+               for name, pa in a.items() if b.get(name) != pa]
+    changes += [_Change("+", name, None, pb) for name, pb in b.items() if name not in a]
+    return changes
+
+
+# -- block-mode plans (frontend "blocks", rewriter/blocks.py): one line per block, the lines
+# of each distinct block plan once under the first block that has it ("P/node"), the other
+# blocks' lines naming it. A diff compares each block's lines (its own or the ones it
+# shares), relative to the block, and lists a change made alike in several blocks once.
+
+#: a block line's reason when the block computes with another block's plan (written by
+#: ``BlocksRoot.compose``): the group is that block's path
+_SAME_PLAN = re.compile(r"the same plan as (\S+) \(its lines \1/\*\)")
+
+
+def _is_blocks(plan: Plan) -> bool:
+    return plan.header.get("frontend") == "blocks"
+
+
+def _relative(p: NodePrecision, block: str, to: str = "") -> NodePrecision:
+    """``p`` (a line of ``block``'s plan) with ``block``'s path in its module and reason
+    made ``to`` (``""``: relative to the block)."""
+    module = p.module
+    if module == block:
+        module = to
+    elif module.startswith(block + "."):
+        module = f"{to}.{module[len(block) + 1:]}" if to else module[len(block) + 1:]
+    reason = p.reason.replace(f"{block}/", f"{to}/" if to else "").replace(
+        f"{block}.", f"{to}." if to else "")
+    return dataclasses.replace(p, module=module, reason=reason)
+
+
+class _Blocks:
+    """A block-mode plan read block by block: each block's lines, relative to it."""
+
+    def __init__(self, plan: Plan) -> None:
+        nodes = plan.nodes
+        self.paths = [name for name, p in nodes.items() if "/" not in name and p.rule == "nested"]
+        known = set(self.paths)
+        own: Dict[str, List[str]] = {}
+        self.rest: Dict[str, NodePrecision] = {}
+        for name, p in nodes.items():
+            head = name.split("/", 1)[0]
+            if head in known and "/" in name:
+                own.setdefault(head, []).append(name)
+            elif name not in known:
+                self.rest[name] = p
+        #: block -> the block whose lines it computes with (None: not planned yet)
+        self.source: Dict[str, Optional[str]] = {}
+        for path in self.paths:
+            same = _SAME_PLAN.search(nodes[path].reason)
+            self.source[path] = (path if path in own else same.group(1)
+                                 if same and same.group(1) in own else None)
+        self.relative = {path: {name[len(path) + 1:]: _relative(nodes[name], path)
+                                for name in names} for path, names in own.items()}
+        self.nodes = nodes
+
+    def lines(self, path: str) -> Dict[str, NodePrecision]:
+        """``path``'s lines by their name relative to it (``{}``: not planned, or not in
+        the plan), with module paths and reasons relative to it."""
+        source = self.source.get(path)
+        return self.relative.get(source, {}) if source else {}
+
+    def shown(self, path: str, rel: str) -> NodePrecision:
+        """The line ``rel`` of block ``path`` as its own plan would spell it (``rel`` ""
+        is the block's line)."""
+        if not rel:
+            return self.nodes[path]
+        source = self.source[path]
+        assert source is not None
+        line = self.nodes[f"{source}/{rel}"]
+        return line if source == path else _relative(line, source, path)
+
+
+def _spelled(container: str, paths: Sequence[str]) -> str:
+    """``model.layers.{0..31}`` for the paths ``model.layers.0`` ... ``model.layers.31``:
+    numeric names in runs (``{0..3,7}``), others listed."""
+    names = [path.rpartition(".")[2] for path in paths]
+    if all(n.isdigit() for n in names):
+        numbers = sorted(set(int(n) for n in names))
+        runs: List[List[int]] = []
+        for n in numbers:
+            if runs and n == runs[-1][-1] + 1:
+                runs[-1].append(n)
+            else:
+                runs.append([n])
+        parts = [f"{r[0]}..{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs]
+        spec = ",".join(parts)
+    else:
+        spec = ",".join(names)
+    return f"{container}.{{{spec}}}" if container else f"{{{spec}}}"
+
+
+def _block_changes(a: Plan, b: Plan) -> List[_Change]:
+    """The changes between two block-mode plans: the other lines by name, then each block's
+    lines compared relative to the block, a change made alike in several blocks of one
+    container (same relative line, same before and after) once, naming them."""
+    va, vb = _Blocks(a), _Blocks(b)
+    changes = _line_changes(va.rest, vb.rest)
+    order = list(dict.fromkeys(va.paths + vb.paths))
+    totals = collections.Counter(path.rpartition(".")[0] for path in order)
+    found: Dict[tuple, List[str]] = {}  # (rel, kind, old, new, container) -> blocks
+
+    def add(path: str, rel: str, old: Optional[NodePrecision],
+            new: Optional[NodePrecision]) -> None:
+        kind = "-" if new is None else "+" if old is None else "~"
+        found.setdefault((rel, kind, old, new, path.rpartition(".")[0]), []).append(path)
+
+    for path in order:
+        pa, pb = a.nodes.get(path), b.nodes.get(path)
+        # (the block's own line: when it is planned in both, what changed is in its lines)
+        if pa != pb and not (va.source.get(path) and vb.source.get(path)):
+            add(path, "", pa and _relative(pa, path), pb and _relative(pb, path))
+        la, lb = va.lines(path), vb.lines(path)
+        for rel, old in la.items():
+            if lb.get(rel) != old:
+                add(path, rel, old, lb.get(rel))
+        for rel, new in lb.items():
+            if rel not in la:
+                add(path, rel, None, new)
+    for (rel, kind, old, new, container), paths in found.items():
+        if len(paths) == 1:
+            path = paths[0]
+            changes.append(_Change(kind, f"{path}/{rel}" if rel else path,
+                                   va.shown(path, rel) if old else None,
+                                   vb.shown(path, rel) if new else None))
+            continue
+        name = _spelled(container, paths)
+        changes.append(_Change(kind, f"{name}/{rel}" if rel else name, old, new,
+                               tuple(paths), totals[container]))
+    return changes
 
 
 @dataclass
@@ -194,11 +377,14 @@ def _range_line(c: _RangeChange) -> str:
 
 
 def _summary(changes: List[_Change], ranges: Sequence[_RangeChange] = ()) -> str:
-    moves: collections.Counter = collections.Counter(
-        (dtype_name(c.old.dtype).upper(), dtype_name(c.new.dtype).upper())
-        for c in changes if c.kind == "~" and c.old.dtype != c.new.dtype)  # type: ignore[union-attr]
+    moves: collections.Counter = collections.Counter()
+    kinds: collections.Counter = collections.Counter()
+    for c in changes:
+        kinds[c.kind] += c.weight
+        if c.kind == "~" and c.old.dtype != c.new.dtype:  # type: ignore[union-attr]
+            moves[(dtype_name(c.old.dtype).upper(),  # type: ignore[union-attr]
+                   dtype_name(c.new.dtype).upper())] += c.weight  # type: ignore[union-attr]
     n_moves = sum(moves.values())
-    kinds = collections.Counter(c.kind for c in changes)
     summary = f"{n_moves} node{'s' if n_moves != 1 else ''} changed precision"
     if moves:
         summary += ": " + ", ".join(f"{n} {src}\u2192{dst}"
@@ -214,6 +400,11 @@ def _summary(changes: List[_Change], ranges: Sequence[_RangeChange] = ()) -> str
 
 
 def _text_line(c: _Change) -> str:
+    line = _one_line(c)
+    return f"{line}  {c.scope}" if c.scope else line
+
+
+def _one_line(c: _Change) -> str:
     if c.kind == "-":
         return f"- {c.name}  {c.old.op}  {_describe(c.old)}"  # type: ignore[union-attr]
     if c.kind == "+":
@@ -246,6 +437,13 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
     and ``@range`` lines (a range decides fp16 vs fp32 when the plan is reused as
     ``calibration_data``) are listed, then a one-line summary.
 
+    Two block-mode plans (``frontend: blocks``) are compared block by block, each block's
+    lines relative to it (its own, or those of the block whose plan it shares): a change
+    made alike in several blocks of one container is one entry naming them,
+    ``~ model.layers.{0..31}/linear_6  aten.linear  bf16 -> fp32  (...)  [all 32 blocks]``
+    (``[2 of 32 blocks]`` and ``model.layers.{1,5}`` when not all), a change in one block
+    the line of that block; the summary counts each block's line.
+
     Args:
         a: the plan before: a ``Plan`` or the path of a plan file (read with
             ``Plan.load``).
@@ -260,10 +458,15 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
         ValueError: an unknown ``fmt``.
         TypeError: ``a`` or ``b`` is neither a Plan nor a path.
         PlanFormatError: a plan file is not a complete plan.
+        NotPlannedError: ``a`` or ``b`` is a skeleton (``Plan.planned`` False: a block-mode
+            model's plan before its first call), which has no decisions to compare.
     """
     if fmt not in ("text", "markdown"):
         raise ValueError(f"unknown diff format {fmt!r}; valid: text, markdown")
     a, b = _as_plan(a, "the first"), _as_plan(b, "the second")
+    for plan, which in ((a, "the first plan"), (b, "the second plan")):
+        if not plan.planned:
+            raise skeleton_refusal(which)
     headers, changes = _changes(a, b)
     ranges = _range_changes(a, b)
     if not headers and not changes and not ranges:
@@ -285,8 +488,9 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
             after = dtype_name(c.new.dtype) if c.new else ""
             rule = (c.old.rule + " \u2192 " + c.new.rule if c.old and c.new and
                     c.old.rule != c.new.rule else ref.rule)  # type: ignore[union-attr]
-            out.append(f"| {c.kind} | `{c.name}` | `{_cell(ref.op)}` | {before} | {after} | "
-                       f"{rule} | {_cell(ref.reason)} |")  # type: ignore[union-attr]
+            scope = f" {c.scope}" if c.scope else ""
+            out.append(f"| {c.kind} | `{c.name}`{scope} | `{_cell(ref.op)}` | {before} | "
+                       f"{after} | {rule} | {_cell(ref.reason)} |")  # type: ignore[union-attr]
     if ranges:
         out += ([""] if changes else []) + ["| | range of node | before | after |",
                                             "|---|---|---|---|"]

@@ -57,6 +57,10 @@ class Pending:
     source: str = ""
     #: the model is being planned now, on a call in another thread
     planning: bool = False
+    #: in block mode, what makes the model's skeleton (its blocks and policy, header
+    #: ``planned: no``, see ``BlocksRoot.skeleton``): ``plan_of`` returns it until the
+    #: first call; None for a model planned whole on its first call (``NotPlannedError``)
+    skeleton: Optional[Callable[[], Plan]] = field(default=None, compare=False, repr=False)
 
 
 def has_result(module: object) -> bool:
@@ -73,11 +77,13 @@ def result_of(module: object) -> Rewritten:
             "another thread (rewritten in place, planned on its calls). what to do: read "
             "its plan once that call returns")
     if isinstance(value, Pending):
+        skeleton = (" (fxamp.plan_of gives its skeleton meanwhile: its blocks and policy, no "
+                    "decisions)" if value.skeleton is not None else "")
         raise NotPlannedError(
             f"{value.source or type(module).__name__} was rewritten in place without example "
-            "inputs: it is planned on its first call, and nothing has run yet. what to do: "
-            "call the model once (a forward on a real batch), then read its plan; or pass "
-            "example_inputs to amp_rewrite to plan it ahead of time")
+            "inputs: it is planned on its first call, and nothing has run yet"
+            f"{skeleton}. what to do: call the model once (a forward on a real batch), then "
+            "read its plan; or pass example_inputs to amp_rewrite to plan it ahead of time")
     if not isinstance(value, Rewritten):
         raise FxampError(f"{type(module).__name__} was not made by fxamp.amp_rewrite; what "
                          "to do: call fxamp.amp_rewrite(model, example_inputs) first")
@@ -110,17 +116,28 @@ def set_result(module: object, result: Rewritten) -> None:
 def plan_of(module: object) -> Plan:
     """The Plan that amp_rewrite used to make ``module``.
 
+    A model rewritten in place in block mode (without example inputs, with repeated blocks)
+    and not called yet gives its *skeleton*: the header (versions, policy, ``frontend:
+    blocks``, ``planned: no``) and one line per block, each "not planned yet: planned on
+    its first call"; ``Plan.planned`` is False, and what needs a real plan (``fxamp.diff``,
+    ``fxamp check``, ``result_of``) refuses it with ``NotPlannedError``. After the first
+    call it is the real plan.
+
     Args:
         module: a module ``amp_rewrite`` returned (or rewrote in place).
 
     Returns:
-        Its ``Plan``: one ``NodePrecision`` per source node, in graph order.
+        Its ``Plan``: one ``NodePrecision`` per source node, in graph order (a block-mode
+        model not called yet: its skeleton).
 
     Raises:
-        NotPlannedError: ``module`` was rewritten in place without example inputs and has
-            not been called yet.
+        NotPlannedError: ``module`` was rewritten in place without example inputs, not in
+            block mode, and has not been called yet (or is being planned now).
         FxampError: ``amp_rewrite`` did not make ``module``.
     """
+    value = getattr(module, ATTR, None)
+    if isinstance(value, Pending) and value.skeleton is not None and not value.planning:
+        return value.skeleton()
     return result_of(module).plan
 
 

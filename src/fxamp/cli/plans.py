@@ -49,12 +49,23 @@ def _load_plan(command: str, path: str, hint: str = "", quiet: bool = False
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from ..plan import diff
+    """``fxamp diff OLD NEW``: 0 and no output when the plans decide the same, 1 and the
+    diff (a change alike in several blocks of a block-mode plan once, naming them) when
+    they differ, 2 and one line on stderr for a file that is no complete plan, or is a
+    skeleton (a block-mode model's plan before its first call: no decisions to compare).
+
+    Args:
+        args: the command's arguments (``old``, ``new``, ``format``).
+    """
+    from ..plan import diff, skeleton_refusal
 
     plans = []
     for path in (args.old, args.new):
         plan = _load_plan("diff", path)
         if plan is None:
+            return 2
+        if not plan.planned:
+            print(f"fxamp diff: {skeleton_refusal(path)}", file=sys.stderr)
             return 2
         plans.append(plan)
     text = diff(*plans, fmt=args.format)

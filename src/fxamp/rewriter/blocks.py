@@ -38,7 +38,7 @@ import torch.nn as nn
 from ..config import RewriteConfig
 from ..ir import Rule
 from ..ops import module_label
-from ..plan import NodePrecision, Plan
+from ..plan import NOT_PLANNED, PLANNED_KEY, NodePrecision, Plan
 from ..errors import FxampError, PolicyError
 from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of
 from ..runtime import CALL_HOOKS, device_autocast, device_type
@@ -89,7 +89,8 @@ class BlocksRoot:
     """The model's ``forward`` in block mode: its own code under ``torch.autocast`` (the
     plan's dtype, on the device of the call's inputs), calling the blocks as modules; the
     floating outputs in the policy's output dtype. Its plan (``plan_of(model)``) is
-    composed from the blocks' plans after each call that planned a block."""
+    composed from the blocks' plans after each call that planned a block; before the first
+    call ``plan_of`` gives its skeleton (:meth:`skeleton`)."""
 
     def __init__(self, model: nn.Module, paths: List[str], config: RewriteConfig) -> None:
         self.model = model
@@ -103,6 +104,8 @@ class BlocksRoot:
         self.planner_of: Optional[Planner] = None  # (what installs a replacement)
         # (a block's share_key -> the first block planned with it and its graph)
         self.shared: Dict[tuple, tuple] = {}
+        # (a block path -> the first block with the same plan, as the composed plan says)
+        self.shares: Dict[str, str] = {}
         try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
             self.__signature__ = inspect.signature(type(model).forward.__get__(model))
         except (TypeError, ValueError):
@@ -140,6 +143,9 @@ class BlocksRoot:
                     inner.policy, overrides=tuple(routed[path])))
                 install(block, None, plan, mine)
                 block.__dict__["forward"].enclosing = self.model  # (unregistered_parameters)
+            note = block.__dict__.get(NOTE)
+            if not (isinstance(note, BlockState) and note.root is self and note.path == path):
+                block.__dict__[NOTE] = BlockState(self, path, block, _own_note(block))
             self.slots.append((container, name, block))
         if not self.__dict__.get("noted_shared"):
             self.noted_shared = True
@@ -157,6 +163,7 @@ class BlocksRoot:
             if id(block) not in now and isinstance(block.__dict__.get("forward"),
                                                    InplaceForward):
                 take(block)
+                drop_note(block)
         log.warning("%s: a block was replaced since its last call; the new one is planned "
                     "on its first call", type(self.model).__name__)
         self.composed = -1
@@ -174,22 +181,44 @@ class BlocksRoot:
         return in_output_dtype(out, policy.output_dtype)
 
     def compose(self) -> None:
-        """The model's plan from its blocks' plans: one line per block, and the nodes of
+        """The model's plan from its blocks' plans (:meth:`blocks_plan`), stored as its
+        result."""
+        plan, self.shares = self.blocks_plan()
+        config = self.config.for_model(self.model)
+        self.model.__dict__[RESULT] = Rewritten(plan, config.policy,
+                                                module_label(self.model), config)
+        self.composed = self.planned
+
+    def skeleton(self) -> Plan:
+        """The model's plan before its first call (``plan_of`` returns it then): the header
+        with ``planned: no`` and one line per block, not planned yet (a block planned
+        by a first call that failed lists its lines)."""
+        plan, _ = self.blocks_plan()
+        plan.header[PLANNED_KEY] = NOT_PLANNED
+        return plan
+
+    def blocks_plan(self) -> Tuple[Plan, Dict[str, str]]:
+        """The plan composed from the blocks' plans: one line per block, and the nodes of
         each distinct plan once, under the first block that has it (the others' lines name
-        it)."""
+        it); and each block path whose plan is another's -> that block's path.
+
+        Returns:
+            The plan and the shares.
+        """
         model = self.model
         config = self.config.for_model(model)  # (no target given: the device it ran on)
         policy = config.policy
         nodes: Dict[str, NodePrecision] = {}
         first: Dict[str, str] = {}  # a plan's lines (repr) -> the first block path with it
+        shares: Dict[str, str] = {}
         nested: Dict[str, Plan] = {}
         for path in self.paths:
             block = model.get_submodule(path)
             gm = block.__dict__.get(ATTR)
             if gm is None or not has_result(gm):  # (not called yet: replaced, or unused)
                 nodes[path] = NodePrecision(
-                    torch.float32, Rule.NESTED, "a block, called as a module: not planned "
-                    "yet (it is planned on its first call)", module_label(block), path)
+                    torch.float32, Rule.NESTED, "not planned yet: planned on its first call "
+                    "(a block, called as a module)", module_label(block), path)
                 continue
             plan = plan_of(gm)
             text = repr(list(plan.nodes.items()))  # (identical blocks: identical lines)
@@ -197,9 +226,11 @@ class BlocksRoot:
             out = next(reversed(plan.nodes.values()), None)
             dtype = out.dtype if out is not None else torch.float32
             if text in first:
+                # (fxamp.plan's diff reads this reason: "the same plan as P (its lines P/*)")
                 nodes[path] = NodePrecision(
                     dtype, Rule.NESTED, f"a block, called as a module: the same plan as "
                     f"{first[text]} (its lines {first[text]}/*)", label, path)
+                shares[path] = first[text]
                 continue
             first[text] = path
             nested[path] = plan
@@ -212,10 +243,71 @@ class BlocksRoot:
                                 "policy": str(policy), "frontend": "blocks",
                                 "glue": "the model's own forward under torch.autocast"},
                                (), nested)
-        result = Rewritten(Plan(nodes=nodes, header=header), policy, module_label(model),
-                           config)
-        model.__dict__[RESULT] = result
-        self.composed = self.planned
+        return Plan(nodes=nodes, header=header), shares
+
+
+#: the block attribute that shows its state in ``print(model)`` (:class:`BlockState`)
+NOTE = "extra_repr"
+
+
+def _own_note(block: nn.Module) -> Optional[Callable[[], str]]:
+    """An ``extra_repr`` the block held as an instance attribute before (None: its
+    class's)."""
+    note = block.__dict__.get(NOTE)
+    if isinstance(note, BlockState):
+        return note.inner
+    return note
+
+
+class BlockState:
+    """A block's ``extra_repr`` in block mode, held as an instance attribute (the block
+    keeps its class; ``nn.Module.__repr__`` calls ``self.extra_repr()``): the class's own
+    text, then the block's state, ``fxamp: planned on its first call``, ``fxamp: planned``
+    or ``fxamp: planned (shares model.layers.0's plan)``. Not part of the share key
+    (:data:`_ROOT_SKIP`); an object, not a closure, so the model pickles.
+
+    Args:
+        root: the model's :class:`BlocksRoot`.
+        path: the block's path in the model.
+        block: the block.
+        inner: an ``extra_repr`` the block held as an instance attribute before (None: its
+            class's).
+    """
+
+    def __init__(self, root: BlocksRoot, path: str, block: nn.Module,
+                 inner: Optional[Callable[[], str]] = None) -> None:
+        self.root = root
+        self.path = path
+        self.block = block
+        self.inner = inner
+
+    def state(self) -> str:
+        """The block's state: planned on its first call, planned, or sharing a plan."""
+        gm = self.block.__dict__.get(ATTR)
+        if gm is None or not has_result(gm):
+            return "fxamp: planned on its first call"
+        first = getattr(self.root, "shares", {}).get(self.path)
+        return f"fxamp: planned (shares {first}'s plan)" if first else "fxamp: planned"
+
+    def __call__(self) -> str:
+        """The block's ``extra_repr``: its own text, then its state (one line each)."""
+        own = self.inner() if self.inner is not None else type(self.block).extra_repr(
+            self.block)
+        return f"{own}\n{self.state()}" if own else self.state()
+
+
+def drop_note(module: nn.Module) -> None:
+    """Take a block's :class:`BlockState` off (an ``extra_repr`` it held before back).
+
+    Args:
+        module: a block, or a module made from one (its rewritten module).
+    """
+    note = module.__dict__.get(NOTE)
+    if isinstance(note, BlockState):
+        if note.inner is not None:
+            module.__dict__[NOTE] = note.inner
+        else:
+            del module.__dict__[NOTE]
 
 
 def _note_shared_modules(model: nn.Module, paths: List[str]) -> None:
@@ -277,9 +369,11 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[
                 f"blocks ({paths[0]} ...): without example inputs the model is rewritten in "
                 "block mode, where only the blocks are planned and the model's own forward "
                 "(embeddings, final norm, head, loss) runs under torch.autocast, so no plan "
-                "line can take it. what to do: rewrite with example inputs "
-                "(amp_rewrite(model, example_inputs, config, inplace=True): one plan, "
-                f"{absolute[0]} included), or drop the override")
+                "line can take it. what to do: plan the glue's modules as regions too, "
+                "with RewriteConfig.make(..., partition='blocks') (its embeddings, final "
+                f"norm and head get plan lines, {absolute[0]} included); or rewrite with "
+                "example inputs (amp_rewrite(model, example_inputs, config, inplace=True): "
+                "one plan); or drop the override")
         for path in paths:
             routed[path].append(override)
     return routed
@@ -320,8 +414,10 @@ class SharedPlanner:
             gm = self.plan(block, args, kwargs, config, why)
             if key is not None and key not in shared:
                 shared[key] = (block, gm)
-            if live is not None and live not in shared and _index_live(gm):
+            if live is not None and live not in shared and _index_live(gm, block):
                 shared[live] = (block, gm)
+        if gm is not block:  # (an eager root is a copy of the block: the note is the block's)
+            drop_note(gm)
         self.root.planned += 1
         return gm
 
@@ -363,9 +459,10 @@ _SKIP = frozenset({"_parameters", "_buffers", "_modules", "training", "_state_di
                    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                    "_load_state_dict_post_hooks", *_HOOKS, *_HOOK_FLAGS})
 #: the block's own entries that are none of its code's: fxamp's forward (its plan while
-#: planned) and result, torch.compile's call, FSDP2's state (``fully_shard`` per block). The
+#: planned), result and state note (``extra_repr``, :class:`BlockState`), torch.compile's
+#: call, FSDP2's state (``fully_shard`` per block). The
 #: block is called as a module, so its own hooks run around its graph, never in it
-_ROOT_SKIP = frozenset({"forward", ATTR, RESULT, "_compiled_call_impl"})
+_ROOT_SKIP = frozenset({"forward", ATTR, RESULT, "_compiled_call_impl", NOTE})
 _ROOT_PREFIXES = ("__composable_api_state_key",)
 #: how deep a value's containers and dataclasses are compared by value (deeper: by identity)
 _DEPTH = 4
@@ -641,23 +738,26 @@ def _has_object(value: Any) -> bool:
     return not isinstance(value, (torch.Tensor, *_PLAIN))
 
 
-def _index_live(gm: nn.Module) -> bool:
+def _index_live(gm: nn.Module, block: nn.Module) -> bool:
     """Whether ``gm`` is an eager root that reads HF's ``layer_idx`` only where its Python
     code runs on each call (its own forward, its eager children's): none of the graphs in
-    it holds a module with one. Blocks that differ only in ``layer_idx`` then share it,
-    each copy reading its own block's (:func:`.eager.rebound`).
+    it stands for a module of ``block`` (the one it was planned for) that holds one (a
+    traced attention that indexed the KV cache with it). Blocks that differ only in
+    ``layer_idx`` then share it, each copy reading its own block's
+    (:func:`.eager.rebound`).
 
     Args:
         gm: a block's rewritten module.
+        block: the block it was planned for.
     """
     if not is_eager_root(gm):
         return False
     for name in gm.__dict__[PARTS]:
-        sub = gm.get_submodule(name)
+        sub, original = gm.get_submodule(name), block.get_submodule(name)
         if is_eager_root(sub):
-            if not _index_live(sub):
+            if not _index_live(sub, original):
                 return False
-        elif any(_CACHE_INDEX in m.__dict__ for m in sub.modules()):
+        elif any(_CACHE_INDEX in m.__dict__ for m in original.modules()):
             return False
     return True
 
@@ -716,7 +816,7 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
     root = BlocksRoot(model, paths, config)
     root.install(root.planner(plan))
     model.__dict__["forward"] = root
-    model.__dict__[RESULT] = Pending(config, type(model).__name__)
+    model.__dict__[RESULT] = Pending(config, type(model).__name__, skeleton=root.skeleton)
     register(model)
     log.info("%s: %d blocks (%s ...) rewritten in place, each planned on its first call; "
              "its own forward runs under torch.autocast", type(model).__name__, len(paths),
@@ -738,6 +838,7 @@ def uninstall_blocks(model: nn.Module) -> None:
         block = model.get_submodule(path)
         if isinstance(block.__dict__.get("forward"), InplaceForward):
             take(block)
+        drop_note(block)
     for key in ("forward", RESULT):
         model.__dict__.pop(key, None)
 

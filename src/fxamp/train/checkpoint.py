@@ -88,9 +88,9 @@ class CheckpointMixin:
         self._window = []
         if restore_rng and state.get("rng") is not None:
             set_rng_state(state["rng"])
-        saved = state.get("plan")
-        if saved:
-            changes = diff(Plan.from_text(saved), self.plan)
+        saved, plan = state.get("plan"), self.plan
+        if saved and Plan.from_text(saved).planned and plan.planned:  # (a skeleton: the
+            changes = diff(Plan.from_text(saved), plan)  # blocks' plans come on a call)
             if changes:
                 warnings.warn("fxamp.train: the checkpoint was made with a different plan; "
                               f"the run will not continue identically:\n{changes}")
