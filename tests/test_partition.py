@@ -173,3 +173,61 @@ def test_partition_blocks_plans_the_glues_modules_and_trains_like_autocast(make,
         assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
+
+
+_FACTORY = '''
+import torch
+import torch.nn as nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make():
+    torch.manual_seed(0)
+    return Net(), (torch.randn(4, 8),)
+'''
+
+
+def test_the_cli_plans_and_checks_a_partitioned_plan_and_names_one_blocks_change(
+        tmp_path, capsys):
+    """``fxamp plan/check --partition blocks``: the plan of the model in block mode (its
+    blocks and the glue's modules), equal to what the Python API trains with; ``check``
+    passes on it, and fails with the diff, naming that block alone, when one block's
+    override changes."""
+    from fxamp.cli import main
+
+    factory = tmp_path / "blocks_net.py"
+    factory.write_text(_FACTORY)
+    path = tmp_path / "plan.txt"
+    base = [f"{factory}:make", "--dtype", "bf16", "--target", "cpu", "--partition", "blocks"]
+    assert main(["plan", *base, "-o", str(path)]) == 0
+    text = path.read_text()
+    assert "# frontend: blocks" in text and "\nstem/" in text and "\nhead/" in text
+    assert main(["check", *base, "--plan", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["check", *base, "--policy", "fp32:blocks.1.fc1", "--plan", str(path)]) == 1
+    out = capsys.readouterr().out
+    changed = [line for line in out.splitlines() if line.startswith("~")]
+    assert changed and all(line.split()[1].startswith("blocks.1/") for line in changed), out

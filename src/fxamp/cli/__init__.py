@@ -1,9 +1,10 @@
 """The ``fxamp`` command: a thin layer over the Python API.
 
 fxamp plan MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu|tensorrt] [--policy P] [-o FILE]
+           [--partition auto|blocks|flat]
            (or FILE.py:FACTORY, a path from the current directory)
 fxamp diff OLD NEW [--format text|markdown]
-fxamp check MODULE:FACTORY --plan FILE [--update]
+fxamp check MODULE:FACTORY --plan FILE [--update] [--partition auto|blocks|flat]
 fxamp show MODULE:FACTORY -o graph.html [--format html|dot|svg|mermaid]
 fxamp audit MODULE:FACTORY [--dtype fp16|bf16] [--target cuda|cpu|tensorrt] [--policy P]
             [--frontend auto|fx|export] [--onnx FILE]
@@ -29,7 +30,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 
 from .._version import __version__
-from ..config import FRONTENDS
+from ..config import FRONTENDS, PARTITIONS
 from ..errors import FxampError, excerpt, short_path, shorten
 from ..export.backends import CHOICES as BACKEND_CHOICES
 from ..policy import COMPUTE_DTYPE_NAMES, TARGETS, TRAINING_TARGETS, parse_compute_dtype
@@ -126,8 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "fxamp.DecisionRule object or subclass, or a list of them); repeat "
                        "for several")
 
+    def partition_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--partition", default="auto", choices=list(PARTITIONS), action=Once,
+                       help="auto: one graph of the whole model (default); blocks: the "
+                       "plan of the model in block mode, its blocks and the glue's modules "
+                       "regions of their own, planned on the example as its first call "
+                       "(what amp_rewrite(model, example, RewriteConfig.make(..., "
+                       "partition='blocks'), inplace=True) trains with); flat: as auto")
+
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
     model_args(p)
+    partition_arg(p)
     p.add_argument("-o", "--output", action=Once, help="write the plan to this file")
     p.set_defaults(func=cmd_plan, result_on_stdout=True)
 
@@ -139,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="fail (exit 1) when a model's plan differs from a file")
     model_args(c)
+    partition_arg(c)
     c.add_argument("--plan", required=True, action=Once, help="the committed plan file")
     c.add_argument("--update", action="store_true", help="rewrite the plan file instead")
     c.add_argument("--format", default="text", choices=["text", "markdown"], action=Once,

@@ -351,4 +351,9 @@ def rewrite_from_args(args: argparse.Namespace, ranges: Any = None) -> Any:
     config = config_from_args(args)
     if ranges:
         config = config.replace(calibration=dict(ranges))
+    partition = getattr(args, "partition", "auto")
+    if partition == "blocks":  # (the model in block mode, planned on the example now)
+        config = config.replace(partition=partition)
+        return plan_only(args, lambda model, inputs: amp_rewrite(model, inputs, config=config,
+                                                                 inplace=True))
     return plan_only(args, lambda model, inputs: amp_rewrite(model, inputs, config=config))
