@@ -240,6 +240,12 @@ def first_device(module: Any, inputs: Any = None) -> Optional[str]:
 
 def device_type(args: Any) -> str:
     """The device type of the first tensor in ``args`` ("cpu" when there is none)."""
+    if type(args) is tuple and len(args) == 2 and type(args[0]) is tuple:
+        # (a call's (args, kwargs) whose first argument is a tensor: no pytree)
+        first = args[0][0] if args[0] else next(iter(args[1].values()), None) \
+            if type(args[1]) is dict else None
+        if isinstance(first, torch.Tensor):
+            return first.device.type
     leaves, _ = tree_flatten(args)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
