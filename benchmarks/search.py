@@ -74,7 +74,7 @@ def main() -> None:
         row = [name, low, f"{rtol:g}"]
         for fn in (search, bisect_baseline):
             t = time.perf_counter()
-            r = fn(model, data[0], data, rtol=rtol, target="cpu")
+            r = fn(model, data[0], data, fxamp.RewriteConfig.make(target="cpu"), rtol=rtol)
             row += [len(r.fp32_nodes), r.evaluations, f"{r.error:.2g}" + ("" if r.met else " (missed)"),
                     f"{time.perf_counter() - t:.1f}"]
         rows.append(row)

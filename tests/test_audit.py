@@ -74,7 +74,7 @@ def test_dims_not_multiple_of_8():
 
 
 def test_dims_only_where_the_node_computes_low():
-    findings = audit(Dims(), dims_inputs(), policy="fp32:stem,fp32:fc")
+    findings = audit(Dims(), dims_inputs(), "fp32:stem,fp32:fc")
     assert {f.node for f in by_code(findings, "dims-not-multiple-of-8")} == {
         "grouped", "linear", "matmul"}
 
@@ -128,7 +128,8 @@ def test_binary_cross_entropy_is_an_error_on_cuda(policy):
         with pytest.raises(fxamp.UnsupportedModelError):
             fxamp.amp_rewrite(BCE(), bce_inputs(),
                               fxamp.RewriteConfig.make(policy=policy, target="cuda"))
-    findings = audit(BCE(), bce_inputs(), policy=policy, target="cuda")
+    findings = audit(BCE(), bce_inputs(),
+                     fxamp.RewriteConfig.make(policy=policy, target="cuda"))
     bce = by_code(findings, "binary-cross-entropy")
     assert [f.node for f in bce] == ["loss", "binary_cross_entropy"]
     assert all(f.severity == "error" for f in bce)
@@ -140,7 +141,8 @@ def test_binary_cross_entropy_is_an_error_on_cuda(policy):
 
 
 def test_binary_cross_entropy_is_a_warning_on_cpu():
-    findings = audit(BCE(), bce_inputs(), dtype=torch.bfloat16, target="cpu")
+    findings = audit(BCE(), bce_inputs(),
+                     fxamp.RewriteConfig.make(dtype=torch.bfloat16, target="cpu"))
     bce = by_code(findings, "binary-cross-entropy")
     assert [f.severity for f in bce] == ["warning", "warning"]
 
@@ -163,7 +165,7 @@ def attn_inputs():
 
 @pytest.mark.parametrize("target", ["cuda", "cpu"])
 def test_exp_without_max_shift(target):
-    findings = audit(Attention(), attn_inputs(), target=target)
+    findings = audit(Attention(), attn_inputs(), fxamp.RewriteConfig.make(target=target))
     found = by_code(findings, "exp-without-max-shift")
     assert [f.node for f in found] == ["exp"]
     f = one(findings, "exp-without-max-shift", "exp")
@@ -178,12 +180,12 @@ def test_exp_of_a_hand_written_softmax_without_numerics_passes():
             e = (q @ k.transpose(-2, -1)).masked_fill(q[..., :1] > 5, -1e4).exp()
             return e / e.sum(-1, keepdim=True)
 
-    findings = audit(Softmax(), attn_inputs()[:2], policy="numerics=off")
+    findings = audit(Softmax(), attn_inputs()[:2], "numerics=off")
     assert [f.node for f in by_code(findings, "exp-without-max-shift")] == ["exp"]
 
 
 def test_exp_in_bf16_is_info():
-    findings = audit(Attention(), attn_inputs(), dtype=torch.bfloat16)
+    findings = audit(Attention(), attn_inputs(), fxamp.RewriteConfig.make(dtype=torch.bfloat16))
     f = one(findings, "exp-without-max-shift", "exp")
     assert f.severity == "info" and "88.72" in f.message
 
@@ -224,7 +226,8 @@ def test_norm_eps():
 
 
 def test_norm_eps_in_bf16_is_fine():
-    findings = audit(Norms(), (torch.randn(4, 16),), dtype=torch.bfloat16)
+    findings = audit(Norms(), (torch.randn(4, 16),),
+                     fxamp.RewriteConfig.make(dtype=torch.bfloat16))
     assert not [f for f in findings if f.code.startswith("norm-eps")]
 
 

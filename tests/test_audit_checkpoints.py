@@ -129,7 +129,7 @@ def test_audit_takes_the_context():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         scaler = torch.amp.GradScaler("cuda")
-    found = fxamp.audit(model, (torch.randn(4, 16),), target="cpu",
+    found = fxamp.audit(model, (torch.randn(4, 16),), "target=cpu",
                         optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler,
                         batch=(torch.randn(4, 16).half(),), steps_per_epoch=10)
     assert {"scaler-disabled", "batch-low-precision"} <= set(codes(found))
@@ -139,9 +139,9 @@ def test_audit_takes_the_context():
 # -- output-low-precision (checkpoint 9) ----------------------------------------------------
 def test_output_low_precision_only_when_outputs_are_kept_low():
     x = (torch.randn(4, 16),)
-    kept = fxamp.audit(MLP(), x, target="cpu", policy="output=keep")
+    kept = fxamp.audit(MLP(), x, "target=cpu,output=keep")
     assert codes(kept).count("output-low-precision") == 1
-    assert "output-low-precision" not in codes(fxamp.audit(MLP(), x, target="cpu"))
+    assert "output-low-precision" not in codes(fxamp.audit(MLP(), x, "target=cpu"))
     gm = fxamp.amp_rewrite(
         MLP(), x, fxamp.RewriteConfig.make(target="cpu"))  # the default: FP32 outputs
     assert gm(*x).dtype == torch.float32

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxamp import audit
+from fxamp import RewriteConfig, audit
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -53,8 +53,9 @@ def both_inputs():
 def test_fx_and_export_find_the_same_issues():
     torch.manual_seed(0)
     model = Both().eval()
-    fx_findings = audit(model, both_inputs(), target="cpu", frontend="fx")
-    ex_findings = audit(model, both_inputs(), target="cpu", frontend="export")
+    fx_findings = audit(model, both_inputs(), RewriteConfig.make(target="cpu", frontend="fx"))
+    ex_findings = audit(model, both_inputs(),
+                        RewriteConfig.make(target="cpu", frontend="export"))
     fx_codes = Counter((f.code, f.severity) for f in fx_findings)
     assert fx_codes == Counter((f.code, f.severity) for f in ex_findings)
     assert fx_codes[("norm-eps-underflow", "warning")] == 4  # ln, gn, F.layer_norm, by hand
@@ -70,7 +71,8 @@ def test_fx_and_export_find_the_same_issues():
 
 def test_banned_op_through_export_is_reported_not_raised():
     torch.manual_seed(0)
-    findings = audit(Both().eval(), both_inputs(), target="cuda", frontend="export")
+    findings = audit(Both().eval(), both_inputs(),
+                     RewriteConfig.make(target="cuda", frontend="export"))
     bce = [f for f in findings if f.code == "binary-cross-entropy"]
     assert len(bce) == 1 and bce[0].severity == "error"
 
@@ -85,7 +87,8 @@ def test_bert_through_export_gets_the_layer_norm_eps_warning():
     assert config.layer_norm_eps == 1e-12
     model = BertForSequenceClassification(config).eval()
     ids = torch.randint(0, 64, (2, 8))
-    findings = audit(model, (), example_kwargs={"input_ids": ids}, frontend="export")
+    findings = audit(model, (), RewriteConfig.make(example_kwargs={"input_ids": ids},
+                                             frontend="export"))
     eps = [f for f in findings if f.code == "norm-eps-underflow"]
     # embeddings, attention output and layer output LayerNorms
     assert len(eps) == 3, [str(f) for f in findings]

@@ -298,8 +298,8 @@ def test_audit_reads_the_region_nodes():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return ckpt.checkpoint(self.lin, x, use_reentrant=False)
 
-    findings = fxamp.audit(Odd(), (torch.randn(4, 32),), dtype=BF16, target="cpu",
-                           frontend="fx")
+    findings = fxamp.audit(Odd(), (torch.randn(4, 32),), fxamp.RewriteConfig.make(
+        dtype=BF16, target="cpu", frontend="fx"))
     assert any(f.code == "dims-not-multiple-of-8" for f in findings)
 
 

@@ -106,7 +106,8 @@ def test_search_scores_on_the_front_end_the_rewrite_used(frontend: str) -> None:
     data = [(torch.randn(4, 16),) for _ in range(2)]
     with pytest.raises(fxamp.TraceError):
         fxamp.amp_rewrite(model, data[0], fxamp.RewriteConfig.make(target="cpu", frontend="fx"))
-    found = fxamp.search(model, data[0], data, rtol=5e-3, target="cpu", frontend=frontend)
+    found = fxamp.search(model, data[0], data,
+                         RewriteConfig.make(target="cpu", frontend=frontend), rtol=5e-3)
     plan = fxamp.plan_of(found.graph_module)
     assert plan.header["frontend"] == "export"
     assert found.met and found.fp32_nodes, found
@@ -127,7 +128,7 @@ def test_audit_and_cli_take_the_config(tmp_path) -> None:
     kept = RewriteConfig.make("fp32:linear_1", None, "cpu", "export")
     assert fxamp.audit(model, (x,), config=kept) == []  # the override reached the rewrite
     with pytest.raises(fxamp.TraceError):
-        fxamp.audit(model, (x,), target="cpu", frontend="fx")  # the front end reached it too
+        fxamp.audit(model, (x,), RewriteConfig.make(target="cpu", frontend="fx"))  # (it too)
     # the CLI builds one config from --policy/--dtype/--target/--frontend for every command
     factory = tmp_path / "config_shape_branch.py"  # a module name no other test uses
     factory.write_text(

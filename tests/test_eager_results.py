@@ -94,7 +94,7 @@ def test_show_draws_the_rewritten_children_and_marks_runtime_parts(models):
 def test_audit_reads_the_children_and_the_runtime_parts(models):
     _, branchy = models
     model, inputs = branchy.build()
-    findings = fxamp.audit(model, inputs, target="cpu")
+    findings = fxamp.audit(model, inputs, "target=cpu")
     by_node = {(f.code, f.node): f for f in findings}
     ln = by_node[("norm-eps-underflow", "ln/layer_norm")]
     assert "'fp32:ln/layer_norm'" in ln.fix

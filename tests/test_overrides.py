@@ -113,9 +113,9 @@ def test_an_override_of_a_child_that_runs_under_autocast_says_so() -> None:
 def test_the_search_and_the_audit_refuse_unmatched_overrides_too() -> None:
     model, x = Bertish(), torch.randn(2, 8)
     with pytest.raises(fxamp.PolicyError, match="'fp32:nothing_here' matches no node"):
-        search(model, (x,), [(x,)], rtol=1.0, policy="fp32:nothing_here")
+        search(model, (x,), [(x,)], "fp32:nothing_here", rtol=1.0)
     with pytest.raises(fxamp.PolicyError, match="'fp32:nothing_here' matches no node"):
-        fxamp.audit(model, (x,), policy="fp32:nothing_here")
+        fxamp.audit(model, (x,), "fp32:nothing_here")
 
 
 @pytest.mark.slow

@@ -56,7 +56,7 @@ def test_a_search_plan_reapplies_to_the_same_dtypes(tmp_path: Path) -> None:
     model = Sensitive()
     data = [(torch.randn(4, 16),) for _ in range(2)]
     x = data[0][0]
-    found = fxamp.search(model, (x,), data, rtol=5e-3, target="cpu")
+    found = fxamp.search(model, (x,), data, "target=cpu", rtol=5e-3)
     assert found.met and found.fp32_nodes, found
     plan = fxamp.plan_of(found.graph_module)
     again = _reapplied(model, x, plan, tmp_path)
@@ -72,7 +72,8 @@ def test_a_search_result_has_the_config_it_was_made_with() -> None:
     torch.manual_seed(0)
     model = Sensitive()
     data = [(torch.randn(4, 16),) for _ in range(2)]
-    found = fxamp.search(model, data[0], data, rtol=5e-3, target="cpu", frontend="fx")
+    found = fxamp.search(model, data[0], data,
+                         fxamp.RewriteConfig.make(target="cpu", frontend="fx"), rtol=5e-3)
     config = fxamp.config_of(found.graph_module)
     assert config.frontend == "fx" and str(config.policy) == fxamp.plan_of(
         found.graph_module).policy
@@ -84,7 +85,7 @@ def test_a_bisection_plan_reapplies_to_the_same_dtypes(tmp_path: Path) -> None:
     model = Sensitive()
     data = [(torch.randn(4, 16),) for _ in range(2)]
     x = data[0][0]
-    found = fxamp.bisect_baseline(model, (x,), data, rtol=5e-3, target="cpu")
+    found = fxamp.bisect_baseline(model, (x,), data, "target=cpu", rtol=5e-3)
     assert found.met and found.fp32_nodes, found
     plan = fxamp.plan_of(found.graph_module)
     assert _dtypes(_reapplied(model, x, plan, tmp_path)) == _dtypes(plan)
@@ -112,7 +113,8 @@ def test_a_search_plan_made_with_a_front_end_reapplies_with_it(tmp_path: Path,
     model = Sensitive()
     data = [(torch.randn(4, 16),) for _ in range(2)]
     x = data[0][0]
-    found = fxamp.search(model, (x,), data, rtol=5e-3, target="cpu", frontend=frontend)
+    found = fxamp.search(model, (x,), data,
+                         fxamp.RewriteConfig.make(target="cpu", frontend=frontend), rtol=5e-3)
     plan = fxamp.plan_of(found.graph_module)
     path = tmp_path / "model.plan"
     plan.save(str(path))

@@ -27,7 +27,8 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 x = torch.randn(4, 8)
 batches = [(torch.randn(4, 8),) for _ in range(3)]
-fxamp.search(model, (x,), batches, rtol=1e-9, dtype=torch.float16, target="cpu")
+fxamp.search(model, (x,), batches,
+             fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu"), rtol=1e-9)
 gm = fxamp.amp_rewrite(model, (x,),
                        fxamp.RewriteConfig.make(dtype=torch.float16, target="cpu",
                                                 frontend="export",

@@ -5,6 +5,8 @@ import torch.nn as nn
 
 import fxamp
 
+CPU = fxamp.RewriteConfig.make(target="cpu")
+
 
 class Sensitive(nn.Module):
     """A 12-layer MLP where two spots scale values into fp16's subnormals and back."""
@@ -36,8 +38,8 @@ def test_search_meets_the_tolerance_with_fewer_nodes_and_evaluations_than_bisect
     with torch.no_grad():
         plain_err = fxamp.rewriter.search.max_relative_error(
             [plain(*b) for b in data], [model(*b) for b in data])
-    found = fxamp.search(model, inputs, data, rtol=5e-3, target="cpu")
-    base = fxamp.bisect_baseline(model, inputs, data, rtol=5e-3, target="cpu")
+    found = fxamp.search(model, inputs, data, CPU, rtol=5e-3)
+    base = fxamp.bisect_baseline(model, inputs, data, CPU, rtol=5e-3)
     msg = (f"plain error {plain_err:.3g}; search: {len(found.fp32_nodes)} fp32 nodes, "
            f"{found.evaluations} evaluations, error {found.error:.3g}; bisection: "
            f"{len(base.fp32_nodes)} nodes, {base.evaluations} evaluations, error {base.error:.3g}")
@@ -58,7 +60,7 @@ def test_a_plan_that_already_meets_the_tolerance_costs_one_evaluation():
     torch.manual_seed(0)
     model = Sensitive(spots=())
     data = [(torch.randn(4, 16),)]
-    found = fxamp.search(model, data[0], data, rtol=5e-2, target="cpu")
+    found = fxamp.search(model, data[0], data, CPU, rtol=5e-2)
     assert found.met and found.fp32_nodes == [] and found.evaluations == 1
 
 
@@ -71,7 +73,7 @@ def test_a_user_metric_drives_the_search():
         return max(float((o.argmax(-1) != r.argmax(-1)).float().mean())
                    for o, r in zip(outputs, references))
 
-    found = fxamp.search(model, inputs, data, rtol=0.0, metric=top1_disagreement,
-                         target="cpu")
+    found = fxamp.search(model, inputs, data, CPU, rtol=0.0,
+                         metric=top1_disagreement)
     assert found.met and found.error == 0.0 and len(calls) == found.evaluations - (
         1 if found.fp32_nodes else 0)

@@ -175,7 +175,7 @@ def test_blocks_without_target_follow_the_device_and_a_cuda_plan_warns_per_plan(
 
 
 def test_search_without_target_follows_the_model():
-    result = fxamp.search(_net(), (X,), [(X,)], rtol=10.0, dtype=BF16)
+    result = fxamp.search(_net(), (X,), [(X,)], fxamp.RewriteConfig.make(dtype=BF16), rtol=10.0)
     assert _policy(result.graph_module) == "compute=bf16,target=cpu"
 
 

@@ -6,7 +6,8 @@ in the low dtype on the FP32 values of its inputs, compared with its FP32 output
 over the graph — flips the worst nodes to FP32 in doubling groups until the tolerance is met,
 then bisects that group down and drops flips that are not needed. Flipped nodes carry
 ``rule="search"``; each is an ``fp32:NAME`` item of the result's policy (its plan header and
-``fxamp.config_of``), so a saved search plan re-applies with ``policy=plan.policy``.
+``fxamp.config_of``), so a saved search plan re-applies: ``amp_rewrite(model, x,
+plan.policy)``.
 
 ``bisect_baseline`` is the anchor tools' method (Polygraphy ``debug precision``): bisect a
 prefix, or a suffix, of the graph's low-precision nodes kept in FP32. Both report how many
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple,
                     Union)
@@ -31,12 +33,12 @@ import torch.fx as fx
 import torch.nn as nn
 from .._torch import reparametrize_module, tree_flatten, tree_map
 
-from ..config import RewriteConfig, model_target
+from ..config import RewriteConfig
 from ..errors import FxampError
 from ..graph_run import GraphRun
 from ..ir import Rule
 from ..frontends import graph_inputs, trace_model
-from ..policy import Policy, dtype_name, make_policy
+from ..policy import Policy, dtype_name
 from ..progress import advance, shows, track
 from ..runtime import eligible
 from ..frontends.common import as_tuple
@@ -44,7 +46,7 @@ from ..result import result_of, set_result
 from .blocks import is_blocks
 from .inplace import is_inplace
 from .overlap import own_forwards
-from .pipeline import amp_rewrite, check_model, plan_of
+from .pipeline import DEPRECATED_KEYWORDS, _config, amp_rewrite, check_model, plan_of
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +214,60 @@ def fp32_form(model: nn.Module) -> Iterator[nn.Module]:
         view.release()
 
 
+#: the keywords ``search`` and ``bisect_baseline`` took before ``config`` held them
+TOOL_KEYWORDS = ("dtype", "target", "policy", "frontend")
+
+
+def tool_config(name: str, call: str, config: Union[None, str, Policy, RewriteConfig],
+                deprecated: Dict[str, Any], taken: Sequence[str] = TOOL_KEYWORDS,
+                stacklevel: int = 3) -> RewriteConfig:
+    """The ``RewriteConfig`` of a tool's ``config``, read as ``amp_rewrite`` reads its own
+    (``pipeline._config``: a ``RewriteConfig``, a ``Policy``, a policy text or None), or of
+    the keywords the tool took before ``config`` held them (``taken``), made with
+    ``RewriteConfig.make`` and warned as deprecated. Its target is not resolved yet
+    (``RewriteConfig.for_model``).
+
+    Args:
+        name: the tool's name, for the messages (``"search"``).
+        call: its arguments before the config, for the warning's new spelling
+            (``"model, example_inputs, data"``).
+        config: the ``config`` the tool was given.
+        deprecated: the other keywords it was given (its ``**deprecated``).
+        taken: the keywords the tool took before (each one of ``amp_rewrite``'s
+            ``DEPRECATED_KEYWORDS``).
+        stacklevel: the ``FutureWarning``'s, counted from here (the tool's caller: 3 for a
+            tool that calls this itself; one more per decorator around it).
+
+    Returns:
+        The config.
+
+    Raises:
+        TypeError: a keyword the tool never took.
+        FxampError: ``config`` together with deprecated keywords, or a ``config`` of
+            another type.
+    """
+    unknown = [key for key in deprecated if key not in taken or key not in DEPRECATED_KEYWORDS]
+    if unknown:
+        raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}")
+    if not deprecated:
+        return _config(config, {})
+    if config is not None:
+        raise FxampError(
+            f"{name} takes either config= or the keywords it holds, not both: got config= "
+            f"and {', '.join(deprecated)}; what to do: config.replace(...), or "
+            f"fxamp.RewriteConfig.make({', '.join(deprecated)}=...) alone")
+    shown = ", ".join(f"{key}=..." for key in deprecated)
+    warnings.warn(
+        f"{name}(..., {shown}) is deprecated and will be removed in the next release; the "
+        f"config holds them: {name}({call}, fxamp.RewriteConfig.make({shown}))",
+        FutureWarning, stacklevel=stacklevel)
+    return RewriteConfig.make(**deprecated)
+
+
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
-             metric: Optional[Metric], policy: Union[None, str, Policy], dtype: torch.dtype,
-             target: Optional[str], frontend: str,
-             config: Optional[RewriteConfig]) -> _Evaluator:
+             metric: Optional[Metric], config: RewriteConfig) -> _Evaluator:
     check_model(model)
-    if config is None:
-        target = target or model_target(model, example_inputs)
-        config = RewriteConfig(make_policy(policy, dtype, target), frontend)
+    config = config.for_model(model, (example_inputs, config.example_kwargs))
     batches = [as_tuple(b) for b in data]
     if not batches:
         raise FxampError("search needs at least one batch of data")
@@ -228,10 +276,9 @@ def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
 
 
 @shows("search", unit="eval")
-def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: float = 1e-2,
-           metric: Optional[Metric] = None, dtype: torch.dtype = torch.float16,
-           target: Optional[str] = None, policy: Union[None, str, Policy] = None,
-           frontend: str = "auto", config: Optional[RewriteConfig] = None) -> SearchResult:
+def search(model: nn.Module, example_inputs: Any, data: Iterable[Any],
+           config: Union[None, str, Policy, RewriteConfig] = None, *, rtol: float = 1e-2,
+           metric: Optional[Metric] = None, **deprecated: Any) -> SearchResult:
     """Find a small set of FP32 nodes so the rewrite's error against FP32 is at most ``rtol``.
 
     Each low-precision node is scored by its error when it alone runs in low precision;
@@ -245,29 +292,33 @@ def search(model: nn.Module, example_inputs: Any, data: Iterable[Any], *, rtol: 
         example_inputs: the forward's arguments to trace with (a tuple, or one tensor).
         data: the batches to measure the error on (each a tuple of the forward's
             arguments, or one tensor); the FP32 model's outputs on them are the reference.
+        config: the rewrite the search starts from, as ``amp_rewrite``'s ``config``: a
+            ``RewriteConfig`` (``RewriteConfig.make(dtype=..., target=..., policy=...,
+            frontend=...)``, or ``fxamp.config_of(gm)`` of an earlier rewrite), a
+            ``Policy``, or a policy's text form (``"compute=bf16,target=cpu"``, a recipe
+            name); None: ``RewriteConfig.make()``, float16 for the device the model is on.
+            Each rewrite of the search is this config with its FP32 nodes added.
         rtol: the largest error accepted.
         metric: ``metric(outputs, references) -> float`` (lists over the batches); by
             default the largest relative output error.
-        dtype: the low-precision dtype.
-        target: the device whose autocast the plan mirrors (``"cuda"``, ``"cpu"``,
-            ``"tensorrt"``), as in ``amp_rewrite``; by default the device the model is
-            on.
-        policy: a ``Policy`` or its text form, the starting point of the search.
-        frontend: the front end, as in ``amp_rewrite``.
-        config: a ``RewriteConfig`` (e.g. ``fxamp.config_of(gm)``) given instead of
-            ``policy``, ``dtype``, ``target`` and ``frontend``.
+        **deprecated: the keywords the config holds that ``search`` took before
+            (``dtype``, ``target``, ``policy``, ``frontend``), taken for one more release
+            with a ``FutureWarning``: they build ``RewriteConfig.make(**deprecated)``.
 
     Returns:
         The ``SearchResult``; ``met`` is False (and a warning is logged) when even every
         low-precision node in FP32 leaves the error above ``rtol``.
 
     Raises:
-        FxampError: ``data`` holds no batch, or the model cannot be rewritten (the
-            subclass says why, as ``amp_rewrite`` does).
+        FxampError: ``data`` holds no batch, the model cannot be rewritten (the subclass
+            says why, as ``amp_rewrite`` does), or ``config`` together with the
+            (deprecated) keywords it holds.
+        TypeError: a keyword ``search`` does not take.
     """
+    config = tool_config("search", "model, example_inputs, data", config, deprecated,
+                         stacklevel=4)  # (the caller of the progress bar's wrapper)
     with fp32_form(model) as fp32:
-        evaluate = _prepare(fp32, example_inputs, data, metric, policy, dtype, target,
-                            frontend, config)
+        evaluate = _prepare(fp32, example_inputs, data, metric, config)
         return _search(fp32, evaluate, rtol)
 
 
@@ -320,11 +371,10 @@ def _search(model: nn.Module, evaluate: _Evaluator, rtol: float) -> SearchResult
 
 
 @shows("bisection", unit="eval")
-def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], *,
+def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any],
+                    config: Union[None, str, Policy, RewriteConfig] = None, *,
                     rtol: float = 1e-2, metric: Optional[Metric] = None,
-                    dtype: torch.dtype = torch.float16, target: Optional[str] = None,
-                    policy: Union[None, str, Policy] = None, frontend: str = "auto",
-                    config: Optional[RewriteConfig] = None) -> SearchResult:
+                    **deprecated: Any) -> SearchResult:
     """Polygraphy-style baseline: bisect the shortest FP32 prefix, and the shortest FP32
     suffix, of the low-precision nodes in graph order; keep the smaller.
 
@@ -334,26 +384,29 @@ def bisect_baseline(model: nn.Module, example_inputs: Any, data: Iterable[Any], 
         example_inputs: the forward's arguments to trace with (a tuple, or one tensor).
         data: the batches to measure the error on (each a tuple of the forward's
             arguments, or one tensor).
+        config: the rewrite to bisect, as ``amp_rewrite``'s ``config`` (a
+            ``RewriteConfig``, a ``Policy``, a policy's text form, or None: see
+            ``search``).
         rtol: the largest error accepted.
         metric: ``metric(outputs, references) -> float`` (lists over the batches); by
             default the largest relative output error.
-        dtype: the low-precision dtype.
-        target: the device whose autocast the plan mirrors, as in ``amp_rewrite``.
-        policy: a ``Policy`` or its text form.
-        frontend: the front end, as in ``amp_rewrite``.
-        config: a ``RewriteConfig`` given instead of ``policy``, ``dtype``, ``target`` and
-            ``frontend``.
+        **deprecated: the keywords the config holds that ``bisect_baseline`` took before
+            (``dtype``, ``target``, ``policy``, ``frontend``), taken for one more release
+            with a ``FutureWarning``: they build ``RewriteConfig.make(**deprecated)``.
 
     Returns:
         The ``SearchResult`` (the plan marks its FP32 nodes ``rule="bisect"``); ``met`` is
         False when neither every prefix nor every suffix meets ``rtol``.
 
     Raises:
-        FxampError: ``data`` holds no batch, or the model cannot be rewritten.
+        FxampError: ``data`` holds no batch, the model cannot be rewritten, or ``config``
+            together with the (deprecated) keywords it holds.
+        TypeError: a keyword ``bisect_baseline`` does not take.
     """
+    config = tool_config("bisect_baseline", "model, example_inputs, data", config, deprecated,
+                         stacklevel=4)  # (the caller of the progress bar's wrapper)
     with fp32_form(model) as fp32:
-        evaluate = _prepare(fp32, example_inputs, data, metric, policy, dtype, target,
-                            frontend, config)
+        evaluate = _prepare(fp32, example_inputs, data, metric, config)
         return _bisect(evaluate, rtol)
 
 
