@@ -374,3 +374,51 @@ def check_batches(name: str, check: tuple, count: int = 8) -> List[tuple]:
         return [check] + [BATCHES[name]() for _ in range(count - 1)]
     finally:
         torch.random.set_rng_state(gen_state)
+
+
+# -- real sizes (export_peers.py --real): random weights, the issue "Deployment at real sizes"
+class _Seq2Seq(nn.Module):
+    """T5: the encoder's and the decoder's ids in, the decoder's last hidden state out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, dec: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, decoder_input_ids=dec, return_dict=False)[0]
+
+
+def gpt2_small() -> Tuple[nn.Module, tuple]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return LogitsOnly(GPT2LMHeadModel(GPT2Config())).eval(), \
+        (torch.randint(0, 50257, (2, 128)),)
+
+
+def bert_base() -> Tuple[nn.Module, tuple]:
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    return LogitsOnly(BertModel(BertConfig())).eval(), (torch.randint(0, 30522, (2, 128)),)
+
+
+def vit_b16() -> Tuple[nn.Module, tuple]:
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.vit_b_16().eval(), (torch.randn(1, 3, 224, 224),)
+
+
+def t5_small() -> Tuple[nn.Module, tuple]:
+    from transformers import T5Config, T5Model
+
+    torch.manual_seed(0)
+    return _Seq2Seq(T5Model(T5Config())).eval(), (torch.randint(0, 32128, (2, 128)),
+                                                  torch.randint(0, 32128, (2, 128)))
+
+
+#: real-size models (``(model, example)``), slow: benchmarks/export_peers.py --real
+REAL_MODELS: Dict[str, Callable[[], Tuple[nn.Module, tuple]]] = {
+    "gpt2_small": gpt2_small, "bert_base": bert_base, "vit_b16": vit_b16,
+    "t5_small": t5_small}

@@ -19,6 +19,13 @@ fxamp with the best correct peer model by model on the mean (a correct file: on 
 true-FP16 error within 5% of that batch's output scale).
 
     python benchmarks/export_peers.py --peer-python PATH_TO_PEER_VENV/bin/python
+
+``--real`` measures real sizes instead (GPT-2 small, BERT-base, ViT-B/16, T5-small with
+random weights; minutes per model): fxamp's rewrite + export and the precision report after
+it against one FP32 export of the same model, time and peak RSS, each run in its own
+process::
+
+    python benchmarks/export_peers.py --real --models gpt2_small,bert_base
 """
 from __future__ import annotations
 
@@ -247,7 +254,113 @@ def _warm_up(tmp: str) -> None:
                     os.path.join(tmp, "warm.fxamp.onnx"))
 
 
+# -- real sizes (--real) ----------------------------------------------------------------------
+REAL_MODES = ("fp32", "fxamp", "report")
+
+
+def real_worker(name: str, mode: str, tmp: str) -> Dict[str, Any]:
+    """One real-size configuration in this process (its own: peak RSS is the process's):
+    ``fp32`` (one ``torch.onnx.export(dynamo=True)``), ``fxamp`` (rewrite with
+    ``compute=fp16,target=tensorrt`` + ``export_onnx``, checks included) or ``report`` (the
+    same, then ``precision_report`` with the inputs and the FP32 model)."""
+    import resource
+
+    from _export_models import REAL_MODELS
+
+    torch.set_num_threads(1)
+    model, inputs = REAL_MODELS[name]()
+    path = os.path.join(tmp, f"{name}.{mode}.onnx")
+    out: Dict[str, Any] = {"model": name, "mode": mode}
+    start = time.perf_counter()
+    if mode == "fp32":
+        out["total"] = export_fp32(model, inputs, path)
+    else:
+        from fxamp.export import export_onnx, precision_report
+
+        gm = fxamp.amp_rewrite(model, inputs, "compute=fp16,target=tensorrt")
+        mid = time.perf_counter()
+        export_onnx(gm, inputs, path)
+        end = time.perf_counter()
+        out.update(rewrite=mid - start, export=end - mid, total=end - start,
+                   export_peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        if mode == "report":
+            precision_report(path, backend="onnxruntime", inputs=inputs, reference=model)
+            out["report"] = time.perf_counter() - end
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def _real_run(name: str, mode: str, tmp: str) -> Dict[str, Any]:
+    """:func:`real_worker` in a subprocess; its result (or its error)."""
+    proc = subprocess.run([sys.executable, __file__, "--real-worker", f"{name}:{mode}",
+                           "--tmp", tmp], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"model": name, "mode": mode, "error": (proc.stderr.strip().splitlines() or
+                                                   ["?"])[-1][:200]}
+
+
+def real_rows(models: List[str], tmp: str) -> List[List[str]]:
+    """Per real-size model: the FP32 export, fxamp's rewrite + export with its checks, and
+    the precision report after it, each in its own subprocess (in that order, once)."""
+    rows = []
+    for name in models:
+        runs = {mode: _real_run(name, mode, tmp) for mode in REAL_MODES}
+        for run in runs.values():
+            print(json.dumps(run), flush=True)
+        base, fx, rep = runs["fp32"], runs["fxamp"], runs["report"]
+        if any("error" in r for r in runs.values()):
+            rows.append([name] + ["error: " + next(r["error"] for r in runs.values()
+                                                   if "error" in r)] + ["-"] * 6)
+            continue
+        rows.append([name, f"{base['total']:.1f} s, {base['peak_rss_mb']:.0f} MB",
+                     f"{fx['total']:.1f} s ({fx['rewrite']:.1f} + {fx['export']:.1f})",
+                     f"{fx['total'] / base['total']:.2f}x",
+                     f"{fx['peak_rss_mb']:.0f} MB",
+                     f"{fx['peak_rss_mb'] / base['peak_rss_mb']:.2f}x",
+                     f"{rep['report']:.1f} s", f"{rep['report'] / base['total']:.2f}x"])
+        print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
+def main_real(a: argparse.Namespace) -> None:
+    """``--real``: the real-size rows (see :func:`real_rows`), printed and (unless
+    ``--no-docs``) appended to docs/benchmarks.md."""
+    from _export_models import REAL_MODELS
+
+    models = [m for m in a.models.split(",") if m in REAL_MODELS] if a.models_given \
+        else list(REAL_MODELS)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = real_rows(models, tmp)
+    md = _common.table(["model", "FP32 export: time, peak RSS",
+                        "fxamp rewrite + export (checks included)", "time vs FP32",
+                        "peak RSS", "RSS vs FP32", "precision report after it",
+                        "report vs FP32 export"], rows)
+    print(md)
+    if not a.no_docs:
+        _common.append_docs(
+            "FP16 ONNX at real sizes: fxamp against one FP32 export (--real)",
+            "Random weights; GPT-2 small and BERT-base at 2x128, ViT-B/16 at 1x3x224x224, "
+            "T5-small at 2x128 (+ 2x128 decoder ids). fxamp: `amp_rewrite(model, example, "
+            "'compute=fp16,target=tensorrt')` + `export_onnx` (its onnxruntime and true-FP16 "
+            "checks included); the report: `precision_report(path, inputs=..., "
+            "reference=model)` after it. Each configuration in its own process (peak RSS: "
+            "its ru_maxrss), 1 torch thread, once.\n\n" + md)
+
+
 def main() -> None:
+    if "--real-worker" in sys.argv:  # (one configuration of --real, in its own process)
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--real-worker")
+        ap.add_argument("--tmp")
+        w = ap.parse_args()
+        name, mode = w.real_worker.split(":")
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = real_worker(name, mode, w.tmp)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peer-python", default=os.environ.get("FXAMP_PEER_PYTHON", ""),
                     help="python of the environment with the peers (env FXAMP_PEER_PYTHON); "
@@ -257,7 +370,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="interleaved timing rounds (FP32 export, fxamp) per model; medians")
     ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--real", action="store_true",
+                    help="the real-size rows instead (GPT-2 small, BERT-base, ViT-B/16, "
+                    "T5-small, random weights; slow: minutes per model): time and peak RSS "
+                    "against one FP32 export, each run in its own process; --models picks "
+                    "among them")
     a = ap.parse_args()
+    a.models_given = any(arg.startswith("--models") for arg in sys.argv[1:])
+    if a.real:
+        main_real(a)
+        return
     torch.set_num_threads(1)
     rows, goals, versions = [], [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -47,6 +47,7 @@ class Constants:
         self._types: Optional[Dict[str, int]] = None
         self._memo: Dict[str, Optional[Value]] = {}
         self._sources: Dict[str, int] = {}
+        self._structural: Dict[str, bool] = {}
 
     def type_of(self, name: str) -> Optional[int]:
         if self._types is None:
@@ -56,6 +57,31 @@ class Constants:
     def sources(self, name: str) -> int:
         """How many elements of initializers ``name`` is computed from."""
         return self._sources.get(name, 0)
+
+    def constant(self, name: str) -> bool:
+        """Whether ``name`` may be a constant, from the graph alone (no value computed): an
+        initializer, a Constant node, or an op :meth:`value` computes on such inputs. A
+        value :meth:`value` computes is always one; the weights a computing node reads
+        are not widened to find that its other input is not.
+
+        Args:
+            name: a value of the graph.
+
+        Returns:
+            False where :meth:`value` is None for sure.
+        """
+        if not name or name in self.inits:
+            return True
+        if name not in self._structural:
+            self._structural[name] = False  # (a cycle is not a constant)
+            node = self.producers.get(name)
+            ok = node is not None and node.domain in ("", "ai.onnx") and (
+                node.op_type in _FOLDABLE or node.op_type in ("Constant", "Cast", "CastLike",
+                                                             "Shape"))
+            read = node.input[:1] if ok and node.op_type == "CastLike" else \
+                (node.input if ok else [])
+            self._structural[name] = ok and all(self.constant(i) for i in read)
+        return self._structural[name]
 
     def value(self, name: str) -> Optional[Value]:
         """(wide value, ONNX type) of ``name``, or None when it is not a constant."""
@@ -143,7 +169,8 @@ def fold_constants(model: Any) -> int:
     outputs = {o.name for o in graph.output}
     folded: Set[int] = set()
     for node in consts.nodes:
-        if node.op_type == "Constant" or not node.output or set(node.output) & outputs:
+        if node.op_type == "Constant" or not node.output or set(node.output) & outputs \
+                or not all(consts.constant(o) for o in node.output):
             continue
         values = [consts.value(o) for o in node.output]
         if all(v is not None for v in values) and all(

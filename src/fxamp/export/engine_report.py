@@ -33,7 +33,7 @@ from .dynamic import AXES_KEY, other_shape, parse_axes, shape_text
 from .backends import ONNXRUNTIME, TENSORRT, alias_device, choose
 from .onnx_metadata import FX_NODE, MODULE, NOTE, get_meta
 from .onnx_types import ONNX_FLOAT_NAMES, compute_dtype
-from .ort_layers import feeds, providers
+from .ort_layers import feeds, lean_options, providers
 from .repairs import value_types
 from .errors import NumericsError
 from .layers import LayerPrecision
@@ -152,11 +152,11 @@ def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "aut
                              model=os.path.basename(path), exporter=exporter)
     if reference is not None and inputs is not None:
         report.numerics = check_numerics(path, reference, inputs, rtol=rtol, atol=atol,
-                                         raise_on_error=False, device=device)
+                                         raise_on_error=False, device=device, proto=model)
         other = _other_sizes(model, inputs)
         if other is not None:  # (a file with dynamic axes: measured at other sizes too)
             rows = check_numerics(path, reference, other, rtol=rtol, atol=atol,
-                                  raise_on_error=False, device=device)
+                                  raise_on_error=False, device=device, proto=model)
             for row in rows:
                 row["output"] = f"{row['output']} at {shape_text(other)}"
             report.numerics += rows
@@ -177,39 +177,102 @@ def _other_sizes(model: Any, inputs: Sequence[Any]) -> Optional[tuple]:
 
 
 def _true_fp16(path: str, session: Any, inputs: Sequence[Any], refs: List[Any],
-               rows: List[Dict[str, Any]]) -> None:
+               rows: List[Dict[str, Any]], proto: Any = None) -> None:
     """Add each row's true-FP16 result (``onnx.reference``, every op in its declared type):
     ``true_fp16_max_abs`` and ``true_fp16_ok`` (within ``TRUE_FP16_RTOL`` of the output's
     scale); where the reference evaluator cannot run the file, ``true_fp16_skipped`` says
-    why instead."""
+    why instead. The export's own check on these inputs, stored in the file
+    (:func:`_stored_true_fp16`), is read back rather than run again
+    (``true_fp16_from``: ``"export check"``); a sampled output says so
+    (``true_fp16_sampled``).
+
+    Args:
+        path: the ONNX file.
+        session: the onnxruntime session of the numerics (for the input names).
+        inputs: the inputs.
+        refs: the FP32 model's outputs.
+        rows: the numerics rows, one per output, filled in place.
+        proto: the file, loaded already (default: loaded from ``path``).
+    """
     import numpy as np
     import onnx
 
-    from .overflow import run_true_fp16, unrunnable
-    from .reference import TRUE_FP16_RTOL
+    from .overflow import unrunnable
+    from .true_fp16 import run_bounded, sampled_like
 
+    feed = feeds(session, inputs)
+    proto = proto if proto is not None else onnx.load(path)
+    stored = _stored_true_fp16(proto, list(feed.values()))
+    if stored is not None and len(stored) == len(rows):
+        for row, done in zip(rows, stored):
+            _fill_true_fp16(row, float(done["max_abs"]), done.get("sampled"))
+            row["true_fp16_from"] = "export check"
+        return
     try:
-        got = run_true_fp16(onnx.load(path), feeds(session, inputs))
+        run = run_bounded(proto, feed)
     except Exception as err:  # noqa: BLE001 - an op onnx.reference lacks
         reason = unrunnable(err)
         log.warning("no true-FP16 result for %s: %s", path, reason)
         for row in rows:
             row["true_fp16_skipped"] = reason
         return
-    for row, out, ref in zip(rows, got, refs):
-        r = ref.detach().float().cpu().numpy()
+    for index, (row, out, ref) in enumerate(zip(rows, run.outputs, refs)):
+        sampled = run.sampled.get(index)
+        r = sampled_like(ref.detach().float().cpu(), sampled).numpy()
         o = np.asarray(out, dtype=np.float64)
         if o.shape != r.shape:
             continue
-        diff = float(np.abs(o - r).max()) if r.size else 0.0
         finite = bool(np.isfinite(o).all())
-        row["true_fp16_max_abs"] = diff if finite else float("inf")
-        row["true_fp16_ok"] = finite and diff <= TRUE_FP16_RTOL * row["ref_max"]
+        diff = float(np.abs(o - r).max()) if r.size else 0.0
+        _fill_true_fp16(row, diff if finite else float("inf"),
+                        sampled.text() if sampled is not None else None)
+
+
+def _fill_true_fp16(row: Dict[str, Any], diff: float, sampled: Optional[str]) -> None:
+    """Write one output's true-FP16 keys into its numerics ``row``.
+
+    Args:
+        row: the numerics row (its ``ref_max`` is the tolerance's scale).
+        diff: the largest |true FP16 - FP32| (inf: not finite).
+        sampled: what a sampled output compared (None: every value).
+    """
+    from .reference import TRUE_FP16_RTOL
+
+    row["true_fp16_max_abs"] = diff
+    row["true_fp16_ok"] = diff == diff and diff <= TRUE_FP16_RTOL * row["ref_max"]
+    if sampled:
+        row["true_fp16_sampled"] = sampled
+
+
+def _stored_true_fp16(proto: Any, arrays: List[Any]) -> Optional[List[Dict[str, Any]]]:
+    """The export's true-FP16 rows (``fxamp.true_fp16_rows``) where the file holds them for
+    these very inputs (``fxamp.true_fp16_inputs``, their digest), else None.
+
+    Args:
+        proto: the ONNX file.
+        arrays: the input values, in the graph's order.
+
+    Returns:
+        One row per output (``verify.true_fp16_row``), or None.
+    """
+    import json
+
+    from .true_fp16 import DIGEST_KEY, ROWS_KEY, inputs_digest
+
+    meta = {p.key: p.value for p in proto.metadata_props if p.key in (DIGEST_KEY, ROWS_KEY)}
+    if ROWS_KEY not in meta or meta.get(DIGEST_KEY) != inputs_digest(arrays):
+        return None
+    try:
+        rows = json.loads(meta[ROWS_KEY])
+    except ValueError:
+        return None
+    return rows if isinstance(rows, list) and all(
+        isinstance(r, dict) and "max_abs" in r for r in rows) else None
 
 
 def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: float = 1e-2,
                    atol: float = 1e-2, raise_on_error: bool = True,
-                   device: Optional[str] = None) -> List[Dict[str, Any]]:
+                   device: Optional[str] = None, proto: Any = None) -> List[Dict[str, Any]]:
     """Run the ONNX model in onnxruntime (default optimizations) and the FP32 PyTorch model
     on the same inputs; per output: max abs error, max relative error (|d| / (|ref| + atol)),
     the largest |ref|, and ok = max abs error <= atol + rtol * max|ref|; and the file in
@@ -224,6 +287,9 @@ def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: flo
         atol: the absolute tolerance.
         raise_on_error: raise when an output is over tolerance (else only report it).
         device: an onnxruntime provider to ask for (default CUDA when available, else CPU).
+        proto: the file, loaded already (default: loaded from ``path`` for the true-FP16
+            part). Where the file holds its export's true-FP16 check on these inputs, that
+            result is read back (``true_fp16_from``), not run again.
 
     Returns:
         One dict per output, with the keys above.
@@ -237,7 +303,7 @@ def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: flo
     from .._torch import tree_flatten
 
     inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    opts = ort.SessionOptions()
+    opts = lean_options(ort)
     opts.log_severity_level = 3
     session = ort.InferenceSession(path, opts, providers=providers(device))
     got = session.run(None, feeds(session, inputs))
@@ -266,7 +332,7 @@ def check_numerics(path: str, model_fp32: Any, example_inputs: Any, *, rtol: flo
                      "max_rel": float((diff / (np.abs(r) + atol)).max()) if diff.size else 0.0,
                      "ref_max": ref_max,
                      "ok": finite and max_abs <= atol + rtol * ref_max})
-    _true_fp16(path, session, inputs, refs, rows)
+    _true_fp16(path, session, inputs, refs, rows, proto)
     bad = [row for row in rows if not row["ok"]]
     if bad and raise_on_error:
         text = "; ".join(f"{row['output']}: max abs error {row['max_abs']:.3g} > "

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import tempfile
+import types
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -40,8 +42,9 @@ from ..rewriter.gc_scope import young_objects_only
 from ..rewriter.inplace import is_inplace, rewritten
 from ..rewriter.overlap import own_forwards
 from ..frontends.common import as_tuple
+from .._torch import tree_leaves
 from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, NOTE, get_meta, set_meta
-from . import dynamic
+from . import dynamic, true_fp16
 from .onnx_passes import run_onnx_steps
 from .program import exported_program
 from .errors import ExportError
@@ -289,6 +292,43 @@ def _eval_reference(reference: Optional[torch.nn.Module]) -> Any:
     return run
 
 
+def _graph_of(ep: Any) -> Any:
+    """What the ONNX steps read of the exporter's program (``restore_tiny_adds``: its
+    graph), without the program: it holds the exported view's FP16 weights (a copy of
+    every weight the plan casts), which need not live through the steps and the checks.
+
+    Args:
+        ep: the exporter's ``ExportedProgram``, or None.
+
+    Returns:
+        An object with the program's ``graph``, or None.
+    """
+    return None if ep is None else types.SimpleNamespace(graph=ep.graph)
+
+
+def _true_fp16_meta(rows: List[Dict[str, Any]], inputs: tuple) -> Dict[str, str]:
+    """The file's metadata of the true-FP16 check on the example input: its result per
+    output and the digest of the inputs (what ``precision_report`` reads back instead of
+    running the check again), and what was sampled; nothing where it did not run.
+
+    Args:
+        rows: ``verify.true_fp16_row`` per output.
+        inputs: the example's positional arguments.
+
+    Returns:
+        Metadata key -> value.
+    """
+    if not rows:
+        return {}
+    leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    meta = {true_fp16.ROWS_KEY: json.dumps(rows), true_fp16.DIGEST_KEY:
+            true_fp16.inputs_digest(leaves)}
+    sampled = [row["sampled"] for row in rows if "sampled" in row]
+    if sampled:
+        meta[true_fp16.SAMPLED_KEY] = "; ".join(sampled)
+    return meta
+
+
 def flat_graph(model: torch.nn.Module, inputs: tuple) -> torch.nn.Module:
     """The one graph to export for ``model``: a model in block mode (no graph of the whole
     model exists: the glue between its blocks is its own Python code) is rewritten afresh
@@ -425,8 +465,11 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
             except Exception as err:  # noqa: BLE001
                 raise ExportError(f"both ONNX exporters failed; dynamo: {error or '-'}; "
                                   f"torchscript: {type(err).__name__}: {err}") from err
-    steps = run_onnx_steps(model, used, ep)
+    graph = _graph_of(ep)
+    ep = None  # (the exporter's program holds the FP16 view's weights: its graph is enough)
+    steps = run_onnx_steps(model, used, graph)
     model, counts = steps.model, steps.counts
+    steps = None
     repaired, eps_fixed = counts["types"], counts["eps"]
     _annotate(model, gm, mapping)
     _note_folds(model, folds)
@@ -439,9 +482,10 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
         extra.append((f"the example at other sizes ({dynamic.shape_text(other)})", other))
     # a traced graph (TorchScript) holds the branches the example took: check the file on a
     # second input too; torch.export's graph is checked the same way (cheap insurance)
+    rows: List[Dict[str, Any]] = []
     with _eval_mode(gm):
         checked, true_fp16 = check_export(model, gm, inputs, used,
-                                          _eval_reference(reference), extra)
+                                          _eval_reference(reference), extra, rows)
     meta = {"fxamp.version": __version__, "fxamp.exporter": used, CAPTURE: capture,
             "fxamp.plan": plan.to_text(),
             "fxamp.folded_weight_casts": str(sum(counts.get(name, 0) for name in (
@@ -459,6 +503,7 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
             dynamic.shape_text(case) for case in [inputs] + [c for _, c in extra])
     if isinstance(true_fp16, str):  # (not checked, and why: never silently)
         meta["fxamp.true_fp16_skipped"] = true_fp16
+    meta.update(_true_fp16_meta(rows, inputs))
     if error:
         meta["fxamp.dynamo_error"] = error
     for key, value in meta.items():

@@ -13,7 +13,7 @@ own value back.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 
 import torch
 import torch.fx as fx
@@ -95,19 +95,39 @@ def fp32_reference(model: torch.nn.Module) -> Callable[..., Any]:
 def relative_error(got: Any, want: Any) -> float:
     """max |got - want| / max |want| (the output's scale; inf where ``got`` is inf/NaN and
     ``want`` is finite, nan when the shapes differ)."""
+    diff, scale = error_parts(got, want)
+    if diff != diff or diff in (0.0, float("inf")):
+        return diff
+    return diff / max(scale, 1e-12)
+
+
+def error_parts(got: Any, want: Any) -> Tuple[float, float]:
+    """(max |got - want|, max |want|) over the positions where ``want`` is finite: inf for
+    the first where ``got`` is inf/NaN there, nan when the shapes differ; (0, 0) for an
+    empty output.
+
+    Args:
+        got: the file's output (an array or tensor).
+        want: the FP32 output.
+
+    Returns:
+        The largest difference and the output's scale.
+    """
     g = torch.as_tensor(got).double()
     w = want.detach().double().cpu() if isinstance(want, torch.Tensor) else \
         torch.as_tensor(want).double()
     if tuple(g.shape) != tuple(w.shape):
-        return float("nan")
+        return float("nan"), 0.0
     if not w.numel():
-        return 0.0
+        return 0.0, 0.0
     finite = torch.isfinite(w)
-    if not bool(torch.isfinite(g[finite]).all()):
-        return float("inf")
-    scale = float(w[finite].abs().max()) if bool(finite.any()) else 0.0
-    diff = float((g[finite] - w[finite]).abs().max()) if bool(finite.any()) else 0.0
-    return diff / max(scale, 1e-12) if diff else 0.0
+    every = bool(finite.all())  # (no copies through a mask where every value is finite)
+    g_f, w_f = (g, w) if every else (g[finite], w[finite])
+    scale = float(w_f.abs().max()) if w_f.numel() else 0.0
+    if not bool(torch.isfinite(g_f).all()):
+        return float("inf"), scale
+    diff = float((g_f - w_f).abs().max()) if w_f.numel() else 0.0
+    return diff, scale
 
 
 def tensor_outputs(value: Any) -> List[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""``onnx.reference`` with PyTorch kernels for Conv, ConvTranspose, MaxPool and MatMul: the
-true-FP16 run, faster.
+"""``onnx.reference`` with PyTorch kernels for Conv, ConvTranspose, MaxPool, MatMul and Gemm:
+the true-FP16 run, faster.
 
 The true-FP16 check (``verify.check_true_fp16``) runs the exported file with
 ``onnx.reference.ReferenceEvaluator``, every op in its declared type. Its Conv is an
@@ -21,6 +21,8 @@ the same evaluator with these ops computed by PyTorch, to the same numbers:
 - MatMul (FP16): numpy's FP16 product sums in FP32 and rounds once, as the Conv's does;
   here the widened inputs are multiplied in FP32 and the result rounded to FP16 (0.2 s of a
   ViT-Tiny's 0.29 s check before).
+- Gemm (FP16, 2-D): the product as MatMul's, then ``alpha`` and the bias in FP16 as
+  onnx.reference adds them (GPT-2 small's 48 Gemms were 109 s of its 113 s check).
 
 Anything these kernels do not cover (``auto_pad`` SAME_*, MaxPool's indices output,
 asymmetric pool or transposed-convolution pads, ConvTranspose's ``output_shape``, other
@@ -128,11 +130,30 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
     return out.numpy().astype(np.float16)
 
 
+def _gemm(a: np.ndarray, b: np.ndarray, c: Optional[np.ndarray], alpha: Any, beta: Any,
+          trans_a: Any, trans_b: Any) -> Optional[np.ndarray]:
+    """The FP16 Gemm in PyTorch, or None where it does not apply: onnx.reference's
+    ``np.dot`` of FP16 matrices (no BLAS: 2 s for one of GPT-2's 2x128x768x3072 products)
+    sums in FP32 and rounds once, as :func:`_matmul`; the scaling by ``alpha`` and the
+    bias (``beta * c``) then follow in numpy as onnx.reference writes them, the same
+    roundings."""
+    if a.dtype != np.float16 or b.dtype != np.float16 or a.ndim != 2 or b.ndim != 2:
+        return None
+    left = torch.from_numpy(np.array(a, dtype=np.float32))
+    right = torch.from_numpy(np.array(b, dtype=np.float32))
+    out = torch.matmul(left.T if trans_a else left, right.T if trans_b else right)
+    o = out.numpy().astype(np.float16) * alpha
+    if c is not None and beta != 0:
+        o += c * beta
+    return o.astype(a.dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels() -> List[type]:
     """The OpRun classes (built on first use: ``import fxamp`` never imports onnx)."""
     from onnx.reference.ops.op_conv import Conv as RefConv
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as RefConvTranspose
+    from onnx.reference.ops.op_gemm import Gemm_7 as RefGemm
     from onnx.reference.ops.op_matmul import MatMul as RefMatMul
     from onnx.reference.ops.op_max_pool import MaxPool as RefMaxPool
 
@@ -178,12 +199,21 @@ def _kernels() -> List[type]:
                                     output_shape=output_shape, pads=pads, strides=strides)
             return (out,)
 
-    return [Conv, MaxPool, MatMul, ConvTranspose]
+    class Gemm(RefGemm):
+        def _run(self, a, b, c=None, alpha=None, beta=None, transA=None,  # noqa: N803
+                 transB=None):
+            out = _gemm(a, b, c, alpha, beta, transA, transB)
+            if out is None:
+                return super()._run(a, b, c, alpha=alpha, beta=beta, transA=transA,
+                                    transB=transB)
+            return (out,)
+
+    return [Conv, MaxPool, MatMul, ConvTranspose, Gemm]
 
 
 def evaluator(proto: Any) -> Any:
     """An ``onnx.reference.ReferenceEvaluator`` of ``proto`` computing every op in its
-    declared type, Conv, ConvTranspose, MaxPool and FP16 MatMul with PyTorch kernels (see
+    declared type, Conv, ConvTranspose, MaxPool, FP16 MatMul and Gemm with PyTorch kernels (see
     the module doc).
 
     Args:

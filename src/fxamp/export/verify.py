@@ -2,8 +2,9 @@
 with onnxruntime) must agree on the example inputs and on a second, different input (the
 example's floating tensors negated: a branch on a sign, a sum or a max goes the other way),
 and, when the file has a dynamic batch axis, on a batch of twice the size. onnxruntime runs it
-with its basic graph optimizations only: the fusions and layout changes of its higher levels
-check nothing more of the file and cost more than the runs on a CNN.
+without graph optimizations: their fusions and layout changes check nothing more of the file
+and cost more than the runs on a CNN, and their constant folding would store an FP32 copy of
+each FP16 weight that its CPU kernels read through a Cast.
 
 A tracing exporter (TorchScript) records the branch the example input took; torch.export
 refuses value-dependent branches, but the eager front end's results (whose own forward is
@@ -18,7 +19,7 @@ same way.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from .._torch import tree_leaves, tree_map
@@ -26,9 +27,11 @@ from .._torch import tree_leaves, tree_map
 import torch.fx as fx
 
 from .overflow import (PlanOverflowError, find_overflow, first_divergent_node,
-                       first_nonfinite_node, run_true_fp16, unrunnable)
-from .reference import TRUE_FP16_RTOL, fp32_reference, relative_error, tensor_outputs
+                       first_nonfinite_node, unrunnable)
+from .reference import TRUE_FP16_RTOL, error_parts, fp32_reference, tensor_outputs
+from .true_fp16 import Sampled, run_bounded, sampled_like
 from .errors import DynamicShapesError, ExportError
+from .ort_layers import lean_options
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +155,8 @@ def _mismatch(model: torch.nn.Module, case: Any, what: str, got: List[Any],
 
 def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: str,
                  reference: Optional[Callable[..., Any]] = None,
-                 extra: Sequence[Tuple[str, tuple]] = ()
+                 extra: Sequence[Tuple[str, tuple]] = (),
+                 rows: Optional[List[Dict[str, Any]]] = None
                  ) -> Tuple[int, Union[float, str, None]]:
     """Run ``proto`` with onnxruntime and the FP32 reference (``reference``, default the
     rewritten ``model`` with its casts made FP32: :func:`fp32_reference`) on the example
@@ -161,7 +165,9 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
     raise ExportError when they disagree or the file cannot be checked; then the true-FP16
     check (:func:`check_true_fp16`) on the example and the ``extra`` cases. Returns (the
     number of inputs checked, the largest true-FP16 relative error, or why it was not
-    measured)."""
+    measured). ``rows``: where given, the true-FP16 result of each output on the example
+    input is appended (:func:`true_fp16_row`). onnxruntime's session and the serialized
+    file are dropped before the true-FP16 run (one copy of the weights less)."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -180,16 +186,16 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         raise ExportError(f"the {exporter} exporter's graph is too large (> 1.8 GB) to check "
                           "against PyTorch in memory; what to do: export the model's parts")
     ref = reference if reference is not None else fp32_reference(model)
-    options = ort.SessionOptions()  # the file as written: no fusions or layout changes
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     try:
-        session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        session = _session(ort, data)
+        data = None  # (the session holds its own copy)
     except Exception as err:  # noqa: BLE001 - e.g. no CPU kernel for a bf16 op
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         if exporter != "torchscript":  # torch.export's graph is sound without the check
             log.warning("the exported graph was not run against PyTorch: onnxruntime on CPU "
                         "cannot load it (%s)", why)
-            return 0, check_true_fp16(proto, ref, inputs, _names(proto), model)
+            data = None
+            return 0, check_true_fp16(proto, ref, inputs, _names(proto), model, rows=rows)
         raise ExportError(
             f"the {exporter} exporter traced the model, and the traced graph cannot be "
             f"checked against PyTorch: onnxruntime on CPU cannot load it ({why}); an unchecked "
@@ -232,7 +238,9 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
             if exporter != "torchscript" and what != "the example input":
                 log.warning("the exported graph was checked on the example input only: "
                             "onnxruntime fails on %s (%s)", what, type(err).__name__)
-                return done, check_true_fp16(proto, ref, inputs, names, model, example)
+                session = data = None
+                return done, check_true_fp16(proto, ref, inputs, names, model, example,
+                                             rows=rows)
             raise ExportError(f"the {exporter} exporter's graph fails on {what} in "
                               f"onnxruntime ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}); what to do: "
@@ -240,7 +248,8 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         problem = _compare(got, want)
         if problem is not None:
             raise _mismatch(model, case, what, got, problem, exporter, want)
-    error = check_true_fp16(proto, ref, inputs, names, model, example)
+    session = data = None  # (their memory, before the true-FP16 run's)
+    error = check_true_fp16(proto, ref, inputs, names, model, example, rows=rows)
     for what, case in extra:  # (the same check at the other sizes of the dynamic axes)
         if isinstance(error, str):
             break  # (the reference evaluator cannot run this file: said once)
@@ -248,6 +257,25 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
         error = other if isinstance(other, str) else max(error, other)
     log.info("checked the exported graph against FP32 on %d inputs", len(cases))
     return len(cases), error
+
+
+def _session(ort: Any, data: bytes) -> Any:
+    """An onnxruntime CPU session of the serialized file as written: no fusions or layout
+    changes, and no constant folding (which would store an FP32 copy of every FP16 weight
+    that a Cast onnxruntime inserts before a kernel it lacks in FP16 reads: twice the
+    weights' memory; each run casts them instead, to the same values). Without its memory
+    arena (:func:`.ort_layers.lean_options`): the arena keeps the peak of every run.
+
+    Args:
+        ort: the onnxruntime module.
+        data: the file's bytes.
+
+    Returns:
+        The session.
+    """
+    options = lean_options(ort)
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
 
 def _other_sizes_error(what: str, who: str, err: Exception) -> DynamicShapesError:
@@ -272,20 +300,26 @@ _names = input_names
 def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
                     names: List[str], model: Optional[torch.nn.Module] = None,
                     want: Optional[List[Any]] = None,
-                    what: str = "the example input") -> Union[float, str]:
+                    what: str = "the example input",
+                    rows: Optional[List[Dict[str, Any]]] = None) -> Union[float, str]:
     """Run ``proto`` on ``inputs`` (``what``: the example input by default) with every op
     in its declared type (``onnx.reference``) and compare it with the FP32 ``reference``:
     an output that differs by more than :data:`TRUE_FP16_RTOL` of its scale (or is inf/NaN
     where FP32 is finite) is a PlanOverflowError naming the first ONNX node that goes
     wrong, its fx node and the fix (the rewritten ``model``'s own overflow, where PyTorch
     runs it, names its node and range first). ``want``: the reference's outputs on
-    ``inputs`` where the caller has them (else it runs). Returns the largest relative
-    error, or why the file was not checked (the reference evaluator cannot run it: logged
-    as a warning)."""
+    ``inputs`` where the caller has them (else it runs). The run holds only the values
+    still to be read, and an output of more than ``true_fp16.SAMPLE_LIMIT`` values that
+    a constant projection makes (a language model's logits) is compared on a sample of its
+    columns (:func:`.true_fp16.run_bounded`). ``rows``: where given, one dict per output
+    is appended (:func:`true_fp16_row`: what the precision report reads back from the
+    file instead of running the check again). Returns the largest relative error, or why
+    the file was not checked (the reference evaluator cannot run it: logged as a
+    warning)."""
     leaves = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     feed = {n: t.detach().cpu().numpy() for n, t in zip(names, leaves)}
     try:
-        got = run_true_fp16(proto, feed)
+        run = run_bounded(proto, feed)
     except Exception as err:  # noqa: BLE001 - an op the reference evaluator lacks
         reason = unrunnable(err)
         log.warning("the exported file was not checked in true FP16: %s; its metadata "
@@ -294,7 +328,16 @@ def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
     if want is None:
         with torch.no_grad():
             want = tensor_outputs(reference(*inputs))
-    errors = [relative_error(g, w) for g, w in zip(got, want)]
+    outputs = [o.name for o in proto.graph.output]
+    errors = []
+    for index, (g, w) in enumerate(zip(run.outputs, want)):
+        sampled = run.sampled.get(index)
+        diff, scale = error_parts(g, sampled_like(w, sampled))
+        errors.append(diff if diff != diff or diff in (0.0, float("inf"))
+                      else diff / max(scale, 1e-12))
+        if rows is not None:
+            rows.append(true_fp16_row(outputs[index] if index < len(outputs) else str(index),
+                                      diff, scale, sampled))
     worst = max(errors, default=0.0)
     if worst == worst and worst <= TRUE_FP16_RTOL:
         return worst
@@ -320,3 +363,23 @@ def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
         "runs FP16 nodes in FP32 and hides it). what to do: keep it in FP32 with the policy "
         f"override 'fp32:{fx_name or label}', give calibration_data that reaches these "
         "values, or rewrite with target='tensorrt'")
+
+
+def true_fp16_row(output: str, diff: float, scale: float,
+                  sampled: Optional[Sampled]) -> Dict[str, Any]:
+    """One output's true-FP16 result, as the export stores it (``fxamp.true_fp16_rows``).
+
+    Args:
+        output: the graph output's name.
+        diff: the largest |true FP16 - FP32| (inf: inf/NaN where FP32 is finite).
+        scale: the output's largest |FP32| value.
+        sampled: how the output was sampled (None: every value compared).
+
+    Returns:
+        ``{"output", "max_abs", "ref_max"}`` and, for a sample, ``"values"`` (how many
+        were compared), ``"of"`` (the whole output's number) and ``"sampled"`` (what).
+    """
+    row: Dict[str, Any] = {"output": output, "max_abs": diff, "ref_max": scale}
+    if sampled is not None:
+        row.update(values=sampled.evaluated, of=sampled.total, sampled=sampled.text())
+    return row

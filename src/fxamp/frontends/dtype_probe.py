@@ -28,20 +28,23 @@ own copies of argument objects such as a KV cache).
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from .. import ops
-from .._torch import OpOverload, op_schema
+from .._torch import FakeTensorMode, OpOverload, op_schema
 from ..runtime import write_buffer_
 
-__all__ = ["Conversion", "conversions", "settled_by_run", "reaches_lower_only", "writes_state"]
+__all__ = ["Conversion", "conversions", "fake_conversions", "settled_by_run",
+           "reaches_lower_only", "writes_state"]
 
 #: a frame: (file, line)
 Frame = Tuple[str, int]
@@ -51,6 +54,7 @@ Conversion = Tuple[Tuple[Frame, ...], Optional[torch.dtype], torch.dtype]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+log = logging.getLogger(__name__)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
@@ -89,7 +93,24 @@ def conversions(run: Callable[[], Any], device: str,
                 compute: torch.dtype) -> Optional[List[Conversion]]:
     """Run ``run`` (one eager forward of the model) under ``torch.autocast(device, compute)``
     and no grad, and return the conversions it made; None where the run fails (the export
-    under autocast decides then)."""
+    under autocast decides then).
+
+    The run is made on fake tensors first (:func:`fake_conversions`: the dtypes without the
+    arithmetic, which autocast would do in ``compute`` with slow kernels on a CPU); only a
+    model whose code needs its values (a branch on a tensor's value, an op without a fake
+    kernel) is run on its real tensors, as before.
+
+    Args:
+        run: one eager forward of the model (on its own copies of the inputs).
+        device: the autocast device type ("cpu", "cuda").
+        compute: autocast's low dtype.
+
+    Returns:
+        The conversions, in the order the run made them, or None.
+    """
+    seen = fake_conversions(run, device, compute)
+    if seen is not None:
+        return seen
     recorder = _Recorder()
     try:
         with torch.no_grad(), torch.autocast(device, compute), recorder:
@@ -97,6 +118,81 @@ def conversions(run: Callable[[], Any], device: str,
     except Exception:  # noqa: BLE001 - the caller falls back to the export under autocast
         return None
     return recorder.seen
+
+
+def fake_conversions(run: Callable[[], Any], device: str,
+                     compute: torch.dtype) -> Optional[List[Conversion]]:
+    """:func:`conversions`' run on fake tensors (``FakeTensorMode``: the model's parameters,
+    buffers and inputs become tensors with a dtype, a shape and a device but no data, each
+    op computes only those): the same calls, in the same dtypes, with no arithmetic.
+
+    Args:
+        run: one eager forward of the model.
+        device: the autocast device type.
+        compute: autocast's low dtype.
+
+    Returns:
+        The conversions, or None where the forward needs real values (a branch on a
+        tensor's value, an op with no fake kernel) or fails otherwise.
+    """
+    recorder = _Recorder()
+    saved: Dict[int, Tuple[torch.nn.Module, Dict[str, Any]]] = {}
+
+    def snapshot(module: torch.nn.Module, args: Any) -> None:
+        if id(module) not in saved:
+            saved[id(module)] = (module, _state_of(module))
+
+    hook = register_module_forward_pre_hook(snapshot)
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), \
+                torch.autocast(device, compute), recorder:
+            run()
+    except Exception as err:  # noqa: BLE001 - the real run decides then
+        log.debug("the dtype probe cannot run on fake tensors (%s: %s); running it on the "
+                  "real ones", type(err).__name__, str(err).splitlines()[:1])
+        return None
+    finally:
+        hook.remove()
+        for module, state in saved.values():
+            _drop_fakes(module, state)
+    return recorder.seen
+
+
+def _state_of(module: torch.nn.Module) -> Dict[str, Any]:
+    """A shallow copy of ``module``'s attributes, buffers and parameters (keyed
+    ``"attr:NAME"``, ``"buffer:NAME"``, ``"param:NAME"``)."""
+    state = {f"attr:{k}": v for k, v in vars(module).items()}
+    state.update((f"buffer:{k}", v) for k, v in module._buffers.items())
+    state.update((f"param:{k}", v) for k, v in module._parameters.items())
+    return state
+
+
+def _has_fake(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor, or a list, tuple or dict holding one."""
+    if isinstance(value, (list, tuple)):
+        return any(_has_fake(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_fake(v) for v in value.values())
+    return isinstance(value, torch.Tensor) and type(value).__name__ == "FakeTensor"
+
+
+def _drop_fakes(module: torch.nn.Module, before: Dict[str, Any]) -> None:
+    """Put back what the fake run stored on ``module`` as a fake tensor (a cache a forward
+    fills, e.g. rotary tables): the value it had before, or nothing.
+
+    Args:
+        module: a module the fake run called.
+        before: its :func:`_state_of` from before its first call.
+    """
+    places = {"attr": vars(module), "buffer": module._buffers, "param": module._parameters}
+    for key, value in _state_of(module).items():
+        if not _has_fake(value):
+            continue
+        kind, _, name = key.partition(":")
+        if key in before:
+            places[kind][name] = before[key]
+        else:
+            del places[kind][name]
 
 
 def _node_frames(node: fx.Node) -> Tuple[Frame, ...]:
