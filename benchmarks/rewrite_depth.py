@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     logging.getLogger("fxamp").setLevel(logging.ERROR)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     rows, found = [], {}
+    measure(2, "cpu", 1, args.meta_all)  # (warm-up: first-use costs of every path)
     for depth in (int(d) for d in args.depths.split(",")):
         device = "meta" if depth >= args.meta_from else "cpu"
         got = measure(depth, device, args.repeat, args.meta_all)

@@ -61,7 +61,7 @@ def test_a_relative_path_changes_every_block():
 
 
 def test_an_override_of_the_glue_is_refused_up_front_and_the_advice_works():
-    with pytest.raises(fxamp.PolicyError, match="names lm_head, outside the blocks"):
+    with pytest.raises(fxamp.PolicyError, match="names lm_head, outside every region.*partition='blocks'"):
         fxamp.amp_rewrite(_llama(), config="compute=bf16,fp32:lm_head", inplace=True)
     model = _llama()  # (the advice: with example inputs, one plan, lm_head included)
     fxamp.amp_rewrite(model, (IDS,), "compute=bf16,fp32:lm_head", inplace=True)

@@ -231,3 +231,17 @@ def test_the_cli_plans_and_checks_a_partitioned_plan_and_names_one_blocks_change
     out = capsys.readouterr().out
     changed = [line for line in out.splitlines() if line.startswith("~")]
     assert changed and all(line.split()[1].startswith("blocks.1/") for line in changed), out
+
+
+def test_with_partition_blocks_a_relative_override_goes_to_the_blocks_only():
+    """``fp32:mlp.down_proj`` names a module of every decoder layer: each layer's lines
+    change, and the glue's regions (which hold no such module) are planned as without it
+    (before, each glue region was refused: the override matched none of its nodes)."""
+    plain, model = _llama(), _llama()
+    fxamp.amp_rewrite(plain, (IDS,), _config("blocks"), inplace=True)
+    fxamp.amp_rewrite(model, (IDS,), fxamp.RewriteConfig.make(
+        policy="compute=bf16,target=cpu,fp32:mlp.down_proj", partition="blocks"), inplace=True)
+    before, after = fxamp.plan_of(plain).nodes, fxamp.plan_of(model).nodes
+    changed = {n for n in after if n in before and after[n].dtype != before[n].dtype}
+    assert changed and all(after[n].module.endswith("mlp.down_proj") for n in changed)
+    assert all(after[n].dtype == torch.float32 for n in changed)

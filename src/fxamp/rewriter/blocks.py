@@ -335,12 +335,13 @@ def _note_shared_modules(model: nn.Module, paths: List[str]) -> None:
 
 
 def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[str, list]:
-    """Each block's overrides in block mode, where each block is planned on its own: an
-    override naming a module inside one block by its absolute path
-    (``fp32:model.layers.1.mlp.*``) goes to that block alone, made relative to it
-    (``fp32:mlp.*``); any other (``fp32:mlp.down_proj``, an op label) to every block. One
-    naming only modules of the glue (``fp32:lm_head``: the model's own forward, run under
-    torch.autocast) is refused now, not on every call.
+    """Each region's overrides in block mode, where each region is planned on its own: an
+    override naming a module inside one region by its absolute path
+    (``fp32:model.layers.1.mlp.*``, ``fp32:lm_head``) goes to that region alone, made
+    relative to it (``fp32:mlp.*``); any other (``fp32:mlp.down_proj``, an op label) to
+    every block (the repeated ones; the glue's modules, regions too, take only their own
+    paths'). One naming only modules outside every region (the model's own forward, run
+    under torch.autocast) is refused now, not on every call.
 
     Args:
         model: the model in block mode.
@@ -352,6 +353,8 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[
     """
     routed: Dict[str, list] = {path: [] for path in paths}
     modules = [name for name, _ in model.named_modules() if name]
+    repeated = set(block_paths(model))
+    blocks = [p for p in paths if p in repeated] or paths
     for override in overrides:
         pattern = override.pattern
         owner = next((p for p in paths if pattern.startswith(p + ".") or pattern == p), None)
@@ -365,16 +368,16 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[
                 fnmatch.fnmatchcase(rel, pattern) for p in paths
                 for rel, _ in model.get_submodule(p).named_modules() if rel):
             raise PolicyError(
-                f"policy override '{override}' names {', '.join(absolute[:3])}, outside the "
-                f"blocks ({paths[0]} ...): without example inputs the model is rewritten in "
-                "block mode, where only the blocks are planned and the model's own forward "
-                "(embeddings, final norm, head, loss) runs under torch.autocast, so no plan "
-                "line can take it. what to do: plan the glue's modules as regions too, "
-                "with RewriteConfig.make(..., partition='blocks') (its embeddings, final "
-                f"norm and head get plan lines, {absolute[0]} included); or rewrite with "
-                "example inputs (amp_rewrite(model, example_inputs, config, inplace=True): "
-                "one plan); or drop the override")
-        for path in paths:
+                f"policy override '{override}' names {', '.join(absolute[:3])}, outside "
+                f"every region of the model in block mode ({paths[0]} ...): the model's own "
+                "code between its regions runs under torch.autocast, so no plan line can "
+                "take it. what to do: plan the glue's modules as regions too, with "
+                "RewriteConfig.make(..., partition='blocks') (its embeddings, final norm and "
+                "head, the modules with weights outside the blocks); or pick the regions "
+                "with a partition function naming it (partition=lambda path, module: ...); "
+                "or rewrite with example inputs (amp_rewrite(model, example_inputs, config, "
+                "inplace=True): one plan of the whole model); or drop the override")
+        for path in blocks:
             routed[path].append(override)
     return routed
 
