@@ -29,6 +29,7 @@ from typing import Any, Counter, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.fx as fx
 
+from ..frontends.aten import axes_of
 from .errors import DynamicShapesError
 
 log = logging.getLogger(__name__)
@@ -51,18 +52,7 @@ def default_spec(inputs: tuple) -> Tuple[Any, ...]:
     Returns:
         The positional ``dynamic_shapes`` (``Dim.AUTO`` entries).
     """
-    from torch.export import Dim
-
-    def spec(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return None
-        dims = {0: Dim.AUTO}
-        if value.dim() >= 2 and not value.is_floating_point() and not value.is_complex() \
-                and value.dtype is not torch.bool:
-            dims[1] = Dim.AUTO
-        return dims
-
-    return tuple(spec(value) for value in inputs)
+    return tuple(axes_of(value) for value in inputs)
 
 
 def forward_names(module: torch.nn.Module, count: int) -> List[str]:

@@ -70,19 +70,27 @@ def default_dynamic_shapes(model: nn.Module, args: tuple, kwargs: Dict[str, Any]
     integer inputs of two or more dimensions: token ids, attention masks), both as
     ``Dim.AUTO`` (export specialises them where the code needs a fixed size). Every other
     dimension is static: an all-symbolic export costs up to 20x a static one."""
+    return {name: tree_map(axes_of, value)
+            for name, value in _bound_inputs(model, args, kwargs).items()}
+
+
+def axes_of(value: Any) -> Any:
+    """One input's dynamic axes as :func:`default_dynamic_shapes` makes them: dim 0 of a
+    tensor of one or more dimensions, and dim 1 of an integer tensor of two or more (token
+    ids, masks), as ``Dim.AUTO``; None for anything else.
+
+    Args:
+        value: an input (a tensor, or any other value).
+    """
     from torch.export import Dim
 
-    def spec(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            return None
-        dims = {0: Dim.AUTO}
-        if value.dim() >= 2 and not value.is_floating_point() and not value.is_complex() \
-                and value.dtype is not torch.bool:
-            dims[1] = Dim.AUTO
-        return dims
-
-    return {name: tree_map(spec, value)
-            for name, value in _bound_inputs(model, args, kwargs).items()}
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    dims = {0: Dim.AUTO}
+    if value.dim() >= 2 and not value.is_floating_point() and not value.is_complex() \
+            and value.dtype is not torch.bool:
+        dims[1] = Dim.AUTO
+    return dims
 
 
 def call_leaves(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[Any]:

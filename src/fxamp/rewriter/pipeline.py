@@ -159,27 +159,46 @@ DEPRECATED_KEYWORDS = ("dtype", "target", "policy", "frontend", "example_kwargs"
 
 
 def _config(config: Union[None, str, Policy, RewriteConfig],
-            deprecated: Dict[str, Any]) -> RewriteConfig:
-    """The RewriteConfig of amp_rewrite's ``config`` and deprecated keywords (warned)."""
-    unknown = [name for name in deprecated if name not in DEPRECATED_KEYWORDS]
+            deprecated: Dict[str, Any], who: str = "amp_rewrite",
+            call: str = "model, example_inputs", taken: Sequence[str] = DEPRECATED_KEYWORDS,
+            stacklevel: int = 3) -> RewriteConfig:
+    """The RewriteConfig of a ``config`` argument (a ``RewriteConfig``, a ``Policy``, a
+    policy text or None) and the deprecated keywords it holds (warned), for ``amp_rewrite``
+    and the tools that take a config as it does (``audit``, ``search``,
+    ``bisect_baseline``).
+
+    Args:
+        config: the ``config`` given.
+        deprecated: the other keywords given (the function's ``**deprecated``).
+        who: the function's name, for the messages.
+        call: its arguments before the config, for the warning's new spelling.
+        taken: the deprecated keywords it takes (each one of ``DEPRECATED_KEYWORDS``).
+        stacklevel: the ``FutureWarning``'s, counted from here (3: the function's caller,
+            when the function calls this itself).
+
+    Raises:
+        TypeError: a keyword the function never took.
+        FxampError: ``config`` together with deprecated keywords, or of another type.
+    """
+    unknown = [name for name in deprecated if name not in taken]
     if unknown:
-        raise TypeError(f"amp_rewrite() got an unexpected keyword argument {unknown[0]!r}")
+        raise TypeError(f"{who}() got an unexpected keyword argument {unknown[0]!r}")
     if deprecated:
         if config is not None:
             raise FxampError(
-                f"amp_rewrite takes either config= or the keywords it holds, not both: got "
+                f"{who} takes either config= or the keywords it holds, not both: got "
                 f"config= and {', '.join(deprecated)}; what to do: config.replace(...), or "
                 f"fxamp.RewriteConfig.make({', '.join(deprecated)}=...) alone")
         shown = ", ".join(f"{name}=..." for name in deprecated)
         warnings.warn(
-            f"amp_rewrite(..., {shown}) is deprecated and will be removed in the next "
-            f"release; the config holds them: amp_rewrite(model, example_inputs, "
-            f"fxamp.RewriteConfig.make({shown}))", FutureWarning, stacklevel=3)
+            f"{who}(..., {shown}) is deprecated and will be removed in the next "
+            f"release; the config holds them: {who}({call}, "
+            f"fxamp.RewriteConfig.make({shown}))", FutureWarning, stacklevel=stacklevel)
         return RewriteConfig.make(**deprecated)
     if config is None or isinstance(config, (str, Policy)):
         return RewriteConfig.make(policy=config)
     if not isinstance(config, RewriteConfig):
-        raise FxampError(f"amp_rewrite's config takes a fxamp.RewriteConfig, a fxamp.Policy "
+        raise FxampError(f"{who}'s config takes a fxamp.RewriteConfig, a fxamp.Policy "
                          f"or a policy's text form, got {type(config).__name__}; what to do: "
                          "fxamp.RewriteConfig.make(...)")
     return config

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple,
                     Union)
@@ -246,22 +245,8 @@ def tool_config(name: str, call: str, config: Union[None, str, Policy, RewriteCo
         FxampError: ``config`` together with deprecated keywords, or a ``config`` of
             another type.
     """
-    unknown = [key for key in deprecated if key not in taken or key not in DEPRECATED_KEYWORDS]
-    if unknown:
-        raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}")
-    if not deprecated:
-        return _config(config, {})
-    if config is not None:
-        raise FxampError(
-            f"{name} takes either config= or the keywords it holds, not both: got config= "
-            f"and {', '.join(deprecated)}; what to do: config.replace(...), or "
-            f"fxamp.RewriteConfig.make({', '.join(deprecated)}=...) alone")
-    shown = ", ".join(f"{key}=..." for key in deprecated)
-    warnings.warn(
-        f"{name}(..., {shown}) is deprecated and will be removed in the next release; the "
-        f"config holds them: {name}({call}, fxamp.RewriteConfig.make({shown}))",
-        FutureWarning, stacklevel=stacklevel)
-    return RewriteConfig.make(**deprecated)
+    return _config(config, deprecated, name, call,
+                   [key for key in taken if key in DEPRECATED_KEYWORDS], stacklevel + 1)
 
 
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
