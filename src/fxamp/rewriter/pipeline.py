@@ -158,10 +158,11 @@ DEPRECATED_KEYWORDS = ("dtype", "target", "policy", "frontend", "example_kwargs"
                        "calibration_data", "dynamic_shapes", "rules")
 
 
-def _config(config: Union[None, str, Policy, RewriteConfig],
-            deprecated: Dict[str, Any], who: str = "amp_rewrite",
-            call: str = "model, example_inputs", taken: Sequence[str] = DEPRECATED_KEYWORDS,
-            stacklevel: int = 3) -> RewriteConfig:
+def read_config(config: Union[None, str, Policy, RewriteConfig],
+                deprecated: Dict[str, Any], who: str = "amp_rewrite",
+                call: str = "model, example_inputs",
+                taken: Sequence[str] = DEPRECATED_KEYWORDS,
+                stacklevel: int = 3) -> RewriteConfig:
     """The RewriteConfig of a ``config`` argument (a ``RewriteConfig``, a ``Policy``, a
     policy text or None) and the deprecated keywords it holds (warned), for ``amp_rewrite``
     and the tools that take a config as it does (``audit``, ``search``,
@@ -263,7 +264,7 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             no graph covers. (A call in the training mode its graph was not traced for is
             planned on that call: ``rewriter/modes.py``.)
     """
-    config = _config(config, deprecated)
+    config = read_config(config, deprecated)
     if config.policy.weights == "stored" and not inplace:
         raise PolicyError(
             f"policy weights=stored stores the model's own Parameters in low precision (the "

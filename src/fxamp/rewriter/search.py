@@ -45,7 +45,7 @@ from ..result import result_of, set_result
 from .blocks import is_blocks
 from .inplace import is_inplace
 from .overlap import own_forwards
-from .pipeline import DEPRECATED_KEYWORDS, _config, amp_rewrite, check_model, plan_of
+from .pipeline import DEPRECATED_KEYWORDS, amp_rewrite, check_model, plan_of, read_config
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ def tool_config(name: str, call: str, config: Union[None, str, Policy, RewriteCo
                 deprecated: Dict[str, Any], taken: Sequence[str] = TOOL_KEYWORDS,
                 stacklevel: int = 3) -> RewriteConfig:
     """The ``RewriteConfig`` of a tool's ``config``, read as ``amp_rewrite`` reads its own
-    (``pipeline._config``: a ``RewriteConfig``, a ``Policy``, a policy text or None), or of
+    (``pipeline.read_config``: a ``RewriteConfig``, a ``Policy``, a policy text or None), or of
     the keywords the tool took before ``config`` held them (``taken``), made with
     ``RewriteConfig.make`` and warned as deprecated. Its target is not resolved yet
     (``RewriteConfig.for_model``).
@@ -245,8 +245,8 @@ def tool_config(name: str, call: str, config: Union[None, str, Policy, RewriteCo
         FxampError: ``config`` together with deprecated keywords, or a ``config`` of
             another type.
     """
-    return _config(config, deprecated, name, call,
-                   [key for key in taken if key in DEPRECATED_KEYWORDS], stacklevel + 1)
+    return read_config(config, deprecated, name, call,
+                       [key for key in taken if key in DEPRECATED_KEYWORDS], stacklevel + 1)
 
 
 def _prepare(model: nn.Module, example_inputs: Any, data: Iterable[Any],
