@@ -258,3 +258,38 @@ def test_a_module_hidden_from_the_whole_model_is_not_taken_for_an_unregistered_o
     model(torch.randn(4, 8))
     assert "register them" not in caplog.text
     assert fxamp.graphs_of(model)["0"][0].endswith("the first call")
+
+
+def test_deberta_v2_whose_layers_take_a_tensor_computed_with_grad_shares_and_trains():
+    """DeBERTa-v2 (relative attention, ``norm_rel_ebd="layer_norm"``) passes every layer
+    ``rel_embeddings``, a LayerNorm's output computed with grad. The first layer's plan
+    kept the call's keyword values in its config, so the second layer's copy of it copied
+    that tensor, which torch refuses for a non-leaf (``RuntimeError`` at step 0). A block's
+    plan keeps none of its call's values; 2 steps equal autocast's, every gradient too."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.DebertaV2Config(
+        vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, relative_attention=True,
+        position_buckets=16, norm_rel_ebd="layer_norm", share_att_key=True,
+        pos_att_type=["p2c", "c2p"], max_relative_positions=-1, num_labels=3,
+        type_vocab_size=0)
+    ref = transformers.DebertaV2ForSequenceClassification(cfg).train()
+    model = copy.deepcopy(ref)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 2])
+    fxamp.amp_rewrite(model, config="compute=bf16,target=cpu", inplace=True)
+    for _ in range(2):
+        torch.manual_seed(5)  # (dropout)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = ref(input_ids=ids, labels=labels).loss
+        want.backward()
+        assert torch.equal(loss, want)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            assert p.grad is None or torch.equal(p.grad, q.grad), name
+    assert "the same plan as deberta.encoder.layer.0" in \
+        fxamp.plan_of(model).nodes["deberta.encoder.layer.2"].reason

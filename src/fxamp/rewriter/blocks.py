@@ -40,7 +40,7 @@ from ..ir import Rule
 from ..ops import module_label
 from ..plan import NOT_PLANNED, PLANNED_KEY, NodePrecision, Plan
 from ..errors import FxampError, PolicyError
-from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of
+from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of, result_of, set_result
 from ..runtime import CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from ..frontends.copies import bound_to as copy_bound_to
@@ -414,7 +414,7 @@ class SharedPlanner:
             except FxampError as err:  # (an eager-front-end result: no copy)
                 log.info("%s: planned on its own: %s", type(block).__name__, err)
         if gm is None:
-            gm = self.plan(block, args, kwargs, config, why)
+            gm = without_call_values(self.plan(block, args, kwargs, config, why))
             if key is not None and key not in shared:
                 shared[key] = (block, gm)
             if live is not None and live not in shared and _index_live(gm, block):
@@ -739,6 +739,22 @@ def _has_object(value: Any) -> bool:
     if isinstance(value, dict):
         return any(_has_object(v) for v in value.values())
     return not isinstance(value, (torch.Tensor, *_PLAIN))
+
+
+def without_call_values(gm: nn.Module) -> nn.Module:
+    """``gm`` (a block's graph planned on a call) with its result's config holding none of
+    the call's keyword values: a block is planned again from its calls, never from its
+    config's, and the values (activations) would stay alive between steps, and be copied
+    with the graph for a block that shares it (a tensor computed with grad refuses the
+    copy: DeBERTa-v2's ``rel_embeddings``).
+
+    Args:
+        gm: the block's rewritten module.
+    """
+    done = result_of(gm) if has_result(gm) else None
+    if done is not None and done.config is not None and done.config.example_kwargs:
+        set_result(gm, done.replace(config=done.config.replace(example_kwargs=None)))
+    return gm
 
 
 def _index_live(gm: nn.Module, block: nn.Module) -> bool:
