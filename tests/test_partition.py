@@ -245,3 +245,15 @@ def test_with_partition_blocks_a_relative_override_goes_to_the_blocks_only():
     changed = {n for n in after if n in before and after[n].dtype != before[n].dtype}
     assert changed and all(after[n].module.endswith("mlp.down_proj") for n in changed)
     assert all(after[n].dtype == torch.float32 for n in changed)
+
+
+def test_an_example_the_model_fails_on_leaves_the_model_as_it_was():
+    model = _llama()
+    forward = model.forward
+    with pytest.raises(IndexError, match="index out of range"):
+        fxamp.amp_rewrite(model, (torch.full((2, 16), 500),), _config("blocks"),
+                          inplace=True)  # (ids past its 128-token vocabulary)
+    assert "forward" not in model.__dict__ and model.forward == forward
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    fxamp.amp_rewrite(model, (IDS,), _config("blocks"), inplace=True)  # (and can be again)
+    assert fxamp.plan_of(model).planned

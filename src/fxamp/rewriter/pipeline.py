@@ -346,8 +346,12 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
         else:
             install(model, None, _plan_call, config)
         if example:  # (the example is the first call, made now)
-            first_call(model, () if example_inputs is None else as_tuple(example_inputs),
-                       dict(example_kwargs or {}))
+            try:
+                first_call(model, () if example_inputs is None else
+                           as_tuple(example_inputs), dict(example_kwargs or {}))
+            except BaseException:  # (a failed rewrite leaves the model as it was)
+                uninstall_blocks(model) if paths else take(model)
+                raise
         return model
     if not example:
         raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
