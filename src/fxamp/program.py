@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 
 from .errors import InputShapeError, ModeError
-from .runtime import OWN, first_device, own_autocast_depth
+from .runtime import CALL_HOOK_DICTS, OWN, first_device, own_autocast_depth
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,6 @@ def _check_device(program: Any, result: Any, args: tuple, kwargs: dict) -> None:
                 model, target, target, device, device, device)
 
 
-#: a module's hook dicts that run when it is called, with their flags (by hook id)
-CALL_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                   "_backward_pre_hooks", "_backward_hooks")
 #: how torch.export's input guard (an exported graph's ``_guards_fn``) words a failure
 GUARD_FAILED = "Guard failed: "
 _NAMED = re.compile(r"\b([A-Za-z_]\w*)(?=\.size\(\)|\[)")

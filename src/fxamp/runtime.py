@@ -18,6 +18,9 @@ from .errors import InputDtypeError
 #: a module's hook dicts that run when it is called
 CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
               "_backward_pre_hooks")
+#: those and their per-hook flags (by hook id): always-called, with-kwargs
+CALL_HOOK_DICTS = CALL_HOOKS + ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                                "_forward_pre_hooks_with_kwargs")
 #: the grad-mode switch a graph region boundary calls (``torch.no_grad`` kept in a graph)
 SET_GRAD = _SET_GRAD
 
@@ -240,12 +243,12 @@ def first_device(module: Any, inputs: Any = None) -> Optional[str]:
 
 def device_type(args: Any) -> str:
     """The device type of the first tensor in ``args`` ("cpu" when there is none)."""
-    if type(args) is tuple and len(args) == 2 and type(args[0]) is tuple:
-        # (a call's (args, kwargs) whose first argument is a tensor: no pytree)
-        first = args[0][0] if args[0] else next(iter(args[1].values()), None) \
-            if type(args[1]) is dict else None
-        if isinstance(first, torch.Tensor):
-            return first.device.type
+    if type(args) is tuple and len(args) == 2 and type(args[0]) is tuple \
+            and type(args[1]) is dict:  # (a call's (args, kwargs): its first argument's,
+        for first in (*args[0][:1], *args[1].values()):  # when a tensor, with no pytree)
+            if isinstance(first, torch.Tensor):
+                return first.device.type
+            break
     leaves, _ = tree_flatten(args)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):

@@ -40,6 +40,9 @@ AUTO = "auto"
 AXES_KEY = "fxamp.dynamic_axes"
 #: (input index, axis) pairs
 Axes = List[Tuple[int, int]]
+#: the advice of an axis the model's code needs at the example's size
+STATIC_ADVICE = ("what to do: leave that axis static (dynamic_shapes without it), or change "
+                 "the model so it takes other sizes there")
 
 
 def default_spec(inputs: tuple) -> Tuple[Any, ...]:
@@ -229,8 +232,7 @@ def check_file_axes(proto: Any, names: Sequence[str], inputs: tuple, axes: Axes)
         f"the exported file fixes dimension {axis} of input {names[index]!r} at {size}, "
         f"which dynamic_shapes asks to be dynamic: torch.export specialised it, because the "
         f"model's code needs that size on the example (a shape checked against a constant, "
-        f"a reshape to a fixed size){hint}. what to do: leave that axis static "
-        "(dynamic_shapes without it), or change the model so it takes other sizes there")
+        f"a reshape to a fixed size){hint}. {STATIC_ADVICE}")
 
 
 def axes_text(names: Sequence[str], axes: Axes) -> str:

@@ -37,6 +37,7 @@ from .ort_layers import feeds, lean_options, providers
 from .repairs import value_types
 from .errors import NumericsError
 from .layers import LayerPrecision
+from .verify import input_names
 from .report import PrecisionReport
 from .trt_layers import apply_engine_info
 
@@ -166,13 +167,11 @@ def precision_report(path: str, plan: Optional[Plan] = None, backend: str = "aut
 def _other_sizes(model: Any, inputs: Sequence[Any]) -> Optional[tuple]:
     """The inputs at other sizes of the file's dynamic axes (``fxamp.dynamic_axes``, which
     ``export_onnx(..., dynamic_shapes=...)`` writes), or None for a file without them."""
-    text = next((p.value for p in model.metadata_props if p.key == AXES_KEY), "")
+    text = get_meta(model, AXES_KEY)
     if not text:
         return None
-    initializers = {i.name for i in model.graph.initializer}
-    names = [i.name for i in model.graph.input if i.name not in initializers]
     case = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    axes = parse_axes(text, names)
+    axes = parse_axes(text, input_names(model))
     return other_shape(case, axes) if axes else None
 
 
@@ -259,11 +258,11 @@ def _stored_true_fp16(proto: Any, arrays: List[Any]) -> Optional[List[Dict[str, 
 
     from .true_fp16 import DIGEST_KEY, ROWS_KEY, inputs_digest
 
-    meta = {p.key: p.value for p in proto.metadata_props if p.key in (DIGEST_KEY, ROWS_KEY)}
-    if ROWS_KEY not in meta or meta.get(DIGEST_KEY) != inputs_digest(arrays):
+    text = get_meta(proto, ROWS_KEY)
+    if text is None or get_meta(proto, DIGEST_KEY) != inputs_digest(arrays):
         return None
     try:
-        rows = json.loads(meta[ROWS_KEY])
+        rows = json.loads(text)
     except ValueError:
         return None
     return rows if isinstance(rows, list) and all(

@@ -95,7 +95,11 @@ def fp32_reference(model: torch.nn.Module) -> Callable[..., Any]:
 def relative_error(got: Any, want: Any) -> float:
     """max |got - want| / max |want| (the output's scale; inf where ``got`` is inf/NaN and
     ``want`` is finite, nan when the shapes differ)."""
-    diff, scale = error_parts(got, want)
+    return relative_of(*error_parts(got, want))
+
+
+def relative_of(diff: float, scale: float) -> float:
+    """``diff / scale`` of :func:`error_parts`' pair: nan, 0 and inf as they are."""
     if diff != diff or diff in (0.0, float("inf")):
         return diff
     return diff / max(scale, 1e-12)

@@ -137,12 +137,12 @@ def _gemm(a: np.ndarray, b: np.ndarray, c: Optional[np.ndarray], alpha: Any, bet
     sums in FP32 and rounds once, as :func:`_matmul`; the scaling by ``alpha`` and the
     bias (``beta * c``) then follow in numpy as onnx.reference writes them, the same
     roundings."""
-    if a.dtype != np.float16 or b.dtype != np.float16 or a.ndim != 2 or b.ndim != 2:
+    if a.ndim != 2 or b.ndim != 2:
         return None
-    left = torch.from_numpy(np.array(a, dtype=np.float32))
-    right = torch.from_numpy(np.array(b, dtype=np.float32))
-    out = torch.matmul(left.T if trans_a else left, right.T if trans_b else right)
-    o = out.numpy().astype(np.float16) * alpha
+    product = _matmul(a.T if trans_a else a, b.T if trans_b else b)
+    if product is None:
+        return None
+    o = product * alpha
     if c is not None and beta != 0:
         o += c * beta
     return o.astype(a.dtype)

@@ -151,8 +151,8 @@ def _simple(evaluator: Any) -> bool:
                    for node in evaluator.rt_nodes_)
 
 
-def run_bounded(proto: Any, feed: Dict[str, Any], limit: Optional[int] = None,
-                evaluator: Any = None) -> BoundedRun:
+def run_bounded(proto: Any, feed: Dict[str, Any], limit: Optional[int] = None
+                ) -> BoundedRun:
     """Run ``proto`` in true FP16 (``reference_ops.evaluator``), holding only the values
     still to be read and sampling the outputs of more than ``limit`` values that
     :func:`projections` allows.
@@ -161,7 +161,6 @@ def run_bounded(proto: Any, feed: Dict[str, Any], limit: Optional[int] = None,
         proto: the ONNX model.
         feed: input name -> numpy array.
         limit: the most values of one sampled output (default :data:`SAMPLE_LIMIT`).
-        evaluator: the evaluator to use (default: a new one of ``proto``).
 
     Returns:
         The outputs and what was sampled; a graph with subgraphs runs whole, unsampled.
@@ -169,7 +168,7 @@ def run_bounded(proto: Any, feed: Dict[str, Any], limit: Optional[int] = None,
     from .reference_ops import evaluator as make_evaluator
 
     limit = SAMPLE_LIMIT if limit is None else limit
-    evaluator = evaluator if evaluator is not None else make_evaluator(proto)
+    evaluator = make_evaluator(proto)
     if not _simple(evaluator):
         return BoundedRun(list(evaluator.run(None, feed)))
     outputs = [o.name for o in proto.graph.output]

@@ -28,8 +28,10 @@ import torch.fx as fx
 
 from .overflow import (PlanOverflowError, find_overflow, first_divergent_node,
                        first_nonfinite_node, unrunnable)
-from .reference import TRUE_FP16_RTOL, error_parts, fp32_reference, tensor_outputs
+from .reference import (TRUE_FP16_RTOL, error_parts, fp32_reference, relative_of,
+                        tensor_outputs)
 from .true_fp16 import Sampled, run_bounded, sampled_like
+from .dynamic import STATIC_ADVICE
 from .errors import DynamicShapesError, ExportError
 from .ort_layers import lean_options
 
@@ -195,7 +197,8 @@ def check_export(proto: Any, model: torch.nn.Module, inputs: tuple, exporter: st
             log.warning("the exported graph was not run against PyTorch: onnxruntime on CPU "
                         "cannot load it (%s)", why)
             data = None
-            return 0, check_true_fp16(proto, ref, inputs, _names(proto), model, rows=rows)
+            return 0, check_true_fp16(proto, ref, inputs, input_names(proto), model,
+                                      rows=rows)
         raise ExportError(
             f"the {exporter} exporter traced the model, and the traced graph cannot be "
             f"checked against PyTorch: onnxruntime on CPU cannot load it ({why}); an unchecked "
@@ -284,17 +287,14 @@ def _other_sizes_error(what: str, who: str, err: Exception) -> DynamicShapesErro
         f"{who} fails on {what} ({type(err).__name__}: "
         f"{str(err).splitlines()[0] if str(err) else ''}): the model's code needs the "
         "example's size on an axis dynamic_shapes asks to be dynamic (a reshape to a fixed "
-        "size, a size checked against a constant), so the file is not written. what to do: "
-        "leave that axis static (dynamic_shapes without it), or change the model so it "
-        "takes other sizes there")
+        "size, a size checked against a constant), so the file is not written. "
+        f"{STATIC_ADVICE}")
 
 
 def input_names(proto: Any) -> List[str]:
     """The names of ``proto``'s graph inputs that are no initializers, in order."""
     return [i.name for i in _graph_inputs(proto)]
 
-
-_names = input_names
 
 
 def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
@@ -333,8 +333,7 @@ def check_true_fp16(proto: Any, reference: Callable[..., Any], inputs: tuple,
     for index, (g, w) in enumerate(zip(run.outputs, want)):
         sampled = run.sampled.get(index)
         diff, scale = error_parts(g, sampled_like(w, sampled))
-        errors.append(diff if diff != diff or diff in (0.0, float("inf"))
-                      else diff / max(scale, 1e-12))
+        errors.append(relative_of(diff, scale))
         if rows is not None:
             rows.append(true_fp16_row(outputs[index] if index < len(outputs) else str(index),
                                       diff, scale, sampled))

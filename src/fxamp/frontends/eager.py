@@ -21,7 +21,7 @@ import copy
 import functools
 import inspect
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -132,36 +132,29 @@ def _to_planned(values: Any, planned: List[Optional[torch.dtype]]) -> Any:
     """Floating inputs cast to the dtypes the child was planned for, where they differ (a
     rewritten sibling before it may give FP32 where autocast gave bf16). A call whose
     arguments are all tensors is read without pytree (the common case, once per call)."""
-    flat = _flat_call(values, planned)
-    if flat is not None:
-        return flat
-    leaves, spec = tree_flatten(values)
-    if len(leaves) != len(planned):
+    leaves, rebuild = _leaves(values)
+    if len(leaves) != len(planned) or all(
+            d is None or not isinstance(v, torch.Tensor) or not v.is_floating_point()
+            or v.dtype == d for v, d in zip(leaves, planned)):
         return values
-    return tree_unflatten([
+    return rebuild([
         v.to(d) if d is not None and isinstance(v, torch.Tensor) and v.is_floating_point()
-        and v.dtype != d else v for v, d in zip(leaves, planned)], spec)
+        and v.dtype != d else v for v, d in zip(leaves, planned)])
 
 
-def _flat_call(values: Any, planned: List[Optional[torch.dtype]]) -> Any:
-    """``_to_planned`` of a call ``(args, kwargs)`` whose arguments are all tensors, as
-    pytree would flatten them (the positional ones, then the keyword values in order);
-    None for any other."""
-    if type(values) is not tuple or len(values) != 2:
-        return None
-    args, kwargs = values
-    if type(args) is not tuple or type(kwargs) is not dict \
-            or len(args) + len(kwargs) != len(planned):
-        return None
-    given = (*args, *kwargs.values())
-    if not all(type(v) is torch.Tensor or isinstance(v, torch.Tensor) for v in given):
-        return None
-    if all(d is None or not v.is_floating_point() or v.dtype == d
-           for v, d in zip(given, planned)):
-        return values
-    cast = [v.to(d) if d is not None and v.is_floating_point() and v.dtype != d else v
-            for v, d in zip(given, planned)]
-    return tuple(cast[:len(args)]), dict(zip(kwargs, cast[len(args):]))
+def _leaves(values: Any) -> Tuple[Sequence[Any], Callable[[List[Any]], Any]]:
+    """``values``' leaves, as pytree flattens them, and what rebuilds ``values`` from new
+    leaves: for a call ``(args, kwargs)`` whose arguments are all tensors, its positional
+    ones then its keyword values, with no pytree call."""
+    if type(values) is tuple and len(values) == 2 and type(values[0]) is tuple \
+            and type(values[1]) is dict:
+        args, kwargs = values
+        given = (*args, *kwargs.values())
+        if all(isinstance(v, torch.Tensor) for v in given):
+            return given, lambda new: (tuple(new[:len(args)]), dict(zip(kwargs,
+                                                                        new[len(args):])))
+    leaves, spec = tree_flatten(values)
+    return leaves, lambda new: tree_unflatten(new, spec)
 
 
 def _as_planned(module: nn.Module, fp32_inputs: bool,

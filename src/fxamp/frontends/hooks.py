@@ -21,12 +21,11 @@ import torch.nn as nn
 from torch.nn.modules import module as module_mod
 
 from ..errors import UnsupportedModelError
-from ..runtime import CALL_HOOKS, has_call_hooks  # noqa: F401 - has_call_hooks re-exported
+from ..runtime import CALL_HOOK_DICTS, CALL_HOOKS, has_call_hooks  # noqa: F401 - re-exported
 #: every hook dict a module's call reads: the call hooks and their with-kwargs and
-#: always-called companions (a rewritten child of an eager root shares these with the module
-#: it replaces, and a front end that calls the model takes them off the root while tracing)
-CALL_HOOK_DICTS = CALL_HOOKS + ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                                "_forward_pre_hooks_with_kwargs")
+#: (``runtime.CALL_HOOK_DICTS``: the call hooks and their companions, which a rewritten
+#: child of an eager root shares with the module it replaces, and a front end that calls the
+#: model takes off the root while tracing)
 #: every hook dict of a module that the rewritten root takes over from the model's root
 ROOT_HOOKS = CALL_HOOK_DICTS + ("_state_dict_hooks", "_state_dict_pre_hooks",
                                 "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")

@@ -41,7 +41,7 @@ from ..ops import module_label
 from ..plan import NOT_PLANNED, PLANNED_KEY, NodePrecision, Plan
 from ..errors import FxampError, PolicyError
 from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of, result_of, set_result
-from ..runtime import CALL_HOOKS, device_autocast, device_type
+from ..runtime import CALL_HOOK_DICTS, CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from ..frontends.copies import bound_to as copy_bound_to
 from ..frontends.eager import PARTS, is_eager_root, rebound
@@ -411,7 +411,7 @@ class SharedPlanner:
                 if config.policy.weights == "stored":  # (its graphs read stored weights)
                     store_like(known[0], block)
                 gm = bound_to(known[1], known[0], block)
-            except FxampError as err:  # (an eager-front-end result: no copy)
+            except FxampError as err:  # (a result that refuses copies)
                 log.info("%s: planned on its own: %s", type(block).__name__, err)
         if gm is None:
             gm = without_call_values(self.plan(block, args, kwargs, config, why))
@@ -454,8 +454,7 @@ _CACHE_INDEX = "layer_idx"
 #: the hook dicts whose hooks run when a module is called, and their per-hook flags (keyed by
 #: the hooks' handle ids, which differ from block to block for the same hook)
 _HOOKS = CALL_HOOKS
-_HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks_with_kwargs")
+_HOOK_FLAGS = CALL_HOOK_DICTS[len(CALL_HOOKS):]
 #: a module's entries the key reads otherwise (its Parameters, buffers, children, mode and
 #: call hooks) or that no call reads (its state-dict hooks)
 _SKIP = frozenset({"_parameters", "_buffers", "_modules", "training", "_state_dict_hooks",
