@@ -395,16 +395,15 @@ class SharedPlanner:
     def __call__(self, block: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Any,
                  why: Optional[str]) -> nn.Module:
         shared = self.root.shared
-        key = share_key(block, args, kwargs) if why is None else None
-        live = None  # (with a KV cache: the key of an eager root, which reads it live)
-        if key is not None:  # (its own overrides; symbols grown on its calls)
+        key = live = known = None  # (live, with a KV cache: an eager root's, read live)
+        if why is None:  # (its own overrides; symbols grown on its calls)
             tail = (str(config.policy), str(config.dynamic_shapes))
-            if _has_object((args, kwargs)):
+            if _has_object((args, kwargs)):  # (looser: looked up first, once it holds)
                 live = (share_key(block, args, kwargs, live_index=True), *tail, "live")
-            key = (key, *tail)
-        known = shared.get(key) if key is not None else None
-        if known is None and live is not None:
-            known = shared.get(live)
+                known = shared.get(live)
+            if known is None:
+                key = (share_key(block, args, kwargs), *tail)
+                known = shared.get(key)
         gm = None
         if known is not None:
             try:

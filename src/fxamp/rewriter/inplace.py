@@ -27,7 +27,7 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -533,14 +533,19 @@ def unregistered_parameters(model: nn.Module, enclosing: nn.Module,
         limit: how many to name.
     """
     mine = {id(m) for m in model.modules()}
-    trained = {id(p) for p in enclosing.parameters() if p.requires_grad}
-    found: List[str] = []
+    trained: Set[int] = set()  # (the whole model's, read once a module outside is found:
+    found: List[str] = []  # reading them for every block of a deep model costs O(depth))
 
     def walk(value: Any, where: str, depth: int) -> None:
         if len(found) >= limit or depth > 2:
             return
         if isinstance(value, nn.Module):
-            if id(value) not in mine and any(id(p) in trained for p in value.parameters()):
+            held = [id(p) for p in value.parameters() if p.requires_grad]
+            if id(value) in mine or not held:  # (HF's kernel functions hold none)
+                return
+            if not trained:
+                trained.update(id(p) for p in enclosing.parameters() if p.requires_grad)
+            if not trained.isdisjoint(held):
                 found.append(f"{where} ({type(value).__name__})")
             return
         if isinstance(value, (list, tuple)):
