@@ -148,3 +148,148 @@ def test_conv_transpose_with_an_output_shape_runs_onnx_reference_own():
     model = _model("ConvTranspose", inputs, {"strides": [2, 2], "output_shape": [9, 9]})
     want = ReferenceEvaluator(model).run(None, inputs)[0]
     assert np.array_equal(evaluator(model).run(None, inputs)[0], want)
+
+
+# -- GatherElements: a plain gather, where onnx.reference's fails -----------------------------
+
+_GATHER_TYPES = {np.dtype(np.float16): TensorProto.FLOAT16,
+                 np.dtype(np.float32): TensorProto.FLOAT,
+                 np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
+                 np.dtype(np.bool_): TensorProto.BOOL}
+
+
+def _gather_model(data, indices, axis):
+    """One GatherElements node over graph inputs ``data`` and ``indices``."""
+    graph = helper.make_graph(
+        [helper.make_node("GatherElements", ["data", "indices"], ["y"], axis=axis)], "g",
+        [helper.make_tensor_value_info("data", _GATHER_TYPES[data.dtype], data.shape),
+         helper.make_tensor_value_info("indices", _GATHER_TYPES[indices.dtype],
+                                       indices.shape)],
+        [helper.make_tensor_value_info("y", _GATHER_TYPES[data.dtype], indices.shape)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)],
+                             ir_version=9)
+
+
+def _onnxruntime(model, feed):
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(model.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, feed)[0]
+
+
+def _berts_gather():
+    """BERT's ``token_type_ids`` buffer (1, 512) gathered at its position ids (1, 128),
+    axis 1 (transformers' BertEmbeddings: ``torch.gather(buffered, 1, position_ids)``);
+    the buffer holds distinct values here, so that a wrong gather shows."""
+    data = (np.arange(512, dtype=np.int64) * 3)[None]
+    return data, np.arange(128, dtype=np.int64)[None], 1
+
+
+def test_onnx_reference_own_gather_elements_fails_on_berts_shapes():
+    """The repro: onnx.reference (1.23) gathers with ``np.choose``, which takes at most 64
+    choices; past that its 2-D fallback reads one index per row and cannot reshape the
+    result. If this stops failing, onnx.reference is fixed: the override may then go
+    (once the oldest onnx fxamp supports has the fix)."""
+    data, indices, axis = _berts_gather()
+    model = _gather_model(data, indices, axis)
+    feed = {"data": data, "indices": indices}
+    with pytest.raises(ValueError, match=r"cannot reshape array of size 1 into shape "
+                                         r"\(1,128\)"):
+        ReferenceEvaluator(model).run(None, feed)
+    assert np.array_equal(_onnxruntime(model, feed), data[:, :128])  # (the spec's answer)
+
+
+def test_gather_elements_matches_onnxruntime_on_berts_shapes():
+    data, indices, axis = _berts_gather()
+    model = _gather_model(data, indices, axis)
+    feed = {"data": data, "indices": indices}
+    got = evaluator(model).run(None, feed)[0]
+    want = _onnxruntime(model, feed)
+    assert got.dtype == want.dtype == np.int64 and np.array_equal(got, want)
+
+
+def test_gather_elements_where_onnx_reference_is_silently_wrong():
+    """(N, 1) data gathered along axis 0, N > 64: onnx.reference's 2-D fallback returns
+    ``data[i][0]`` for row i whatever the index says."""
+    data = np.arange(100, dtype=np.float32)[:, None]
+    indices = np.zeros((100, 1), dtype=np.int64)
+    model = _gather_model(data, indices, 0)
+    feed = {"data": data, "indices": indices}
+    want = _onnxruntime(model, feed)
+    assert np.array_equal(want, np.zeros((100, 1), np.float32))
+    assert not np.array_equal(ReferenceEvaluator(model).run(None, feed)[0], want)
+    assert np.array_equal(evaluator(model).run(None, feed)[0], want)
+
+
+def _gather_case(rng, rank, axis, data_dtype, index_dtype):
+    """Random data of ``rank`` dims (the gathered one up to 80 long: past np.choose's 64
+    choices), indices of the same rank, shorter on some other axes, about a third of
+    them negative."""
+    shape = [int(rng.integers(1, 5)) for _ in range(rank)]
+    shape[axis] = int(rng.choice([1, 3, 17, 64, 65, 80]))
+    index_shape = [int(rng.integers(1, s + 1)) for s in shape]
+    index_shape[axis] = int(rng.integers(1, 9))
+    if np.dtype(data_dtype).kind == "b":
+        data = rng.random(shape) < 0.5
+    elif np.dtype(data_dtype).kind == "f":
+        data = (rng.standard_normal(shape) * 100).astype(data_dtype)
+    else:
+        data = rng.integers(-1000, 1000, shape).astype(data_dtype)
+    n = shape[axis]
+    indices = rng.integers(0, n, index_shape)
+    negative = rng.random(index_shape) < 0.35
+    indices = np.where(negative, indices - n, indices).astype(index_dtype)
+    return data, indices
+
+
+GATHER_CASES = [(rank, axis) for rank in (1, 2, 3, 4) for axis in range(-rank, rank)]
+
+
+@pytest.mark.parametrize("index_dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("data_dtype", [np.float16, np.float32, np.int64, np.bool_])
+@pytest.mark.parametrize("rank, axis", GATHER_CASES)
+def test_gather_elements_matches_onnxruntime_on_random_cases(rank, axis, data_dtype,
+                                                              index_dtype):
+    rng = np.random.default_rng([rank, axis + 4, np.dtype(data_dtype).num,
+                                 np.dtype(index_dtype).num])
+    for _ in range(3):
+        data, indices = _gather_case(rng, rank, axis, data_dtype, index_dtype)
+        model = _gather_model(data, indices, axis)
+        feed = {"data": data, "indices": indices}
+        got = evaluator(model).run(None, feed)[0]
+        want = _onnxruntime(model, feed)
+        assert got.dtype == want.dtype and got.shape == want.shape == indices.shape
+        assert np.array_equal(got, want), (data.shape, indices.shape, axis)
+
+
+def test_gather_elements_is_take_along_axis_with_negative_indices_wrapped():
+    """Independent of onnxruntime: the spec's formula, element by element (axis 1)."""
+    rng = np.random.default_rng(7)
+    data = rng.standard_normal((3, 70, 2)).astype(np.float16)
+    indices = rng.integers(-70, 70, (2, 5, 2))
+    got = evaluator(_gather_model(data, indices, 1)).run(
+        None, {"data": data, "indices": indices})[0]
+    want = np.empty(indices.shape, np.float16)
+    for i, j, k in np.ndindex(*indices.shape):
+        want[i, j, k] = data[i, indices[i, j, k] % 70, k]
+    assert np.array_equal(got, want)
+
+
+def test_gather_elements_refuses_an_index_out_of_range_as_onnxruntime_does():
+    """onnx.reference's own wraps it around (mode='wrap'); the spec makes it an error."""
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    indices = np.array([[4, 0], [2, 1], [0, -5]], dtype=np.int64)
+    model = _gather_model(data, indices, 1)
+    feed = {"data": data, "indices": indices}
+    with pytest.raises(Exception, match="ut of range"):  # (onnxruntime's own words)
+        _onnxruntime(model, feed)
+    with pytest.raises(IndexError, match="index -5 is out of range for an axis of length 4"):
+        evaluator(model).run(None, feed)
+
+
+def test_gather_elements_of_empty_indices():
+    data = np.ones((2, 80), np.float16)
+    indices = np.zeros((2, 0), np.int64)
+    got = evaluator(_gather_model(data, indices, 1)).run(
+        None, {"data": data, "indices": indices})[0]
+    assert got.shape == (2, 0) and got.dtype == np.float16

@@ -111,22 +111,84 @@ def test_an_lstm_gru_classifier_exports_its_recurrent_ops_in_fp16(tmp_path, fron
     assert relative_error(run_true_fp16(proto, feed)[0], want) < 1e-2
 
 
-@pytest.mark.slow
+class _Det(torch.nn.Module):
+    """A projection and a determinant: the file computes ``Det`` in FP16, which
+    onnx.reference cannot run (numpy's linalg takes no float16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.linalg.det(self.lin(x).reshape(8, 8))
+
+
 def test_a_file_the_reference_evaluator_cannot_run_says_so_in_its_metadata(tmp_path, caplog):
-    """BERT's file: onnx.reference fails inside GatherElements. The true-FP16 check was
-    skipped with an INFO line and a bare '-'; now a warning and the file's metadata say
-    it was not checked, and why."""
-    transformers = pytest.importorskip("transformers")
+    """A warning, the file's metadata and the report say it was not checked, and why: never
+    a bare '-'. (If onnx.reference learns FP16 Det, this needs another unrunnable op.)"""
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, intermediate_size=64,
-                                  max_position_embeddings=64)
-    model = transformers.BertModel(cfg).eval()
-    ids = torch.randint(0, 100, (1, 16))
-    gm = fxamp.amp_rewrite(model, (ids,), "compute=fp16,target=tensorrt")
-    path = tmp_path / "bert.onnx"
-    export_onnx(gm, (ids,), str(path))
-    meta = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    model, x = _Det().eval(), (torch.randn(8, 8),)
+    gm = fxamp.amp_rewrite(model, x, "compute=fp16,target=tensorrt")
+    path = tmp_path / "det.onnx"
+    export_onnx(gm, x, str(path))
+    proto = onnx.load(str(path))
+    assert any(n.op_type == "Det" for n in proto.graph.node)
+    meta = {p.key: p.value for p in proto.metadata_props}
     assert meta["fxamp.true_fp16_error"] == "-"
     assert meta["fxamp.true_fp16_skipped"].startswith("onnx.reference cannot run the file")
+    assert "'Det'" in meta["fxamp.true_fp16_skipped"]
     assert "not checked in true FP16" in caplog.text
+    report = precision_report(str(path), fxamp.plan_of(gm), backend="onnxruntime", inputs=x,
+                              reference=model)
+    assert report.numerics[0]["true_fp16_skipped"] == meta["fxamp.true_fp16_skipped"]
+    assert "true FP16 not checked: onnx.reference cannot run the file" in report.summary()
+
+
+def _tiny_bert(cls_name, shape):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64)
+    return getattr(transformers, cls_name)(cfg).eval(), (torch.randint(0, 100, shape),)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls_name, shape", [("BertModel", (1, 128)),
+                                             ("BertForSequenceClassification", (2, 16))])
+def test_berts_file_is_checked_in_true_fp16(tmp_path, caplog, cls_name, shape):
+    """BERT's file gathers its ``token_type_ids`` buffer (1, 512) at the position ids
+    (GatherElements), where onnx.reference's own fails ("cannot reshape array of size 1
+    into shape (1,128)") and the check was skipped; with ``reference_ops``' gather it
+    runs. Its error is FP16 rounding's: small, and near onnxruntime's on the same file
+    (which computes some ops in FP32 on the CPU, so a little smaller)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    model, x = _tiny_bert(cls_name, shape)
+    gm = fxamp.amp_rewrite(model, x, "compute=fp16,target=tensorrt")
+    path = str(tmp_path / "bert.onnx")
+    export_onnx(gm, x, path)
+    proto, feed = _feed(path, x)
+    assert any(n.op_type == "GatherElements" for n in proto.graph.node)
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert "fxamp.true_fp16_skipped" not in meta and "not checked" not in caplog.text
+    error = float(meta["fxamp.true_fp16_error"])  # (a number, not '-')
+    assert 0 < error < 1e-2
+    with torch.no_grad():
+        want = [t for t in (model(*x).values() if isinstance(model(*x), dict)
+                            else model(*x)) if isinstance(t, torch.Tensor)]
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    ort_errors = [relative_error(o, w) for o, w in zip(session.run(None, feed), want)]
+    assert len(ort_errors) == len(proto.graph.output)
+    assert error <= max(10 * max(ort_errors), 2 ** -10)
+    # the check's own number, again: the same outputs, the same error
+    own = max(relative_error(g, w) for g, w in zip(run_true_fp16(proto, feed), want))
+    assert abs(own - error) <= 0.01 * error
+    report = precision_report(path, fxamp.plan_of(gm), backend="onnxruntime", inputs=x,
+                              reference=model)
+    assert all("true_fp16_skipped" not in row for row in report.numerics)
+    assert all(row["true_fp16_ok"] for row in report.numerics)
+    worst = max(row["true_fp16_max_abs"] / row["ref_max"] for row in report.numerics)
+    assert np.isclose(worst, error, rtol=0.01)
+    assert "true FP16 (onnx.reference): max abs error" in report.summary()
+    assert "true FP16 not checked" not in report.summary()

@@ -1,5 +1,5 @@
 """``onnx.reference`` with PyTorch kernels for Conv, ConvTranspose, MaxPool, MatMul and Gemm:
-the true-FP16 run, faster.
+the true-FP16 run, faster; and GatherElements as the ONNX spec defines it.
 
 The true-FP16 check (``verify.check_true_fp16``) runs the exported file with
 ``onnx.reference.ReferenceEvaluator``, every op in its declared type. Its Conv is an
@@ -23,6 +23,16 @@ the same evaluator with these ops computed by PyTorch, to the same numbers:
   ViT-Tiny's 0.29 s check before).
 - Gemm (FP16, 2-D): the product as MatMul's, then ``alpha`` and the bias in FP16 as
   onnx.reference adds them (GPT-2 small's 48 Gemms were 109 s of its 113 s check).
+- GatherElements: onnx.reference (1.23) gathers with ``np.choose``, which takes at most 64
+  choices (32 with numpy 1): a gathered axis longer than that raises, and its 2-D fallback
+  reads one index per row (BERT's ``token_type_ids`` buffer gathered at the position ids,
+  a (1, 512) gather of (1, 128) indices: "cannot reshape array of size 1 into shape
+  (1,128)"; a (N, 1) gather along axis 0 is silently wrong). It also refuses indices
+  smaller than the data on the other axes, which the spec (and onnxruntime) accept, and
+  wraps an out-of-range index around. Here it is a plain gather, the spec's
+  ``out[i][j] = data[indices[i][j]][j]`` (axis 0): ``np.take_along_axis`` on the data cut
+  to the indices' extent on the other axes, negative indices counted from the end, an
+  index out of range an error (as onnxruntime's). No arithmetic: every dtype, exactly.
 
 Anything these kernels do not cover (``auto_pad`` SAME_*, MaxPool's indices output,
 asymmetric pool or transposed-convolution pads, ConvTranspose's ``output_shape``, other
@@ -148,11 +158,49 @@ def _gemm(a: np.ndarray, b: np.ndarray, c: Optional[np.ndarray], alpha: Any, bet
     return o.astype(a.dtype)
 
 
+def gather_elements(data: np.ndarray, indices: np.ndarray, axis: int = 0
+                    ) -> Optional[np.ndarray]:
+    """ONNX GatherElements (see the module doc), or None where the shapes are not the
+    spec's (ranks differ, an index axis longer than the data's): onnx.reference's own
+    then says what is wrong.
+
+    Args:
+        data: the gathered tensor, of any dtype.
+        indices: integer indices along ``axis``, of ``data``'s rank; on the other axes at
+            most as long as ``data``.
+        axis: the gathered axis (negative: from the end).
+
+    Returns:
+        An array of ``indices``' shape and ``data``'s dtype.
+
+    Raises:
+        IndexError: an index is outside ``[-n, n)``, ``n`` the length of ``axis``.
+    """
+    rank = data.ndim
+    if indices.ndim != rank or rank == 0 or not -rank <= axis < rank \
+            or indices.dtype.kind not in "iu":
+        return None
+    axis %= rank
+    if any(i > d for k, (i, d) in enumerate(zip(indices.shape, data.shape)) if k != axis):
+        return None
+    n = data.shape[axis]
+    index = indices.astype(np.int64, copy=False)
+    if index.size and (int(index.min()) < -n or int(index.max()) >= n):
+        bad = int(index.min()) if int(index.min()) < -n else int(index.max())
+        raise IndexError(f"GatherElements: index {bad} is out of range for an axis of "
+                         f"length {n} (axis {axis} of data shaped {tuple(data.shape)})")
+    index = np.where(index < 0, index + n, index)
+    cut = tuple(slice(None) if k == axis else slice(0, size)
+                for k, size in enumerate(indices.shape))
+    return np.take_along_axis(data[cut], index, axis=axis)
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels() -> List[type]:
     """The OpRun classes (built on first use: ``import fxamp`` never imports onnx)."""
     from onnx.reference.ops.op_conv import Conv as RefConv
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as RefConvTranspose
+    from onnx.reference.ops.op_gather_elements import GatherElements as RefGatherElements
     from onnx.reference.ops.op_gemm import Gemm_7 as RefGemm
     from onnx.reference.ops.op_matmul import MatMul as RefMatMul
     from onnx.reference.ops.op_max_pool import MaxPool as RefMaxPool
@@ -208,13 +256,18 @@ def _kernels() -> List[type]:
                                     transB=transB)
             return (out,)
 
-    return [Conv, MaxPool, MatMul, ConvTranspose, Gemm]
+    class GatherElements(RefGatherElements):
+        def _run(self, data, indices, axis=None):
+            out = gather_elements(data, indices, 0 if axis is None else int(axis))
+            return super()._run(data, indices, axis=axis) if out is None else (out,)
+
+    return [Conv, MaxPool, MatMul, ConvTranspose, Gemm, GatherElements]
 
 
 def evaluator(proto: Any) -> Any:
     """An ``onnx.reference.ReferenceEvaluator`` of ``proto`` computing every op in its
-    declared type, Conv, ConvTranspose, MaxPool, FP16 MatMul and Gemm with PyTorch kernels (see
-    the module doc).
+    declared type, Conv, ConvTranspose, MaxPool, FP16 MatMul and Gemm with PyTorch kernels and
+    GatherElements as the spec defines it (see the module doc).
 
     Args:
         proto: the ONNX model (a ``ModelProto``).
