@@ -133,9 +133,28 @@ def test_a_partition_function_picks_the_regions():
     assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
 
 
-def test_partition_blocks_on_a_returned_module_is_refused_with_what_to_do():
-    with pytest.raises(FxampError, match="needs inplace=True.*copy.deepcopy"):
-        fxamp.amp_rewrite(_llama(), (IDS,), _config("blocks"))
+def test_partition_blocks_returns_a_twin_that_keeps_the_tree_and_trains_like_autocast():
+    """``inplace=False`` with ``partition="blocks"``: the result is a twin of the model
+    rewritten in place (its own modules, of the model's classes, sharing its Parameters),
+    planned now on the example with the in-place rewrite's plan, text for text; it trains
+    like autocast, and the model itself still computes in FP32 with its own forward."""
+    ref = _llama()
+    model, inplace = copy.deepcopy(ref), copy.deepcopy(ref)
+    got = fxamp.amp_rewrite(model, (IDS,), _config("blocks"))
+    fxamp.amp_rewrite(inplace, (IDS,), _config("blocks"), inplace=True)
+    assert got is not model and type(got) is type(model)
+    assert got.model.layers[1] is not model.model.layers[1]
+    assert [p is q for p, q in zip(got.parameters(), model.parameters())] == [True] * len(
+        list(model.parameters()))
+    assert fxamp.plan_of(got).to_text() == fxamp.plan_of(inplace).to_text()
+    with pytest.raises(FxampError):  # (the model itself is not rewritten)
+        fxamp.plan_of(model)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+    loss, grads = _step(got, False)
+    ref_loss, ref_grads = _step(ref, True)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
 
 
 def test_an_unknown_partition_is_refused_naming_the_valid_ones():

@@ -177,3 +177,17 @@ class Shadow:
         set_result(module, done.replace(structure=Structure(
             self.real[id(watched)], module, structure.hooked, structure.inplace)))
 
+
+def twin(model: nn.Module) -> nn.Module:
+    """A module tree beside ``model``: one new module per module of it, of the same class,
+    as a shadow is (its own dicts and flags; the model's Parameters and buffers, shared),
+    forgotten as a shadow, so it stands for nothing but itself. A returned rewrite that
+    keeps the module tree (``partition="blocks"``) is a twin rewritten in place: the
+    model keeps its own forward and trains the same Parameters.
+
+    Args:
+        model: the user's model.
+    """
+    tree = Shadow(model)
+    tree.release()
+    return tree.root

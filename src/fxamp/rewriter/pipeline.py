@@ -31,7 +31,7 @@ from ..frontends.custom_functions import plan_reason
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.model_checks import check_parameter_dtypes
 from ..frontends.hooks import check_global_hooks, copy_root_hooks
-from ..frontends.shadow import Shadow
+from ..frontends.shadow import Shadow, twin
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
@@ -241,6 +241,10 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             block planned on its first call (``rewriter/blocks.py``). A call in a mode or
             of a structure no graph of an in-place model covers is planned on that call.
             The inference policy ``weights=stored`` (``rewriter/stored.py``) needs it.
+            With ``inplace=False`` and a ``partition`` that keeps the module tree
+            (``"blocks"``, a function), the result is a twin of ``model`` rewritten in
+            place: new modules of the same classes sharing its Parameters and buffers
+            (``frontends/shadow.py``, ``twin``); ``model`` keeps its own forward.
         **deprecated: the keywords the config holds (``dtype``, ``target``, ``policy``,
             ``frontend``, ``example_kwargs``, ``calibration_data``, ``dynamic_shapes``,
             ``rules``), taken for one more release with a ``FutureWarning``: they build
@@ -328,12 +332,8 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
             f"{result_of(model).policy}; asked for {pol}. what to do: rewrite the "
             "original FP32 model instead")
     example = example_inputs is not None or bool(example_kwargs)
-    if not inplace and config.partition not in ("auto", "flat"):
-        raise FxampError(
-            f"partition={config.partition!r} keeps the model's module tree, each region a "
-            f"module of {type(model).__name__} planned in place, so it needs inplace=True; "
-            "what to do: amp_rewrite(model, ..., inplace=True) (on copy.deepcopy(model) to "
-            "keep the FP32 model), or leave partition out for one returned graph")
+    if not inplace and config.partition not in ("auto", "flat"):  # (the tree kept: a
+        return _amp_rewrite(twin(model), example_inputs, config, True)  # twin, in place)
     if inplace and (not example or config.partition not in ("auto", "flat")):
         if config.calibration is not None and not isinstance(config.calibration, (Plan, dict)):
             raise FxampError("calibration_data needs a rewrite of the whole model with "
