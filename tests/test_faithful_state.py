@@ -96,3 +96,33 @@ def test_levit_rewritten_twice_and_its_deepcopy(levit):
         outs = [first(x), second(x), third(x)]
     torch.testing.assert_close(outs[1], outs[0])
     torch.testing.assert_close(outs[2], outs[0])
+
+
+class Kernelized(nn.Module):
+    """A module holding helper modules in a plain dict, read (never written) by its
+    forward, as ``kernels``' ``use_kernelized_func`` gives every HF Llama attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self._funcs = {"act": nn.GELU()}
+
+    def forward(self, x):
+        return self._funcs["act"](self.lin(x))
+
+
+def test_a_dict_of_helpers_only_read_gives_no_side_effect_warning(caplog):
+    """torch.export puts each module attribute back as a rebuilt container (its snapshot
+    is a pytree copy): the same items in a new dict. That is not the model's side effect:
+    no warning (every HF Llama warned of ``self_attn._kernel_funcs`` with ``kernels``
+    installed), and the model keeps its own dict."""
+    model = Kernelized()
+    funcs = model._funcs
+    with caplog.at_level(logging.WARNING):
+        gm = fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(
+            frontend="export", **BF16))
+    assert not [r for r in caplog.records if "changed its own state" in r.getMessage()]
+    assert model._funcs is funcs and list(funcs.values())[0] is funcs["act"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(_x())
+    assert torch.equal(gm(_x()).to(want.dtype), want)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -80,9 +81,19 @@ def _plain(value: Any, depth: int = 4) -> bool:
 
 
 def _equal(a: Any, b: Any) -> bool:
-    """The same object, or equal plain values of one type (a tuple put back as an equal
-    tuple, a dict of strings rebuilt: nothing that matters changed)."""
-    return a is b or (type(a) is type(b) and _plain(a) and _plain(b) and a == b)
+    """The same object, equal plain values of one type (a tuple put back as an equal
+    tuple, a dict of strings rebuilt), or a list, tuple or dict of one type holding the
+    same objects (torch.export puts a module's attributes back as pytree copies: a dict of
+    helper modules rebuilt): nothing that matters changed."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    x, y = (list(a.keys()) + list(a.values()), list(b.keys()) + list(b.values())) \
+        if isinstance(a, dict) else (a, b)
+    if isinstance(x, (list, tuple)) and len(x) == len(y) and all(map(operator.is_, x, y)):
+        return True
+    return _plain(a) and _plain(b) and a == b
 
 
 def _put_back(container: Any, contents: Any) -> None:
