@@ -9,7 +9,7 @@ import torch.nn as nn
 import fxamp
 from fxamp.ir import Rule
 from fxamp.passes.rule import DecisionRule
-from fxamp.result import ATTR, Rewritten, config_of, result_of
+from fxamp.result import RESULT, Rewritten, config_of, result_of
 
 BF16 = dict(target="cpu", dtype=torch.bfloat16)
 
@@ -28,7 +28,7 @@ def test_one_frozen_result_under_one_attribute(inplace):
     graph_reads = {str(n.target) for n in fxamp.rewritten(gm).graph.nodes
                    if n.op == "get_attr"}
     names = {k for k in vars(gm) if k.startswith("fxamp") and k not in graph_reads}
-    assert names == {ATTR}  # (besides what the graph itself reads)
+    assert names == {RESULT}  # (besides what the graph itself reads)
 
 
 def test_a_rule_must_name_a_rule_member_or_a_user_word():

@@ -65,7 +65,7 @@ _WARNED: list = []
 DEVICE_CHECKED = "fxamp_device_checked"
 #: the plans whose device was checked, by id (held weakly: a plan is no key of its own)
 _PLANS_CHECKED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-#: the attribute the rewrite's result is kept under (the one definition; ``fxamp.result.ATTR``
+#: the attribute the rewrite's result is kept under (the one definition; ``fxamp.result.RESULT``
 #: and ``fxamp.structure`` read it from here)
 RESULT = "fxamp_result"
 

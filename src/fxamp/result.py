@@ -1,5 +1,5 @@
 """What a rewrite leaves on the module it returns: one frozen ``Rewritten`` under one
-attribute (``ATTR``), read by ``plan_of`` / ``config_of`` / ``result_of``."""
+attribute (``RESULT``), read by ``plan_of`` / ``config_of`` / ``result_of``."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,6 @@ from .structure import Structure
 
 #: the one attribute a rewritten module (and an in-place rewritten model) holds (defined in
 #: ``fxamp.program``, which reads it on every call)
-ATTR = RESULT
 
 
 @dataclass(frozen=True)
@@ -65,12 +64,12 @@ class Pending:
 
 def has_result(module: object) -> bool:
     """Whether ``module`` holds a rewrite's result."""
-    return isinstance(getattr(module, ATTR, None), Rewritten)
+    return isinstance(getattr(module, RESULT, None), Rewritten)
 
 
 def result_of(module: object) -> Rewritten:
     """The ``Rewritten`` ``module`` holds; FxampError when amp_rewrite did not make it."""
-    value = getattr(module, ATTR, None)
+    value = getattr(module, RESULT, None)
     if isinstance(value, Pending) and value.planning:
         raise NotPlannedError(
             f"{value.source or type(module).__name__} is being planned now, on a call in "
@@ -110,7 +109,7 @@ def one_mode(modules: Iterable[object]) -> Optional[bool]:
 
 def set_result(module: object, result: Rewritten) -> None:
     """Store ``result`` on ``module`` (a plain attribute, not a submodule or buffer)."""
-    setattr(module, ATTR, result)
+    setattr(module, RESULT, result)
 
 
 def plan_of(module: object) -> Plan:
@@ -135,7 +134,7 @@ def plan_of(module: object) -> Plan:
             block mode, and has not been called yet (or is being planned now).
         FxampError: ``amp_rewrite`` did not make ``module``.
     """
-    value = getattr(module, ATTR, None)
+    value = getattr(module, RESULT, None)
     if isinstance(value, Pending) and value.skeleton is not None and not value.planning:
         return value.skeleton()
     return result_of(module).plan
@@ -155,7 +154,7 @@ def config_of(module: object) -> RewriteConfig:
         FxampError: ``amp_rewrite`` did not make ``module``, or it is a nested part of a
             rewrite (read the config of the module ``amp_rewrite`` returned).
     """
-    pending = getattr(module, ATTR, None)
+    pending = getattr(module, RESULT, None)
     if isinstance(pending, Pending):
         return pending.config
     config = result_of(module).config

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 #: mmaps it or trims the heap under it), worth one Python call per weight in backward;
 #: smaller ones keep torch's C++ backward
 BIG = 1 << 20
-ATTR = "fxamp_weight_cache"  # the submodule name in the rewritten GraphModule
+SUBMODULE = "fxamp_weight_cache"  # the submodule name in the rewritten GraphModule
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
@@ -394,15 +394,15 @@ def cast_weight(param: Any, dtype: torch.dtype, cache: Optional[WeightCache] = N
     return cache.get(index, param, torch.is_grad_enabled() and param.requires_grad)
 
 
-#: where an in-place rewrite keeps its rewritten module in the model's ``__dict__``
-#: (``rewriter/inplace.py``'s ``ATTR``)
-INPLACE_ATTR = "_fxamp_rewritten"
+#: where an in-place rewrite keeps its rewritten module in the model's ``__dict__`` (the
+#: one definition: ``rewriter/inplace.py`` reads it from here)
+INPLACE_GRAPH = "_fxamp_rewritten"
 
 
 def caches(gm: nn.Module) -> List[WeightCache]:
     """Every WeightCache inside ``gm`` (nested rewrites have their own); for a model rewritten
     in place, those of the rewritten module it computes with."""
-    gm = gm.__dict__.get(INPLACE_ATTR, gm)
+    gm = gm.__dict__.get(INPLACE_GRAPH, gm)
     return [m for m in gm.modules() if isinstance(m, WeightCache)]
 
 

@@ -34,7 +34,7 @@ from ..config import RewriteConfig
 from ..ops import module_label
 from ..passes.annotate import first_float
 from ..plan import NodePrecision, Plan
-from ..result import ATTR as RESULT, Rewritten, one_mode, plan_of, result_of, set_result
+from ..result import RESULT, Rewritten, one_mode, plan_of, result_of, set_result
 from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request

@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch.nn as nn
 
-from ..result import ATTR, Rewritten, set_result
+from ..result import RESULT, Rewritten, set_result
 from ..structure import Structure
 from .hooks import CALL_HOOK_DICTS
 
@@ -164,7 +164,7 @@ class Shadow:
                     module.__dict__[name] = self.real[id(value)]
                 elif id(value) in self.copies and self.copies[id(value)][0] is value:
                     module.__dict__[name] = self.copies[id(value)][1]
-            done = module.__dict__.get(ATTR)
+            done = module.__dict__.get(RESULT)
             if isinstance(done, Rewritten) and done.structure is not None:
                 self._watch_real(module, done)
         return result

@@ -144,7 +144,8 @@ class _Builder:
             if self.cache is not None:
                 if self.cache_node is None:
                     self.cache_node = self.graph.create_node(
-                        "get_attr", weight_cache.ATTR, (), {}, self.name(weight_cache.ATTR))
+                        "get_attr", weight_cache.SUBMODULE, (), {},
+                        self.name(weight_cache.SUBMODULE))
                 cast = weight_cache.cast_node(self.graph, self.cache_node, self.cache, node,
                                               dtype, name, tensor)
             else:
@@ -376,7 +377,7 @@ def insert_casts(src: fx.GraphModule, ctx: PassContext) -> PassResult:
     _check_inputs(builder.graph, src)
     builder.graph.set_codegen(graph_codegen(src.graph))
     if builder.cache_node is not None:
-        setattr(src, weight_cache.ATTR, builder.cache)  # GraphModule() copies it from src
+        setattr(src, weight_cache.SUBMODULE, builder.cache)  # GraphModule() copies it from src
     gm = Program(src, builder.graph, type(src).__name__)
     log.debug("inserted %d casts", builder.n_casts)
     return PassResult(gm, modified=builder.n_casts > 0)

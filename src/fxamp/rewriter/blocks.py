@@ -40,13 +40,13 @@ from ..ir import Rule
 from ..ops import module_label
 from ..plan import NOT_PLANNED, PLANNED_KEY, NodePrecision, Plan
 from ..errors import FxampError, PolicyError
-from ..result import ATTR as RESULT, Pending, Rewritten, has_result, plan_of, result_of, set_result
+from ..result import RESULT, Pending, Rewritten, has_result, plan_of, result_of, set_result
 from ..runtime import CALL_HOOK_DICTS, CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from ..frontends.copies import bound_to as copy_bound_to
 from ..frontends.eager import PARTS, is_eager_root, rebound
 from .._version import __version__
-from .inplace import (ATTR, InplaceForward, Planner, check_own_forward, install, register,
+from .inplace import (INPLACE_GRAPH, InplaceForward, Planner, check_own_forward, install, register,
                       take)
 from .stored import store_like
 
@@ -214,7 +214,7 @@ class BlocksRoot:
         nested: Dict[str, Plan] = {}
         for path in self.paths:
             block = model.get_submodule(path)
-            gm = block.__dict__.get(ATTR)
+            gm = block.__dict__.get(INPLACE_GRAPH)
             if gm is None or not has_result(gm):  # (not called yet: replaced, or unused)
                 nodes[path] = NodePrecision(
                     torch.float32, Rule.NESTED, "not planned yet: planned on its first call "
@@ -283,7 +283,7 @@ class BlockState:
 
     def state(self) -> str:
         """The block's state: planned on its first call, planned, or sharing a plan."""
-        gm = self.block.__dict__.get(ATTR)
+        gm = self.block.__dict__.get(INPLACE_GRAPH)
         if gm is None or not has_result(gm):
             return "fxamp: planned on its first call"
         first = getattr(self.root, "shares", {}).get(self.path)
@@ -463,7 +463,7 @@ _SKIP = frozenset({"_parameters", "_buffers", "_modules", "training", "_state_di
 #: planned), result and state note (``extra_repr``, :class:`BlockState`), torch.compile's
 #: call, FSDP2's state (``fully_shard`` per block). The
 #: block is called as a module, so its own hooks run around its graph, never in it
-_ROOT_SKIP = frozenset({"forward", ATTR, RESULT, "_compiled_call_impl", NOTE})
+_ROOT_SKIP = frozenset({"forward", INPLACE_GRAPH, RESULT, "_compiled_call_impl", NOTE})
 _ROOT_PREFIXES = ("__composable_api_state_key",)
 #: how deep a value's containers and dataclasses are compared by value (deeper: by identity)
 _DEPTH = 4

@@ -39,14 +39,13 @@ from ..frontends.common import in_output_dtype
 from ..frontends.hooks import ROOT_HOOKS
 from ..frontends.shadow import Shadow
 from ..program import call_key
-from ..result import ATTR as RESULT, Pending, has_result, result_of
+from ..result import RESULT, Pending, has_result, result_of
 from ..runtime import device_autocast, device_type
 from ..structure import StructureChanged, mirrors
+from ..weight_cache import INPLACE_GRAPH
 
 log = logging.getLogger(__name__)
 
-#: where the rewritten module lives in the model's ``__dict__``
-ATTR = "_fxamp_rewritten"
 #: the result attributes the model gets too (plan_of, config_of read them)
 RESULT_ATTRS = (RESULT,)
 
@@ -185,7 +184,7 @@ Planner = Callable[[nn.Module, tuple, dict, Any, Optional[str]], nn.Module]
 class InplaceForward:
     """The model's ``forward`` after an in-place rewrite: the one run-time path of an
     in-place model (see the module docstring). It holds the model's graphs: the first one
-    (``model.__dict__[ATTR]``, what ``plan_of`` reads) and, by (training mode, call key),
+    (``model.__dict__[INPLACE_GRAPH]``, what ``plan_of`` reads) and, by (training mode, call key),
     those planned since for a mode or a call structure the first one was not traced for.
     Each call runs the graph made for it:
 
@@ -262,7 +261,7 @@ class InplaceForward:
             elif theirs and mine:
                 for key in list(theirs):
                     mine.pop(key, None)
-        model.__dict__[ATTR] = gm
+        model.__dict__[INPLACE_GRAPH] = gm
         for attr in RESULT_ATTRS:
             if hasattr(gm, attr):
                 model.__dict__[attr] = getattr(gm, attr)
@@ -303,7 +302,7 @@ class InplaceForward:
                 for mine, theirs in self.pairs:
                     mine.training = theirs.training
                 self.flags = flags
-        gm = model.__dict__.get(ATTR)
+        gm = model.__dict__.get(INPLACE_GRAPH)
         fresh = gm is None
         if fresh:  # (no example inputs: planned on the first call)
             if self.fallback is not None:
@@ -365,8 +364,8 @@ class InplaceForward:
         """Drop a graph whose first call failed (the call's error is the model's, or
         autocast's, as the FP32 model raises it; a plan made for it is kept nowhere)."""
         with self.lock:
-            if self.model.__dict__.get(ATTR) is gm:
-                self.model.__dict__[ATTR] = None
+            if self.model.__dict__.get(INPLACE_GRAPH) is gm:
+                self.model.__dict__[INPLACE_GRAPH] = None
                 self.model.__dict__[RESULT] = Pending(self.config, type(self.model).__name__)
                 self.model.__dict__["forward"] = self
                 self.dtypes, self.seen, self.count = None, [], 0
@@ -380,7 +379,7 @@ class InplaceForward:
     def _first(self, args: tuple, kwargs: Dict[str, Any]) -> nn.Module:
         """The model's first graph, planned on this call (once, whichever thread calls)."""
         with self.lock:
-            gm = self.model.__dict__.get(ATTR)
+            gm = self.model.__dict__.get(INPLACE_GRAPH)
             enclosing = self.__dict__.get("enclosing")
             if gm is None and self.fallback is None and enclosing is not None:
                 held = unregistered_parameters(self.model, enclosing)
@@ -406,7 +405,7 @@ class InplaceForward:
                    why: str) -> nn.Module:
         """The model planned again on this call, unless another thread did it already."""
         with self.lock:
-            gm = self.model.__dict__.get(ATTR)
+            gm = self.model.__dict__.get(INPLACE_GRAPH)
             if gm is stale or gm is None or any(stale in v for v in self.variants.values()):
                 self.count, self.seen, self.grown, self.misses = 0, [], set(), []
                 self.made = [f"{self._made_for(args, kwargs)}: planned again, {why}"]
@@ -453,7 +452,7 @@ class InplaceForward:
                 self.made.append(f"{self._made_for(args, kwargs)}: {miss_text}")
                 grows = first is not None and (isinstance(miss, InputShapeError)
                                                or getattr(miss, "scalar", None) is not None)
-                if grows and self.model.__dict__.get(ATTR) is first:
+                if grows and self.model.__dict__.get(INPLACE_GRAPH) is first:
                     variants = self.variants
                     self.put(gm)  # (the new first graph; the old one tried last)
                     self.variants = {**variants, key: [*known, first]}
@@ -701,7 +700,7 @@ def install(model: nn.Module, gm: Optional[nn.Module], plan: Optional[Planner] =
     check_own_forward(model)
     forward = InplaceForward(model, _keywords(model.forward), plan, config)
     if gm is None:
-        model.__dict__[ATTR] = None
+        model.__dict__[INPLACE_GRAPH] = None
         model.__dict__[RESULT] = Pending(config, type(model).__name__)
         try:
             forward.__signature__ = inspect.signature(  # type: ignore[attr-defined]
@@ -726,7 +725,7 @@ def is_fully_sharded(module: nn.Module) -> bool:
 
 def is_inplace(model: nn.Module) -> bool:
     """Whether ``model`` computes with an in-place rewrite."""
-    return ATTR in model.__dict__
+    return INPLACE_GRAPH in model.__dict__
 
 
 def take(model: nn.Module) -> Dict[str, Any]:
@@ -735,7 +734,7 @@ def take(model: nn.Module) -> Dict[str, Any]:
     Args:
         model: a model rewritten in place.
     """
-    keys = (ATTR, "forward") + RESULT_ATTRS
+    keys = (INPLACE_GRAPH, "forward") + RESULT_ATTRS
     return {k: model.__dict__.pop(k) for k in keys if k in model.__dict__}
 
 
@@ -785,7 +784,7 @@ def rewritten(model: nn.Module) -> nn.Module:
             "example inputs for one graph of the whole model")
     if isinstance(model.__dict__.get(RESULT), Pending):
         result_of(model)  # (raises NotPlannedError: planned on its first call)
-    gm = model.__dict__.get(ATTR)
+    gm = model.__dict__.get(INPLACE_GRAPH)
     if gm is not None:
         return gm
     if has_result(model):

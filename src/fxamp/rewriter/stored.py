@@ -45,7 +45,7 @@ from ..runtime import call_with_params
 log = logging.getLogger(__name__)
 
 #: where the model keeps the record of its stored weights (its ``__dict__``)
-ATTR = "_fxamp_stored"
+STORED_RECORD = "_fxamp_stored"
 _LOW = (torch.float16, torch.bfloat16)
 _WHAT_TO_DO = ("what to do: rewrite the FP32 model with the default policy weights=cast "
                "for training (FP32 master weights, cast per call, as autocast does)")
@@ -263,7 +263,7 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
         model: the model ``gm`` was rewritten from (its Parameters are replaced in place).
         gm: its rewritten module (its graph parts are changed and recompiled).
     """
-    record: StoredRecord = model.__dict__.setdefault(ATTR, StoredRecord())
+    record: StoredRecord = model.__dict__.setdefault(STORED_RECORD, StoredRecord())
     reads, parts, opaque = _collect(gm)
     holders = _holders(model)
     roots = [model] if gm is model else [model, gm]
@@ -375,7 +375,7 @@ def record_of(model: nn.Module) -> Optional[StoredRecord]:
     Args:
         model: a model rewritten with ``weights=stored``.
     """
-    return model.__dict__.get(ATTR)
+    return model.__dict__.get(STORED_RECORD)
 
 
 #: every Parameter fxamp stored in low precision (held weakly): a module planned later that
@@ -463,7 +463,7 @@ def store_like(source: nn.Module, block: nn.Module) -> None:
     record = record_of(source)
     if record is None:
         return
-    mine: StoredRecord = block.__dict__.setdefault(ATTR, StoredRecord())
+    mine: StoredRecord = block.__dict__.setdefault(STORED_RECORD, StoredRecord())
     holders = _holders(block)
     for name, dtype in record.stored.items():
         param = block.get_parameter(name)

@@ -36,10 +36,10 @@ from .. import ir
 from ..plan import Plan
 from ..policy import dtype_name
 from ..program import DEVICES, call_key
-from ..result import ATTR as RESULT, Rewritten
+from ..result import RESULT, Rewritten
 from ..rewriter import plan_of
 from ..rewriter.blocks import is_blocks
-from ..rewriter.inplace import ATTR, InplaceForward
+from ..rewriter.inplace import INPLACE_GRAPH, InplaceForward
 from ..runtime import device_autocast, device_type
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ def _graphs(module: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[fx.G
     variants = forward.variants
     key = (module.training, call_key(args, kwargs), _float_dtypes(args, kwargs))
     found: List[fx.GraphModule] = []
-    for gm in (*variants.get(key, ()), module.__dict__.get(ATTR),
+    for gm in (*variants.get(key, ()), module.__dict__.get(INPLACE_GRAPH),
                *(g for graphs in variants.values() for g in graphs)):
         if isinstance(gm, fx.GraphModule) and all(gm is not g for g in found):
             found.append(gm)
