@@ -1,7 +1,8 @@
 """FSDP2 per decoder layer (torch.distributed, gloo, 2 processes): the recipe of torchtitan,
 accelerate's FSDP2 plugin and Lightning's ModelParallelStrategy (``fully_shard`` of each
 layer, then of the root) after ``amp_rewrite(model, inplace=True)`` without example inputs,
-or with them and ``partition="blocks"`` (planned then on the example), trains exactly like
+or with them and ``partition="blocks"`` (planned then on the example; or the module it
+returns with ``inplace=False``, a twin of the model keeping its tree), trains exactly like
 the same recipe under torch.autocast, with and without HF gradient checkpointing (rewriter/blocks.py: each layer stays a module, so FSDP2's hooks on it run)."""
 from __future__ import annotations
 
@@ -41,14 +42,18 @@ def _train(model, ids, autocast: bool) -> tuple:
     return losses, [p.detach().clone() for p in full]
 
 
-def _per_layer(rank: int, checkpointing: bool, example: bool = False) -> list:
+def _per_layer(rank: int, checkpointing: bool, example: bool = False,
+               returned: bool = False) -> list:
     import fxamp
     from torch.distributed.fsdp import fully_shard
 
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
     ref = _llama()
     model = copy.deepcopy(ref)
-    if example:  # (planned now, on the example: partition="blocks")
+    if returned:  # (the returned twin, its layers modules: partition="blocks")
+        model = fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(
+            dtype=BF16, target="cpu", partition="blocks"))
+    elif example:  # (planned now, on the example: partition="blocks")
         fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(
             dtype=BF16, target="cpu", partition="blocks"), inplace=True)
     else:
@@ -71,7 +76,9 @@ def _per_layer(rank: int, checkpointing: bool, example: bool = False) -> list:
 def _both(rank: int) -> dict:
     return {"plain": _per_layer(rank, False), "checkpointing": _per_layer(rank, True),
             "example": _per_layer(rank, False, True),
-            "example, checkpointing": _per_layer(rank, True, True)}
+            "example, checkpointing": _per_layer(rank, True, True),
+            "returned": _per_layer(rank, False, returned=True),
+            "returned, checkpointing": _per_layer(rank, True, returned=True)}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +88,8 @@ def results() -> dict:
 
 
 @pytest.mark.parametrize("how", ["plain", "checkpointing", "example",
-                                 "example, checkpointing"])
+                                 "example, checkpointing", "returned",
+                                 "returned, checkpointing"])
 def test_fully_shard_per_decoder_layer_trains_like_fsdp2_with_autocast(results, how):
     for rank in (0, 1):
         assert results[rank][how] == [True, True, "blocks"], (rank, results[rank][how])
