@@ -143,10 +143,12 @@ def _dot(call: Callable[..., Any], args: tuple, kwargs: dict) -> Optional[Peak]:
         return None
     with torch.no_grad():
         out = call(*[_abs(a) for a in args], **{k: _abs(v) for k, v in kwargs.items()})
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(out, torch.Tensor) or not out.numel():
-        return None
-    return float(out.abs().max()), "its dot products (|a| @ |b|)"
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(out, torch.Tensor) or not out.numel():
+            return None
+        # in place: ``out`` is computed from the copies ``_abs`` made (a 50257-word
+        # vocabulary's logits are 50 MB a batch), never the caller's tensors
+        return float(out.abs_().max()), "its dot products (|a| @ |b|)"
 
 
 def _no_bias(fn: Callable[..., Any], bias_at: int) -> Callable[..., Any]:

@@ -9,13 +9,15 @@ the node that overflows and the nodes it feeds until the values are back in rang
 FP32's range, so for bf16 only real overflows count. For a deployment target (``tensorrt``) the
 example inputs are always a calibration batch, the margin is :data:`DEPLOY_MARGIN`, and a
 called module whose weights pass the limit is kept in FP32 too. Nodes whose values mostly
-underflow are reported (logged), not changed.
+underflow are reported (logged), not changed. Each output's statistics come from
+:func:`tensor_stats`: reductions over reused buffers, the same numbers as masked copies of
+every output would give (a vocabulary's logits are 50 MB a batch).
 """
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -46,6 +48,135 @@ MARGIN = 2.0  # keep values below max / MARGIN in the low dtype
 DEPLOY_MARGIN = 128.0
 
 
+class TensorStats(NamedTuple):
+    """One tensor's range statistics, on its values as FP32 (what ``t.float()`` holds)."""
+
+    max_abs: Optional[float]  # the largest finite magnitude; None where no value is finite
+    min_abs: Optional[float]  # the smallest finite magnitude; None where no value is finite
+    nonzero: int  # how many finite values are not 0
+    small: int  # how many of those are below ``tiny``
+    nonfinite: int  # how many values are inf or NaN
+
+
+#: elements per piece of a contiguous tensor that :func:`tensor_stats` reduces at a time: its
+#: temporaries (1 MiB of FP32 magnitudes, 1 MiB of FP32 flags) stay in cache and are allocated
+#: once, however large the tensor (a 50257-word vocabulary's logits or embedding)
+CHUNK = 1 << 18
+
+
+class Scratch:
+    """Reused temporaries for :func:`tensor_stats`: FP32 buffers per device and slot, grown to
+    the largest piece seen (:data:`CHUNK` elements, or a whole tensor whose values cannot be
+    read as one flat run), so that a graph's statistics allocate each buffer once rather
+    than fresh copies of every node's output."""
+
+    def __init__(self) -> None:
+        self.buffers: Dict[Tuple[torch.device, str], torch.Tensor] = {}
+
+    def like(self, t: torch.Tensor, slot: str) -> torch.Tensor:
+        """A contiguous FP32 scratch tensor of ``t``'s shape on its device.
+
+        Args:
+            t: the tensor whose shape and device the scratch tensor takes.
+            slot: which buffer (two slots' views never overlap).
+
+        Returns:
+            A view of this slot's buffer on ``t``'s device; its values are garbage.
+        """
+        key = (t.device, slot)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < t.numel():
+            buf = self.buffers[key] = torch.empty(t.numel(), dtype=torch.float32,
+                                                  device=t.device)
+        return buf[:t.numel()].view(t.shape)
+
+
+def _masked_stats(t: torch.Tensor, tiny: float) -> TensorStats:
+    """:func:`tensor_stats` of an FP32 tensor by masked copies (for one that holds inf or
+    NaN)."""
+    finite = torch.isfinite(t)
+    nonfinite = int((~finite).sum())
+    mags = t[finite].abs()
+    nonzero = mags[mags > 0]
+    if not mags.numel():
+        return TensorStats(None, None, 0, 0, nonfinite)
+    return TensorStats(float(mags.max()), float(mags.min()), nonzero.numel(),
+                       int((nonzero < tiny).sum()), nonfinite)
+
+
+def _count(flags: torch.Tensor) -> int:
+    """How many of ``flags`` (FP32 zeros and ones) are 1: summed in FP32 (faster on CPU than
+    a bool comparison and ``count_nonzero``), exact while every partial sum is an integer
+    below 2**24; in FP64 past that."""
+    return int(flags.sum() if flags.numel() < 1 << 24 else flags.sum(dtype=torch.float64))
+
+
+def _piece_stats(t: torch.Tensor, tiny: float, scratch: Scratch) -> TensorStats:
+    """:func:`tensor_stats` of one non-empty FP32 tensor, its temporaries in ``scratch``."""
+    numel = t.numel()
+    mags = torch.abs(t, out=scratch.like(t, "mags"))
+    smallest, largest = (float(v) for v in torch.aminmax(mags))
+    if not math.isfinite(largest):  # inf, or NaN (aminmax propagates it)
+        return _masked_stats(t, tiny)
+    zeros = below = 0
+    if smallest < tiny:  # zeros and subnormals: |x| < tiny, less the zeros
+        flags = scratch.like(t, "flags")
+        if smallest == 0:
+            zeros = _count(torch.eq(mags, 0, out=flags))
+        below = _count(torch.lt(mags, tiny, out=flags))
+    return TensorStats(largest, smallest, numel - zeros, below - zeros, 0)
+
+
+def _flat(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t``'s values as one flat view, in memory order (a transpose's too: the statistics
+    do not depend on the order of the values); None where they are not one dense run."""
+    if not t.is_contiguous():
+        order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+        t = t.permute(order)
+        if not t.is_contiguous():
+            return None
+    return t.view(-1)
+
+
+def tensor_stats(t: torch.Tensor, tiny: float, scratch: Optional[Scratch] = None
+                 ) -> TensorStats:
+    """The range statistics of one floating tensor's values (as FP32): the largest and the
+    smallest finite magnitude, the count of finite non-zero values, how many of those are
+    below ``tiny`` and the count of non-finite values.
+
+    The same numbers as masking (``mags = t[isfinite(t)].abs()``, then
+    ``mags[mags > 0]``) without its copies of the tensor: a flat view of the values is
+    reduced :data:`CHUNK` elements at a time. A piece's magnitudes go into a reused buffer;
+    their ``aminmax`` gives the smallest and the largest and, since it propagates NaN and
+    keeps inf, tells whether all of them are finite (else that piece is masked); the counts
+    of zeros and of magnitudes below ``tiny`` are sums of comparisons written as 0 / 1 into
+    a second reused buffer (:func:`_count`; each skipped where the smallest magnitude
+    already tells it). Maxima, minima and integer counts do not depend on the order they
+    are reduced in, so the results equal the masked ones exactly.
+
+    Args:
+        t: a floating tensor (FP16 / BF16 / FP64 values are taken as ``t.float()`` holds
+            them, as the masked computation does).
+        tiny: the low dtype's smallest normal (``torch.finfo(dtype).tiny``).
+        scratch: buffers reused from call to call; None: fresh ones.
+
+    Returns:
+        The tensor's :class:`TensorStats`.
+    """
+    t = t.detach().float()
+    if not t.numel():
+        return TensorStats(None, None, 0, 0, 0)
+    scratch = Scratch() if scratch is None else scratch
+    flat = _flat(t)
+    parts = [_piece_stats(p, tiny, scratch)
+             for p in (flat.split(CHUNK) if flat is not None else (t,))]
+    seen = [p for p in parts if p.max_abs is not None]
+    return TensorStats(max((p.max_abs for p in seen), default=None),
+                       min((p.min_abs for p in seen), default=None),
+                       sum(p.nonzero for p in parts), sum(p.small for p in parts),
+                       sum(p.nonfinite for p in parts))
+
+
 class _Recorder(GraphRun):
     def __init__(self, gm: fx.GraphModule, tiny: float,
                  inner: Optional[Dict[str, Tuple[float, str]]] = None,
@@ -58,6 +189,7 @@ class _Recorder(GraphRun):
         self.smallest = smallest  # node -> smallest magnitude of its output, when measured
         self.spread = spread  # LayerNorm node -> its flattest input row, when measured
         self.current: Optional[fx.Node] = None  # the node running (named when it fails)
+        self.scratch = Scratch()  # the statistics' temporaries, reused node after node
 
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> Tuple[tuple, Dict[str, Any]]:
         """fx's, with the FP32 model's own values where the graph holds others (a dtype
@@ -85,18 +217,15 @@ class _Recorder(GraphRun):
         if floats and n.op != "output":
             acc = self.acc.setdefault(n.name, [0.0, 0, 0, 0])  # max, small, nonzero, nonfinite
             for t in floats:
-                t = t.detach().float()
-                finite = torch.isfinite(t)
-                acc[3] += int((~finite).sum())
-                mags = t[finite].abs()
-                if mags.numel():
-                    acc[0] = max(acc[0], float(mags.max()))
+                s = tensor_stats(t, self.tiny, self.scratch)
+                acc[3] += s.nonfinite
+                if s.max_abs is not None:
+                    acc[0] = max(acc[0], s.max_abs)
                     if self.smallest is not None:
-                        low = float(mags.min())
+                        low = s.min_abs
                         self.smallest[n.name] = min(self.smallest.get(n.name, low), low)
-                nonzero = mags[mags > 0]
-                acc[2] += nonzero.numel()
-                acc[1] += int((nonzero < self.tiny).sum())
+                acc[2] += s.nonzero
+                acc[1] += s.small
         return result
 
 
