@@ -153,23 +153,27 @@ def _tiny_bert(cls_name, shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls_name, shape", [("BertModel", (1, 128)),
-                                             ("BertForSequenceClassification", (2, 16))])
-def test_berts_file_is_checked_in_true_fp16(tmp_path, caplog, cls_name, shape):
-    """BERT's file gathers its ``token_type_ids`` buffer (1, 512) at the position ids
+@pytest.mark.parametrize("cls_name, shape, dynamic", [
+    ("BertModel", (1, 128), False), ("BertForSequenceClassification", (2, 16), False),
+    ("BertModel", (2, 128), True)])
+def test_berts_file_is_checked_in_true_fp16(tmp_path, caplog, cls_name, shape, dynamic):
+    """BERT gathers its ``token_type_ids`` buffer (1, 512) at the position ids
     (GatherElements), where onnx.reference's own fails ("cannot reshape array of size 1
-    into shape (1,128)") and the check was skipped; with ``reference_ops``' gather it
-    runs. Its error is FP16 rounding's: small, and near onnxruntime's on the same file
-    (which computes some ops in FP32 on the CPU, so a little smaller)."""
+    into shape (1,128)") and the check was skipped. A static file now holds that gather
+    folded (``export/constants.py``); with a dynamic sequence axis it stays a node, which
+    the check runs with ``reference_ops``' gather. Its error is FP16 rounding's: small,
+    and near onnxruntime's on the same file (which computes some ops in FP32 on the CPU,
+    so a little smaller)."""
     import numpy as np
     import onnxruntime as ort
 
     model, x = _tiny_bert(cls_name, shape)
     gm = fxamp.amp_rewrite(model, x, "compute=fp16,target=tensorrt")
     path = str(tmp_path / "bert.onnx")
-    export_onnx(gm, x, path)
+    export_onnx(gm, x, path, dynamic_shapes=({1: torch.export.Dim.AUTO},) if dynamic
+                else None)
     proto, feed = _feed(path, x)
-    assert any(n.op_type == "GatherElements" for n in proto.graph.node)
+    assert any(n.op_type == "GatherElements" for n in proto.graph.node) == dynamic
     meta = {p.key: p.value for p in proto.metadata_props}
     assert "fxamp.true_fp16_skipped" not in meta and "not checked" not in caplog.text
     error = float(meta["fxamp.true_fp16_error"])  # (a number, not '-')

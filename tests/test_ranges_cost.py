@@ -180,19 +180,25 @@ class _Dots(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv1d(4, 3, 3)
+        self.fc = nn.Linear(6, 5)
 
     def forward(self, x, y):
-        return (self.conv(x), x @ y, torch.addmm(x[0, :1], x, y),
+        return (self.conv(x), self.fc(x), x @ y, torch.addmm(x[0, :1], x, y),
                 F.scaled_dot_product_attention(x[None], x[None], x[None], scale=-0.5))
 
 
 def test_inner_dot_products_leave_the_callers_tensors_and_equal_the_reference():
+    """Each matmul-like op's inner peak (its dot products on magnitudes, bias left out),
+    a Conv and a Linear module's included, equals the reference, and writes into no
+    input."""
     gm = fx.symbolic_trace(_Dots())
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(4, 6, generator=g), torch.randn(6, 6, generator=g)
     weight = gm.conv.weight.detach().clone()
     env = {"x": x, "y": y}
     want = {"conv": F.conv1d(x.abs(), weight.abs()).abs().max(),
+            "fc": (x.abs() @ gm.fc.weight.detach().abs().t()).abs().max(),  # (a Linear
+            # module, as the fx front end keeps it: it was never measured)
             "matmul": (x.abs() @ y.abs()).abs().max(),
             "addmm": (x.abs() @ y.abs()).abs().max(),
             "scaled_dot_product_attention": ((x.abs() @ x.abs().t()) * -0.5).abs().max()}

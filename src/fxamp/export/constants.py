@@ -10,6 +10,14 @@ source is FP64) with the ONNX type it has in the graph, so ``Transpose(Cast(W, f
 computing node reads by one initializer, the wide value rounded once to its declared type.
 Moves, reshapes and elementwise arithmetic on constants are folded (the arithmetic in FP32);
 a value is rounded to its declared type before it is cast to an integer type.
+
+GatherElements is folded with :func:`.reference_ops.gather_elements` (the spec's gather, no
+arithmetic), not ``onnx.reference``'s: that one (onnx 1.23) gathers with ``np.choose``, at most
+64 choices, and fails on BERT's gather of its ``token_type_ids`` buffer (1, 512) at the
+position ids (1, 128). Left to onnxscript's optimizer, whose constant folding evaluates it with
+``onnx.reference``, that constant gather stayed a node and every BERT export logged
+"Evaluation failed: cannot reshape array of size 1 into shape (1,128)"; this fold runs before
+the optimizer (``onnx_passes.ONNX_STEPS``), so the optimizer never sees it.
 """
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ _FP64 = 11
 #: ops computed on the constant values (elementwise float ops on the wide values)
 _FOLDABLE = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Concat", "Slice",
              "Gather", "Identity", "Flatten", "Mul", "Add", "Sub", "Div", "Neg", "Sqrt",
-             "Reciprocal", "ConstantOfShape", "Range", "Split"}
+             "Reciprocal", "ConstantOfShape", "Range", "Split", "GatherElements"}
 #: a folded value larger than this, and larger than the initializers it is computed from
 #: (an ``Expand`` of a scalar to a big mask), stays a node
 SIZE_LIMIT = 8192
@@ -131,6 +139,8 @@ class Constants:
             return shape[attrs.get("start", 0):attrs.get("end")], 7
         if node.op_type not in _FOLDABLE:
             return None
+        if node.op_type == "GatherElements":
+            return _gather_elements(node, inputs)
         return self._evaluate(node, name, inputs)
 
     def _evaluate(self, node: Any, name: str, inputs: List[Any]) -> Optional[Value]:
@@ -248,6 +258,38 @@ def drop_dead(model: Any) -> None:
     alive = [i for i in graph.initializer if i.name in used]
     del graph.initializer[:]
     graph.initializer.extend(alive)
+
+
+def _gather_elements(node: Any, inputs: List[Value]) -> Optional[Value]:
+    """A GatherElements node on constant inputs, with :func:`.reference_ops.gather_elements`
+    (see the module doc): it moves values, so a float table is gathered wide and keeps its
+    declared type, exactly.
+
+    Args:
+        node: the GatherElements node.
+        inputs: its (data, indices) values, each (array, ONNX type).
+
+    Returns:
+        (gathered array, the data's ONNX type), or None (not folded) where the shapes are not
+        the spec's or an index is out of range: the node stays, and onnxruntime says what is
+        wrong when the file runs.
+    """
+    from .reference_ops import gather_elements
+
+    if len(inputs) != 2:
+        return None
+    (data, onnx_type), (indices, _) = inputs
+    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+    try:
+        out = gather_elements(data, indices, axis)
+    except IndexError as err:
+        log.debug("not folded: %s (%s)", node.name, err)
+        return None
+    if out is None:
+        log.debug("not folded: %s (data %s, indices %s, axis %d: not the spec's shapes)",
+                  node.name, data.shape, indices.shape, axis)
+        return None
+    return out, onnx_type
 
 
 def _constant_node(node: Any) -> Optional[Value]:

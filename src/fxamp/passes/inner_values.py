@@ -198,8 +198,7 @@ def inner_peak(node: fx.Node, root: nn.Module, args: tuple, kwargs: dict) -> Opt
         if kind in _STATS:
             return _statistic(args, kwargs, kind)
         if kind == "linear_module" and args and isinstance(args[0], torch.Tensor):
-            return _dot(lambda x: F.linear(x, module.weight.abs()),  # type: ignore[union-attr]
-                        (args[0], module.weight), {})  # type: ignore[union-attr]
+            return _dot(F.linear, (args[0], module.weight), {})  # type: ignore[union-attr]
         if kind == "conv_module" and args and isinstance(args[0], torch.Tensor) and \
                 not isinstance(module, CONV_TRANSPOSE_BASE):
             return _dot(lambda x, w: _conv_module(module)(x),  # type: ignore[arg-type]
