@@ -276,3 +276,28 @@ def test_an_example_the_model_fails_on_leaves_the_model_as_it_was():
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
     fxamp.amp_rewrite(model, (IDS,), _config("blocks"), inplace=True)  # (and can be again)
     assert fxamp.plan_of(model).planned
+
+
+@pytest.mark.parametrize("partition", ["auto", "blocks"])
+def test_a_deployment_plan_in_block_mode_measures_a_block_fed_fp16_as_the_fp32_model(
+        partition):
+    """``target=tensorrt`` in block mode: block 0 computes in FP16 and hands FP16 to block
+    1, whose plan measures ranges on its call (a deployment plan's example is a
+    calibration batch) by running its FP32 graph; that input is taken as the FP32 model
+    has it. Block 1's first call failed with ``CalibrationDataError`` ("mat1 and mat2 must
+    have the same dtype, but got Half and Float"). The output stays near FP32."""
+    model = _gpt2().eval()
+    ref = copy.deepcopy(model)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(policy="tensorrt",
+                                                             partition=partition),
+                      inplace=True)
+    calls = []
+    model.transformer.h[1].register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append(args[0].dtype if args else
+                                             kwargs["hidden_states"].dtype),
+        with_kwargs=True)
+    with torch.no_grad():
+        got, want = model(IDS).logits, ref(IDS).logits
+    assert calls == [torch.float16]  # (the case: block 1 is fed FP16)
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() < 1e-2
+    assert fxamp.plan_of(model).nodes["transformer.h.1"].reason.startswith("a block")

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.fx as fx
-from .._torch import is_input_guard, reparametrize_module, tree_flatten
+from .._torch import is_input_guard, reparametrize_module, tree_flatten, tree_map
 
 from ..config import CALIBRATION_FORMS
 from ..errors import CalibrationDataError, node_error
@@ -267,6 +267,16 @@ def _run_batch(recorder: _Recorder, gm: fx.GraphModule, batch: tuple, count: int
             f"in the FP32 model{where}: {type(err).__name__}: {first}{like}", _FIX) from err
 
 
+def _as_fp32(value: Any) -> Any:
+    """A batch's FP16 / BF16 tensor as the FP32 model holds it: a block planned on a call
+    gets its input in the dtype the block before it computes in (autocast's, for a
+    deployment plan FP16), where the FP32 model, whose ranges these are, has it in FP32
+    (the same values)."""
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+        return value.float()
+    return value
+
+
 def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any], dtype: torch.dtype,
                    example: Optional[tuple] = None,
                    inner: Optional[Dict[str, Tuple[float, str]]] = None,
@@ -285,6 +295,7 @@ def collect_ranges(gm: fx.GraphModule, batches: Iterable[Any], dtype: torch.dtyp
     with torch.no_grad(), reparametrize_module(gm, buffers, strict=False):
         for batch in track(batches, "calibration", unit="batch"):
             batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+            batch = tree_map(_as_fp32, batch)
             count += 1
             _run_batch(recorder, gm, batch, count, example)
             log.info("calibration batch %d done", count)
