@@ -130,6 +130,46 @@ def test_export_onnx_of_a_block_mode_model_exports_a_flat_rewrite_and_keeps_its_
     _trains_like_autocast(model, ref, FP16)
 
 
+@pytest.mark.slow  # (transformers' import, three exports)
+def test_a_block_planned_gpt2_exports_the_flat_ones_file_and_report(tmp_path):
+    """GPT-2 with a deployment policy, planned in block mode (lazily, and with
+    ``partition="blocks"`` on the example), exports the same file, byte for byte, as the
+    flat rewrite of the same model, and its precision report (the plan the file holds) is
+    the same. With ``partition="blocks"`` the export failed (the flat rewrite was asked for
+    the config's partition, which keeps the module tree)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime")
+    from fxamp.export import export_onnx, precision_report
+
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                  n_positions=64, bos_token_id=0, eos_token_id=0,
+                                  use_cache=False)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    made = {}
+    for how in ("flat", "lazy", "blocks"):
+        model = copy.deepcopy(base)
+        config = fxamp.RewriteConfig.make(policy="tensorrt",
+                                          partition="blocks" if how == "blocks" else "auto")
+        if how == "flat":
+            model = fxamp.amp_rewrite(model, (ids,), config)
+        elif how == "lazy":
+            fxamp.amp_rewrite(model, config=config, inplace=True)
+            with torch.no_grad():
+                model(ids)
+        else:
+            fxamp.amp_rewrite(model, (ids,), config, inplace=True)
+        assert is_blocks(model) == (how != "flat")
+        (tmp_path / how).mkdir()
+        path = export_onnx(model, (ids,), str(tmp_path / how / "gpt2.onnx"))
+        with open(path, "rb") as f:
+            made[how] = (f.read(), precision_report(path, backend="onnxruntime",
+                                                    inputs=(ids,)).to_markdown())
+        assert is_blocks(model) == (how != "flat")  # (the model keeps its block mode)
+    assert made["lazy"] == made["flat"] and made["blocks"] == made["flat"]
+
+
 def test_export_onnx_of_a_flat_in_place_model_exports_the_graph_it_computes_with(tmp_path):
     """The graph itself goes to the dynamo exporter (the model whose forward calls it is
     no graph: torch.export failed on it, and the TorchScript fallback traced it)."""

@@ -348,7 +348,7 @@ def flat_graph(model: torch.nn.Module, inputs: tuple) -> torch.nn.Module:
         NotPlannedError: an in-place model planned on its first call, not called yet.
     """
     if is_blocks(model):
-        config = config_of_blocks(model)
+        config = config_of_blocks(model).replace(partition="flat")  # (one graph)
         view = own_forwards(model)
         try:
             flat = amp_rewrite(view.root, inputs, config)
