@@ -283,15 +283,32 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
 def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], Any]],
                  config: RewriteConfig, inplace: bool) -> nn.Module:
     """``amp_rewrite`` with its config made (its target resolved here unless an in-place
-    rewrite without example inputs plans it on its first call)."""
-    example_kwargs = config.example_kwargs
+    rewrite without example inputs plans it on its first call): a model rewritten before
+    (:func:`_rewritten_before`), one planned on its calls (:func:`_planned_on_calls`), or
+    one graph planned now (:func:`_planned_now`)."""
     check_module(model)  # (before anything reads it as a module)
-    resolved = config.for_model(model, (example_inputs, example_kwargs))  # (its target)
-    pol = resolved.policy
-    check_overlap(model, pol, inplace)  # (another policy's in-place rewrite of a part of it)
+    resolved = config.for_model(model, (example_inputs, config.example_kwargs))  # (target)
+    check_overlap(model, resolved.policy, inplace)  # (another policy's on a part of it)
+    done = _rewritten_before(model, example_inputs, config, resolved.policy, inplace)
+    if done is not None:
+        return done
+    if not inplace and config.partition not in ("auto", "flat"):  # (the tree kept: a twin,
+        model, inplace = twin(model), True  # rewritten in place)
+    if inplace and (example_inputs is None and not config.example_kwargs
+                    or config.partition not in ("auto", "flat")):
+        return _planned_on_calls(model, example_inputs, config)
+    return _planned_now(model, example_inputs, resolved, inplace)
+
+
+def _rewritten_before(model: nn.Module, example_inputs: Any, config: RewriteConfig,
+                      pol: Policy, inplace: bool) -> Optional[nn.Module]:
+    """The rewrite of a model fxamp rewrote before: itself (the same config or policy), a
+    flat rewrite of its FP32 form (a block-mode model, ``inplace=False``), or its new
+    rewrite (an in-place model, a new policy); None where it was not rewritten (or its
+    block mode was undone to rewrite it in place again). Checks the model either way."""
+    lazy = inplace and example_inputs is None and not config.example_kwargs
     if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
-        if inplace and example_inputs is None and not example_kwargs \
-                and config_of_blocks(model) == config:
+        if lazy and config_of_blocks(model) == config:
             log.info("model was already rewritten in place with the same config")
             return model
         if not inplace:  # (a flat rewrite of its FP32 form: the model keeps its block mode)
@@ -309,9 +326,8 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
             # output dtype aside, the policy is the one it has)
             log.info("model was already rewritten in place with the same policy")
             return model
-        if inplace and example_inputs is None and not example_kwargs \
-                and earlier is not None and earlier.weights != "stored":
-            take(model)  # (a new policy, planned on its first call as below)
+        if lazy and earlier is not None and earlier.weights != "stored":
+            take(model)  # (a new policy, planned on its first call)
             return _amp_rewrite(model, None, config, inplace)
         # (a shadow with its own forward back: the model keeps computing with its rewrite
         # for other threads until the new one is in place)
@@ -326,46 +342,56 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
     if has_result(model):
         if result_of(model).policy == pol:
             log.info("model was already rewritten with the same policy; returning it")
-            return model  # type: ignore[return-value]
+            return model
         raise UnsupportedModelError(
             f"this model was already rewritten by fxamp with policy "
             f"{result_of(model).policy}; asked for {pol}. what to do: rewrite the "
             "original FP32 model instead")
-    example = example_inputs is not None or bool(example_kwargs)
-    if not inplace and config.partition not in ("auto", "flat"):  # (the tree kept: a
-        return _amp_rewrite(twin(model), example_inputs, config, True)  # twin, in place)
-    if inplace and (not example or config.partition not in ("auto", "flat")):
-        if config.calibration is not None and not isinstance(config.calibration, (Plan, dict)):
-            raise FxampError("calibration_data needs a rewrite of the whole model with "
-                             "example_inputs (the batches are checked against the "
-                             "example's structure); what to do: pass example_inputs (and "
-                             "partition='auto'), or calibrate from a Plan's ranges")
-        paths = regions(model, config.partition)
-        if paths:  # (the module tree stays: each block planned on its first call)
-            install_blocks(model, paths, _plan_call, config)
-        else:
-            install(model, None, _plan_call, config)
-        if example:  # (the example is the first call, made now)
-            try:
-                first_call(model, () if example_inputs is None else
-                           as_tuple(example_inputs), dict(example_kwargs or {}))
-            except BaseException:  # (a failed rewrite leaves the model as it was)
-                uninstall_blocks(model) if paths else take(model)
-                raise
-        return model
-    if not example:
+    return None
+
+
+def _planned_on_calls(model: nn.Module, example_inputs: Any, config: RewriteConfig
+                      ) -> nn.Module:
+    """An in-place rewrite planned on the model's calls: its regions (``partition``) in
+    block mode, or the whole model; with example inputs, the example is the first call,
+    made now (:func:`first_call`)."""
+    if config.calibration is not None and not isinstance(config.calibration, (Plan, dict)):
+        raise FxampError("calibration_data needs a rewrite of the whole model with "
+                         "example_inputs (the batches are checked against the "
+                         "example's structure); what to do: pass example_inputs (and "
+                         "partition='auto'), or calibrate from a Plan's ranges")
+    paths = regions(model, config.partition)
+    if paths:  # (the module tree stays: each block planned on its first call)
+        install_blocks(model, paths, _plan_call, config)
+    else:
+        install(model, None, _plan_call, config)
+    if example_inputs is not None or config.example_kwargs:
+        try:
+            first_call(model, () if example_inputs is None else as_tuple(example_inputs),
+                       dict(config.example_kwargs or {}))
+        except BaseException:  # (a failed rewrite leaves the model as it was)
+            uninstall_blocks(model) if paths else take(model)
+            raise
+    return model
+
+
+def _planned_now(model: nn.Module, example_inputs: Any, config: RewriteConfig,
+                 inplace: bool) -> nn.Module:
+    """One graph of the whole model planned now on the example (``config`` resolved for
+    the model), returned or (``inplace``) installed as the model's forward."""
+    if example_inputs is None and not config.example_kwargs:
         raise FxampError("amp_rewrite needs example_inputs (a tuple of the forward's "
                          "arguments) to know which values are floating tensors; what to do: "
                          "pass e.g. (torch.randn(1, 3, 224, 224),), or rewrite with "
                          "inplace=True, which plans the model on its first call")
     args = () if example_inputs is None else as_tuple(example_inputs)
-    gm = _rewrite_top(model, args, resolved)
-    if inplace and pol.weights == "stored":
+    gm = _rewrite_top(model, args, config)
+    if inplace and config.policy.weights == "stored":
         store_weights(model, gm)
     if inplace:
         return install(model, gm, _plan_call)
     if has_result(gm) and result_of(gm).mode is not None:  # (its other mode: on a call)
-        set_result(gm, result_of(gm).replace(other_mode=OtherMode(model, resolved,
+        set_result(gm, result_of(gm).replace(other_mode=OtherMode(model, config,
                                                                   _plan_mode)))
     return gm
 
