@@ -42,9 +42,10 @@ def test_an_export_result_deep_copies_and_refuses_pickling_with_what_to_do(inpla
     assert fxamp.plan_of(gm).header["frontend"] == "export"
     twin = copy.deepcopy(gm)
     assert torch.equal(twin(X), gm(X))
-    with pytest.raises(fxamp.UnsupportedModelError, match="what to do: copy or pickle the "
+    with pytest.raises(fxamp.UnsupportedModelError, match="rewrite of .*ShapeBranch is not "
+                                                          ".*what to do: copy or pickle the "
                                                           "original FP32 model"):
-        pickle.dumps(gm)
+        pickle.dumps(gm)  # (named by the model's class: it said 'GraphModule')
 
 
 @pytest.mark.parametrize("inplace", [False, True])

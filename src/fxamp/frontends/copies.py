@@ -25,9 +25,9 @@ _WHAT = ("what to do: copy or pickle the original FP32 model and rewrite the cop
 
 
 def _refusal(how: str, module: nn.Module, frontend: str) -> Callable[..., Any]:
-    name = type(module).__name__
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:  # (named by the model it was made from)
+        source = has_result(module) and result_of(module).source or type(module).__name__
+        name = source.rpartition(".")[2]
         raise UnsupportedModelError(
             f"{how} of the {frontend}-front-end rewrite of {name} is not supported (it holds "
             f"objects torch cannot {'copy' if how == 'deepcopy' else 'pickle'}); {_WHAT}")
