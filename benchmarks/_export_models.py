@@ -410,6 +410,13 @@ def vit_b16() -> Tuple[nn.Module, tuple]:
     return torchvision.models.vit_b_16().eval(), (torch.randn(1, 3, 224, 224),)
 
 
+def resnet50() -> Tuple[nn.Module, tuple]:
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet50().eval(), (torch.randn(1, 3, 224, 224),)
+
+
 def t5_small() -> Tuple[nn.Module, tuple]:
     from transformers import T5Config, T5Model
 
@@ -421,4 +428,4 @@ def t5_small() -> Tuple[nn.Module, tuple]:
 #: real-size models (``(model, example)``), slow: benchmarks/export_peers.py --real
 REAL_MODELS: Dict[str, Callable[[], Tuple[nn.Module, tuple]]] = {
     "gpt2_small": gpt2_small, "bert_base": bert_base, "vit_b16": vit_b16,
-    "t5_small": t5_small}
+    "resnet50": resnet50, "t5_small": t5_small}

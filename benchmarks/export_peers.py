@@ -20,8 +20,8 @@ true-FP16 error within 5% of that batch's output scale).
 
     python benchmarks/export_peers.py --peer-python PATH_TO_PEER_VENV/bin/python
 
-``--real`` measures real sizes instead (GPT-2 small, BERT-base, ViT-B/16, T5-small with
-random weights; minutes per model): fxamp's rewrite + export and the precision report after
+``--real`` measures real sizes instead (GPT-2 small, BERT-base, ViT-B/16, ResNet-50,
+T5-small with random weights; minutes per model): fxamp's rewrite + export and the precision report after
 it against one FP32 export of the same model, time and peak RSS, each run in its own
 process::
 
