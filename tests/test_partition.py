@@ -301,3 +301,34 @@ def test_a_deployment_plan_in_block_mode_measures_a_block_fed_fp16_as_the_fp32_m
     assert calls == [torch.float16]  # (the case: block 1 is fed FP16)
     assert ((got.float() - want).abs().max() / want.abs().max()).item() < 1e-2
     assert fxamp.plan_of(model).nodes["transformer.h.1"].reason.startswith("a block")
+
+
+@pytest.mark.slow  # (timm's import, densenet's depth)
+@pytest.mark.parametrize("name", ["resnet18", "densenet121", "vit_tiny_patch16_224"])
+def test_a_returned_twin_of_a_timm_model_trains_and_evaluates_like_autocast(name):
+    """The returned twin (``inplace=False``, ``partition="blocks"``) of timm models (a
+    densenet's ``BatchNormAct2d`` traces differently in train and eval): a training step's
+    loss and every gradient, then an eval forward, equal autocast's bit for bit."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10,
+                              **({"img_size": 64} if "vit" in name else {})).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    twin = fxamp.amp_rewrite(model, (x,), _config("blocks"))
+    assert fxamp.plan_of(twin).header["frontend"] == "blocks"
+    losses, grads = [], []
+    for m, autocast in ((twin, False), (ref, True)):
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            loss = m(x).float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in m.parameters()])
+    assert torch.equal(*losses)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    twin.eval(), ref.eval()
+    with torch.no_grad():
+        got = twin(x)
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref(x)
+    assert torch.equal(got, want)
