@@ -193,10 +193,14 @@ def test_onnx_reference_own_gather_elements_fails_on_berts_shapes():
     data, indices, axis = _berts_gather()
     model = _gather_model(data, indices, axis)
     feed = {"data": data, "indices": indices}
-    with pytest.raises(ValueError, match=r"cannot reshape array of size 1 into shape "
-                                         r"\(1,128\)"):
-        ReferenceEvaluator(model).run(None, feed)
     assert np.array_equal(_onnxruntime(model, feed), data[:, :128])  # (the spec's answer)
+    try:
+        ReferenceEvaluator(model).run(None, feed)
+    except ValueError as err:
+        assert "cannot reshape array of size 1 into shape (1,128)" in str(err)
+    else:  # (a later onnx: the CI installs the newest)
+        pytest.skip(f"onnx {onnx.__version__}'s reference GatherElements takes BERT's "
+                    "shapes: reference_ops' override may go once the oldest onnx has it")
 
 
 def test_gather_elements_matches_onnxruntime_on_berts_shapes():
