@@ -185,22 +185,22 @@ def _berts_gather():
     return data, np.arange(128, dtype=np.int64)[None], 1
 
 
-def test_onnx_reference_own_gather_elements_fails_on_berts_shapes():
+def test_onnx_reference_own_gather_elements_fails_on_berts_shapes_or_is_right():
     """The repro: onnx.reference (1.23) gathers with ``np.choose``, which takes at most 64
     choices; past that its 2-D fallback reads one index per row and cannot reshape the
-    result. If this stops failing, onnx.reference is fixed: the override may then go
-    (once the oldest onnx fxamp supports has the fix)."""
+    result. An onnx with the fix (merged upstream) gives the spec's answer: the override
+    may then go, once the oldest onnx fxamp supports has it."""
     data, indices, axis = _berts_gather()
     model = _gather_model(data, indices, axis)
     feed = {"data": data, "indices": indices}
-    assert np.array_equal(_onnxruntime(model, feed), data[:, :128])  # (the spec's answer)
+    want = data[:, :128]  # (the spec's answer)
+    assert np.array_equal(_onnxruntime(model, feed), want)
     try:
-        ReferenceEvaluator(model).run(None, feed)
-    except ValueError as err:
+        (got,) = ReferenceEvaluator(model).run(None, feed)
+    except ValueError as err:  # (onnx 1.23)
         assert "cannot reshape array of size 1 into shape (1,128)" in str(err)
-    else:  # (a later onnx: the CI installs the newest)
-        pytest.skip(f"onnx {onnx.__version__}'s reference GatherElements takes BERT's "
-                    "shapes: reference_ops' override may go once the oldest onnx has it")
+    else:  # (a later onnx, with the fix: the CI installs the newest)
+        assert np.array_equal(got, want)
 
 
 def test_gather_elements_matches_onnxruntime_on_berts_shapes():
