@@ -14,18 +14,9 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.errors import FxampError, NotPlannedError
+from _block_nets import Block
 
 BF16 = torch.bfloat16
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
 
 
 class Net(nn.Module):

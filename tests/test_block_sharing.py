@@ -6,14 +6,13 @@ submodule's class or instance ``forward``, a hook on a child) are planned each o
 compute bit for bit like ``torch.autocast``; identical blocks still share one plan."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import enum
 import functools
 import logging
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
+from _block_nets import tiny_llama, traces
 
 log = logging.getLogger(__name__)
 
@@ -177,42 +177,11 @@ def _net(blocks: Callable[[], List[nn.Module]]) -> Net:
     return Net(blocks())
 
 
-class _Traces(logging.Handler):
-    """Counts the blocks planned with a trace of their own (a block that shares another's
-    plan is not traced): of the classes ``only`` names (the glue's modules, regions of
-    their own too, are left out), or of every class when it is None."""
-
-    def __init__(self, only: Optional[set] = None) -> None:
-        super().__init__(logging.INFO)
-        self.count = 0
-        self.only = only
-
-    def emit(self, record: logging.LogRecord) -> None:
-        text = record.getMessage()
-        self.count += "planning it on this call" in text and (
-            self.only is None or text.split(":", 1)[0] in self.only)
-
-
-@contextlib.contextmanager
-def _traces(only: Optional[set] = None) -> Iterator[_Traces]:
-    """Counts the traces of the blocks planned inside (see :class:`_Traces`)."""
-    traces = _Traces(only)
-    logger = logging.getLogger("fxamp")
-    level = logger.level
-    logger.addHandler(traces)
-    logger.setLevel(logging.INFO)
-    try:
-        yield traces
-    finally:
-        logger.removeHandler(traces)
-        logger.setLevel(level)
-
-
 def _check(model: nn.Module, calls: int = 1) -> int:
     """Rewrite ``model`` in block mode and compare ``calls`` calls with autocast's, bit for bit;
     returns how many blocks were traced."""
     ref = copy.deepcopy(model)
-    with _traces({type(b).__name__ for b in model.blocks}) as traces:
+    with traces({type(b).__name__ for b in model.blocks}) as counted:
         fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
         for step in range(calls):
             x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
@@ -222,7 +191,7 @@ def _check(model: nn.Module, calls: int = 1) -> int:
             diff = (got.float() - want.float()).abs().max().item()
             assert torch.equal(got.float(), want.float()), (step, diff)
     assert fxamp.plan_of(model).header["frontend"] == "blocks"
-    return traces.count
+    return counted.count
 
 
 #: (how the setting is held, the value in each block)
@@ -304,14 +273,6 @@ def test_the_same_hook_on_every_blocks_child_still_shares():
 def _hf_models() -> Dict[str, Callable[[], nn.Module]]:
     transformers = pytest.importorskip("transformers")
 
-    def llama() -> nn.Module:
-        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                       num_hidden_layers=3, num_attention_heads=4,
-                                       num_key_value_heads=2, max_position_embeddings=64)
-        model = transformers.LlamaForCausalLM(cfg)
-        model.config.use_cache = False
-        return model
-
     def gpt2() -> nn.Module:
         cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=3, n_head=2,
                                       n_positions=64, bos_token_id=0, eos_token_id=0,
@@ -324,7 +285,7 @@ def _hf_models() -> Dict[str, Callable[[], nn.Module]]:
                                       max_position_embeddings=64)
         return transformers.BertModel(cfg)
 
-    return {"llama": llama, "gpt2": gpt2, "bert": bert}
+    return {"llama": lambda: tiny_llama(3), "gpt2": gpt2, "bert": bert}
 
 
 _LAYERS = {"llama": "model.layers", "gpt2": "transformer.h", "bert": "encoder.layer"}
@@ -341,14 +302,14 @@ def test_hf_layers_without_a_cache_still_share_one_plan(name):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     start = time.perf_counter()
     layers = {"LlamaDecoderLayer", "GPT2Block", "BertLayer", "BertEmbeddings"}
-    with _traces(layers) as traces, torch.no_grad():
+    with traces(layers) as counted, torch.no_grad():
         fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
         got = model(input_ids=ids)[0]
     log.info("%s: rewrite and first call %.2f s", name, time.perf_counter() - start)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = ref(input_ids=ids)[0]
     assert torch.equal(got.float(), want.float())
-    assert traces.count == (2 if name == "bert" else 1)  # (BERT's embeddings: a block too)
+    assert counted.count == (2 if name == "bert" else 1)  # (BERT's embeddings: a block too)
     plan = fxamp.plan_of(model)
     assert plan.header["frontend"] == "blocks"
     layers = _LAYERS[name]
@@ -372,10 +333,10 @@ def test_hf_layers_with_a_kv_cache_share_one_eager_plan_each_reading_its_own_lay
     ref = transformers.LlamaForCausalLM(cfg)
     model = copy.deepcopy(ref)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    with _traces({"LlamaDecoderLayer"}) as traces:
+    with traces({"LlamaDecoderLayer"}) as counted:
         fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
         out = model(input_ids=ids, labels=ids)
-    assert traces.count == 1  # (one layer planned; the other three share its plan)
+    assert counted.count == 1  # (one layer planned; the other three share its plan)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = ref(input_ids=ids, labels=ids)
     assert torch.equal(out.loss, want.loss)

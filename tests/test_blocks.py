@@ -15,20 +15,11 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.rewriter.blocks import block_paths
+from _block_nets import tiny_llama
 
 BF16 = torch.bfloat16
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-
-
-def _llama(layers: int = 3):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(cfg)
-    model.config.use_cache = False
-    return model
 
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -46,7 +37,7 @@ def _equal_grads(a: dict, b: dict) -> list:
 
 
 def test_block_paths_are_the_repeated_children_and_hf_layers():
-    assert block_paths(_llama()) == [f"model.layers.{i}" for i in range(3)]
+    assert block_paths(tiny_llama(3)) == [f"model.layers.{i}" for i in range(3)]
 
     class Block(nn.Module):
         def __init__(self):
@@ -62,7 +53,7 @@ def test_block_paths_are_the_repeated_children_and_hf_layers():
 
 
 def test_llama_trains_like_autocast_and_identical_blocks_share_one_plan(caplog):
-    ref = _llama()
+    ref = tiny_llama(3)
     model = copy.deepcopy(ref)
     with caplog.at_level(logging.INFO, logger="fxamp"):
         assert fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
@@ -92,7 +83,7 @@ def test_llama_trains_like_autocast_and_identical_blocks_share_one_plan(caplog):
 def test_a_hook_added_to_a_layer_after_the_rewrite_fires_and_counts():
     """NEFTune-style: a forward hook on a decoder layer changes its output; it fires under
     fxamp as under autocast, and the loss and gradients stay autocast's."""
-    ref = _llama()
+    ref = tiny_llama(3)
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                       inplace=True)
@@ -115,7 +106,7 @@ def test_with_an_example_a_hook_added_to_a_layer_later_plans_again_and_fires():
     call that finds a hook registered on a decoder layer since plans the model again with
     that layer kept as a call, so the hook fires once per call and the numbers stay
     autocast's."""
-    ref = _llama()
+    ref = tiny_llama(3)
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, (IDS,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                       inplace=True)
@@ -134,7 +125,7 @@ def test_with_an_example_a_hook_added_to_a_layer_later_plans_again_and_fires():
 
 
 def test_per_layer_compile_runs_the_compiled_layers_and_equals_eager():
-    ref = _llama(2)
+    ref = tiny_llama(2)
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                       inplace=True)
@@ -159,7 +150,7 @@ def test_per_layer_compile_runs_the_compiled_layers_and_equals_eager():
 
 
 def test_hf_gradient_checkpointing_trains_like_autocast():
-    ref = _llama()
+    ref = tiny_llama(3)
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                       inplace=True)
@@ -171,7 +162,7 @@ def test_hf_gradient_checkpointing_trains_like_autocast():
 
 
 def test_a_second_rewrite_with_an_example_undoes_the_blocks():
-    ref = _llama(2)
+    ref = tiny_llama(2)
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                       inplace=True)

@@ -9,11 +9,11 @@ from typing import Dict
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxamp
 from fxamp.cli import main
 from fxamp.plan import _spelled
+from _block_nets import Net
 
 transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -94,33 +94,9 @@ def test_the_cli_diffs_plan_files_alike(plans, tmp_path, capsys):
     assert "[all 3 blocks]" in capsys.readouterr().out
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList([Block() for _ in range(4)])
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def _net_plan(config: str) -> fxamp.Plan:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(blocks=4)
     fxamp.amp_rewrite(model, config=config, inplace=True)
     model(torch.randn(4, 8))
     return fxamp.plan_of(model)

@@ -63,6 +63,24 @@ def _loss(model, autocast: bool, seed: int = 5, **batch):
         return model(**batch).loss
 
 
+def _three_steps(model, ref, ids) -> list:
+    """3 AdamW steps of ``model`` and of ``ref`` under autocast: per run, each step's loss and
+    the gradients of the trainable parameters."""
+    runs = []
+    for m, autocast in ((model, False), (ref, True)):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        steps = []
+        for _ in range(3):
+            opt.zero_grad()
+            loss = _loss(m, autocast, input_ids=ids, labels=ids)
+            loss.backward()
+            steps.append((loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                        if p.requires_grad}))
+            opt.step()
+        runs.append(steps)
+    return runs
+
+
 @pytest.mark.parametrize("inplace", [True, False])
 def test_gpt2_rewritten_in_train_mode_evaluates_and_generates_like_autocast(inplace):
     ref = _gpt2(train=True)
@@ -267,19 +285,7 @@ def test_lora_on_llama_q_k_v_o_trains_like_peft_under_autocast():
     _rewrite(model, True, ids)
     line = fxamp.plan_of(model).nodes["base_model.model/model/layers.0/self_attn/q_proj"]
     assert line.dtype == BF16
-    runs = []
-    for m, autocast in ((model, False), (ref, True)):
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        steps = []
-        for _ in range(3):
-            opt.zero_grad()
-            loss = _loss(m, autocast, input_ids=ids, labels=ids)
-            loss.backward()
-            steps.append((loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()
-                                        if p.requires_grad}))
-            opt.step()
-        runs.append(steps)
-    for (loss, grads), (ref_loss, ref_grads) in zip(*runs):
+    for (loss, grads), (ref_loss, ref_grads) in zip(*_three_steps(model, ref, ids)):
         assert loss == ref_loss and grads.keys() == ref_grads.keys() and len(grads) == 16
         assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
 
@@ -309,19 +315,7 @@ def test_all_linear_lora_planned_on_first_call_trains_like_peft_under_autocast(o
         model = peft.get_peft_model(inner, copy.deepcopy(config))
         model.load_state_dict(ref.state_dict())
     ids = _ids()
-    runs = []
-    for m, autocast in ((model, False), (ref, True)):
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-        steps = []
-        for _ in range(3):
-            opt.zero_grad()
-            loss = _loss(m, autocast, input_ids=ids, labels=ids)
-            loss.backward()
-            steps.append((loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()
-                                        if p.requires_grad}))
-            opt.step()
-        runs.append(steps)
-    for (loss, grads), (ref_loss, ref_grads) in zip(*runs):
+    for (loss, grads), (ref_loss, ref_grads) in zip(*_three_steps(model, ref, ids)):
         assert loss == ref_loss and grads.keys() == ref_grads.keys()
         assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), [
             n for n in grads if not torch.equal(grads[n], ref_grads[n])]

@@ -6,6 +6,7 @@ per-layer ``compile()`` runs the compiled layers (FSDP2 per layer: test_blocks_f
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,22 +14,13 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.errors import FxampError
+from _block_nets import tiny_llama
 
 BF16 = torch.bfloat16
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-
-
-def _llama(layers: int = 2):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(cfg)
-    model.config.use_cache = False
-    return model
 
 
 def _config(partition="auto"):
@@ -44,7 +36,7 @@ def _step(model, autocast: bool):
 
 
 def test_an_example_with_partition_blocks_plans_now_the_plan_the_first_call_makes():
-    ref = _llama()
+    ref = tiny_llama()
     ahead, lazy = copy.deepcopy(ref), copy.deepcopy(ref)
     fxamp.amp_rewrite(ahead, (IDS,), _config("blocks"), inplace=True)
     plan = fxamp.plan_of(ahead)  # (planned: no call of the user's yet)
@@ -83,7 +75,7 @@ def test_the_example_call_changes_no_statistics_and_no_random_state():
 
 
 def test_with_an_example_a_hook_added_later_fires_and_per_layer_compile_runs():
-    ref = _llama()
+    ref = tiny_llama()
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, (IDS,), _config("blocks"), inplace=True)
     fired, compiled = [], []
@@ -104,7 +96,7 @@ def test_with_an_example_a_hook_added_later_fires_and_per_layer_compile_runs():
 
 
 def test_partition_flat_without_example_plans_the_whole_model_on_its_first_call():
-    ref = _llama()
+    ref = tiny_llama()
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, config=_config("flat"), inplace=True)
     loss, _ = _step(model, False)
@@ -113,7 +105,7 @@ def test_partition_flat_without_example_plans_the_whole_model_on_its_first_call(
 
 
 def test_a_partition_function_picks_the_regions():
-    ref = _llama()
+    ref = tiny_llama()
     model = copy.deepcopy(ref)
     picked = []
 
@@ -138,7 +130,7 @@ def test_partition_blocks_returns_a_twin_that_keeps_the_tree_and_trains_like_aut
     rewritten in place (its own modules, of the model's classes, sharing its Parameters),
     planned now on the example with the in-place rewrite's plan, text for text; it trains
     like autocast, and the model itself still computes in FP32 with its own forward."""
-    ref = _llama()
+    ref = tiny_llama()
     model, inplace = copy.deepcopy(ref), copy.deepcopy(ref)
     got = fxamp.amp_rewrite(model, (IDS,), _config("blocks"))
     fxamp.amp_rewrite(inplace, (IDS,), _config("blocks"), inplace=True)
@@ -171,7 +163,7 @@ def _gpt2():
 
 
 @pytest.mark.parametrize("make, glue", [
-    (_llama, ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"]),
+    (tiny_llama, ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"]),
     (_gpt2, ["transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"])])
 def test_partition_blocks_plans_the_glues_modules_and_trains_like_autocast(make, glue):
     """The glue's modules (embeddings, final norm, head: a tied one too) are regions with
@@ -194,41 +186,6 @@ def test_partition_blocks_plans_the_glues_modules_and_trains_like_autocast(make,
         opt.zero_grad(), opt_ref.zero_grad()
 
 
-_FACTORY = '''
-import torch
-import torch.nn as nn
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x):
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def make():
-    torch.manual_seed(0)
-    return Net(), (torch.randn(4, 8),)
-'''
-
-
 def test_the_cli_plans_and_checks_a_partitioned_plan_and_names_one_blocks_change(
         tmp_path, capsys):
     """``fxamp plan/check --partition blocks``: the plan of the model in block mode (its
@@ -237,8 +194,7 @@ def test_the_cli_plans_and_checks_a_partitioned_plan_and_names_one_blocks_change
     override changes."""
     from fxamp.cli import main
 
-    factory = tmp_path / "blocks_net.py"
-    factory.write_text(_FACTORY)
+    factory = Path(__file__).with_name("_block_nets.py")
     path = tmp_path / "plan.txt"
     base = [f"{factory}:make", "--dtype", "bf16", "--target", "cpu", "--partition", "blocks"]
     assert main(["plan", *base, "-o", str(path)]) == 0
@@ -256,7 +212,7 @@ def test_with_partition_blocks_a_relative_override_goes_to_the_blocks_only():
     """``fp32:mlp.down_proj`` names a module of every decoder layer: each layer's lines
     change, and the glue's regions (which hold no such module) are planned as without it
     (before, each glue region was refused: the override matched none of its nodes)."""
-    plain, model = _llama(), _llama()
+    plain, model = tiny_llama(), tiny_llama()
     fxamp.amp_rewrite(plain, (IDS,), _config("blocks"), inplace=True)
     fxamp.amp_rewrite(model, (IDS,), fxamp.RewriteConfig.make(
         policy="compute=bf16,target=cpu,fp32:mlp.down_proj", partition="blocks"), inplace=True)
@@ -267,7 +223,7 @@ def test_with_partition_blocks_a_relative_override_goes_to_the_blocks_only():
 
 
 def test_an_example_the_model_fails_on_leaves_the_model_as_it_was():
-    model = _llama()
+    model = tiny_llama()
     forward = model.forward
     with pytest.raises(IndexError, match="index out of range"):
         fxamp.amp_rewrite(model, (torch.full((2, 16), 500),), _config("blocks"),

@@ -6,12 +6,10 @@ skeleton by name; a model planned whole on its first call still raises ``NotPlan
 The state note is no part of the share key: identical blocks still share one plan."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
-import logging
 import warnings
-from typing import Iterator, List
+from typing import List
 
 import pytest
 import torch
@@ -21,62 +19,10 @@ import fxamp
 from fxamp.cli import main
 from fxamp.errors import NotPlannedError
 from fxamp.result import result_of
+from _block_nets import Block, Net, traces
 
 BF16 = torch.bfloat16
 NOT_YET = "not planned yet: planned on its first call"
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.fc2 = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-
-class Net(nn.Module):
-    """Three identical blocks in a ModuleList between a stem and a head (the glue)."""
-
-    def __init__(self, blocks: int = 3) -> None:
-        super().__init__()
-        self.stem = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList([Block() for _ in range(blocks)])
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-class _Traces(logging.Handler):
-    """Counts the blocks of class ``name`` planned with a trace of their own (as
-    tests/test_block_sharing.py counts them)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(logging.INFO)
-        self.name = name
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += record.getMessage().startswith(f"{self.name}: planning it on this call")
-
-
-@contextlib.contextmanager
-def _traces(name: str) -> Iterator[_Traces]:
-    traces = _Traces(name)
-    logger = logging.getLogger("fxamp")
-    level = logger.level
-    logger.addHandler(traces)
-    logger.setLevel(logging.INFO)
-    try:
-        yield traces
-    finally:
-        logger.removeHandler(traces)
-        logger.setLevel(level)
 
 
 def _net() -> Net:
@@ -106,14 +52,14 @@ def _check_skeleton(plan: fxamp.Plan, model: nn.Module, paths: List[str]) -> Non
 def test_a_hand_written_model_lists_its_blocks_then_plans_them_sharing_one_trace():
     model = _net()
     ref = copy.deepcopy(model)
-    with _traces("Block") as traces:
+    with traces({"Block"}) as counted:
         fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
         _check_skeleton(fxamp.plan_of(model), model, PATHS)
         assert fxamp.config_of(model).policy.compute == BF16
         assert str(model).count("fxamp: planned on its first call") >= 1
         assert all("fxamp: planned on its first call" in repr(b) for b in model.blocks)
         got = model(X)
-    assert traces.count == 1  # (one trace, three blocks: the note is no part of the key)
+    assert counted.count == 1  # (one trace, three blocks: the note is no part of the key)
     with torch.autocast("cpu", dtype=BF16):
         want = ref(X)
     assert torch.equal(got.float(), want.float())
@@ -137,7 +83,7 @@ def test_a_tiny_llama_lists_its_decoder_layers_before_its_first_call():
                                    use_cache=False)
     model = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    with _traces("LlamaDecoderLayer") as traces:
+    with traces({"LlamaDecoderLayer"}) as counted:
         fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
         skeleton = fxamp.plan_of(model)
         _check_skeleton(skeleton, model, [f"model.layers.{i}" for i in range(3)])
@@ -145,7 +91,7 @@ def test_a_tiny_llama_lists_its_decoder_layers_before_its_first_call():
         shown = str(model)
         assert "LlamaDecoderLayer(\n        fxamp: planned on its first call" in shown
         model(input_ids=ids)
-    assert traces.count == 1
+    assert counted.count == 1
     plan = fxamp.plan_of(model)
     assert plan.planned and any(n.startswith("model.layers.0/") for n in plan.nodes)
     assert "fxamp: planned (shares model.layers.0's plan)" in repr(model.model.layers[2])
