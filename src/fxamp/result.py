@@ -10,11 +10,8 @@ from .config import RewriteConfig
 from .errors import FxampError, NotPlannedError
 from .plan import Plan
 from .policy import Policy
-from .program import RESULT, EntryCheck
+from .program import RESULT, EntryCheck  # (RESULT: the attribute a result is kept under)
 from .structure import Structure
-
-#: the one attribute a rewritten module (and an in-place rewritten model) holds (defined in
-#: ``fxamp.program``, which reads it on every call)
 
 
 @dataclass(frozen=True)

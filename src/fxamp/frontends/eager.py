@@ -360,6 +360,19 @@ def is_eager_root(module: nn.Module) -> bool:
     return PARTS in module.__dict__
 
 
+def bound_copy(gm: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:
+    """A copy of ``gm`` (a rewritten module, planned for ``source``) reading ``block``'s
+    modules, Parameters and buffers at the same paths instead: the same plan, no new trace
+    (an eager root made anew for ``block``, :func:`rebound`; a graph, ``copies.bound_to``).
+
+    Args:
+        gm: the rewritten module of ``source``.
+        source: the module it was planned for.
+        block: an identical module (the same share key, ``rewriter/blocks.py``).
+    """
+    return rebound(gm, source, block) if is_eager_root(gm) else bound_to(gm, source, block)
+
+
 def rebound(result: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:
     """The eager root ``result`` (rewritten from ``source``) made for ``block``, a module
     proved identical to ``source`` (the same share key, ``rewriter/blocks.py``): a shallow
@@ -389,7 +402,7 @@ def rebound(result: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module
         sub, mine, theirs = (result.get_submodule(name), source.get_submodule(name),
                              block.get_submodule(name))
         # (a graph's copy has none of the wrapping forward, which is set up anew)
-        made = rebound(sub, mine, theirs) if is_eager_root(sub) else bound_to(sub, mine, theirs)
+        made = bound_copy(sub, mine, theirs)
         _call_as_planned(new, block, name, made, part)
     new.__dict__[PARTS] = parts
     _eager_forward(new, block, done.policy)

@@ -22,11 +22,11 @@ from torch.nn.modules import module as module_mod
 
 from ..errors import UnsupportedModelError
 from ..runtime import CALL_HOOK_DICTS, CALL_HOOKS, has_call_hooks  # noqa: F401 - re-exported
-#: every hook dict a module's call reads: the call hooks and their with-kwargs and
-#: (``runtime.CALL_HOOK_DICTS``: the call hooks and their companions, which a rewritten
-#: child of an eager root shares with the module it replaces, and a front end that calls the
-#: model takes off the root while tracing)
-#: every hook dict of a module that the rewritten root takes over from the model's root
+
+#: every hook dict of a module that the rewritten root takes over from the model's root: the
+#: ones its call reads (``runtime.CALL_HOOK_DICTS``, which a rewritten child of an eager
+#: root shares with the module it replaces, and a front end that calls the model takes off
+#: the root while tracing) and its state-dict hooks
 ROOT_HOOKS = CALL_HOOK_DICTS + ("_state_dict_hooks", "_state_dict_pre_hooks",
                                 "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 _GLOBAL = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",

@@ -43,8 +43,7 @@ from ..errors import FxampError, PolicyError
 from ..result import RESULT, Pending, Rewritten, has_result, plan_of, result_of, set_result
 from ..runtime import CALL_HOOK_DICTS, CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
-from ..frontends.copies import bound_to as copy_bound_to
-from ..frontends.eager import PARTS, is_eager_root, rebound
+from ..frontends.eager import PARTS, bound_copy, is_eager_root
 from .._version import __version__
 from .inplace import (INPLACE_GRAPH, InplaceForward, Planner, check_own_forward, install, register,
                       take)
@@ -409,7 +408,7 @@ class SharedPlanner:
             try:
                 if config.policy.weights == "stored":  # (its graphs read stored weights)
                     store_like(known[0], block)
-                gm = bound_to(known[1], known[0], block)
+                gm = bound_copy(known[1], known[0], block)
             except FxampError as err:  # (a result that refuses copies)
                 log.info("%s: planned on its own: %s", type(block).__name__, err)
         if gm is None:
@@ -802,20 +801,6 @@ def share_key(block: nn.Module, args: tuple, kwargs: Dict[str, Any],
             _settings(block, _has_object((args, kwargs)) and not live_index),
             _signature(args), _signature(kwargs))
 
-
-def bound_to(gm: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:
-    """A copy of ``gm`` (a block's rewritten module, planned for ``source``) reading
-    ``block``'s modules, Parameters and buffers at the same paths instead: the same plan, no
-    new trace (an eager root is made anew for ``block`` from copies of its children).
-
-    Args:
-        gm: the rewritten module of ``source``.
-        source: the block it was planned for.
-        block: an identical block (same :func:`share_key`).
-    """
-    if is_eager_root(gm):
-        return rebound(gm, source, block)
-    return copy_bound_to(gm, source, block)
 
 
 def install_blocks(model: nn.Module, paths: List[str], plan: Planner,

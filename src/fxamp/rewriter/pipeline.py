@@ -292,10 +292,10 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
     done = _rewritten_before(model, example_inputs, config, resolved.policy, inplace)
     if done is not None:
         return done
-    if not inplace and config.partition not in ("auto", "flat"):  # (the tree kept: a twin,
-        model, inplace = twin(model), True  # rewritten in place)
-    if inplace and (example_inputs is None and not config.example_kwargs
-                    or config.partition not in ("auto", "flat")):
+    keeps_tree = config.partition not in ("auto", "flat")  # (its regions stay modules)
+    if keeps_tree and not inplace:  # (a twin, rewritten in place)
+        model, inplace = twin(model), True
+    if inplace and (keeps_tree or example_inputs is None and not config.example_kwargs):
         return _planned_on_calls(model, example_inputs, config)
     return _planned_now(model, example_inputs, resolved, inplace)
 
