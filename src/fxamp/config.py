@@ -82,6 +82,9 @@ class RewriteConfig:
             planned now), ``"flat"`` (one graph of the whole model, also without example inputs),
             or a function ``(path, module) -> bool`` picking the regions (the outermost
             modules it picks, as torchao's ``module_filter_fn``).
+        regions: the submodules a trace keeps as module calls, each computing with its own
+            rewrite (block mode's glue, the model's own forward around its regions, traced
+            by torch.fx: ``rewriter/glue.py``); set by fxamp, not by users.
 
     Raises:
         FxampError: an unknown front end.
@@ -97,6 +100,7 @@ class RewriteConfig:
     rules: Tuple[DecisionRule, ...] = ()
     follow_device: bool = False
     partition: Any = "auto"
+    regions: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.frontend not in FRONTENDS:

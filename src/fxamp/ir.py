@@ -18,7 +18,8 @@ Fields of :class:`NodeIR`:
 * ``fixed`` — a decision made by a rule outside the op tables (numerics rules, ranges,
   placement, the tolerance search, hooks), honoured by every later annotate run;
 * ``cast`` — True on the cast nodes the casts pass inserts;
-* ``layout`` — ``"channels_last"`` on the inputs the layout pass converts on entry.
+* ``layout`` — ``"channels_last"`` on the inputs the layout pass converts on entry;
+* ``region`` — True on the calls of regions planned on their own (block mode's glue).
 
 :class:`Rule` names who decided a node; its values are the words of the plan text.
 """
@@ -98,6 +99,9 @@ class NodeIR:
     fixed: Optional[Decision] = None
     cast: bool = False
     layout: Optional[str] = None
+    #: a call of a region planned on its own (block mode's glue calls its blocks so): its
+    #: outputs' dtypes are its plan's, known at run time, so every cast of them is kept
+    region: bool = False
 
 
 _EMPTY = NodeIR()

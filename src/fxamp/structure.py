@@ -60,15 +60,26 @@ class Structure:
 
     ``inplace``: the model computes with ``gm`` (its flags are the model's); else ``gm`` is a
     module of its own that shares the model's submodules. ``hooked``: paths of the modules
-    the graphs run as ops (their later hooks would not run)."""
+    the graphs run as ops (their later hooks would not run). ``regions``: the paths of the
+    modules ``gm`` calls that compute with rewrites of their own (block mode's glue calls its
+    blocks so), whose insides it does not read: not watched."""
 
     def __init__(self, model: nn.Module, gm: nn.Module, hooked: List[str],
-                 inplace: bool = False) -> None:
+                 inplace: bool = False, regions: Tuple[str, ...] = ()) -> None:
         self.model = model  # (held: the key holds its modules anyway)
         self._gm = weakref.ref(gm)
         self.hooked = hooked
         self.inplace = inplace
+        self.regions = regions
         self.take()
+
+    def _named(self) -> List[Tuple[str, nn.Module]]:
+        """The model's modules by path, those inside its regions left out."""
+        named = list(self.model.named_modules(remove_duplicate=False))
+        if not self.regions:
+            return named
+        inside = tuple(f"{path}." for path in self.regions)
+        return [(path, m) for path, m in named if not path.startswith(inside)]
 
     # -- the key -------------------------------------------------------------------------
     def take(self) -> None:
@@ -76,7 +87,7 @@ class Structure:
         model = self.model
         if model is None:
             return
-        named = list(model.named_modules(remove_duplicate=False))
+        named = self._named()
         self.modules = [m for _, m in named]
         self.own_dicts = [m.__dict__ for m in self.modules]
         self.child_dicts = [getattr(m, kind) for m in self.modules for kind in _CHILD_DICTS]
@@ -119,7 +130,7 @@ class Structure:
         if model is None or gm is None:
             return
         before = self.detail
-        after = _detail(list(model.named_modules(remove_duplicate=False)))
+        after = _detail(self._named())
         structural = _structural(before, after, type(model).__name__)
         if structural:
             what = "; ".join(structural)
@@ -156,12 +167,13 @@ class Structure:
 
     def __getstate__(self) -> dict:  # (copies and pickles watch the copied model)
         return {"model": self.model, "gm": self._gm(), "hooked": self.hooked,
-                "inplace": self.inplace}
+                "inplace": self.inplace, "regions": self.regions}
 
     def __setstate__(self, state: dict) -> None:
         # (the model may be half copied yet: recorded at the first check)
         self.model, self._gm = state["model"], weakref.ref(state["gm"])
         self.hooked, self.inplace, self.key = state["hooked"], state["inplace"], None
+        self.regions = state.get("regions", ())
 
 
 def _detail(named: List[Tuple[str, nn.Module]]) -> Dict[str, tuple]:

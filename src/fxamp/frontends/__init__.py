@@ -22,7 +22,7 @@ warnings and nested plans (:mod:`.common`). This package imports only the layers
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -53,7 +53,8 @@ def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
                   state: Optional[ModelState] = None, dynamic_shapes: Any = None,
                   whole_graph: bool = False, inference: bool = False,
                   compute: Optional[torch.dtype] = None,
-                  settled: Optional[Settled] = None) -> Capture:
+                  settled: Optional[Settled] = None,
+                  regions: Tuple[str, ...] = ()) -> Capture:
     """What the first front end (in the order ``frontend`` asks for) that takes ``model``
     gives: a :class:`Traced` graph, or :class:`Children` to rewrite one by one.
     ``whole_graph``: only front ends giving one graph of the whole model (calibration,
@@ -62,14 +63,18 @@ def capture_model(model: nn.Module, args: tuple, kwargs: Dict[str, Any], fronten
     eval-mode graph alone (one trace, not one per mode). ``compute``: the plan's low dtype
     (values the code reads from tensors' dtypes follow autocast's run with it);
     ``settled``: the values read from dtypes the plan does without. When none takes it:
-    the one front end's TraceError, or one naming each front end's failure. A quantized
+    the one front end's TraceError, or one naming each front end's failure. ``regions``:
+    submodules kept as module calls (torch.fx alone keeps them). A quantized
     model, and example inputs on meta for a model on another device, are refused before
     any front end tries (:mod:`.model_checks`)."""
     check_not_quantized(model)
     check_example_device(model, args, kwargs)
     request = Request(tuple(args), dict(kwargs), frontend, state or ModelState(model),
-                      dynamic_shapes, inference=inference, compute=compute, settled=settled)
+                      dynamic_shapes, inference=inference, compute=compute, settled=settled,
+                      regions=tuple(regions))
     order: List[Frontend] = [REGISTRY[name] for name in FRONTEND_ORDER[frontend]]
+    if regions:
+        order = [FX]
     if whole_graph:
         order = [fe for fe in order if fe.graph]
     for fe in order:

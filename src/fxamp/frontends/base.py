@@ -98,6 +98,8 @@ class Request:
     #: ``settled(node, key)``: an argument of the captured graph the plan does without, so
     #: autocast's value of it needs no export under autocast (:mod:`.dtype_reads`)
     settled: Optional[Callable[[fx.Node, Union[int, str]], bool]] = None
+    #: submodule paths the trace keeps as module calls (``RewriteConfig.regions``)
+    regions: Tuple[str, ...] = ()
 
 
 class Frontend(Protocol):

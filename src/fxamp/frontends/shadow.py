@@ -85,10 +85,22 @@ class Shadow:
             _TREE[shadow] = self
         self.root = self.of[id(model)]
         if on_call:
-            self.root.__dict__.pop("forward", None)
-            for kind in CALL_HOOK_DICTS:
-                if getattr(self.root, kind, None):
-                    self.root.__dict__[kind] = collections.OrderedDict()
+            self.bare("")
+
+    def bare(self, path: str) -> None:
+        """The shadow of the module at ``path`` without the ``forward`` set on the instance
+        (an in-place rewrite's) and without call hooks: a trace keeping it as a call runs
+        its class's code (block mode's glue runs its blocks so while it is planned, as
+        ``torch.autocast`` would run them), never the user's module's own rewrite.
+
+        Args:
+            path: the module's path in the model.
+        """
+        module = self.root.get_submodule(path)
+        module.__dict__.pop("forward", None)
+        for kind in CALL_HOOK_DICTS:
+            if getattr(module, kind, None):
+                module.__dict__[kind] = collections.OrderedDict()
 
     def release(self) -> None:
         """Forget this tree's shadows once the rewrite that needed them is done (the map
@@ -175,7 +187,8 @@ class Shadow:
         if watched is None or id(watched) not in self.real:
             return
         set_result(module, done.replace(structure=Structure(
-            self.real[id(watched)], module, structure.hooked, structure.inplace)))
+            self.real[id(watched)], module, structure.hooked, structure.inplace,
+            structure.regions)))
 
 
 def twin(model: nn.Module) -> nn.Module:

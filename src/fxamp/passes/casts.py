@@ -108,7 +108,8 @@ class _Builder:
         plan, kind = record.precision, record.value
         if plan is None or kind is None or kind == "other":  # (complex: autocast casts none)
             return value
-        if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
+        if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64) \
+                and not record.region:
             return value
         held = ops.fetch_attr(self.src, str(value.target)) if value.op == "get_attr" else None
         if kind == "tensor" and isinstance(held, nn.Parameter):  # (tied: cast once)

@@ -45,6 +45,7 @@ from ..runtime import CALL_HOOK_DICTS, CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from ..frontends.eager import PARTS, bound_copy, is_eager_root
 from .._version import __version__
+from .glue import Glue
 from .inplace import (INPLACE_GRAPH, InplaceForward, Planner, check_own_forward, install, register,
                       take)
 from .stored import store_like
@@ -96,7 +97,8 @@ class BlocksRoot:
         self.paths = paths
         self.config = config
         self.planned = 0  # blocks' plans made so far (counted by :meth:`planner`)
-        self.composed = -1
+        self.composed: Any = None  # (the :meth:`_state` the composed plan was made at)
+        self.glue: Optional[Glue] = None  # (the model's own forward: :mod:`.glue`)
         # (each block's container, its name there and the block installed: a block replaced
         # since is seen on the next call, in a few dict lookups)
         self.slots: List[Tuple[nn.Module, str, nn.Module]] = []
@@ -165,7 +167,9 @@ class BlocksRoot:
                 drop_note(block)
         log.warning("%s: a block was replaced since its last call; the new one is planned "
                     "on its first call", type(self.model).__name__)
-        self.composed = -1
+        if self.glue is not None:
+            self.glue.reset()
+        self.composed = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for container, name, block in self.slots:
@@ -173,11 +177,22 @@ class BlocksRoot:
                 self._replaced()
                 break
         model, policy = self.model, self.config.policy
-        with device_autocast(device_type((args, kwargs)), policy.compute):
-            out = type(model).forward(model, *args, **kwargs)
-        if self.composed != self.planned:
+
+        def autocast() -> Any:
+            with device_autocast(device_type((args, kwargs)), policy.compute):
+                return type(model).forward(model, *args, **kwargs)
+
+        glue = self.__dict__.get("glue")
+        out = autocast() if glue is None else glue(args, kwargs, autocast)
+        if self.composed != self._state():
             self.compose()
         return in_output_dtype(out, policy.output_dtype)
+
+    def _state(self) -> tuple:
+        """What the composed plan is made from: the blocks' plans made so far and the
+        glue's first graph."""
+        glue = self.__dict__.get("glue")
+        return (self.planned, None if glue is None else id(glue.first))
 
     def compose(self) -> None:
         """The model's plan from its blocks' plans (:meth:`blocks_plan`), stored as its
@@ -186,7 +201,7 @@ class BlocksRoot:
         config = self.config.for_model(self.model)
         self.model.__dict__[RESULT] = Rewritten(plan, config.policy,
                                                 module_label(self.model), config)
-        self.composed = self.planned
+        self.composed = self._state()
 
     def skeleton(self) -> Plan:
         """The model's plan before its first call (``plan_of`` returns it then): the header
@@ -207,13 +222,14 @@ class BlocksRoot:
         model = self.model
         config = self.config.for_model(model)  # (no target given: the device it ran on)
         policy = config.policy
-        nodes: Dict[str, NodePrecision] = {}
+        lines: Dict[str, Dict[str, NodePrecision]] = {}  # (each block's, by its path)
         first: Dict[str, str] = {}  # a plan's lines (repr) -> the first block path with it
         shares: Dict[str, str] = {}
         nested: Dict[str, Plan] = {}
         for path in self.paths:
             block = model.get_submodule(path)
             gm = block.__dict__.get(INPLACE_GRAPH)
+            nodes = lines[path] = {}
             if gm is None or not has_result(gm):  # (not called yet: replaced, or unused)
                 nodes[path] = NodePrecision(
                     torch.float32, Rule.NESTED, "not planned yet: planned on its first call "
@@ -237,12 +253,12 @@ class BlocksRoot:
                 dtype, Rule.NESTED, f"a block, called as a module and planned on its first "
                 f"call; its nodes are the plan lines {path}/*", label, path)
             nodes.update(nested_lines({path: plan}))
+        glue = self.glue if self.glue is not None else Glue(model, self.paths, config, None)
         header = nested_header({"fxamp": __version__,
                                 "torch": torch.__version__.split("+")[0],
                                 "policy": str(policy), "frontend": "blocks",
-                                "glue": "the model's own forward under torch.autocast"},
-                               (), nested)
-        return Plan(nodes=nodes, header=header), shares
+                                "glue": glue.header()}, (), nested)
+        return Plan(nodes=glue.lines(lines), header=header), shares
 
 
 #: the block attribute that shows its state in ``print(model)`` (:class:`BlockState`)
@@ -817,6 +833,7 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
     check_own_forward(model)
     root = BlocksRoot(model, paths, config)
     root.install(root.planner(plan))
+    root.glue = Glue(model, paths, config, plan)
     model.__dict__["forward"] = root
     model.__dict__[RESULT] = Pending(config, type(model).__name__, skeleton=root.skeleton)
     register(model)

@@ -167,7 +167,7 @@ def _missed(err: BaseException, gm: Any) -> bool:
     return getattr(err, "program", None) is gm
 
 
-def _float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
+def float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
     """The dtypes of a call's floating tensor arguments: a graph planned on a call holds
     for those alone (autocast would compute a bf16 and an fp32 input differently)."""
     return tuple(v.dtype for v in (*args, *kwargs.values())
@@ -351,7 +351,7 @@ class InplaceForward:
             return self._autocast(args, kwargs)
         if self.mode is not None and self.mode is not self.model.training:
             return self._variant(args, kwargs, None)
-        if self.dtypes is not None and _float_dtypes(args, kwargs) != self.dtypes:
+        if self.dtypes is not None and float_dtypes(args, kwargs) != self.dtypes:
             return self._variant(args, kwargs, None)
         try:
             return gm(*args, **kwargs)
@@ -396,7 +396,7 @@ class InplaceForward:
             if gm is None and self.fallback is None:
                 gm = self._planned(args, kwargs, None)
                 self.put(gm)
-                self.dtypes = _float_dtypes(args, kwargs)
+                self.dtypes = float_dtypes(args, kwargs)
                 self.made = [f"{self._made_for(args, kwargs)}: the first call"]
             return gm
 
@@ -413,7 +413,7 @@ class InplaceForward:
                 gm = self._planned(args, kwargs, why)
                 self.put(gm)
                 if self.dtypes is not None:
-                    self.dtypes = _float_dtypes(args, kwargs)
+                    self.dtypes = float_dtypes(args, kwargs)
             return gm
 
     @_outside_compile
@@ -425,7 +425,7 @@ class InplaceForward:
         dynamic). A new graph for a size or value ``first`` (the first graph) fixed
         replaces it, the old one kept last. Past ``LIMIT`` graphs, the module runs under
         torch.autocast from now on, with one warning naming it and what kept changing."""
-        dtypes = _float_dtypes(args, kwargs)
+        dtypes = float_dtypes(args, kwargs)
         key = (self.model.training, call_key(args, kwargs), dtypes)
         for gm in self.variants.get(key, ()):
             try:
@@ -469,7 +469,7 @@ class InplaceForward:
     def _made_for(self, args: tuple, kwargs: Dict[str, Any]) -> str:
         """What a graph planned on this call is for: the mode and the floating inputs'
         dtypes (and the dimensions and ints symbolic in it)."""
-        dtypes = ", ".join(str(d).replace("torch.", "") for d in _float_dtypes(args, kwargs))
+        dtypes = ", ".join(str(d).replace("torch.", "") for d in float_dtypes(args, kwargs))
         grown = f", {len(self.grown)} dimension(s) or int(s) symbolic" if self.grown else ""
         return (f"{'train' if self.model.training else 'eval'} mode, floating inputs "
                 f"{dtypes or 'none'}{grown}")

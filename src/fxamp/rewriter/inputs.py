@@ -96,16 +96,23 @@ def _describe(value: Any) -> str:
 
 class AutocastOff:
     """Autocast disabled on each of ``devices`` for the block (the FP32 model's run, an
-    in-place model planned again inside a call); restored on every exit path."""
+    in-place model planned again inside a call), and its cast cache off: inside a user's
+    autocast region the cache outlives the block, and a run on fake tensors there (the
+    planning's, under autocast) would leave fake casts of real Parameters in it for the
+    user's next ops. Restored on every exit path."""
 
     def __init__(self, devices: list) -> None:
-        self.contexts = [torch.autocast(d, enabled=False) for d in devices
+        self.contexts = [torch.autocast(d, enabled=False, cache_enabled=False) for d in devices
                          if d in ("cpu", "cuda", "xpu", "mps", "hpu")]
+        self.cache = True
 
     def __enter__(self) -> None:
+        self.cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
         for c in self.contexts:
             c.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         for c in reversed(self.contexts):
             c.__exit__(*exc)
+        torch.set_autocast_cache_enabled(self.cache)

@@ -36,6 +36,7 @@ from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
 from .blocks import block_paths, config_of_blocks, install_blocks, is_blocks, uninstall_blocks
+from .glue import mark_regions
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, take, uninstalled
 from .inputs import AutocastOff, check_example_inputs
 from .modes import OtherMode
@@ -497,7 +498,8 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
     that training mode rather than the model's."""
     name = type(model).__name__
     if why is None:
-        log.info("%s: planning it on this call (%s mode)", name,
+        log.info("%s: planning %s on this call (%s mode)", name,
+                 "its glue (its own forward around its regions)" if config.regions else "it",
                  "train" if (model.training if mode is None else mode) else "eval")
     else:
         log.warning("%s changed after its in-place rewrite (%s): planning it again on this "
@@ -584,6 +586,8 @@ def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig,
     training mode (the shadow's: the model's flags stay)."""
     with _torch.tracing():  # another thread's rewrite waits (see _torch.TRACE_PATCHES)
         shadow = Shadow(model, on_call)
+        for path in config.regions:  # (each traced as a call: run as its class's code)
+            shadow.bare(path)
         if mode is not None:  # (flags only: the returned module's train() or eval(), which
             for module in shadow.root.modules():  # reached the model's modules, ran their
                 module.training = mode  # own train() there; its shadows copy what it set)
@@ -720,7 +724,8 @@ class Rewrite:
                 _capture_shapes(self.config),
                 whole_graph=_needs_graph(self.fixed, calibration) or is_deploy(pol.target),
                 inference=is_deploy(pol.target), compute=pol.compute,
-                settled=mask_fill.settles if mask_fill.applies(pol) else None)
+                settled=mask_fill.settles if mask_fill.applies(pol) else None,
+                regions=self.config.regions)
         except TraceError:
             self.state.restore()
             raise
@@ -729,6 +734,7 @@ class Rewrite:
         src, _, _, leaves = self.captured
         front = graph_frontend(self.captured)
         hooked = front.runtime_calls(self.captured)
+        mark_regions(src, self.config.regions)
         if hooked:
             log.info("%s: modules with hooks stay calls run under torch.autocast: %s",
                      type(self.model).__name__, ", ".join(hooked))
@@ -789,7 +795,8 @@ class Rewrite:
         share_modules(gm, model)  # the graph reads the model's own modules
         set_result(gm, Rewritten(plan, pol, ops.module_label(model),
                                  _kept(self.config, plan) if self.scope.top else None,
-                                 Structure(model, gm, hooked_paths(gm)), entry, mode))
+                                 Structure(model, gm, hooked_paths(gm),
+                                           regions=self.config.regions), entry, mode))
         if taken == "export":  # (torch's exported graphs hold local objects: deepcopy works)
             refuse_copies(gm, taken, deepcopy=False)
 

@@ -1,0 +1,221 @@
+"""The glue: a model's own forward in block mode, planned as one region.
+
+In block mode (:mod:`.blocks`) the model's own forward is the code between its regions:
+embeddings, masks, a final norm, a head, a hand-written loss. It is traced by torch.fx with
+each region kept as a module call (``RewriteConfig.regions``) and planned like any graph,
+on the model's call, the same call that plans its blocks: autocast's dtypes, the numerics
+rules (a loss in FP32, a hand-written softmax), plan lines. A region's call runs under
+``torch.autocast``, as the blocks ran when the whole glue did, and every cast of its
+outputs is kept (``ir.NodeIR.region``): their dtypes are the region's plan's, known when
+it runs.
+
+While the glue is planned, its regions run as their class's code on the shadow tree
+(``Shadow.bare``): under ``torch.autocast`` where a node's dtypes are decided, as autocast
+runs them. The blocks themselves are planned on their own first call, from their real
+arguments, when the glue's graph calls them.
+
+Each graph is kept for one training mode, call structure and set of floating input dtypes;
+at most ``LIMIT`` of them, then the glue runs under ``torch.autocast`` with one warning.
+Where torch.fx does not take the forward (Hugging Face models' mask code reads shapes and
+config values), the glue runs under ``torch.autocast`` from the first call on, and the plan
+header says why. A call that fails while the glue is planned runs under autocast: when
+that works, the failure was fxamp's, and the glue runs under autocast from then on (one
+warning naming it); when it fails too, it is the model's own error, raised, and nothing is
+kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .. import ir
+from ..config import RewriteConfig
+from ..errors import TraceError, shorten
+from ..ir import Rule
+from ..ops import module_label
+from ..plan import NodePrecision, Plan
+from ..program import call_key
+from ..result import has_result, plan_of, result_of
+from ..structure import StructureChanged
+from .inplace import LIMIT, Planner, float_dtypes
+
+log = logging.getLogger(__name__)
+
+#: the plan header's ``glue:`` when the glue has its own plan lines
+TRACED = "the model's own forward, traced by torch.fx with the regions as calls: its lines"
+#: the header's ``glue:`` when it runs under autocast (the reason follows)
+UNDER_AUTOCAST = "the model's own forward under torch.autocast"
+
+
+def mark_regions(gm: fx.GraphModule, regions: Iterable[str]) -> None:
+    """Make each call of a region in ``gm`` a call run under ``torch.autocast`` whose
+    outputs' casts are all kept (see the module docstring).
+
+    Args:
+        gm: the glue's traced graph.
+        regions: the regions' paths.
+    """
+    paths = set(regions)
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in paths:
+            ir.set(node, region=True, fixed=ir.Decision(
+                None, Rule.RUNTIME, "a region, called as a module under torch.autocast and "
+                "planned on its own on its first call", module_label(
+                    gm.get_submodule(str(node.target))), runtime=True))
+
+
+class Glue:
+    """The glue's graphs, planned on the model's calls (see the module docstring).
+
+    Args:
+        model: the model in block mode.
+        paths: its regions.
+        config: the block mode's config (its target resolved on the first call).
+        plan: what plans the model on a call (the pipeline's).
+    """
+
+    def __init__(self, model: nn.Module, paths: List[str], config: RewriteConfig,
+                 plan: Planner) -> None:
+        self.model = model
+        self.paths = paths
+        self.config = config
+        self.plan = plan
+        self.graphs: Dict[tuple, nn.Module] = {}
+        self.first: Optional[nn.Module] = None  # (the first graph: the plan's glue lines)
+        self.off: Optional[str] = None  # why the glue runs under autocast (None: it does not)
+        self.lock = threading.RLock()
+        self._plan_outside: Optional[Callable[..., Any]] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("lock", None)
+        state.update(graphs={}, first=None, _plan_outside=None)  # (a copy plans anew)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
+
+    def reset(self) -> None:
+        """Forget the graphs (a region was replaced: they call the old one)."""
+        with self.lock:
+            self.graphs, self.first = {}, None
+
+    def __call__(self, args: tuple, kwargs: Dict[str, Any], autocast: Callable[[], Any]) -> Any:
+        """The model's forward on this call: its graph for the call, or ``autocast()``.
+
+        Args:
+            args: the call's positional arguments.
+            kwargs: its keyword arguments.
+            autocast: the forward run under ``torch.autocast``.
+        """
+        if self.off is not None:
+            return autocast()
+        key = (self.model.training, call_key(args, kwargs), float_dtypes(args, kwargs))
+        gm = self.graphs.get(key)
+        if gm is None:
+            gm = self._planned(key, args, kwargs, None)
+            if gm is None:
+                return self._fallback(autocast)
+        try:
+            return gm(*args, **kwargs)
+        except StructureChanged as err:
+            if not err.replan:
+                raise
+            self.reset()
+            gm = self._planned(key, args, kwargs, str(err))
+            if gm is None:
+                return self._fallback(autocast)
+            return gm(*args, **kwargs)
+
+    def _planned(self, key: tuple, args: tuple, kwargs: Dict[str, Any],
+                 why: Optional[str]) -> Optional[nn.Module]:
+        """The graph for ``key`` planned on this call (None: it runs under autocast)."""
+        if torch.compiler.is_compiling():  # (planned eagerly, outside a compiled region)
+            if self._plan_outside is None:
+                self._plan_outside = torch.compiler.disable(self._plan)
+            return self._plan_outside(key, args, kwargs, why)
+        return self._plan(key, args, kwargs, why)
+
+    def _plan(self, key: tuple, args: tuple, kwargs: Dict[str, Any],
+              why: Optional[str]) -> Optional[nn.Module]:
+        with self.lock:
+            gm = self.graphs.get(key)
+            if gm is not None or self.off is not None:
+                return gm
+            if len(self.graphs) >= LIMIT:
+                self.off = (f"{LIMIT} graphs were planned for its calls (the limit); it "
+                            "runs under torch.autocast from now on")
+                log.warning("%s: the glue (its own forward between the blocks): %s",
+                            type(self.model).__name__, self.off)
+                return None
+            config = self.config.for_model(self.model, (args, kwargs))
+            config = config.replace(  # (the overrides address the regions' modules)
+                frontend="fx", regions=tuple(self.paths),
+                policy=dataclasses.replace(config.policy, overrides=()))
+            try:
+                gm = self.plan(self.model, args, kwargs, config, why)
+            except TraceError as err:
+                self.off = "torch.fx cannot trace it: " + shorten(
+                    (str(err).splitlines() or [""])[0], 200)
+                log.info("%s: the glue runs under torch.autocast: %s",
+                         type(self.model).__name__, self.off)
+                return None
+            except Exception as err:  # noqa: BLE001 - autocast's run tells whose it is
+                self.failed = f"{type(err).__name__}: " + shorten(
+                    (str(err).splitlines() or [""])[0], 200)
+                return None
+            structure = result_of(gm).structure
+            if structure is not None:  # (the model computes with it: a change re-plans)
+                structure.inplace = True
+                structure.take()
+            self.graphs = {**self.graphs, key: gm}
+            if self.first is None:
+                self.first = gm
+            return gm
+
+    def _fallback(self, autocast: Callable[[], Any]) -> Any:
+        """This call under autocast; a planning failure that autocast does not share
+        makes the glue run under autocast from now on."""
+        failed = self.__dict__.pop("failed", None)
+        out = autocast()  # (raises: the model's own error; nothing is kept)
+        if failed is not None and self.off is None:
+            self.off = f"planning it failed ({failed})"
+            log.warning("%s: the glue (its own forward between the blocks) cannot be "
+                        "planned, so it runs under torch.autocast: %s",
+                        type(self.model).__name__, failed)
+        return out
+
+    def header(self) -> str:
+        """The plan header's ``glue:`` value."""
+        if self.first is not None and has_result(self.first):
+            return TRACED
+        if self.off is not None:
+            return f"{UNDER_AUTOCAST} ({self.off})"
+        return UNDER_AUTOCAST
+
+    def lines(self, blocks: Dict[str, Dict[str, NodePrecision]]) -> Dict[str, NodePrecision]:
+        """The composed plan's lines: the glue's, each region's call replaced by its lines
+        in ``blocks`` (by path; the regions the glue does not call follow, in order).
+
+        Args:
+            blocks: each region's lines (its own line first), by path.
+        """
+        nodes: Dict[str, NodePrecision] = {}
+        plan: Optional[Plan] = (plan_of(self.first) if self.first is not None
+                                and has_result(self.first) else None)
+        for name, line in (plan.nodes.items() if plan is not None else ()):
+            if line.rule == Rule.RUNTIME and line.module in blocks:
+                nodes.update(blocks.pop(line.module))
+            else:
+                nodes[name] = line
+        for lines in blocks.values():
+            nodes.update(lines)
+        return nodes
+

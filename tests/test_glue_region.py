@@ -1,0 +1,182 @@
+"""Block mode's glue (the model's own forward between its blocks) is a region planned like
+any graph where torch.fx takes it: it has plan lines, a hand-written loss there runs in FP32
+(rule ``loss``), and it computes what the flat plan of the same model computes. Where fx
+does not take it, it runs under torch.autocast and the plan header says why."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxamp
+from _block_nets import Block, Net, tiny_llama
+
+BF16 = torch.bfloat16
+
+
+class LossNet(Net):
+    """:class:`Net` with a hand-written squared loss in its own forward, on bf16 values."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return ((out - y.to(out.dtype)) ** 2).mean()
+
+
+def _config() -> fxamp.RewriteConfig:
+    return fxamp.RewriteConfig.make(dtype=BF16, target="cpu")
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    rows = 2 + step  # (a batch size that changes every step)
+    return torch.randn(rows, 8, generator=g), torch.randn(rows, 2, generator=g) * 1e-3
+
+
+def _steps(model: nn.Module, steps: int = 3, autocast: bool = False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            loss = model(*_batch(step))
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads
+
+
+def test_a_hand_written_loss_in_the_glue_runs_in_fp32_as_in_the_flat_plan():
+    torch.manual_seed(0)
+    ref = LossNet()
+    blocks, flat = copy.deepcopy(ref), copy.deepcopy(ref)
+    fxamp.amp_rewrite(blocks, config=_config(), inplace=True)
+    fxamp.amp_rewrite(flat, _batch(0), _config(), inplace=True)
+    losses, grads = _steps(blocks)
+    flat_losses, flat_grads = _steps(flat)
+    auto_losses, _ = _steps(copy.deepcopy(ref), autocast=True)
+    plan = fxamp.plan_of(blocks)
+    assert plan.header["glue"].startswith("the model's own forward, traced by torch.fx")
+    assert {name: p.rule for name, p in plan.nodes.items() if "/" not in name and
+            name not in ("blocks.0", "blocks.1", "blocks.2")} == {
+        "x": "autocast", "y": "autocast", "stem": "autocast", "head": "autocast",
+        "to": "autocast", "sub": "autocast", "pow_1": "loss", "mean": "loss"}
+    assert plan.nodes["pow_1"].inputs == torch.float32
+    # the block plan computes what the flat plan computes, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(losses, flat_losses))
+    assert all(torch.equal(a, b) for g, h in zip(grads, flat_grads) for a, b in zip(g, h))
+    # and autocast, which squares the bf16 residuals, does not (residuals near 1e-3)
+    assert not all(torch.equal(a, b) for a, b in zip(losses, auto_losses))
+
+
+def test_the_glue_trains_like_autocast_where_no_rule_applies():
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+
+    def steps(m: nn.Module, autocast: bool):
+        out = []
+        for step in range(3):
+            m.zero_grad()
+            x, _ = _batch(step)
+            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                y = m(x)
+            y.float().pow(2).mean().backward()
+            out.append((y.detach().float(), [p.grad.clone() for p in m.parameters()]))
+        return out
+
+    for (y, g), (y_ref, g_ref) in zip(steps(model, False), steps(ref, True)):
+        assert torch.equal(y, y_ref)
+        assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+    assert [name for name, p in fxamp.plan_of(model).nodes.items()
+            if "/" not in name] == ["x", "stem", "blocks.0", "blocks.1", "blocks.2", "head"]
+
+
+def test_a_first_call_in_eval_without_grad_then_training_plans_the_glue_per_mode():
+    torch.manual_seed(0)
+    ref = LossNet()
+    model, flat = copy.deepcopy(ref), copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    fxamp.amp_rewrite(flat, _batch(0), _config(), inplace=True)
+    model.eval()
+    with torch.no_grad():
+        first = model(*_batch(5))
+    model.train()
+    losses, grads = _steps(model)
+    flat_losses, flat_grads = _steps(flat)
+    assert first.dtype == torch.float32
+    assert all(torch.equal(a, b) for a, b in zip(losses, flat_losses))
+    assert all(torch.equal(a, b) for g, h in zip(grads, flat_grads) for a, b in zip(g, h))
+    assert len(model.__dict__["forward"].glue.graphs) == 2  # (eval, then train)
+
+
+def test_a_replaced_block_is_called_by_the_glue_planned_again():
+    torch.manual_seed(0)
+    model = Net()
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    x = torch.randn(3, 8)
+    model(x)
+    model.blocks[1] = Block()
+    ref = copy.deepcopy(model)
+    for block in ref.blocks:
+        block.__dict__.pop("forward", None)  # (its plain FP32 forward, under autocast below)
+    ref.__dict__.pop("forward", None)
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref(x)
+    assert torch.equal(model(x), want.float())
+
+
+def test_where_fx_does_not_take_the_glue_it_runs_under_autocast_and_the_plan_says_why(
+        caplog):
+    pytest.importorskip("transformers")
+    model = tiny_llama()
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    with caplog.at_level(logging.INFO, logger="fxamp"):
+        model(torch.randint(0, 128, (2, 8)))
+    glue = fxamp.plan_of(model).header["glue"]
+    assert glue.startswith("the model's own forward under torch.autocast (torch.fx cannot "
+                           "trace it: ")
+    assert "LlamaForCausalLM" in glue
+    assert "planning its glue (its own forward around its regions) on this call" in caplog.text
+
+
+def test_planning_inside_a_users_autocast_region_leaves_no_fake_cast_in_its_cache():
+    """The glue is planned on fake tensors under autocast; a module held outside the tree
+    has real Parameters there, and autocast's cast cache, which lives as long as the
+    user's outer region, kept their fake casts for the user's real ops."""
+
+    class Holding(nn.Module):
+        def __init__(self, shared: nn.Module) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.extra = [shared]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) + self.extra[0](x)
+
+    class Holds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.aux = nn.Linear(8, 8)
+            self.blocks = nn.ModuleList([Holding(self.aux), Holding(self.aux)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Holds()
+    ref = copy.deepcopy(model)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=BF16, enabled=False):
+        out = model(x)
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref(x)
+    assert type(out) is torch.Tensor
+    assert torch.equal(out, want.float())
