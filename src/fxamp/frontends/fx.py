@@ -406,7 +406,8 @@ class FxFrontend:
 
     def capture(self, model: nn.Module, request: Request) -> Traced:
         gm = trace(model, request.regions, request.asked,
-                   absent_defaults(model, request.args, request.kwargs), request.inference, list_args(model, request.args, request.kwargs))
+                   absent_defaults(model, request.args, request.kwargs), request.inference,
+                   list_args(model, request.args, request.kwargs))
         checkpointing.warn_unseen(model, gm.graph)
         return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), [])
 
