@@ -164,7 +164,9 @@ def test_a_changing_int_makes_at_most_two_plans_in_twenty_steps(caplog):
         assert not _same_grads(model, ref)
     assert _plans(caplog) <= 2, caplog.text
     made = fxamp.graphs_of(model)  # (what each graph was made for, and why)
-    assert list(made) == ["blocks.0", "blocks.1"]
+    assert list(made) == ["", "blocks.0", "blocks.1"]
+    # (the glue, traced by fx, takes the int as an input: one graph)
+    assert made[""] == ["train mode, floating inputs float32: the first call"]
     assert made["blocks.0"][0] == "train mode, floating inputs float32: the first call"
     assert len(made["blocks.0"]) == 2 and "'count'" in made["blocks.0"][1]
     assert "1 dimension(s) or int(s) symbolic" in made["blocks.0"][1]

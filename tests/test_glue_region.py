@@ -111,7 +111,10 @@ def test_a_first_call_in_eval_without_grad_then_training_plans_the_glue_per_mode
     assert first.dtype == torch.float32
     assert all(torch.equal(a, b) for a, b in zip(losses, flat_losses))
     assert all(torch.equal(a, b) for g, h in zip(grads, flat_grads) for a, b in zip(g, h))
-    assert len(model.__dict__["forward"].glue.graphs) == 2  # (eval, then train)
+    assert fxamp.graphs_of(model)[""] == [  # (the glue's graphs: eval, then train)
+        "eval mode, floating inputs float32, float32: the first call",
+        "train mode, floating inputs float32, float32: a mode, call structure or input dtypes "
+        "no graph was planned for"]
 
 
 def test_a_replaced_block_is_called_by_the_glue_planned_again():
@@ -141,6 +144,8 @@ def test_where_fx_does_not_take_the_glue_it_runs_under_autocast_and_the_plan_say
     assert glue.startswith("the model's own forward under torch.autocast (torch.fx cannot "
                            "trace it: ")
     assert "LlamaForCausalLM" in glue
+    assert fxamp.graphs_of(model)[""] == ["runs under torch.autocast: " + glue[
+        len("the model's own forward under torch.autocast ("):-1]]
     assert "planning its glue (its own forward around its regions) on this call" in caplog.text
 
 
@@ -180,3 +185,24 @@ def test_planning_inside_a_users_autocast_region_leaves_no_fake_cast_in_its_cach
         want = ref(x)
     assert type(out) is torch.Tensor
     assert torch.equal(out, want.float())
+
+
+def test_an_override_of_a_glue_module_changes_exactly_its_line_as_in_the_flat_plan():
+    torch.manual_seed(0)
+    ref = LossNet()
+    plain, model, flat = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
+    config = fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:head")
+    fxamp.amp_rewrite(plain, config=_config(), inplace=True)
+    fxamp.amp_rewrite(model, config=config, inplace=True)
+    fxamp.amp_rewrite(flat, _batch(0), config, inplace=True)
+    losses, grads = _steps(model)
+    flat_losses, flat_grads = _steps(flat)
+    _steps(plain, 1)
+    after, before = fxamp.plan_of(model).nodes, fxamp.plan_of(plain).nodes
+    # the head and what follows it: the loss's terms are FP32 already (no rule needed)
+    assert {n for n in after if after[n] != before[n]} == {"head", "to", "sub", "pow_1", "mean"}
+    assert (after["head"].rule, after["head"].dtype) == ("user", torch.float32)
+    assert all(after[n].dtype == torch.float32 for n in ("to", "sub"))
+    assert [after[n].rule for n in ("pow_1", "mean")] == ["autocast", "autocast"]
+    assert all(torch.equal(a, b) for a, b in zip(losses, flat_losses))
+    assert all(torch.equal(a, b) for g, h in zip(grads, flat_grads) for a, b in zip(g, h))

@@ -130,7 +130,9 @@ class BlocksRoot:
         own overrides (:func:`block_overrides`)."""
         self.planner_of = plan
         inner = self.config.for_part()
-        routed = block_overrides(self.model, self.paths, inner.policy.overrides)
+        assert self.glue is not None
+        routed, self.glue.overrides = block_overrides(self.model, self.paths,
+                                                      inner.policy.overrides, self.glue.traced)
         self.slots = []
         for path in self.paths:
             parent, _, name = path.rpartition(".")
@@ -349,24 +351,33 @@ def _note_shared_modules(model: nn.Module, paths: List[str]) -> None:
             "; ".join(", ".join(where) for _, where in shared[:3]))
 
 
-def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[str, list]:
+def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
+                    glue: Callable[[], Optional[str]]) -> Tuple[Dict[str, list], list]:
     """Each region's overrides in block mode, where each region is planned on its own: an
     override naming a module inside one region by its absolute path
     (``fp32:model.layers.1.mlp.*``, ``fp32:lm_head``) goes to that region alone, made
     relative to it (``fp32:mlp.*``); any other (``fp32:mlp.down_proj``, an op label) to
     every block (the repeated ones; the glue's modules, regions too, take only their own
-    paths'). One naming only modules outside every region (the model's own forward, run
-    under torch.autocast) is refused now, not on every call.
+    paths'). One naming only modules outside every region goes to the glue (the model's own
+    forward, :mod:`.glue`) where torch.fx traces it; else it is refused now, not on every
+    call.
 
     Args:
         model: the model in block mode.
         paths: its blocks.
         overrides: the policy's overrides.
+        glue: None when torch.fx traces the glue, else why not (asked once, only for an
+            override outside every region).
+
+    Returns:
+        The overrides of each region, by path, and the glue's.
 
     Raises:
-        PolicyError: an override that names only modules outside the blocks.
+        PolicyError: an override that names only modules outside the blocks, where the
+            glue runs under torch.autocast.
     """
     routed: Dict[str, list] = {path: [] for path in paths}
+    glued: list = []
     modules = [name for name, _ in model.named_modules() if name]
     repeated = set(block_paths(model))
     blocks = [p for p in paths if p in repeated] or paths
@@ -382,11 +393,15 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[
         if absolute and not inside and not any(
                 fnmatch.fnmatchcase(rel, pattern) for p in paths
                 for rel, _ in model.get_submodule(p).named_modules() if rel):
+            why = glue()
+            if why is None:
+                glued.append(override)
+                continue
             raise PolicyError(
                 f"policy override '{override}' names {', '.join(absolute[:3])}, outside "
                 f"every region of the model in block mode ({paths[0]} ...): the model's own "
-                "code between its regions runs under torch.autocast, so no plan line can "
-                "take it. what to do: plan the glue's modules as regions too, with "
+                f"code between its regions runs under torch.autocast ({why}), so no plan "
+                "line can take it. what to do: plan the glue's modules as regions too, with "
                 "RewriteConfig.make(..., partition='blocks') (its embeddings, final norm and "
                 "head, the modules with weights outside the blocks); or pick the regions "
                 "with a partition function naming it (partition=lambda path, module: ...); "
@@ -394,7 +409,7 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any) -> Dict[
                 "inplace=True): one plan of the whole model); or drop the override")
         for path in blocks:
             routed[path].append(override)
-    return routed
+    return routed, glued
 
 
 class SharedPlanner:
@@ -832,8 +847,8 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
     """
     check_own_forward(model)
     root = BlocksRoot(model, paths, config)
-    root.install(root.planner(plan))
     root.glue = Glue(model, paths, config, plan)
+    root.install(root.planner(plan))
     model.__dict__["forward"] = root
     model.__dict__[RESULT] = Pending(config, type(model).__name__, skeleton=root.skeleton)
     register(model)

@@ -34,16 +34,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ir
+from .. import _torch, ir
 from ..config import RewriteConfig
 from ..errors import TraceError, shorten
+from ..frontends.fx import trace
 from ..ir import Rule
 from ..ops import module_label
 from ..plan import NodePrecision, Plan
-from ..program import call_key
 from ..result import has_result, plan_of, result_of
 from ..structure import StructureChanged
-from .inplace import LIMIT, Planner, float_dtypes
+from .inplace import LIMIT, Planner, variant_key
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 TRACED = "the model's own forward, traced by torch.fx with the regions as calls: its lines"
 #: the header's ``glue:`` when it runs under autocast (the reason follows)
 UNDER_AUTOCAST = "the model's own forward under torch.autocast"
+#: the header's ``glue:`` before the first call
+NOT_YET = ("the model's own forward, planned on the first call (traced by torch.fx with the "
+           "regions as calls, or under torch.autocast where fx does not take it)")
 
 
 def mark_regions(gm: fx.GraphModule, regions: Iterable[str]) -> None:
@@ -88,19 +91,36 @@ class Glue:
         self.plan = plan
         self.graphs: Dict[tuple, nn.Module] = {}
         self.first: Optional[nn.Module] = None  # (the first graph: the plan's glue lines)
-        self.off: Optional[str] = None  # why the glue runs under autocast (None: it does not)
+        self.off: Optional[str] = None  # why it runs under autocast (None: it does not)
+        self.made: List[str] = []  # (each graph planned: what for and why; graphs_of)
+        self.overrides: list = []  # (the policy's overrides naming its modules)
+        self.why: Optional[str] = None  # (:meth:`traced`'s answer, once asked)
         self.lock = threading.RLock()
         self._plan_outside: Optional[Callable[..., Any]] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("lock", None)
-        state.update(graphs={}, first=None, _plan_outside=None)  # (a copy plans anew)
+        state.update(graphs={}, first=None, made=[], _plan_outside=None)  # (planned anew)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock = threading.RLock()
+
+    def traced(self) -> Optional[str]:
+        """None when torch.fx traces the model's forward with the regions as calls (no
+        call needed: every argument a symbol), else why not; traced once, when an override
+        names a module of the glue (before the model's forward is block mode's)."""
+        if self.why is None:
+            try:
+                with _torch.tracing():
+                    trace(self.model, self.paths)
+                self.why = ""
+            except TraceError as err:
+                self.why = "torch.fx cannot trace it: " + shorten(
+                    (str(err).splitlines() or [""])[0], 200)
+        return self.why or None
 
     def reset(self) -> None:
         """Forget the graphs (a region was replaced: they call the old one)."""
@@ -117,7 +137,7 @@ class Glue:
         """
         if self.off is not None:
             return autocast()
-        key = (self.model.training, call_key(args, kwargs), float_dtypes(args, kwargs))
+        key = variant_key(self.model, args, kwargs)
         gm = self.graphs.get(key)
         if gm is None:
             gm = self._planned(key, args, kwargs, None)
@@ -150,20 +170,20 @@ class Glue:
             if gm is not None or self.off is not None:
                 return gm
             if len(self.graphs) >= LIMIT:
-                self.off = (f"{LIMIT} graphs were planned for its calls (the limit); it "
-                            "runs under torch.autocast from now on")
+                self._give_up(f"{LIMIT} graphs were planned for its calls (the limit); it "
+                              "runs under torch.autocast from now on")
                 log.warning("%s: the glue (its own forward between the blocks): %s",
                             type(self.model).__name__, self.off)
                 return None
             config = self.config.for_model(self.model, (args, kwargs))
-            config = config.replace(  # (the overrides address the regions' modules)
+            config = config.replace(  # (its own overrides: those naming its modules)
                 frontend="fx", regions=tuple(self.paths),
-                policy=dataclasses.replace(config.policy, overrides=()))
+                policy=dataclasses.replace(config.policy, overrides=tuple(self.overrides)))
             try:
                 gm = self.plan(self.model, args, kwargs, config, why)
             except TraceError as err:
-                self.off = "torch.fx cannot trace it: " + shorten(
-                    (str(err).splitlines() or [""])[0], 200)
+                self._give_up("torch.fx cannot trace it: " + shorten(
+                    (str(err).splitlines() or [""])[0], 200))
                 log.info("%s: the glue runs under torch.autocast: %s",
                          type(self.model).__name__, self.off)
                 return None
@@ -176,9 +196,19 @@ class Glue:
                 structure.inplace = True
                 structure.take()
             self.graphs = {**self.graphs, key: gm}
+            dtypes = ", ".join(str(d).replace("torch.", "") for d in key[2]) or "none"
+            self.made.append(f"{'train' if key[0] else 'eval'} mode, floating inputs "
+                             f"{dtypes}: " + (why or ("the first call" if self.first is None
+                                                      else "a mode, call structure or input "
+                                                      "dtypes no graph was planned for")))
             if self.first is None:
                 self.first = gm
             return gm
+
+    def _give_up(self, why: str) -> None:
+        """The glue runs under torch.autocast from now on, for ``why``."""
+        self.off = why
+        self.made.append(f"runs under torch.autocast: {why}")
 
     def _fallback(self, autocast: Callable[[], Any]) -> Any:
         """This call under autocast; a planning failure that autocast does not share
@@ -186,7 +216,7 @@ class Glue:
         failed = self.__dict__.pop("failed", None)
         out = autocast()  # (raises: the model's own error; nothing is kept)
         if failed is not None and self.off is None:
-            self.off = f"planning it failed ({failed})"
+            self._give_up(f"planning it failed ({failed})")
             log.warning("%s: the glue (its own forward between the blocks) cannot be "
                         "planned, so it runs under torch.autocast: %s",
                         type(self.model).__name__, failed)
@@ -198,7 +228,7 @@ class Glue:
             return TRACED
         if self.off is not None:
             return f"{UNDER_AUTOCAST} ({self.off})"
-        return UNDER_AUTOCAST
+        return NOT_YET
 
     def lines(self, blocks: Dict[str, Dict[str, NodePrecision]]) -> Dict[str, NodePrecision]:
         """The composed plan's lines: the glue's, each region's call replaced by its lines

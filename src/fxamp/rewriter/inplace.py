@@ -174,6 +174,12 @@ def float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
                  if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
+def variant_key(module: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
+    """The key of the graphs planned for a call of ``module``: its training mode, the
+    call's structure and its floating inputs' dtypes."""
+    return (module.training, call_key(args, kwargs), float_dtypes(args, kwargs))
+
+
 #: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
 #: rewritten module, not installed (set by the pipeline, which owns amp_rewrite); ``why`` is
 #: None for a first call (of the model, a mode or a call structure), else the change that
@@ -425,8 +431,8 @@ class InplaceForward:
         dynamic). A new graph for a size or value ``first`` (the first graph) fixed
         replaces it, the old one kept last. Past ``LIMIT`` graphs, the module runs under
         torch.autocast from now on, with one warning naming it and what kept changing."""
-        dtypes = float_dtypes(args, kwargs)
-        key = (self.model.training, call_key(args, kwargs), dtypes)
+        key = variant_key(self.model, args, kwargs)
+        dtypes = key[2]
         for gm in self.variants.get(key, ()):
             try:
                 return gm(*args, **kwargs)
@@ -565,7 +571,8 @@ def unregistered_parameters(model: nn.Module, enclosing: nn.Module,
 
 def graphs_of(model: nn.Module) -> Dict[str, List[str]]:
     """The graphs an in-place rewrite planned on the calls of ``model`` and its parts (the
-    model itself, or each block in block mode), by module path (``""``: the model): for
+    model itself, or each block and the glue in block mode), by module path (``""``: the
+    model, or its glue): for
     each, what it was made for (the mode, the floating inputs' dtypes, how many dimensions
     and Python ints it takes as symbols) and why (the first call, or what the call before it
     missed: another size, value, dtype or mode); and whether the module runs under
@@ -584,6 +591,9 @@ def graphs_of(model: nn.Module) -> Dict[str, List[str]]:
         forward = module.__dict__.get("forward")
         if isinstance(forward, InplaceForward) and forward.made:
             found[path] = list(forward.made)
+        glue = getattr(forward, "glue", None)  # (block mode's root: its glue, rewriter/glue.py)
+        if getattr(glue, "made", None):
+            found[path] = list(glue.made)
     return found
 
 

@@ -611,8 +611,11 @@ def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.
             except Exception:
                 # when the FP32 model itself fails on the example inputs, that is the cause:
                 # report the model's own error, not the tracer's (checked only on failure:
-                # one forward costs as much as a rewrite of a large model)
+                # one forward costs as much as a rewrite of a large model; not for block
+                # mode's glue, whose failed call runs under autocast, raising the model's)
                 state.restore()
+                if config.regions:
+                    raise
                 problem = check_example_inputs(model, args, dict(example_kwargs or {}),
                                                pol.compute)
                 if problem is None:

@@ -35,11 +35,11 @@ from ..graph_run import GraphRun
 from .. import ir
 from ..plan import Plan
 from ..policy import dtype_name
-from ..program import DEVICES, call_key
+from ..program import DEVICES
 from ..result import RESULT, Rewritten
 from ..rewriter import plan_of
 from ..rewriter.blocks import is_blocks
-from ..rewriter.inplace import INPLACE_GRAPH, InplaceForward
+from ..rewriter.inplace import INPLACE_GRAPH, InplaceForward, variant_key
 from ..runtime import device_autocast, device_type
 
 log = logging.getLogger(__name__)
@@ -202,11 +202,6 @@ class _Replay(GraphRun):
         return hook
 
 
-def _float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
-    return tuple(v.dtype for v in (*args, *kwargs.values())
-                 if isinstance(v, torch.Tensor) and v.is_floating_point())
-
-
 def _graphs(module: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[fx.GraphModule]:
     """The graphs ``module`` may run for this call: a rewritten GraphModule itself; for a
     module rewritten in place, those planned for the call's mode, structure and floating
@@ -215,7 +210,7 @@ def _graphs(module: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> List[fx.G
     if not isinstance(forward, InplaceForward):
         return [module] if isinstance(module, fx.GraphModule) else []
     variants = forward.variants
-    key = (module.training, call_key(args, kwargs), _float_dtypes(args, kwargs))
+    key = variant_key(module, args, kwargs)
     found: List[fx.GraphModule] = []
     for gm in (*variants.get(key, ()), module.__dict__.get(INPLACE_GRAPH),
                *(g for graphs in variants.values() for g in graphs)):
