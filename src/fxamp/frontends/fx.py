@@ -224,7 +224,7 @@ def trace(model: nn.Module, leaves: Iterable[str] = (), frontend: str = "fx",
     from .state import ModelState
 
     before = set(vars(model))
-    state = ModelState(model)  # forward ran on Proxies: put caches and counters back
+    state = ModelState(model, leaves)  # forward ran on Proxies: put caches and counters back
     try:
         return _trace_modes(model, frozenset(leaves), frontend, absent, inference, lists)
     finally:  # fx stores tensor constants on the traced root: keep the user's model clean

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import operator
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -134,16 +134,21 @@ def _user_line() -> str:
 
 
 class ModelState:
-    """A snapshot of ``model``'s attributes (see the module docstring)."""
+    """A snapshot of ``model``'s attributes (see the module docstring). ``calls``: paths
+    of submodules whose code does not run here (kept as calls by a trace, such as block
+    mode's regions while its glue is traced): what is inside them is not snapshotted."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, calls: Iterable[str] = ()) -> None:
         self.model = model
+        inside = tuple(f"{path}." for path in calls)
         self.paths: Dict[int, str] = {}
         self.saved: List[Tuple[nn.Module, Dict[str, Any]]] = []
         self.containers: Dict[int, Tuple[Any, Any, str]] = {}
         self.lines: Dict[Tuple[int, str], str] = {}
         self.restored: List[str] = []  # what restores (this one's, nested ones) put back
         for path, module in model.named_modules(remove_duplicate=True):
+            if inside and path.startswith(inside):
+                continue
             self.paths[id(module)] = path
             attrs = dict(module.__dict__)
             self.saved.append((module, attrs))

@@ -602,7 +602,7 @@ def _rewrite_top(model: nn.Module, args: tuple, config: RewriteConfig,
 def _rewrite_locked(model: nn.Module, args: tuple, config: RewriteConfig) -> nn.Module:
     pol, example_kwargs = config.policy, config.example_kwargs
     check_global_hooks()
-    state = ModelState(model)
+    state = ModelState(model, config.regions)
     grad = torch.is_grad_enabled()
     try:
         with state.watch(), young_objects_only():
@@ -697,7 +697,8 @@ class Rewrite:
         self.model, self.example, self.config = model, inputs, config
         self.kwargs = dict(config.example_kwargs or {})
         self.fixed, self.scope = fixed or {}, scope
-        self.state = ModelState(model)  # put back after every run of the model's code
+        self.state = ModelState(model, config.regions)  # put back after every run of the
+        # model's code (not its regions', kept as calls)
         self.nested: Dict[str, Plan] = {}
         self.captured: Any = None
         self.ctx: Optional[PassContext] = None
