@@ -93,3 +93,45 @@ def results() -> dict:
 def test_fully_shard_per_decoder_layer_trains_like_fsdp2_with_autocast(results, how):
     for rank in (0, 1):
         assert results[rank][how] == [True, True, "blocks"], (rank, results[rank][how])
+
+
+def _traced_glue(rank: int) -> list:
+    """A model whose own forward torch.fx traces (its glue planned as a region, calling the
+    blocks as modules): fully_shard per block, then the root."""
+    import fxamp
+    from torch.distributed.fsdp import fully_shard
+    from _block_nets import Net
+
+    torch.manual_seed(0)
+    ref = Net(4)
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                      inplace=True)
+    for m in (model, ref):
+        for block in m.blocks:
+            fully_shard(block)
+        fully_shard(m)
+    results = []
+    for m, autocast in ((model, False), (ref, True)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x = torch.randn(2 + step, 8, generator=torch.Generator().manual_seed(rank + step))
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                out = m(x)
+            loss = out.float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        results.append((losses, [p.full_tensor().detach().clone() for p in m.parameters()]))
+    (losses, params), (ref_losses, ref_params) = results
+    return [losses == ref_losses, all(torch.equal(p, q) for p, q in zip(params, ref_params)),
+            fxamp.plan_of(model).header["glue"].split(":")[0]]
+
+
+def test_fully_shard_per_block_around_a_traced_glue_trains_like_fsdp2_with_autocast():
+    results = run_spawned(_traced_glue)
+    for rank in (0, 1):
+        assert results[rank] == [True, True, "the model's own forward, traced by torch.fx "
+                                              "with the regions as calls"], results[rank]

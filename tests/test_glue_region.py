@@ -206,3 +206,52 @@ def test_an_override_of_a_glue_module_changes_exactly_its_line_as_in_the_flat_pl
     assert [after[n].rule for n in ("pow_1", "mean")] == ["autocast", "autocast"]
     assert all(torch.equal(a, b) for a, b in zip(losses, flat_losses))
     assert all(torch.equal(a, b) for g, h in zip(grads, flat_grads) for a, b in zip(g, h))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_model_with_a_planned_glue_plans_its_own_and_computes_the_same(how):
+    import io
+
+    torch.manual_seed(0)
+    model = Net()
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    x = torch.randn(3, 8)
+    want = model(x)
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    assert torch.equal(twin(x), want)
+    assert fxamp.graphs_of(twin)[""] == ["train mode, floating inputs float32: the first call"]
+    glue = twin.__dict__["forward"].glue.first
+    assert all(m is twin.get_submodule(p) for p, m in glue.named_modules()
+               if p.startswith("blocks.") and p.count(".") == 1)  # (the copy's own blocks)
+
+
+def test_threads_making_the_first_call_at_once_plan_one_glue():
+    import threading
+
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    outs: dict = {}
+    start = threading.Barrier(len(xs))
+
+    def call(i: int) -> None:
+        start.wait()
+        outs[i] = model(xs[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, x in enumerate(xs):
+        with torch.autocast("cpu", dtype=BF16):
+            assert torch.equal(outs[i], ref(x).float())
+    assert fxamp.graphs_of(model)[""] == ["train mode, floating inputs float32: the first call"]

@@ -84,7 +84,7 @@ def check_module(model: Any) -> None:
                if children else ""))
 
 
-def check_model(model: Any, sharded_ok: bool = False) -> None:
+def check_model(model: Any, sharded_ok: bool = False, calls: Sequence[str] = ()) -> None:
     """Refuse what amp_rewrite cannot take, naming it.
 
     Args:
@@ -93,10 +93,16 @@ def check_model(model: Any, sharded_ok: bool = False) -> None:
             in-place model or block planned on a call: FSDP2's hooks have gathered the
             parameters this call computes with); not to a submodule, whose hooks its graph
             would not call.
+        calls: submodules the graph calls as modules (block mode's regions, planned
+            with the glue): their hooks run, so they and what is inside them may be
+            sharded.
     """
     check_module(model)
+    inside = tuple(f"{path}." for path in calls)
     sharded = next((path for path, m in model.named_modules()
-                    if is_fully_sharded(m) and (path or not sharded_ok)), None)
+                    if is_fully_sharded(m) and (path or not sharded_ok)
+                    and path not in calls and not (inside and path.startswith(inside))),
+                   None)
     if sharded is not None:
         raise UnsupportedModelError(
             f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
@@ -506,7 +512,7 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
                     "call's inputs", name, why)
     with planning_in_fp32(model) as swaps:  # (weights=stored: planned as the FP32 model)
         try:
-            check_model(model, sharded_ok=True)
+            check_model(model, sharded_ok=True, calls=config.regions)
         except UnsupportedModelError as err:
             if why is None or getattr(err, "cause_named", False):
                 raise
