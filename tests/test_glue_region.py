@@ -255,3 +255,25 @@ def test_threads_making_the_first_call_at_once_plan_one_glue():
         with torch.autocast("cpu", dtype=BF16):
             assert torch.equal(outs[i], ref(x).float())
     assert fxamp.graphs_of(model)[""] == ["train mode, floating inputs float32: the first call"]
+
+
+def test_the_whole_model_compiled_plans_the_glue_outside_the_trace_and_trains_like_autocast():
+    """torch.compile of the model (aot_eager): the glue and the blocks are planned on the
+    first call, eagerly, outside the traced region; the region calls are plain module
+    calls, so no graph break falls inside an autocast context of fxamp's."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(3):
+        x, _ = _batch(step)
+        out = compiled(x)
+        out.float().pow(2).mean().backward()
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref(x)
+        want.float().pow(2).mean().backward()
+        assert torch.equal(out, want.float())
+        assert all(torch.equal(p.grad, q.grad)
+                   for p, q in zip(model.parameters(), ref.parameters()))
+    assert fxamp.graphs_of(model)[""] == ["train mode, floating inputs float32: the first call"]

@@ -99,8 +99,10 @@ class NodeIR:
     fixed: Optional[Decision] = None
     cast: bool = False
     layout: Optional[str] = None
-    #: a call of a region planned on its own (block mode's glue calls its blocks so): its
-    #: outputs' dtypes are its plan's, known at run time, so every cast of them is kept
+    #: a call of a region planned on its own (block mode's glue calls its blocks so): a
+    #: plain module call (its plan casts inside it; annotate runs it under autocast, as
+    #: autocast would), and its outputs' dtypes are its plan's, known at run time, so every
+    #: cast of them is kept
     region: bool = False
 
 

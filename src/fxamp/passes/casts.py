@@ -170,7 +170,7 @@ class _Builder:
         if node.op == "output":
             return self.output(node)
         args, kwargs = self.mapped(node, dtype)
-        if plan is not None and plan.rule == Rule.RUNTIME:
+        if plan is not None and plan.rule == Rule.RUNTIME and not ir.get(node).region:
             new = self.runtime_call(node, args, kwargs)
         elif node.op == "call_module" and dtype is not None and self._needs_param_casts(
                 node, dtype):

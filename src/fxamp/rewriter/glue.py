@@ -4,10 +4,12 @@ In block mode (:mod:`.blocks`) the model's own forward is the code between its r
 embeddings, masks, a final norm, a head, a hand-written loss. It is traced by torch.fx with
 each region kept as a module call (``RewriteConfig.regions``) and planned like any graph,
 on the model's call, the same call that plans its blocks: autocast's dtypes, the numerics
-rules (a loss in FP32, a hand-written softmax), plan lines. A region's call runs under
-``torch.autocast``, as the blocks ran when the whole glue did, and every cast of its
-outputs is kept (``ir.NodeIR.region``): their dtypes are the region's plan's, known when
-it runs.
+rules (a loss in FP32, a hand-written softmax), plan lines. A region is called as a module
+(its hooks run), with its inputs as the glue's plan gives them; its own plan casts inside
+it (a region that runs under autocast, past its limit of graphs or as an eager root, enters
+autocast itself), and every cast of its outputs is kept (``ir.NodeIR.region``): their
+dtypes are the region's plan's, known when it runs. (A hook on a block runs outside
+autocast here, where the glue under autocast ran it inside.)
 
 While the glue is planned, its regions run as their class's code on the shadow tree
 (``Shadow.bare``): under ``torch.autocast`` where a node's dtypes are decided, as autocast
@@ -57,8 +59,9 @@ NOT_YET = ("the model's own forward, planned on the first call (traced by torch.
 
 
 def mark_regions(gm: fx.GraphModule, regions: Iterable[str]) -> None:
-    """Make each call of a region in ``gm`` a call run under ``torch.autocast`` whose
-    outputs' casts are all kept (see the module docstring).
+    """Make each call of a region in ``gm`` a module call, run under ``torch.autocast``
+    while the glue is planned, whose outputs' casts are all kept (see the module
+    docstring).
 
     Args:
         gm: the glue's traced graph.
@@ -68,9 +71,13 @@ def mark_regions(gm: fx.GraphModule, regions: Iterable[str]) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_module" and node.target in paths:
             ir.set(node, region=True, fixed=ir.Decision(
-                None, Rule.RUNTIME, "a region, called as a module under torch.autocast and "
-                "planned on its own on its first call", module_label(
+                None, Rule.RUNTIME, "a region, called as a module and planned on its own "
+                "on its first call", module_label(
                     gm.get_submodule(str(node.target))), runtime=True))
+
+
+#: ``Glue._plan`` behind ``torch.compiler.disable``, made with the first glue
+_EAGER: List[Callable[..., Any]] = []
 
 
 class Glue:
@@ -96,12 +103,13 @@ class Glue:
         self.overrides: list = []  # (the policy's overrides naming its modules)
         self.why: Optional[str] = None  # (:meth:`traced`'s answer, once asked)
         self.lock = threading.RLock()
-        self._plan_outside: Optional[Callable[..., Any]] = None
+        if not _EAGER:  # (made before any compiled region reaches it: not while tracing)
+            _EAGER.append(torch.compiler.disable(Glue._plan))
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("lock", None)
-        state.update(graphs={}, first=None, made=[], _plan_outside=None)  # (planned anew)
+        state.update(graphs={}, first=None, made=[])  # (a copy plans anew)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -158,9 +166,7 @@ class Glue:
                  why: Optional[str]) -> Optional[nn.Module]:
         """The graph for ``key`` planned on this call (None: it runs under autocast)."""
         if torch.compiler.is_compiling():  # (planned eagerly, outside a compiled region)
-            if self._plan_outside is None:
-                self._plan_outside = torch.compiler.disable(self._plan)
-            return self._plan_outside(key, args, kwargs, why)
+            return _EAGER[0](self, key, args, kwargs, why)
         return self._plan(key, args, kwargs, why)
 
     def _plan(self, key: tuple, args: tuple, kwargs: Dict[str, Any],
