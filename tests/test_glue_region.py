@@ -277,3 +277,33 @@ def test_the_whole_model_compiled_plans_the_glue_outside_the_trace_and_trains_li
         assert all(torch.equal(p.grad, q.grad)
                    for p, q in zip(model.parameters(), ref.parameters()))
     assert fxamp.graphs_of(model)[""] == ["train mode, floating inputs float32: the first call"]
+
+
+class FlagNet(Net):
+    """A glue branching on a Python bool and scaling by a Python float."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, double: bool = False):
+        out = super().forward(x) * scale
+        if double:
+            out = out * 2
+        return out
+
+
+def test_a_glue_branching_on_python_values_is_planned_per_value_and_reuses_each_graph():
+    """fx cannot trace the branch with the bool as a symbol: the glue is traced with the
+    call's Python scalars as constants, each value a graph of its own, checked on entry."""
+    torch.manual_seed(0)
+    ref = FlagNet()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    calls = [(1.0, False), (2.0, True), (1.0, False), (2.0, True), (1.0, True)]
+    for step, values in enumerate(calls):
+        x, _ = _batch(step)
+        with torch.autocast("cpu", dtype=BF16):
+            want = ref(x, *values)
+        assert torch.equal(model(x, *values), want.float()), values
+    assert fxamp.plan_of(model).header["glue"].startswith(
+        "the model's own forward, traced by torch.fx")
+    made = fxamp.graphs_of(model)[""]
+    assert len(made) == 3  # (one per distinct pair of values)
+    assert "FlagNet was called with 'scale' = 2.0" in made[1]

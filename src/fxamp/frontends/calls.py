@@ -249,8 +249,8 @@ class CallStructure:
     def _refuse_value(self, name: str, example: Any, value: Any) -> None:
         err = CallStructureError(
             f"{self.model_name} was called with {name!r} = {_shown(value)}; its rewrite's "
-            f"example had {name!r} = {example!r}. torch.export took the model and holds the "
-            f"example's Python values as constants, so its graph runs that value alone\n  "
+            f"example had {name!r} = {example!r}. Its graph holds the example's Python values "
+            f"as constants (as torch.export takes them), so it runs that value alone\n  "
             f"what to do: rewrite with inplace=True (each value is planned on its first "
             f"call), or with an example that has {name!r} = {_shown(value)} for those calls")
         err.scalar = name  # type: ignore[attr-defined]  # (a value the graph fixed)

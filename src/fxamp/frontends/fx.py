@@ -387,6 +387,22 @@ def list_args(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Dict[str
             if signature.parameters[name].kind in named and calls.holds_tensors(value)}
 
 
+def scalar_args(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """fx's ``concrete_args`` for the forward's Python scalar arguments (bools, ints,
+    floats, strings; given or defaulted) as the call has them: traced as constants, which
+    the graph's call-structure check compares on every call (another value is a miss)."""
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    bound.apply_defaults()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name: value for name, value in bound.arguments.items()
+            if signature.parameters[name].kind in named
+            and isinstance(value, (bool, int, float, str))}
+
+
 def fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
     """An fx graph's placeholder values: the forward's parameters bound in order."""
     if not kwargs:
@@ -394,6 +410,10 @@ def fx_inputs(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple:
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     return tuple(bound.arguments.values())
+
+
+#: ``GraphModule.meta`` key: the trace holds the call's Python scalars as constants
+_SCALARS = "fxamp_scalars_fixed"
 
 
 class FxFrontend:
@@ -405,9 +425,19 @@ class FxFrontend:
     graph = True
 
     def capture(self, model: nn.Module, request: Request) -> Traced:
-        gm = trace(model, request.regions, request.asked,
-                   absent_defaults(model, request.args, request.kwargs), request.inference,
-                   list_args(model, request.args, request.kwargs))
+        absent = absent_defaults(model, request.args, request.kwargs)
+        lists = list_args(model, request.args, request.kwargs)
+        try:
+            gm = trace(model, request.regions, request.asked, absent, request.inference, lists)
+        except TraceError:
+            if not request.regions:
+                raise
+            # (block mode's glue, which no other front end takes: its Python scalars
+            # traced as the call has them, each value another graph)
+            request.state.restore()
+            gm = trace(model, request.regions, request.asked, absent, request.inference,
+                       {**scalar_args(model, request.args, request.kwargs), **lists})
+            gm.meta[_SCALARS] = True
         checkpointing.warn_unseen(model, gm.graph)
         return Traced(gm, self.name, fx_inputs(model, request.args, request.kwargs), [])
 
@@ -424,7 +454,8 @@ class FxFrontend:
     def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
                kwargs: Dict[str, Any]) -> Optional[calls.CallStructure]:
         outline(gm)  # checkpoint regions run under torch.utils.checkpoint again
-        return calls.call_structure(gm, model, args, kwargs)
+        return calls.call_structure(gm, model, args, kwargs,
+                                    values=traced.graph_module.meta.get(_SCALARS, False))
 
 
 #: partial tracing gives up after this many untraceable submodules

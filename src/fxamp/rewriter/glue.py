@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -45,7 +45,7 @@ from ..ops import module_label
 from ..plan import NodePrecision, Plan
 from ..result import has_result, plan_of, result_of
 from ..structure import StructureChanged
-from .inplace import LIMIT, Planner, variant_key
+from .inplace import LIMIT, MISSES, Planner, missed, variant_key
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,11 @@ class Glue:
         self.paths = paths
         self.config = config
         self.plan = plan
-        self.graphs: Dict[tuple, nn.Module] = {}
+        self.graphs: Dict[tuple, List[nn.Module]] = {}  # (by variant key, newest first)
         self.first: Optional[nn.Module] = None  # (the first graph: the plan's glue lines)
         self.off: Optional[str] = None  # why it runs under autocast (None: it does not)
         self.made: List[str] = []  # (each graph planned: what for and why; graphs_of)
+        self.count = 0  # (graphs planned: at most LIMIT)
         self.overrides: list = []  # (the policy's overrides naming its modules)
         self.why: Optional[str] = None  # (:meth:`traced`'s answer, once asked)
         self.lock = threading.RLock()
@@ -109,7 +110,7 @@ class Glue:
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("lock", None)
-        state.update(graphs={}, first=None, made=[])  # (a copy plans anew)
+        state.update(graphs={}, first=None, made=[], count=0)  # (a copy plans anew)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -133,7 +134,7 @@ class Glue:
     def reset(self) -> None:
         """Forget the graphs (a region was replaced: they call the old one)."""
         with self.lock:
-            self.graphs, self.first = {}, None
+            self.graphs, self.first, self.count = {}, None, 0
 
     def __call__(self, args: tuple, kwargs: Dict[str, Any], autocast: Callable[[], Any]) -> Any:
         """The model's forward on this call: its graph for the call, or ``autocast()``.
@@ -146,36 +147,43 @@ class Glue:
         if self.off is not None:
             return autocast()
         key = variant_key(self.model, args, kwargs)
-        gm = self.graphs.get(key)
-        if gm is None:
-            gm = self._planned(key, args, kwargs, None)
-            if gm is None:
-                return self._fallback(autocast)
-        try:
-            return gm(*args, **kwargs)
-        except StructureChanged as err:
-            if not err.replan:
-                raise
-            self.reset()
-            gm = self._planned(key, args, kwargs, str(err))
-            if gm is None:
-                return self._fallback(autocast)
-            return gm(*args, **kwargs)
+        why = miss = None
+        tried = self.graphs.get(key, [])
+        for gm in tried:
+            try:
+                return gm(*args, **kwargs)
+            except StructureChanged as err:  # (the model changed: every graph is stale)
+                if not err.replan:
+                    raise
+                self.reset()
+                why = str(err)
+                break
+            except MISSES as err:  # (a Python value the graph holds, say: the next one)
+                if not missed(err, gm):
+                    raise
+                miss = shorten(str(err).split("\n", 1)[0], 160)
+        gm = self._planned(key, args, kwargs, why, miss, tried)
+        if not isinstance(gm, nn.Module):
+            return self._fallback(autocast, gm)
+        return gm(*args, **kwargs)
 
-    def _planned(self, key: tuple, args: tuple, kwargs: Dict[str, Any],
-                 why: Optional[str]) -> Optional[nn.Module]:
-        """The graph for ``key`` planned on this call (None: it runs under autocast)."""
+    def _planned(self, key: tuple, args: tuple, kwargs: Dict[str, Any], why: Optional[str],
+                 miss: Optional[str], tried: List[nn.Module]) -> Union[nn.Module, str, None]:
+        """A graph for ``key`` planned on this call (``why``: the model changed; ``miss``:
+        what the graphs ``tried`` for ``key`` refused), or one another thread planned for
+        it meanwhile; else None (the glue runs under autocast) or why planning failed."""
         if torch.compiler.is_compiling():  # (planned eagerly, outside a compiled region)
-            return _EAGER[0](self, key, args, kwargs, why)
-        return self._plan(key, args, kwargs, why)
+            return _EAGER[0](self, key, args, kwargs, why, miss, tried)
+        return self._plan(key, args, kwargs, why, miss, tried)
 
-    def _plan(self, key: tuple, args: tuple, kwargs: Dict[str, Any],
-              why: Optional[str]) -> Optional[nn.Module]:
+    def _plan(self, key: tuple, args: tuple, kwargs: Dict[str, Any], why: Optional[str],
+              miss: Optional[str], tried: List[nn.Module]) -> Union[nn.Module, str, None]:
         with self.lock:
-            gm = self.graphs.get(key)
-            if gm is not None or self.off is not None:
-                return gm
-            if len(self.graphs) >= LIMIT:
+            if self.off is not None:
+                return None
+            if why is None and self.graphs.get(key, tried) is not tried:
+                return self.graphs[key][0]  # (another thread's, planned meanwhile)
+            if self.count >= LIMIT:
                 self._give_up(f"{LIMIT} graphs were planned for its calls (the limit); it "
                               "runs under torch.autocast from now on")
                 log.warning("%s: the glue (its own forward between the blocks): %s",
@@ -194,19 +202,21 @@ class Glue:
                          type(self.model).__name__, self.off)
                 return None
             except Exception as err:  # noqa: BLE001 - autocast's run tells whose it is
-                self.failed = f"{type(err).__name__}: " + shorten(
+                return f"{type(err).__name__}: " + shorten(
                     (str(err).splitlines() or [""])[0], 200)
-                return None
             structure = result_of(gm).structure
             if structure is not None:  # (the model computes with it: a change re-plans)
                 structure.inplace = True
                 structure.take()
-            self.graphs = {**self.graphs, key: gm}
+            self.count += 1
+            known = self.graphs.get(key, [])
+            self.graphs = {**self.graphs, key: [gm, *known]}
             dtypes = ", ".join(str(d).replace("torch.", "") for d in key[2]) or "none"
             self.made.append(f"{'train' if key[0] else 'eval'} mode, floating inputs "
-                             f"{dtypes}: " + (why or ("the first call" if self.first is None
-                                                      else "a mode, call structure or input "
-                                                      "dtypes no graph was planned for")))
+                             f"{dtypes}: " + (why or miss or (
+                                 "the first call" if self.first is None else
+                                 "a mode, call structure or input dtypes no graph was planned "
+                                 "for")))
             if self.first is None:
                 self.first = gm
             return gm
@@ -216,10 +226,9 @@ class Glue:
         self.off = why
         self.made.append(f"runs under torch.autocast: {why}")
 
-    def _fallback(self, autocast: Callable[[], Any]) -> Any:
-        """This call under autocast; a planning failure that autocast does not share
-        makes the glue run under autocast from now on."""
-        failed = self.__dict__.pop("failed", None)
+    def _fallback(self, autocast: Callable[[], Any], failed: Optional[str]) -> Any:
+        """This call under autocast; a planning failure (``failed``) that autocast does
+        not share makes the glue run under autocast from now on."""
         out = autocast()  # (raises: the model's own error; nothing is kept)
         if failed is not None and self.off is None:
             self._give_up(f"planning it failed ({failed})")

@@ -162,7 +162,7 @@ LIMIT = 8
 MISSES = (CallStructureError, InputShapeError)
 
 
-def _missed(err: BaseException, gm: Any) -> bool:
+def missed(err: BaseException, gm: Any) -> bool:
     """Whether ``err`` is ``gm``'s own refusal of a call (not a nested module's error)."""
     return getattr(err, "program", None) is gm
 
@@ -362,7 +362,7 @@ class InplaceForward:
         try:
             return gm(*args, **kwargs)
         except MISSES as err:
-            if self.plan is None or not _missed(err, gm):
+            if self.plan is None or not missed(err, gm):
                 raise
             return self._variant(args, kwargs, err, gm)
 
@@ -437,7 +437,7 @@ class InplaceForward:
             try:
                 return gm(*args, **kwargs)
             except MISSES as err:
-                if not _missed(err, gm):
+                if not missed(err, gm):
                     raise
                 miss = err
         if miss is None:
