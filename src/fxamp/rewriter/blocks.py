@@ -5,8 +5,9 @@ that has blocks, rewrites each block in place (torchao's module swap, without th
 block stays the same object of the same class, its ``forward`` computes with its own
 rewritten graphs, planned on its first call from that call's real arguments, see
 :class:`.inplace.InplaceForward`). The model's own ``forward`` (the glue between the blocks:
-embeddings, masks, the final norm, the head, the loss) runs under ``torch.autocast`` of the
-plan's dtype, so each of its ops gets autocast's dtype, and it calls the blocks as modules:
+embeddings, masks, the final norm, the head, the loss) is planned as a region too where
+torch.fx traces it (:mod:`.glue`), else it runs under ``torch.autocast`` of the plan's
+dtype, so each of its ops gets autocast's dtype; either way it calls the blocks as modules:
 hooks on a block fire (FSDP2's per-block ``fully_shard``, checkpoint wrappers, regional
 ``torch.compile``, the user's, registered before or after the rewrite).
 
@@ -86,19 +87,21 @@ def block_paths(model: nn.Module) -> List[str]:
 
 
 class BlocksRoot:
-    """The model's ``forward`` in block mode: its own code under ``torch.autocast`` (the
-    plan's dtype, on the device of the call's inputs), calling the blocks as modules; the
-    floating outputs in the policy's output dtype. Its plan (``plan_of(model)``) is
-    composed from the blocks' plans after each call that planned a block; before the first
-    call ``plan_of`` gives its skeleton (:meth:`skeleton`)."""
+    """The model's ``forward`` in block mode: its glue (:class:`.glue.Glue`: its own code
+    as a planned graph, or under ``torch.autocast`` of the plan's dtype), calling the
+    blocks as modules; the floating outputs in the policy's output dtype. Its plan
+    (``plan_of(model)``) is composed from the glue's and the blocks' plans after each call
+    that planned one; before the first call ``plan_of`` gives its skeleton
+    (:meth:`skeleton`)."""
 
-    def __init__(self, model: nn.Module, paths: List[str], config: RewriteConfig) -> None:
+    def __init__(self, model: nn.Module, paths: List[str], config: RewriteConfig,
+                 plan: Planner) -> None:
         self.model = model
         self.paths = paths
         self.config = config
         self.planned = 0  # blocks' plans made so far (counted by :meth:`planner`)
         self.composed: Any = None  # (the :meth:`_state` the composed plan was made at)
-        self.glue: Optional[Glue] = None  # (the model's own forward: :mod:`.glue`)
+        self.glue = Glue(model, paths, config, plan)  # (the model's own forward)
         # (each block's container, its name there and the block installed: a block replaced
         # since is seen on the next call, in a few dict lookups)
         self.slots: List[Tuple[nn.Module, str, nn.Module]] = []
@@ -130,7 +133,6 @@ class BlocksRoot:
         own overrides (:func:`block_overrides`)."""
         self.planner_of = plan
         inner = self.config.for_part()
-        assert self.glue is not None
         routed, self.glue.overrides = block_overrides(self.model, self.paths,
                                                       inner.policy.overrides, self.glue.traced)
         self.slots = []
@@ -169,8 +171,7 @@ class BlocksRoot:
                 drop_note(block)
         log.warning("%s: a block was replaced since its last call; the new one is planned "
                     "on its first call", type(self.model).__name__)
-        if self.glue is not None:
-            self.glue.reset()
+        self.glue.reset()
         self.composed = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -184,8 +185,7 @@ class BlocksRoot:
             with device_autocast(device_type((args, kwargs)), policy.compute):
                 return type(model).forward(model, *args, **kwargs)
 
-        glue = self.__dict__.get("glue")
-        out = autocast() if glue is None else glue(args, kwargs, autocast)
+        out = self.glue(args, kwargs, autocast)
         if self.composed != self._state():
             self.compose()
         return in_output_dtype(out, policy.output_dtype)
@@ -193,8 +193,7 @@ class BlocksRoot:
     def _state(self) -> tuple:
         """What the composed plan is made from: the blocks' plans made so far and the
         glue's first graph."""
-        glue = self.__dict__.get("glue")
-        return (self.planned, None if glue is None else id(glue.first))
+        return (self.planned, id(self.glue.first))
 
     def compose(self) -> None:
         """The model's plan from its blocks' plans (:meth:`blocks_plan`), stored as its
@@ -255,12 +254,11 @@ class BlocksRoot:
                 dtype, Rule.NESTED, f"a block, called as a module and planned on its first "
                 f"call; its nodes are the plan lines {path}/*", label, path)
             nodes.update(nested_lines({path: plan}))
-        glue = self.glue if self.glue is not None else Glue(model, self.paths, config, None)
         header = nested_header({"fxamp": __version__,
                                 "torch": torch.__version__.split("+")[0],
                                 "policy": str(policy), "frontend": "blocks",
-                                "glue": glue.header()}, (), nested)
-        return Plan(nodes=glue.lines(lines), header=header), shares
+                                "glue": self.glue.header()}, (), nested)
+        return Plan(nodes=self.glue.lines(lines), header=header), shares
 
 
 #: the block attribute that shows its state in ``print(model)`` (:class:`BlockState`)
@@ -366,8 +364,8 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
         model: the model in block mode.
         paths: its blocks.
         overrides: the policy's overrides.
-        glue: None when torch.fx traces the glue, else why not (asked once, only for an
-            override outside every region).
+        glue: says why torch.fx cannot trace the glue (None: it can); asked once, for an
+            override outside every region.
 
     Returns:
         The overrides of each region, by path, and the glue's.
@@ -846,8 +844,7 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
         config: the rewrite's config (a block's plan keeps its outputs' dtypes).
     """
     check_own_forward(model)
-    root = BlocksRoot(model, paths, config)
-    root.glue = Glue(model, paths, config, plan)
+    root = BlocksRoot(model, paths, config, plan)
     root.install(root.planner(plan))
     model.__dict__["forward"] = root
     model.__dict__[RESULT] = Pending(config, type(model).__name__, skeleton=root.skeleton)
