@@ -307,3 +307,20 @@ def test_a_glue_branching_on_python_values_is_planned_per_value_and_reuses_each_
     made = fxamp.graphs_of(model)[""]
     assert len(made) == 3  # (one per distinct pair of values)
     assert "FlagNet was called with 'scale' = 2.0" in made[1]
+
+
+def test_the_plan_made_ahead_on_an_example_equals_the_lazy_first_calls_glue_included():
+    torch.manual_seed(0)
+    ref = LossNet()
+    ahead, lazy = copy.deepcopy(ref), copy.deepcopy(ref)
+    config = fxamp.RewriteConfig.make(dtype=BF16, target="cpu", partition="blocks")
+    fxamp.amp_rewrite(ahead, _batch(0), config, inplace=True)
+    fxamp.amp_rewrite(lazy, config=config, inplace=True)
+    lazy(*_batch(0))
+    text = fxamp.plan_of(ahead).to_text()
+    assert text == fxamp.plan_of(lazy).to_text()
+    assert "pow_1" in text and "hand-written loss" in text
+    losses, grads = _steps(ahead)
+    lazy_losses, lazy_grads = _steps(lazy)
+    assert all(torch.equal(a, b) for a, b in zip(losses, lazy_losses))
+    assert all(torch.equal(a, b) for g, h in zip(grads, lazy_grads) for a, b in zip(g, h))
