@@ -324,3 +324,46 @@ def test_the_plan_made_ahead_on_an_example_equals_the_lazy_first_calls_glue_incl
     lazy_losses, lazy_grads = _steps(lazy)
     assert all(torch.equal(a, b) for a, b in zip(losses, lazy_losses))
     assert all(torch.equal(a, b) for g, h in zip(grads, lazy_grads) for a, b in zip(g, h))
+
+
+class TupleBlock(Block):
+    """A :class:`Block` returning a tuple, as Hugging Face layers do."""
+
+    def forward(self, x: torch.Tensor):
+        y = super().forward(x)
+        return y, y.sum()
+
+
+class TupleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([TupleBlock() for _ in range(3)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x, _ = block(x)
+        return self.head(x)
+
+
+def test_a_region_whose_plan_gives_another_dtype_than_autocast_is_cast_for_its_consumers():
+    """Block 2's override keeps its output in FP32 where autocast (the glue's view of it
+    while planned) gives bf16: the head's cast of that tuple item is kept, so the glue
+    computes what the flat plan of the same policy computes."""
+    torch.manual_seed(0)
+    ref = TupleNet()
+    model, flat = copy.deepcopy(ref), copy.deepcopy(ref)
+    config = fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:blocks.2.fc2")
+    fxamp.amp_rewrite(model, config=config, inplace=True)
+    fxamp.amp_rewrite(flat, (torch.randn(2, 8),), config, inplace=True)
+    for step in range(2):
+        x, _ = _batch(step)
+        out, want = model(x), flat(x)
+        assert torch.equal(out, want)
+        out.pow(2).mean().backward()
+        want.pow(2).mean().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                          flat.parameters()))
+    assert fxamp.plan_of(model).nodes["blocks.2/fc2"].rule == "user"

@@ -7,8 +7,10 @@ on the model's call, the same call that plans its blocks: autocast's dtypes, the
 rules (a loss in FP32, a hand-written softmax), plan lines. A region is called as a module
 (its hooks run), with its inputs as the glue's plan gives them; its own plan casts inside
 it (a region that runs under autocast, past its limit of graphs or as an eager root, enters
-autocast itself), and every cast of its outputs is kept (``ir.NodeIR.region``): their
-dtypes are the region's plan's, known when it runs. (A hook on a block runs outside
+autocast itself), and every cast of its outputs (and of the items of a tuple it returns)
+is kept (``ir.NodeIR.region``): their dtypes are the region's plan's, known when it runs.
+(The glue's own lines for those outputs give autocast's dtypes, the ones it was planned
+with; the region's lines give what its plan computes.) (A hook on a block runs outside
 autocast here, where the glue under autocast ran it inside.)
 
 While the glue is planned, its regions run as their class's code on the shadow tree
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
@@ -74,6 +77,12 @@ def mark_regions(gm: fx.GraphModule, regions: Iterable[str]) -> None:
                 None, Rule.RUNTIME, "a region, called as a module and planned on its own "
                 "on its first call", module_label(
                     gm.get_submodule(str(node.target))), runtime=True))
+            todo = list(node.users)  # (the items of a tuple it returns: theirs too)
+            while todo:
+                user = todo.pop()
+                if user.op == "call_function" and user.target is operator.getitem:
+                    ir.set(user, region=True)
+                    todo.extend(user.users)
 
 
 #: ``Glue._plan`` behind ``torch.compiler.disable``, made with the first glue
