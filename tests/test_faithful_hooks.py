@@ -225,3 +225,26 @@ def test_export_front_end_refuses_hooks_naming_the_module():
     model.lin2.register_forward_hook(lambda mod, inp, out: out * 2)
     with pytest.raises(TraceError, match=r"Net\.lin2 .*forward_hook"):
         fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(frontend="export", **BF16))
+
+
+@pytest.mark.parametrize("when", ["example", "after the first call"])
+def test_a_hook_on_a_submodule_sees_only_the_users_calls_never_the_planning_runs(when):
+    """Planning runs a hooked submodule (kept as a call) on fake tensors under autocast to
+    learn its dtypes; the user's hook fired there, on a FakeTensor: once more per plan."""
+    model = Net()
+    seen = []
+
+    def hook(module, args, out):
+        seen.append(type(out))
+
+    if when == "example":
+        model.lin.register_forward_hook(hook)
+        fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16), inplace=True)
+    else:
+        fxamp.amp_rewrite(model, (_x(),), fxamp.RewriteConfig.make(**BF16), inplace=True)
+        model(_x())
+        model.lin.register_forward_hook(hook)  # (the next call plans again: a hook)
+    assert seen == []
+    model(_x())
+    model(_x())
+    assert seen == [torch.Tensor, torch.Tensor]

@@ -367,3 +367,22 @@ def test_a_region_whose_plan_gives_another_dtype_than_autocast_is_cast_for_its_c
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
                                                           flat.parameters()))
     assert fxamp.plan_of(model).nodes["blocks.2/fc2"].rule == "user"
+
+
+def test_hooks_added_after_the_first_call_fire_on_a_glue_module_and_on_a_block():
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    x = torch.randn(3, 8)
+    model(x)
+    seen = []
+    model.stem.register_forward_hook(lambda m, a, out: seen.append("stem"))
+    model.blocks[1].register_forward_hook(lambda m, a, out: seen.append("blocks.1"))
+    out = model(x)
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref(x)
+    assert seen == ["stem", "blocks.1"]
+    assert torch.equal(out, want.float())
+    assert fxamp.graphs_of(model)[""][-1].startswith("train mode, floating inputs float32: "
+                                                     "hooks were registered on stem")

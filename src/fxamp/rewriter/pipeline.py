@@ -30,7 +30,7 @@ from ..frontends.copies import refuse_copies
 from ..frontends.custom_functions import plan_reason
 from ..frontends.eager import eager_root, submodule_calls
 from ..frontends.model_checks import check_parameter_dtypes
-from ..frontends.hooks import check_global_hooks, copy_root_hooks
+from ..frontends.hooks import check_global_hooks, copy_root_hooks, without_call_hooks
 from ..frontends.shadow import Shadow, twin
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
@@ -716,7 +716,10 @@ class Rewrite:
         if isinstance(self.captured, Children):
             return _assemble(self.model, self.example, self.kwargs, self.config,
                              self.captured, self.scope)  # type: ignore[return-value]
-        self.decide()
+        # (the passes run the graph's module calls, on fake tensors or calibration batches:
+        # with the shadows' hooks off, no hook of the user's sees those runs)
+        with without_call_hooks(list(self.captured[0].modules())[1:]):
+            self.decide()
         self.build()
         return self.result()
 
