@@ -1,6 +1,6 @@
 """Models the block-mode tests share: a residual MLP block, a net of identical blocks
-between a stem and a head (the glue), a tiny HF Llama, and a counter of the blocks fxamp
-plans with a trace of their own. ``make`` is a CLI factory (``tests/_block_nets.py:make``)."""
+between a stem and a head (the glue), blocks calling a module they hold outside the tree,
+a tiny HF Llama, and a counter of the blocks fxamp plans with a trace of their own. ``make`` is a CLI factory (``tests/_block_nets.py:make``)."""
 from __future__ import annotations
 
 import contextlib
@@ -37,6 +37,32 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class Holding(nn.Module):
+    """A block that calls a module it holds in a plain list (not registered)."""
+
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.extra = [shared]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.extra[0](x)
+
+
+class Holds(nn.Module):
+    """Two :class:`Holding` blocks sharing the root's ``aux`` Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Holding(self.aux), Holding(self.aux)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
 
 def make() -> tuple:

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import fxamp
 from fxamp.errors import FxampError, NotPlannedError
-from _block_nets import Block
+from _block_nets import Block, Holding, Holds
 
 BF16 = torch.bfloat16
 
@@ -146,30 +146,6 @@ def test_a_block_replaced_after_the_first_call_is_planned_and_the_plan_says_so()
     assert "forward" in new.__dict__ and "forward" not in old.__dict__  # (rewritten; undone)
     text = str(fxamp.plan_of(model))
     assert "blocks.1/relu" in text and "blocks.1/gelu" not in text
-
-
-class Holding(nn.Module):
-    """A block that calls a module it holds in a plain list (not registered)."""
-
-    def __init__(self, shared: nn.Module) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.extra = [shared]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) + self.extra[0](x)
-
-
-class Holds(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.aux = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList([Holding(self.aux), Holding(self.aux)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def test_a_block_calling_an_unregistered_module_trains_every_parameter(caplog):

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from _block_nets import Block, Net, tiny_llama
+from _block_nets import Block, Holds, Net, tiny_llama
 
 BF16 = torch.bfloat16
 
@@ -153,27 +153,6 @@ def test_planning_inside_a_users_autocast_region_leaves_no_fake_cast_in_its_cach
     """The glue is planned on fake tensors under autocast; a module held outside the tree
     has real Parameters there, and autocast's cast cache, which lives as long as the
     user's outer region, kept their fake casts for the user's real ops."""
-
-    class Holding(nn.Module):
-        def __init__(self, shared: nn.Module) -> None:
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-            self.extra = [shared]
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.fc(x) + self.extra[0](x)
-
-    class Holds(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.aux = nn.Linear(8, 8)
-            self.blocks = nn.ModuleList([Holding(self.aux), Holding(self.aux)])
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for block in self.blocks:
-                x = block(x)
-            return x
-
     torch.manual_seed(0)
     model = Holds()
     ref = copy.deepcopy(model)
