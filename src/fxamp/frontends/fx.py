@@ -287,6 +287,7 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                 concrete = {**{n: None for n in absent}, **(lists or {})}
                 graph = tracer.trace(model, concrete_args=concrete or None)
             _own_names(graph, absent)
+            _no_string_types(graph)
         except buffer_writes.BufferUpdated as updated:
             if updated.target in proxied:  # (cannot happen: a Proxy is no buffer)
                 raise
@@ -304,6 +305,16 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
                 advice) from exc
         buffer_writes.snapshot_reads(graph)
         return graph
+
+
+def _no_string_types(graph: fx.Graph) -> None:
+    """Drop the type annotations fx read as strings (a module written with ``from
+    __future__ import annotations``: ``x: torch.Tensor`` is the text ``"torch.Tensor"``).
+    fx's code generator makes each such text a global of the graph's code, and torch
+    before 2.11 fails to pickle a GraphModule holding a string global."""
+    for node in graph.nodes:
+        if isinstance(node.type, str):
+            node.type = None
 
 
 def _own_names(graph: fx.Graph, absent: FrozenSet[str]) -> None:

@@ -174,7 +174,20 @@ class Glue:
         gm = self._planned(key, args, kwargs, why, miss, tried)
         if not isinstance(gm, nn.Module):
             return self._fallback(autocast, gm)
-        return gm(*args, **kwargs)
+        try:
+            return gm(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - its first call: autocast's tells whose
+            self._forget(key, gm)
+            return self._fallback(autocast, f"{type(err).__name__}: " + shorten(
+                (str(err).splitlines() or [""])[0], 200))
+
+    def _forget(self, key: tuple, gm: nn.Module) -> None:
+        """Drop ``gm``, whose first call failed (a call that fails keeps no plan)."""
+        with self.lock:
+            self.graphs = {**self.graphs, key: [g for g in self.graphs.get(key, [])
+                                                if g is not gm]}
+            if self.first is gm:
+                self.first = None
 
     def _planned(self, key: tuple, args: tuple, kwargs: Dict[str, Any], why: Optional[str],
                  miss: Optional[str], tried: List[nn.Module]) -> Union[nn.Module, str, None]:
