@@ -9,23 +9,25 @@ rules (a loss in FP32, a hand-written softmax), plan lines. A region is called a
 it (a region that runs under autocast, past its limit of graphs or as an eager root, enters
 autocast itself), and every cast of its outputs (and of the items of a tuple it returns)
 is kept (``ir.NodeIR.region``): their dtypes are the region's plan's, known when it runs.
-(The glue's own lines for those outputs give autocast's dtypes, the ones it was planned
-with; the region's lines give what its plan computes.) (A hook on a block runs outside
-autocast here, where the glue under autocast ran it inside.)
+The glue's own lines for those outputs give autocast's dtypes, the ones it was planned
+with; the region's lines give what its plan computes. A hook on a block runs outside
+autocast here, where the glue under autocast ran it inside.
 
 While the glue is planned, its regions run as their class's code on the shadow tree
 (``Shadow.bare``): under ``torch.autocast`` where a node's dtypes are decided, as autocast
 runs them. The blocks themselves are planned on their own first call, from their real
 arguments, when the glue's graph calls them.
 
-Each graph is kept for one training mode, call structure and set of floating input dtypes;
-at most ``LIMIT`` of them, then the glue runs under ``torch.autocast`` with one warning.
-Where torch.fx does not take the forward (Hugging Face models' mask code reads shapes and
-config values), the glue runs under ``torch.autocast`` from the first call on, and the plan
-header says why. A call that fails while the glue is planned runs under autocast: when
-that works, the failure was fxamp's, and the glue runs under autocast from then on (one
-warning naming it); when it fails too, it is the model's own error, raised, and nothing is
-kept.
+Each graph is kept for one training mode, call structure and set of floating input dtypes
+(and, where fx could take the forward only with the call's Python scalars as constants, a
+branch on a bool flag say, for their values, checked on entry); at most ``LIMIT`` graphs
+are planned, then the glue runs under ``torch.autocast`` with one warning. Where torch.fx
+does not take the forward (Hugging Face models' mask code branches on shapes), the glue
+runs under ``torch.autocast`` from the first call on, and the plan header says why. A call
+that fails while its graph is planned, or in that graph's first run, runs under autocast:
+when that works, the failure was fxamp's, and the glue runs under autocast from then on
+(one warning naming it); when it fails too, it is the model's own error, raised, and no
+graph is kept.
 """
 from __future__ import annotations
 
