@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import traceback
+import typing
 import weakref
 from typing import Any, Callable, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
@@ -307,14 +308,21 @@ def _trace_graph(model: nn.Module, leaves: FrozenSet[str] = frozenset(),
         return graph
 
 
+#: the text annotations :func:`_no_string_types` reads as the types they name
+_NAMED_TYPES = {"torch.Tensor": torch.Tensor, "Tensor": torch.Tensor, "float": float,
+                "int": int, "bool": bool, "str": str}
+
+
 def _no_string_types(graph: fx.Graph) -> None:
-    """Drop the type annotations fx read as strings (a module written with ``from
-    __future__ import annotations``: ``x: torch.Tensor`` is the text ``"torch.Tensor"``).
-    fx's code generator makes each such text a global of the graph's code, and torch
-    before 2.11 fails to pickle a GraphModule holding a string global."""
+    """The type annotations fx read as text (a module written with ``from __future__
+    import annotations``: ``x: torch.Tensor`` is ``"torch.Tensor"``) as the types they
+    name, ``typing.Any`` for any other. fx's code generator makes each text a global of
+    the graph's code, and torch before 2.11 fails to pickle a GraphModule holding a string
+    global. (Dropped instead, a placeholder with a default value would lose the annotation
+    fx's pytree code generator cuts its signature at.)"""
     for node in graph.nodes:
         if isinstance(node.type, str):
-            node.type = None
+            node.type = _NAMED_TYPES.get(node.type, typing.Any)
 
 
 def _own_names(graph: fx.Graph, absent: FrozenSet[str]) -> None:
