@@ -365,3 +365,47 @@ def test_hooks_added_after_the_first_call_fire_on_a_glue_module_and_on_a_block()
     assert torch.equal(out, want.float())
     assert fxamp.graphs_of(model)[""][-1].startswith("train mode, floating inputs float32: "
                                                      "hooks were registered on stem")
+
+
+class TiedLM(nn.Module):
+    """Token embedding, residual blocks, and a head tied to the embedding (GPT-2's)."""
+
+    def __init__(self, vocab: int = 50, d: int = 8) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids)
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.linear(self.ln(x), self.wte.weight)
+
+
+def test_a_tied_head_trains_like_autocast_on_batches_of_changing_length_with_one_glue():
+    torch.manual_seed(0)
+    ref = TiedLM()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+
+    def steps(m: nn.Module, autocast: bool):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        losses = []
+        for step in range(4):
+            ids = torch.randint(0, 50, (2, 5 + 3 * step),
+                                generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                logits = m(ids)
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                                     ids.flatten())
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, [p.detach().clone() for p in m.parameters()]
+
+    (losses, params), (want, want_params) = steps(model, False), steps(ref, True)
+    assert all(torch.equal(a, b) for a, b in zip(losses, want))
+    assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+    assert fxamp.graphs_of(model)[""] == ["train mode, floating inputs none: the first call"]
