@@ -25,7 +25,7 @@ import itertools
 import logging
 import operator
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 import torch.nn as nn
@@ -55,6 +55,16 @@ class StructureChanged(UnsupportedModelError):
         self.replan = replan
 
 
+def inside(path: str, regions: Sequence[str]) -> bool:
+    """Whether the module at ``path`` is inside one of ``regions`` (not one of them).
+
+    Args:
+        path: a module path in the model.
+        regions: module paths.
+    """
+    return bool(regions) and path.startswith(tuple(f"{region}." for region in regions))
+
+
 class Structure:
     """The model a rewritten module (``gm``) was made from and what its graphs read of it.
 
@@ -75,11 +85,8 @@ class Structure:
 
     def _named(self) -> List[Tuple[str, nn.Module]]:
         """The model's modules by path, those inside its regions left out."""
-        named = list(self.model.named_modules(remove_duplicate=False))
-        if not self.regions:
-            return named
-        inside = tuple(f"{path}." for path in self.regions)
-        return [(path, m) for path, m in named if not path.startswith(inside)]
+        return [(path, m) for path, m in self.model.named_modules(remove_duplicate=False)
+                if not inside(path, self.regions)]
 
     # -- the key -------------------------------------------------------------------------
     def take(self) -> None:

@@ -26,6 +26,7 @@ import torch.nn as nn
 from .._torch import patched
 from ..errors import is_library_file, short_path
 from ..runtime import has_call_hooks
+from ..structure import inside
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +141,14 @@ class ModelState:
 
     def __init__(self, model: nn.Module, calls: Iterable[str] = ()) -> None:
         self.model = model
-        inside = tuple(f"{path}." for path in calls)
+        calls = tuple(calls)
         self.paths: Dict[int, str] = {}
         self.saved: List[Tuple[nn.Module, Dict[str, Any]]] = []
         self.containers: Dict[int, Tuple[Any, Any, str]] = {}
         self.lines: Dict[Tuple[int, str], str] = {}
         self.restored: List[str] = []  # what restores (this one's, nested ones) put back
         for path, module in model.named_modules(remove_duplicate=True):
-            if inside and path.startswith(inside):
+            if inside(path, calls):
                 continue
             self.paths[id(module)] = path
             attrs = dict(module.__dict__)

@@ -179,16 +179,17 @@ class BlocksRoot:
             if container._modules.get(name) is not block:
                 self._replaced()
                 break
-        model, policy = self.model, self.config.policy
-
-        def autocast() -> Any:
-            with device_autocast(device_type((args, kwargs)), policy.compute):
-                return type(model).forward(model, *args, **kwargs)
-
-        out = self.glue(args, kwargs, autocast)
+        out = self.glue(args, kwargs, self._autocast)
         if self.composed != self._state():
             self.compose()
-        return in_output_dtype(out, policy.output_dtype)
+        return in_output_dtype(out, self.config.policy.output_dtype)
+
+    def _autocast(self, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        """The model's own forward on this call under ``torch.autocast`` of the plan's
+        dtype (the glue where fx does not take it)."""
+        model = self.model
+        with device_autocast(device_type((args, kwargs)), self.config.policy.compute):
+            return type(model).forward(model, *args, **kwargs)
 
     def _state(self) -> tuple:
         """What the composed plan is made from: the blocks' plans made so far and the

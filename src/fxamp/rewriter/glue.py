@@ -147,16 +147,17 @@ class Glue:
         with self.lock:
             self.graphs, self.first, self.count = {}, None, 0
 
-    def __call__(self, args: tuple, kwargs: Dict[str, Any], autocast: Callable[[], Any]) -> Any:
-        """The model's forward on this call: its graph for the call, or ``autocast()``.
+    def __call__(self, args: tuple, kwargs: Dict[str, Any],
+                 autocast: Callable[[tuple, Dict[str, Any]], Any]) -> Any:
+        """The model's forward on this call: its graph for the call, or ``autocast(args, kwargs)``.
 
         Args:
             args: the call's positional arguments.
             kwargs: its keyword arguments.
-            autocast: the forward run under ``torch.autocast``.
+            autocast: runs the forward on a call under ``torch.autocast``.
         """
         if self.off is not None:
-            return autocast()
+            return autocast(args, kwargs)
         key = variant_key(self.model, args, kwargs)
         why = miss = None
         tried = self.graphs.get(key, [])
@@ -175,12 +176,12 @@ class Glue:
                 miss = shorten(str(err).split("\n", 1)[0], 160)
         gm = self._planned(key, args, kwargs, why, miss, tried)
         if not isinstance(gm, nn.Module):
-            return self._fallback(autocast, gm)
+            return self._fallback(autocast, args, kwargs, gm)
         try:
             return gm(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - its first call: autocast's tells whose
             self._forget(key, gm)
-            return self._fallback(autocast, f"{type(err).__name__}: " + shorten(
+            return self._fallback(autocast, args, kwargs, f"{type(err).__name__}: " + shorten(
                 (str(err).splitlines() or [""])[0], 200))
 
     def _forget(self, key: tuple, gm: nn.Module) -> None:
@@ -250,10 +251,11 @@ class Glue:
         self.off = why
         self.made.append(f"runs under torch.autocast: {why}")
 
-    def _fallback(self, autocast: Callable[[], Any], failed: Optional[str]) -> Any:
+    def _fallback(self, autocast: Callable[[tuple, Dict[str, Any]], Any], args: tuple,
+                  kwargs: Dict[str, Any], failed: Optional[str]) -> Any:
         """This call under autocast; a planning failure (``failed``) that autocast does
         not share makes the glue run under autocast from now on."""
-        out = autocast()  # (raises: the model's own error; nothing is kept)
+        out = autocast(args, kwargs)  # (raises: the model's own error; nothing is kept)
         if failed is not None and self.off is None:
             self._give_up(f"planning it failed ({failed})")
             log.warning("%s: the glue (its own forward between the blocks) cannot be "

@@ -104,15 +104,11 @@ class AutocastOff:
     def __init__(self, devices: list) -> None:
         self.contexts = [torch.autocast(d, enabled=False, cache_enabled=False) for d in devices
                          if d in ("cpu", "cuda", "xpu", "mps", "hpu")]
-        self.cache = True
 
     def __enter__(self) -> None:
-        self.cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        for c in self.contexts:
+        for c in self.contexts:  # (each puts the cache setting back on exit)
             c.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         for c in reversed(self.contexts):
             c.__exit__(*exc)
-        torch.set_autocast_cache_enabled(self.cache)

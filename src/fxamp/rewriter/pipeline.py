@@ -21,7 +21,7 @@ from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
 from ..program import DEVICES
 from ..result import Rewritten, has_result, one_mode, plan_of, result_of, set_result
-from ..structure import Structure, hooked_paths, share_modules
+from ..structure import Structure, hooked_paths, inside, share_modules
 from ..policy import Policy, is_deploy
 from ..frontends import STATIC_SHAPES, Children, capture_model, graph_frontend
 from ..frontends.checkpointing import layers_off
@@ -98,11 +98,9 @@ def check_model(model: Any, sharded_ok: bool = False, calls: Sequence[str] = ())
             sharded.
     """
     check_module(model)
-    inside = tuple(f"{path}." for path in calls)
     sharded = next((path for path, m in model.named_modules()
                     if is_fully_sharded(m) and (path or not sharded_ok)
-                    and path not in calls and not (inside and path.startswith(inside))),
-                   None)
+                    and path not in calls and not inside(path, calls)), None)
     if sharded is not None:
         raise UnsupportedModelError(
             f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
