@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import sys
@@ -48,6 +49,7 @@ __all__ = [
     "SET_GRAD", "IS_GRAD", "has_kernel_for_dispatch_key",
     "storage_use_count", "tensor_use_count", "in_dispatch_or_function_mode",
     "is_functorch_wrapped", "functorch_active", "graph_codegen", "node_erased",
+    "input_guard_conditions", "fast_call",
     "rename_node", "foreach_copy_", "eager_compiler_flags",
     "Patch", "TRACE_PATCHES", "tracing", "tracing_thread", "patched", "format_target",
     "spelling_names", "spell_names", "SpellingTracer",
@@ -137,6 +139,94 @@ def is_input_guard(node: fx.Node) -> bool:
         node: a node of an exported graph.
     """
     return node.op == "call_module" and node.target == INPUT_GUARD
+
+
+#: the Python binding each common aten op of an exported graph is called through in the
+#: graph's generated code (:func:`fast_call`): a function, or a Tensor method's name
+_FAST: Dict[Any, Any] = {}
+
+
+def _fast_table() -> Dict[Any, Any]:
+    aten, nn_ops = torch.ops.aten, torch._C._nn
+    functions = {
+        aten.linear.default: nn_ops.linear, aten.silu.default: nn_ops.silu,
+        aten.gelu.default: nn_ops.gelu,
+        aten.scaled_dot_product_attention.default: nn_ops.scaled_dot_product_attention,
+        aten.embedding.default: torch.embedding, aten.layer_norm.default: torch.layer_norm,
+        aten.mul.Tensor: torch.mul, aten.add.Tensor: torch.add, aten.sub.Tensor: torch.sub,
+        aten.div.Tensor: torch.div, aten.pow.Tensor_Scalar: torch.pow,
+        aten.neg.default: torch.neg, aten.rsqrt.default: torch.rsqrt,
+        aten.sqrt.default: torch.sqrt, aten.exp.default: torch.exp,
+        aten.tanh.default: torch.tanh, aten.sigmoid.default: torch.sigmoid,
+        aten.relu.default: torch.relu, aten.mean.dim: torch.mean,
+        aten.sum.dim_IntList: torch.sum, aten.cat.default: torch.cat,
+        aten.transpose.int: torch.transpose, aten.unsqueeze.default: torch.unsqueeze,
+        aten.reshape.default: torch.reshape, aten.permute.default: torch.permute,
+        aten.matmul.default: torch.matmul, aten.bmm.default: torch.bmm,
+        aten.softmax.int: torch.softmax, aten.dropout.default: torch.dropout,
+        aten.conv2d.default: torch.conv2d,
+    }
+    methods = {aten.view.default: "view", aten.to.dtype: "to",
+               aten.contiguous.default: "contiguous", aten.expand.default: "expand"}
+    return {**functions, **methods}
+
+
+def fast_call(target: Any, args: tuple) -> Any:
+    """What the generated code of a graph calls for ``target``, an aten op of an exported
+    graph, given positional ``args``: ``(callable, args)`` with its Python binding
+    (``torch.mul`` for ``aten.mul.Tensor``; a Tensor method's name, ``"view"``, for a
+    method), which dispatches that same op, without the op overload's Python ``__call__``
+    and its boxed dispatch (about 1.3 us an op on a CPU), and ``args`` without the trailing
+    ones that equal the schema's defaults (a binding may take those by keyword alone:
+    ``Tensor.to``'s ``memory_format``); None for any other target, or where an argument
+    left is one the binding takes by keyword alone (called as it is). The graph keeps the
+    op itself.
+
+    Args:
+        target: a call_function node's target.
+        args: its positional arguments.
+    """
+    if not _FAST:
+        _FAST.update(_fast_table())
+    call = _FAST.get(target) if isinstance(target, OpOverload) else None
+    if call is None:
+        return None
+    schema = target._schema.arguments
+    args = tuple(args)
+    while args and len(args) <= len(schema) and schema[len(args) - 1].has_default_value() \
+            and _same(args[-1], schema[len(args) - 1].default_value):
+        args = args[:-1]
+    if call == "to" and len(args) > 4:  # (memory_format: a keyword of Tensor.to alone)
+        return None
+    return call, args
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Whether an argument's value is its schema default (of the same type: ``1`` is not
+    ``True``)."""
+    return value is default or (type(value) is type(default) and value == default)
+
+
+def input_guard_conditions(gm: fx.GraphModule) -> Optional[List[str]]:
+    """The conditions torch.export's input guard (``gm._guards_fn``) asserts, as its
+    messages spell them (``hidden_states.size()[1] == 32``, ``use_cache == False``); None
+    where ``gm`` has no such guard or its code is not the generated form this reads (a
+    function of ``torch._assert(condition, "Guard failed: <condition>")`` lines wrapped
+    in ``torch._dynamo.dont_skip_tracing``: ``torch.export._unlift``).
+
+    Args:
+        gm: an unlifted exported graph module.
+    """
+    guard = getattr(gm, INPUT_GUARD, None)
+    forward = getattr(guard, "__dict__", {}).get("forward")
+    cells = getattr(forward, "__closure__", None) or ()
+    inner = [c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)]
+    code = getattr(inner[0] if len(inner) == 1 else forward, "__code__", None)
+    if code is None or "_assert" not in code.co_names:
+        return None
+    prefix = "Guard failed: "
+    return [c[len(prefix):] for c in code.co_consts
+            if isinstance(c, str) and c.startswith(prefix)]
 
 
 def node_erased(node: fx.Node) -> bool:

@@ -49,7 +49,8 @@ import torch
 import torch.fx as fx
 
 from .errors import InputShapeError, ModeError
-from .runtime import CALL_HOOK_DICTS, OWN, first_device, own_autocast_depth
+from .runtime import (CALL_HOOK_DICTS, OWN, fan_out, first_device, own_autocast_depth,
+                      shared_cast)
 
 log = logging.getLogger(__name__)
 
@@ -258,10 +259,10 @@ class Program(fx.GraphModule):
     docstring). ``program.code`` is the graph's code."""
 
     def recompile(self) -> Any:
-        """Generate the graph's code (``GraphModule.recompile``, from :func:`flat_reads`'s
+        """Generate the graph's code (``GraphModule.recompile``, from :func:`code_graph`'s
         form of the graph) and put it behind the run-time contract."""
         graph = self.__dict__.get("_graph")
-        flat = flat_reads(graph) if graph is not None else None
+        flat = code_graph(graph) if graph is not None else None
         if flat is None:
             code = super().recompile()
         else:
@@ -294,22 +295,52 @@ class Program(fx.GraphModule):
         return (_load, (fn, args))
 
 
-def flat_reads(graph: fx.Graph) -> Any:
-    """The graph to generate code from: ``graph`` with each nested attribute read
-    (``get_attr`` of ``blocks.0.attn.qkv.weight``) made from reads of its module's path,
-    each path read once, just before its first use: the code reads ``self.blocks`` once,
-    then ``blocks[0]``, then ``.attn``..., so a read costs O(1) attribute lookups instead of
-    a chain from ``self`` (quadratic in a model's depth). None when no read is nested.
-    The module's own ``graph`` is unchanged."""
-    if not any(n.op == "get_attr" and "." in str(n.target) for n in graph.nodes):
-        return None
-    from ._torch import graph_codegen
+def _fanned_out(node: fx.Node) -> bool:
+    """Whether ``node`` is a cast ``x.to(dtype)`` that only ``fan_out`` nodes use, as
+    their shared cast."""
+    return (node.op == "call_method" and node.target == "to" and len(node.args) == 2
+            and not node.kwargs and bool(node.users)
+            and all(u.op == "call_function" and u.target is fan_out and len(u.args) >= 3
+                    and u.args[2] is node and node not in (*u.args[:2], *u.args[3:])
+                    for u in node.users))
 
+
+def code_graph(graph: fx.Graph) -> Any:
+    """The graph to generate code from, where it differs from ``graph`` (None where not):
+
+    - each nested attribute read (``get_attr`` of ``blocks.0.attn.qkv.weight``) is made
+      from reads of its module's path, each path read once, just before its first use: the
+      code reads ``self.blocks`` once, then ``blocks[0]``, then ``.attn``..., so a read
+      costs O(1) attribute lookups instead of a chain from ``self`` (quadratic in a
+      model's depth);
+    - each common aten op of an exported graph is called through its Python binding
+      (:func:`fxamp._torch.fast_call`: ``torch.mul`` for ``aten.mul.Tensor``), the same
+      op at about half the cost of a call of the op overload;
+    - a cast shared by ``fan_out`` consumers alone is made by ``runtime.shared_cast``,
+      which leaves it to each consumer where autograd tracks its source (a training step
+      casts per consumer, as autocast does, and no shared cast is made for nothing).
+
+    The module's own ``graph`` is unchanged: plans, passes and exports read the ops."""
+    from ._torch import fast_call, graph_codegen
+
+    nested = any(n.op == "get_attr" and "." in str(n.target) for n in graph.nodes)
+    fast = {n: fast_call(n.target, n.args) for n in graph.nodes if n.op == "call_function"}
+    fast.update({n: (shared_cast, n.args) for n in graph.nodes if _fanned_out(n)})
+    if not nested and not any(v is not None for v in fast.values()):
+        return None
     new = fx.Graph()
     new.set_codegen(graph_codegen(graph))
     env: dict = {}
     paths: dict = {}
     for node in graph.nodes:
+        call = fast.get(node)
+        if call is not None:
+            call, args = call
+            args, kwargs = fx.map_arg((args, node.kwargs), lambda n: env[n])
+            env[node] = new.create_node("call_method" if isinstance(call, str)
+                                        else "call_function", call, args, kwargs, node.name)
+            env[node].meta.update(node.meta)
+            continue
         if node.op != "get_attr" or "." not in str(node.target):
             env[node] = new.node_copy(node, lambda n: env[n])
             continue

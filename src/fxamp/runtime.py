@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from ._torch import SET_GRAD as _SET_GRAD, tree_flatten, tree_map
+from ._torch import SET_GRAD as _SET_GRAD, functorch_active, tree_flatten, tree_map
 from .errors import InputDtypeError
 
 #: a module's hook dicts that run when it is called
@@ -88,43 +88,39 @@ class _FanOut(torch.autograd.Function):
         return None if shared_tangent is None else shared_tangent.view_as(shared_tangent)
 
 
-class _EagerFanOut(torch.autograd.Function):
-    """:class:`_FanOut` outside ``torch.func`` transforms: the same backward and jvp; its
-    ``apply`` costs 5 Python calls, not ~90 (a Function with ``setup_context`` binds its
-    arguments through ``inspect`` on every call).
+def _per_consumer(source: Any) -> bool:
+    """Whether each consumer of a cast of ``source`` casts it for itself: ``source`` is a
+    non-leaf tensor that autograd tracks, outside ``torch.func`` transforms."""
+    return (torch.is_grad_enabled() and isinstance(source, torch.Tensor)
+            and source.requires_grad and not source.is_leaf and not functorch_active())
 
-    Its output is ``shared.detach()``: the same memory, but not a view autograd tracks. A
-    Function whose output is a view must give a tangent that is a view too, which a tangent
-    batched by ``torch.autograd.functional.jacobian(..., strategy="forward-mode",
-    vectorize=True)`` (the legacy vmap) is not ("jvp is not returning a view"). No consumer
-    changes its fan-out in place (the casts pass gives such a consumer the cast itself), so
-    nothing needs the view relation; the backward is the same, the gradients bit for bit."""
 
-    @staticmethod
-    def forward(ctx: Any, source: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        ctx.dtype = source.dtype
-        return shared.detach()
-
-    backward = staticmethod(_FanOut.backward)
-    jvp = staticmethod(_FanOut.jvp)
+def shared_cast(source: Any, dtype: torch.dtype) -> Any:
+    """The cast of ``source`` to ``dtype`` that its consumers' :func:`fan_out` share, in
+    the generated code of a graph where it has no other user; None where each consumer
+    casts for itself (:func:`fan_out`), so a training step casts exactly as often as
+    autocast, and a forward without grad once."""
+    return None if _per_consumer(source) else source.to(dtype)
 
 
 def fan_out(source: Any, dtype: torch.dtype, shared: Any, flat_linear: bool = False) -> Any:
     """One consumer's use of ``shared`` (``source`` cast to ``dtype`` once for several
-    consumers): the same values; with grad, a backward of its own (:class:`_FanOut`), so
-    training sums the gradients like autocast's per-op casts, bit for bit. A leaf that
-    requires grad (an input, a reentrant checkpoint's recomputed input) is shared as is:
-    autocast caches the cast of such a tensor too. Under ``torch.func`` a consumer that is
-    a linear with a bias (``flat_linear``) gets its own backward for a contiguous 3-D leaf
-    as well: torch.func runs such a linear on a flattened view of the input, which
-    autocast casts per op, not from its cache."""
+    consumers). Without grad, or for a leaf (an input, a reentrant checkpoint's recomputed
+    input, which autocast's cast cache shares too): ``shared`` itself. Where autograd
+    tracks ``source``: the consumer's own cast, as autocast casts per op, so training sums
+    the consumers' gradients at ``source`` in its dtype, bit for bit (``shared`` is None
+    there where :func:`shared_cast` made it). Under ``torch.func``: ``shared`` with a
+    backward of its own (:class:`_FanOut`), and a consumer that is a linear with a bias
+    (``flat_linear``) gets its own backward for a contiguous 3-D leaf as well: torch.func
+    runs such a linear on a flattened view of the input, which autocast casts per op, not
+    from its cache."""
+    if shared is None:
+        return source.to(dtype)
     if not (torch.is_grad_enabled() and isinstance(source, torch.Tensor)
             and source.requires_grad and isinstance(shared, torch.Tensor)):
         return shared
-    from ._torch import functorch_active
-
     if not functorch_active():
-        return shared if source.is_leaf else _EagerFanOut.apply(source, shared)
+        return shared if source.is_leaf else source.to(dtype)
     if source.is_leaf and not (flat_linear and source.dim() == 3 and source.is_contiguous()):
         return shared
     return _FanOut.apply(source, shared)

@@ -38,8 +38,8 @@ from .common import (PACKED_ADVICE, as_tuple, own_copies, packed_sequence_failur
                      training_flags, warn_mode_only, warn_one_mode)
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
-from .aten_inputs import (ShapeCheck, batch_inputs, flat_inputs, input_names, plain_containers,
-                          plain_inputs_hook)
+from .aten_inputs import (ShapeCheck, batch_inputs, drop_covered_guard, flat_inputs, input_names,
+                          plain_containers, plain_inputs_hook)
 from .base import STATIC_SHAPES, Request, Traced
 from .buffer_writes import export_write_backs
 from .dtype_reads import Settled, follow_run_time_dtypes
@@ -511,12 +511,14 @@ class AtenFrontend:
     def finish(self, gm: fx.GraphModule, traced: Traced, model: nn.Module, args: tuple,
                kwargs: Dict[str, Any]) -> Optional[calls.CallStructure]:
         outline(gm)  # checkpoint regions run under torch.utils.checkpoint again
-        gm.register_forward_pre_hook(ShapeCheck(traced.graph_module, model, args, kwargs),
-                                     with_kwargs=True)
+        check = ShapeCheck(traced.graph_module, model, args, kwargs)
+        gm.register_forward_pre_hook(check, with_kwargs=True)
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
-        return calls.call_structure(gm, model, args, kwargs, values=True,
-                                    symbolic=symbolic_scalars(traced.graph_module, model,
-                                                              args, kwargs))
+        structure = calls.call_structure(gm, model, args, kwargs, values=True,
+                                         symbolic=symbolic_scalars(traced.graph_module, model,
+                                                                   args, kwargs))
+        drop_covered_guard(gm, check, structure.scalars if structure is not None else {})
+        return structure
 
 
 def symbolic_scalars(gm: fx.GraphModule, model: nn.Module, args: tuple,

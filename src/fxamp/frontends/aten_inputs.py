@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 from operator import itemgetter
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -344,6 +345,53 @@ def _plain(values: Iterable[Any]) -> bool:
         return False
     return True
 
+
+#: a guard on one input dimension's size (``position_embeddings[0].size()[1] == 32``), and
+#: on one Python value (``use_cache == False``), as torch.export's guard messages spell them
+_SIZE_GUARD = re.compile(r"^(?P<name>[\w.\[\]'\"]+)\.size\(\)\[(?P<dim>\d+)\] == (?P<size>\d+)$")
+_VALUE_GUARD = re.compile(r"^(?P<name>\w+) == (?P<value>.+)$")
+
+
+def drop_covered_guard(gm: fx.GraphModule, check: ShapeCheck, scalars: Dict[str, Any]) -> bool:
+    """Remove the exported graph's own input guard (its ``_guards_fn`` call) where every
+    condition it asserts is checked before the graph already: a size ``check`` fixes, or a
+    Python value the call structure compares (``scalars``: the values the graph fixed, by
+    name). The guard is a module call behind a torch.compile config patch with one
+    ``torch._assert`` per condition, run on every call: dozens of Python calls a block,
+    each a repeat of fxamp's own checks. A guard with any other condition stays whole.
+
+    Args:
+        gm: the exported graph module, after ``check`` is registered on it.
+        check: its input shape check.
+        scalars: the Python scalars its call structure compares, by name.
+
+    Returns:
+        Whether the guard was removed.
+    """
+    from .._torch import INPUT_GUARD, input_guard_conditions, is_input_guard
+
+    conditions = input_guard_conditions(gm)
+    if conditions is None:
+        return False
+    sizes = {name: dims for name, dims in check.sizes if dims is not None}
+    for condition in conditions:
+        size = _SIZE_GUARD.match(condition)
+        if size is not None:
+            dims, dim = sizes.get(size["name"]), int(size["dim"])
+            if dims is not None and dim < len(dims) and dims[dim] == int(size["size"]):
+                continue
+            return False
+        value = _VALUE_GUARD.match(condition)
+        if value is None or value["name"] not in scalars \
+                or repr(scalars[value["name"]]) != value["value"]:
+            return False
+    nodes = [n for n in gm.graph.nodes if is_input_guard(n)]
+    if len(nodes) != 1 or nodes[0].users:
+        return False
+    gm.graph.erase_node(nodes[0])
+    delattr(gm, INPUT_GUARD)
+    gm.recompile()
+    return True
 
 def plain_inputs_hook(_module: nn.Module, args: tuple, kwargs: dict
                       ) -> Optional[Tuple[tuple, dict]]:
