@@ -66,7 +66,7 @@ class _FanOut(torch.autograd.Function):
     ``source`` in its dtype, as under autocast, which casts per op. Forward-mode AD: the
     tangent of ``shared`` (the cast of ``source``'s tangent, as each per-op cast has).
     The form ``torch.func`` takes (``forward`` without ``ctx``, a generated vmap rule);
-    outside its transforms :class:`_EagerFanOut` runs instead."""
+    outside its transforms each consumer casts for itself (:func:`fan_out`)."""
 
     generate_vmap_rule = True
 
