@@ -313,8 +313,9 @@ def _check_inputs(graph: fx.Graph, src: fx.GraphModule) -> None:
 
 def _fan_out(graph: fx.Graph, root: nn.Module) -> int:
     """An activation cast to several consumers feeds each through ``runtime.fan_out``: one
-    cast kernel in the forward, and a backward per consumer, as autocast (which casts per
-    op) has: the gradients are summed at the source in its dtype, not in the cast's. A
+    cast without grad; where autograd tracks the source, a cast per consumer, as autocast
+    casts per op, so the gradients are summed at the source in its dtype, not in the
+    cast's (the generated code makes the shared cast with ``runtime.shared_cast``). A
     consumer that changes its input in place keeps the cast itself (a custom Function's
     view cannot be modified in place). Returns the fan-out nodes made."""
     made = 0
