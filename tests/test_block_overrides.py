@@ -89,3 +89,20 @@ def test_with_partition_blocks_an_override_of_the_glue_changes_exactly_its_lines
     assert changed and all(after[n][0] == "lm_head" for n in changed)
     assert all(after[n][1] == torch.float32 for n in changed)
     assert any(before[n][1] == torch.bfloat16 for n in changed)  # (the head's linear)
+
+
+def test_an_op_label_changes_every_block_and_one_the_blocks_lack_is_refused_naming_the_glue():
+    plain, model = _llama(), _llama()
+    fxamp.amp_rewrite(plain, config="compute=bf16", inplace=True)
+    fxamp.amp_rewrite(model, config="compute=bf16,fp32:aten.silu", inplace=True)
+    plain(input_ids=IDS)
+    model(input_ids=IDS)
+    before, after = fxamp.plan_of(plain).nodes, fxamp.plan_of(model).nodes
+    silu = [n for n, p in after.items() if p.op == "aten.silu"]
+    assert silu and all(after[n].dtype == torch.float32 != before[n].dtype for n in silu)
+    # (the embedding is in the glue, which fx does not take for a Hugging Face model)
+    lacking = _llama()
+    fxamp.amp_rewrite(lacking, config="compute=bf16,fp32:aten.embedding", inplace=True)
+    with pytest.raises(fxamp.PolicyError, match="matches no node of LlamaForCausalLM's "
+                                                "blocks or glue .*runs under torch.autocast"):
+        lacking(input_ids=IDS)

@@ -409,3 +409,36 @@ def test_a_tied_head_trains_like_autocast_on_batches_of_changing_length_with_one
     assert all(torch.equal(a, b) for a, b in zip(losses, want))
     assert all(torch.equal(a, b) for a, b in zip(params, want_params))
     assert fxamp.graphs_of(model)[""] == ["train mode, floating inputs none: the first call"]
+
+
+@pytest.mark.parametrize("override", ["fp32:nn.Linear", "fp32:operator.sub"],
+                         ids=["blocks-and-glue", "glue-only"])
+def test_an_op_label_override_reaches_the_blocks_and_the_glue_as_in_the_flat_plan(override):
+    # (nn.Linear: the stem and head in the glue and each block's fc1 and fc2; operator.sub:
+    # the loss's difference, in the glue alone: given to the blocks only, it was refused)
+    torch.manual_seed(0)
+    ref = LossNet()
+    model, flat = copy.deepcopy(ref), copy.deepcopy(ref)
+    config = fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy=override)
+    fxamp.amp_rewrite(model, config=config, inplace=True)
+    fxamp.amp_rewrite(flat, _batch(0), config, inplace=True)
+    losses, grads = _steps(model)
+    flat_losses, flat_grads = _steps(flat)
+    mine, theirs = fxamp.plan_of(model).nodes, fxamp.plan_of(flat).nodes
+    label = override.split(":", 1)[1]
+    changed = [n for n, p in theirs.items() if p.op == label]
+    assert changed and all(theirs[n].dtype == torch.float32 for n in changed)
+    glue = [n for n in changed if not n.startswith("blocks_")]
+    assert glue and all((mine[n].rule, mine[n].dtype) == ("user", torch.float32) for n in glue)
+    assert all(torch.equal(a, b) for a, b in zip(losses, flat_losses))
+    assert all(torch.equal(a, b) for g, h in zip(grads, flat_grads) for a, b in zip(g, h))
+
+
+def test_an_op_label_override_matching_no_region_is_refused_on_every_call():
+    model = LossNet()
+    config = fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="fp32:nn.Conv2d")
+    fxamp.amp_rewrite(model, config=config, inplace=True)
+    for _ in range(2):
+        with pytest.raises(fxamp.PolicyError, match="'fp32:nn.Conv2d' matches no node of "
+                                                    "LossNet's blocks or glue"):
+            model(*_batch(0))

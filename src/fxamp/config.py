@@ -85,6 +85,10 @@ class RewriteConfig:
         regions: the submodules a trace keeps as module calls, each computing with its own
             rewrite (block mode's glue, the model's own forward around its regions, traced
             by torch.fx: ``rewriter/glue.py``); set by fxamp, not by users.
+        elsewhere: overrides of the policy that another region of the model may match
+            instead of this one (block mode gives an op label to every block and to the
+            glue): one that matches no node here is not refused here, the model's composed
+            plan checks it (``rewriter/blocks.py``); set by fxamp, not by users.
 
     Raises:
         FxampError: an unknown front end.
@@ -101,6 +105,7 @@ class RewriteConfig:
     follow_device: bool = False
     partition: Any = "auto"
     regions: Tuple[str, ...] = ()
+    elsewhere: Tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if self.frontend not in FRONTENDS:

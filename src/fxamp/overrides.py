@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from .errors import PolicyError
 from .policy import Override, Policy, dtype_name
@@ -29,6 +29,9 @@ class Scope:
 
     paths: Tuple[str, ...] = ()
     matched: Set[Override] = field(default_factory=set)
+    #: overrides another region of the model may match instead (``RewriteConfig.elsewhere``):
+    #: not refused here when they match nothing
+    elsewhere: FrozenSet[Override] = frozenset()
 
     @property
     def top(self) -> bool:
@@ -90,14 +93,16 @@ def check_matched(policy: Policy, scope: Scope,
     planned = {o for name, module, label in lines
                for o in policy.overrides_matching(name, module, module + "." if module else "",
                                                   label)}
-    idle = [o for o in policy.overrides if o in scope.matched and o not in planned]
+    idle = [o for o in policy.overrides if o in scope.matched and o not in planned
+            and o not in scope.elsewhere]
     if idle:
         raise PolicyError(
             "\n".join(f"policy override '{o}' matches only nodes with no floating-point input "
                        "or output (sizes, shapes, integer arithmetic): no dtype changes them"
                        for o in idle) + "\n  what to do: name a node of the plan (see `fxamp "
             "plan`): the op that makes the floating value, or drop the override")
-    unmatched = [o for o in policy.overrides if o not in scope.matched]
+    unmatched = [o for o in policy.overrides
+                 if o not in scope.matched and o not in scope.elsewhere]
     if not unmatched:
         return
     candidates = _candidates(lines)

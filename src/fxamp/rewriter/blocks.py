@@ -133,8 +133,9 @@ class BlocksRoot:
         own overrides (:func:`block_overrides`)."""
         self.planner_of = plan
         inner = self.config.for_part()
-        routed, self.glue.overrides = block_overrides(self.model, self.paths,
-                                                      inner.policy.overrides, self.glue.traced)
+        routed, self.glue.overrides, self.anywhere = block_overrides(
+            self.model, self.paths, inner.policy.overrides, self.glue.traced)
+        self.glue.elsewhere = self.anywhere
         self.slots = []
         for path in self.paths:
             parent, _, name = path.rpartition(".")
@@ -145,7 +146,7 @@ class BlocksRoot:
                 if isinstance(block.__dict__.get("forward"), InplaceForward):
                     take(block)  # (its own rewrite, of this policy)
                 mine = inner.replace(policy=dataclasses.replace(
-                    inner.policy, overrides=tuple(routed[path])))
+                    inner.policy, overrides=tuple(routed[path])), elsewhere=self.anywhere)
                 install(block, None, plan, mine)
                 block.__dict__["forward"].enclosing = self.model  # (unregistered_parameters)
             note = block.__dict__.get(NOTE)
@@ -198,12 +199,44 @@ class BlocksRoot:
 
     def compose(self) -> None:
         """The model's plan from its blocks' plans (:meth:`blocks_plan`), stored as its
-        result."""
+        result; PolicyError where an override given to several regions (an op label)
+        matches no node of any region planned (each call raises it again until one
+        does: the plan is not composed)."""
+        self._check_anywhere()
         plan, self.shares = self.blocks_plan()
         config = self.config.for_model(self.model)
         self.model.__dict__[RESULT] = Rewritten(plan, config.policy,
                                                 module_label(self.model), config)
         self.composed = self._state()
+
+    def _check_anywhere(self) -> None:
+        """The overrides given to every region (:func:`block_overrides`) each match a node
+        of some region's plan, as one of the flat plan would."""
+        anywhere = self.__dict__.get("anywhere") or ()
+        if not anywhere:
+            return
+        policy = self.config.policy
+        graphs = [self.model.get_submodule(p).__dict__.get(INPLACE_GRAPH) for p in self.paths]
+        graphs.append(self.glue.first)
+        matched = set()
+        for gm in graphs:
+            if gm is None or not has_result(gm):
+                continue
+            for name, line in plan_of(gm).nodes.items():
+                module = line.module or ""
+                matched.update(policy.overrides_matching(name, module,
+                                                         module + "." if module else "",
+                                                         line.op))
+        missing = [o for o in anywhere if o not in matched]
+        if missing:
+            glue = ("" if self.glue.off is None and self.glue.first is not None else
+                    f" (its own forward between the blocks runs under torch.autocast: "
+                    f"{self.glue.header()})")
+            raise PolicyError(
+                "; ".join(f"policy override '{o}'" for o in missing) + " matches no node "
+                f"of {type(self.model).__name__}'s blocks or glue{glue}\n  what to do: "
+                "write a pattern that matches a node name, module path or op label of the "
+                "plan (see fxamp.plan_of(model) after a call), or drop the override")
 
     def skeleton(self) -> Plan:
         """The model's plan before its first call (``plan_of`` returns it then): the header
@@ -351,15 +384,19 @@ def _note_shared_modules(model: nn.Module, paths: List[str]) -> None:
 
 
 def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
-                    glue: Callable[[], Optional[str]]) -> Tuple[Dict[str, list], list]:
+                    glue: Callable[[], Optional[str]]
+                    ) -> Tuple[Dict[str, list], list, Tuple[Any, ...]]:
     """Each region's overrides in block mode, where each region is planned on its own: an
     override naming a module inside one region by its absolute path
     (``fp32:model.layers.1.mlp.*``, ``fp32:lm_head``) goes to that region alone, made
-    relative to it (``fp32:mlp.*``); any other (``fp32:mlp.down_proj``, an op label) to
-    every block (the repeated ones; the glue's modules, regions too, take only their own
-    paths'). One naming only modules outside every region goes to the glue (the model's own
-    forward, :mod:`.glue`) where torch.fx traces it; else it is refused now, not on every
-    call.
+    relative to it (``fp32:mlp.*``); one naming modules inside the blocks by their path
+    there (``fp32:mlp.down_proj``) to every block (the repeated ones; the glue's modules,
+    regions too, take only their own paths'). One naming only modules outside every region
+    goes to the glue (the model's own forward, :mod:`.glue`) where torch.fx traces it; else
+    it is refused now, not on every call. One naming no module (an op label,
+    ``fp32:nn.LayerNorm``; a node name) goes to every block and to the glue where fx traces
+    it, as the flat plan applies it to every node it matches: it may match in some of them
+    only (the composed plan checks that it matches somewhere, :meth:`BlocksRoot.compose`).
 
     Args:
         model: the model in block mode.
@@ -369,7 +406,8 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
             override outside every region.
 
     Returns:
-        The overrides of each region, by path, and the glue's.
+        The overrides of each region, by path; the glue's; and those that name no module
+        (given to several regions, each of which may not match them).
 
     Raises:
         PolicyError: an override that names only modules outside the blocks, where the
@@ -377,6 +415,7 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
     """
     routed: Dict[str, list] = {path: [] for path in paths}
     glued: list = []
+    anywhere: list = []
     modules = [name for name, _ in model.named_modules() if name]
     repeated = set(block_paths(model))
     blocks = [p for p in paths if p in repeated] or paths
@@ -389,9 +428,16 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
             continue
         absolute = [m for m in modules if fnmatch.fnmatchcase(m, pattern)]
         inside = [m for m in absolute if any(m == p or m.startswith(p + ".") for p in paths)]
-        if absolute and not inside and not any(
-                fnmatch.fnmatchcase(rel, pattern) for p in paths
-                for rel, _ in model.get_submodule(p).named_modules() if rel):
+        relative = any(fnmatch.fnmatchcase(rel, pattern) for p in paths
+                       for rel, _ in model.get_submodule(p).named_modules() if rel)
+        if not absolute and not relative:  # (an op label or a node name: every region)
+            anywhere.append(override)
+            for path in blocks:
+                routed[path].append(override)
+            if glue() is None:
+                glued.append(override)
+            continue
+        if absolute and not inside and not relative:
             why = glue()
             if why is None:
                 glued.append(override)
@@ -408,7 +454,7 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
                 "inplace=True): one plan of the whole model); or drop the override")
         for path in blocks:
             routed[path].append(override)
-    return routed, glued
+    return routed, glued, tuple(anywhere)
 
 
 class SharedPlanner:

@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import operator
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -112,7 +112,8 @@ class Glue:
         self.off: Optional[str] = None  # why it runs under autocast (None: it does not)
         self.made: List[str] = []  # (each graph planned: what for and why; graphs_of)
         self.count = 0  # (graphs planned: at most LIMIT)
-        self.overrides: list = []  # (the policy's overrides naming its modules)
+        self.overrides: list = []  # (the policy's overrides naming its modules, op labels)
+        self.elsewhere: Tuple[Any, ...] = ()  # (those another region may match instead)
         self.why: Optional[str] = None  # (:meth:`traced`'s answer, once asked)
         self.lock = threading.RLock()
         if not _EAGER:  # (made before any compiled region reaches it: not while tracing)
@@ -216,7 +217,7 @@ class Glue:
                 return None
             config = self.config.for_model(self.model, (args, kwargs))
             config = config.replace(  # (its own overrides: those naming its modules)
-                frontend="fx", regions=tuple(self.paths),
+                frontend="fx", regions=tuple(self.paths), elsewhere=tuple(self.elsewhere),
                 policy=dataclasses.replace(config.policy, overrides=tuple(self.overrides)))
             try:
                 gm = self.plan(self.model, args, kwargs, config, why)

@@ -647,7 +647,8 @@ def rewrite(model: nn.Module, inputs: tuple, config: RewriteConfig,
     ``scope``: the override record of the enclosing rewrite's submodule this one is (none:
     a top-level rewrite, which raises PolicyError when an override matches no node)."""
     with _torch.tracing(), _torch.spelling_names():  # (GraphModules compiled while tracing)
-        gm = Rewrite(model, inputs, config, fixed, scope or Scope()).run()
+        gm = Rewrite(model, inputs, config, fixed,
+                     scope or Scope(elsewhere=frozenset(config.elsewhere))).run()
     _torch.spell_names(gm)  # (and when recompiled, copied or unpickled later)
     return gm
 
