@@ -442,3 +442,35 @@ def test_an_op_label_override_matching_no_region_is_refused_on_every_call():
         with pytest.raises(fxamp.PolicyError, match="'fp32:nn.Conv2d' matches no node of "
                                                     "LossNet's blocks or glue"):
             model(*_batch(0))
+
+
+def test_a_hook_on_a_block_computes_under_autocast_as_around_the_models_own_forward():
+    # (the hook's matmul of the block's output: bf16 under autocast, as in the model run
+    # under autocast; the block's own graph turns autocast off inside)
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    w = torch.randn(8, 8) * 0.1
+    seen = []
+
+    def hook(module, args, out):
+        mixed = torch.mm(out, w)
+        seen.append(mixed.dtype)
+        return out + mixed
+
+    for net in (ref, model):
+        net.blocks[1].register_forward_hook(hook)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    for net, autocast in ((ref, True), (model, False)):
+        net.zero_grad()
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            out = net(torch.randn(3, 8, generator=torch.Generator().manual_seed(1)))
+        out.float().pow(2).mean().backward()
+        if autocast:
+            want, grads = out, [p.grad.clone() for p in ref.parameters()]
+    assert seen == [BF16, BF16]
+    # (planned, not run under autocast: outside it the hook's mm of the block's bf16 output
+    # and an FP32 weight raised, and the glue fell back to autocast)
+    assert fxamp.graphs_of(model)[""] == ["train mode, floating inputs float32: the first call"]
+    assert torch.equal(out, want.float())
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))

@@ -310,3 +310,14 @@ def autocast_module(module: nn.Module, dtype_name: str, *args: Any, **kwargs: An
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
     with device_autocast(device_type((args, kwargs)), dtype):
         return module(*args, **kwargs)
+
+
+def region_call(module: nn.Module, dtype_name: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a region planned on its own (block mode's glue calling a block, which computes
+    with its own graphs): a plain module call; where the region has call hooks of its own,
+    the call under ``torch.autocast`` of its inputs' device, so the hooks compute as they
+    do when the model's forward runs under autocast (the region's graph turns autocast off
+    inside it)."""
+    if not has_call_hooks(module):
+        return module(*args, **kwargs)
+    return autocast_module(module, dtype_name, *args, **kwargs)

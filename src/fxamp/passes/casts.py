@@ -172,6 +172,10 @@ class _Builder:
         args, kwargs = self.mapped(node, dtype)
         if plan is not None and plan.rule == Rule.RUNTIME and not ir.get(node).region:
             new = self.runtime_call(node, args, kwargs)
+        elif node.op == "call_module" and ir.get(node).region:
+            new = self.graph.create_node("call_function", runtime.region_call,
+                                         (self.module_ref(node), dtype_name(self.policy.compute),
+                                          *args), kwargs, node.name)
         elif node.op == "call_module" and dtype is not None and self._needs_param_casts(
                 node, dtype):
             new = self.module_call(node, args, kwargs, dtype)

@@ -10,8 +10,9 @@ it (a region that runs under autocast, past its limit of graphs or as an eager r
 autocast itself), and every cast of its outputs (and of the items of a tuple it returns)
 is kept (``ir.NodeIR.region``): their dtypes are the region's plan's, known when it runs.
 The glue's own lines for those outputs give autocast's dtypes, the ones it was planned
-with; the region's lines give what its plan computes. A hook on a block runs outside
-autocast here, where the glue under autocast ran it inside.
+with; the region's lines give what its plan computes. A region with call hooks of its own
+is called under ``torch.autocast`` (``runtime.region_call``), so its hooks compute as they
+do around the model's forward run under autocast.
 
 While the glue is planned, its regions run as their class's code on the shadow tree
 (``Shadow.bare``): under ``torch.autocast`` where a node's dtypes are decided, as autocast
