@@ -49,7 +49,7 @@ __all__ = [
     "SET_GRAD", "IS_GRAD", "has_kernel_for_dispatch_key",
     "storage_use_count", "tensor_use_count", "in_dispatch_or_function_mode",
     "is_functorch_wrapped", "functorch_active", "graph_codegen", "node_erased",
-    "input_guard_conditions", "fast_call",
+    "input_guard_conditions", "fast_call", "RuntimeTracer",
     "rename_node", "foreach_copy_", "eager_compiler_flags",
     "Patch", "TRACE_PATCHES", "tracing", "tracing_thread", "patched", "format_target",
     "spelling_names", "spell_names", "SpellingTracer",
@@ -205,6 +205,22 @@ def _same(value: Any, default: Any) -> bool:
     """Whether an argument's value is its schema default (of the same type: ``1`` is not
     ``True``)."""
     return value is default or (type(value) is type(default) and value == default)
+
+
+class RuntimeTracer(fx.Tracer):
+    """The tracer torch.fx re-traces a pickled Program's generated code with on load
+    (``GraphModule._tracer_cls``): each of fxamp's own functions the code calls
+    (``fan_out``, ``check_input_dtypes``, ``autocast_module``...) stays a call, as in the
+    graph that was pickled, instead of being traced through (a function run on Proxies
+    returns what it returns for a non-tensor: a fan-out vanished, and a module called
+    under autocast became a plain call)."""
+
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        forward = getattr(type(root), "forward", None)
+        for value in getattr(forward, "__globals__", {}).values():
+            if inspect.isfunction(value) and value.__module__.startswith("fxamp."):
+                self._autowrap_function_ids.add(id(value))
+        return super().trace(root, concrete_args)
 
 
 def input_guard_conditions(gm: fx.GraphModule) -> Optional[List[str]]:
@@ -616,9 +632,10 @@ def _spelling(cls: type) -> type:
     return _SPELLING[cls]
 
 
-class SpellingTracer(fx.Tracer):
+class SpellingTracer(RuntimeTracer):
     """The tracer torch re-traces an unpickled GraphModule's code with: its graph
-    spells every module name (the pickle of a module :func:`spell_names` mended)."""
+    spells every module name (the pickle of a module :func:`spell_names` mended), and
+    fxamp's run-time calls stay calls (:class:`RuntimeTracer`)."""
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         graph = super().trace(root, concrete_args)

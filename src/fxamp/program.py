@@ -66,6 +66,8 @@ _WARNED: list = []
 DEVICE_CHECKED = "fxamp_device_checked"
 #: the plans whose device was checked, by id (held weakly: a plan is no key of its own)
 _PLANS_CHECKED: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+#: set on a Program while it is pickled: its code is generated from the graph itself
+_PICKLING = "fxamp_pickling"
 #: the attribute the rewrite's result is kept under (the one definition; ``fxamp.result.RESULT``
 #: and ``fxamp.structure`` read it from here)
 RESULT = "fxamp_result"
@@ -262,7 +264,8 @@ class Program(fx.GraphModule):
         """Generate the graph's code (``GraphModule.recompile``, from :func:`code_graph`'s
         form of the graph) and put it behind the run-time contract."""
         graph = self.__dict__.get("_graph")
-        flat = code_graph(graph) if graph is not None else None
+        flat = code_graph(graph) if graph is not None and _PICKLING not in self.__dict__ \
+            else None
         if flat is None:
             code = super().recompile()
         else:
@@ -290,9 +293,24 @@ class Program(fx.GraphModule):
         return res
 
     def __reduce__(self) -> Tuple[Any, ...]:
-        """Pickled like a GraphModule (its code, re-traced on load), loaded as a Program."""
-        fn, args = super().__reduce__()
-        return (_load, (fn, args))
+        """Pickled like a GraphModule (its code, re-traced on load), loaded as a Program:
+        the code of the graph itself (not :func:`code_graph`'s form, so the graph loaded
+        is the graph pickled), re-traced with fxamp's run-time calls kept
+        (``_torch.RuntimeTracer``)."""
+        from ._torch import RuntimeTracer
+
+        own = self.__dict__
+        own[_PICKLING] = True
+        if not issubclass(own.get("_tracer_cls") or object, RuntimeTracer):
+            own["_tracer_cls"] = RuntimeTracer  # (SpellingTracer is one already)
+        try:
+            self.recompile()  # (GraphModule's reduce pickles the code of the last one)
+            fn, (body, imports) = super().__reduce__()
+        finally:
+            own.pop(_PICKLING, None)
+            self.recompile()
+        body.pop(_PICKLING, None)
+        return (_load, (fn, (body, imports)))
 
 
 def _fanned_out(node: fx.Node) -> bool:
