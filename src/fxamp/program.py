@@ -264,12 +264,12 @@ class Program(fx.GraphModule):
         """Generate the graph's code (``GraphModule.recompile``, from :func:`code_graph`'s
         form of the graph) and put it behind the run-time contract."""
         graph = self.__dict__.get("_graph")
-        flat = code_graph(graph) if graph is not None and _PICKLING not in self.__dict__ \
+        shown = code_graph(graph) if graph is not None and _PICKLING not in self.__dict__ \
             else None
-        if flat is None:
+        if shown is None:
             code = super().recompile()
         else:
-            self.__dict__["_graph"] = flat
+            self.__dict__["_graph"] = shown
             try:
                 code = super().recompile()
             finally:
