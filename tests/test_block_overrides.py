@@ -23,17 +23,21 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _planned(config: str):
+    """A tiny Llama rewritten in block mode with ``config`` and called once."""
+    model = _llama()
+    fxamp.amp_rewrite(model, config=config, inplace=True)
+    model(input_ids=IDS)
+    return model
+
+
 def _lines(model) -> dict:
     """Each plan line's (module path, dtype), by node name."""
     return {name: (node.module, node.dtype) for name, node in fxamp.plan_of(model).nodes.items()}
 
 
 def test_an_absolute_path_in_one_block_changes_that_block_alone():
-    plain, model = _llama(), _llama()
-    fxamp.amp_rewrite(plain, config="compute=bf16", inplace=True)
-    fxamp.amp_rewrite(model, config="compute=bf16,fp32:model.layers.1.mlp.*", inplace=True)
-    plain(input_ids=IDS)
-    model(input_ids=IDS)
+    plain, model = _planned("compute=bf16"), _planned("compute=bf16,fp32:model.layers.1.mlp.*")
     before, after = _lines(plain), _lines(model)
     # (layer 1 has a plan of its own: its lines are listed, not "the same plan as")
     assert any(n.startswith("model.layers.1/") for n in after)
@@ -48,11 +52,7 @@ def test_an_absolute_path_in_one_block_changes_that_block_alone():
 
 
 def test_a_relative_path_changes_every_block():
-    plain, model = _llama(), _llama()
-    fxamp.amp_rewrite(plain, config="compute=bf16", inplace=True)
-    fxamp.amp_rewrite(model, config="compute=bf16,fp32:mlp.down_proj", inplace=True)
-    plain(input_ids=IDS)
-    model(input_ids=IDS)
+    plain, model = _planned("compute=bf16"), _planned("compute=bf16,fp32:mlp.down_proj")
     after, before = _lines(model), _lines(plain)
     downs = [n for n, (module, _) in after.items()
              if module.endswith("mlp.down_proj") and "linear" in n]
@@ -92,11 +92,7 @@ def test_with_partition_blocks_an_override_of_the_glue_changes_exactly_its_lines
 
 
 def test_an_op_label_changes_every_block_and_one_the_blocks_lack_is_refused_naming_the_glue():
-    plain, model = _llama(), _llama()
-    fxamp.amp_rewrite(plain, config="compute=bf16", inplace=True)
-    fxamp.amp_rewrite(model, config="compute=bf16,fp32:aten.silu", inplace=True)
-    plain(input_ids=IDS)
-    model(input_ids=IDS)
+    plain, model = _planned("compute=bf16"), _planned("compute=bf16,fp32:aten.silu")
     before, after = fxamp.plan_of(plain).nodes, fxamp.plan_of(model).nodes
     silu = [n for n, p in after.items() if p.op == "aten.silu"]
     assert silu and all(after[n].dtype == torch.float32 != before[n].dtype for n in silu)
