@@ -102,3 +102,16 @@ def test_an_op_label_changes_every_block_and_one_the_blocks_lack_is_refused_nami
     with pytest.raises(fxamp.PolicyError, match="matches no node of LlamaForCausalLM's "
                                                 "blocks or glue .*runs under torch.autocast"):
         lacking(input_ids=IDS)
+
+
+def test_with_partition_blocks_an_op_label_reaches_the_glue_modules_regions_too():
+    # (the head, a region of its own, is planned by fx: its label is nn.Linear; the
+    # decoder layers' linears are aten.linear)
+    model = _llama()
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(
+        policy="compute=bf16,fp32:*inear", partition="blocks"), inplace=True)
+    model(input_ids=IDS)
+    lines = fxamp.plan_of(model).nodes
+    linears = [n for n, p in lines.items() if p.op in ("aten.linear", "nn.Linear")]
+    assert "lm_head" in linears and any(n.startswith("model.layers.0/") for n in linears)
+    assert all(lines[n].dtype == torch.float32 for n in linears)

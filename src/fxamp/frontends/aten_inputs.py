@@ -393,6 +393,7 @@ def drop_covered_guard(gm: fx.GraphModule, check: ShapeCheck, scalars: Dict[str,
     gm.recompile()
     return True
 
+
 def plain_inputs_hook(_module: nn.Module, args: tuple, kwargs: dict
                       ) -> Optional[Tuple[tuple, dict]]:
     """A forward pre-hook giving an exported graph its inputs with plain dicts (None, the

@@ -394,8 +394,8 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
     regions too, take only their own paths'). One naming only modules outside every region
     goes to the glue (the model's own forward, :mod:`.glue`) where torch.fx traces it; else
     it is refused now, not on every call. One naming no module (an op label,
-    ``fp32:nn.LayerNorm``; a node name) goes to every block and to the glue where fx traces
-    it, as the flat plan applies it to every node it matches: it may match in some of them
+    ``fp32:nn.LayerNorm``; a node name) goes to every region and to the glue where fx
+    traces it, as the flat plan applies it to every node it matches: it may match in some of them
     only (the composed plan checks that it matches somewhere, :meth:`BlocksRoot.compose`).
 
     Args:
@@ -432,7 +432,7 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
                        for rel, _ in model.get_submodule(p).named_modules() if rel)
         if not absolute and not relative:  # (an op label or a node name: every region)
             anywhere.append(override)
-            for path in blocks:
+            for path in paths:
                 routed[path].append(override)
             if glue() is None:
                 glued.append(override)
