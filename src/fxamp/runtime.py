@@ -190,8 +190,10 @@ def range_guard(value: Any, limit: float, name: str, seen: float, graph: int) ->
 
 
 def has_call_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs any hook of its own."""
-    return any(getattr(module, kind, None) for kind in CALL_HOOKS)
+    """Whether calling ``module`` runs any hook of its own (its hook dicts are instance
+    attributes: read without a Python call per dict, as block mode's glue asks on every
+    call of a block)."""
+    return any(map(vars(module).get, CALL_HOOKS))
 
 
 def is_grad_mode_node(node: fx.Node) -> bool:

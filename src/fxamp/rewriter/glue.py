@@ -51,7 +51,7 @@ from ..ops import module_label
 from ..plan import NodePrecision, Plan
 from ..result import has_result, plan_of, result_of
 from ..structure import StructureChanged
-from .inplace import LIMIT, MISSES, Planner, missed, variant_key
+from .inplace import LIMIT, MISSES, Planner, made_for, missed, variant_key
 
 log = logging.getLogger(__name__)
 
@@ -238,9 +238,7 @@ class Glue:
             self.count += 1
             known = self.graphs.get(key, [])
             self.graphs = {**self.graphs, key: [gm, *known]}
-            dtypes = ", ".join(str(d).replace("torch.", "") for d in key[2]) or "none"
-            self.made.append(f"{'train' if key[0] else 'eval'} mode, floating inputs "
-                             f"{dtypes}: " + (why or miss or (
+            self.made.append(f"{made_for(key)}: " + (why or miss or (
                                  "the first call" if self.first is None else
                                  "a mode, call structure or input dtypes no graph was planned "
                                  "for")))

@@ -180,6 +180,20 @@ def variant_key(module: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> tuple
     return (module.training, call_key(args, kwargs), float_dtypes(args, kwargs))
 
 
+def made_for(key: tuple, grown: int = 0) -> str:
+    """What a graph planned for variant ``key`` (:func:`variant_key`) is for, as
+    ``graphs_of`` lists it: the mode and the floating inputs' dtypes (and how many
+    dimensions and ints are symbolic in it, ``grown``)."""
+    symbolic = f", {grown} dimension(s) or int(s) symbolic" if grown else ""
+    return (f"{'train' if key[0] else 'eval'} mode, floating inputs "
+            f"{_dtype_names(key[2]) or 'none'}{symbolic}")
+
+
+def _dtype_names(dtypes: tuple) -> str:
+    """``float32, bfloat16``."""
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
 #: plans an in-place rewritten model on a call: (model, args, kwargs, config, why) -> the new
 #: rewritten module, not installed (set by the pipeline, which owns amp_rewrite); ``why`` is
 #: None for a first call (of the model, a mode or a call structure), else the change that
@@ -441,8 +455,7 @@ class InplaceForward:
                     raise
                 miss = err
         if miss is None:
-            miss_text = ("its input dtypes " + ", ".join(str(d).replace("torch.", "")
-                                                          for d in dtypes)
+            miss_text = ("its input dtypes " + _dtype_names(dtypes)
                          if self.dtypes is not None and dtypes != self.dtypes
                          else f"{'train' if self.model.training else 'eval'} mode")
         else:
@@ -473,12 +486,8 @@ class InplaceForward:
             raise
 
     def _made_for(self, args: tuple, kwargs: Dict[str, Any]) -> str:
-        """What a graph planned on this call is for: the mode and the floating inputs'
-        dtypes (and the dimensions and ints symbolic in it)."""
-        dtypes = ", ".join(str(d).replace("torch.", "") for d in float_dtypes(args, kwargs))
-        grown = f", {len(self.grown)} dimension(s) or int(s) symbolic" if self.grown else ""
-        return (f"{'train' if self.model.training else 'eval'} mode, floating inputs "
-                f"{dtypes or 'none'}{grown}")
+        """What a graph planned on this call is for (:func:`made_for`)."""
+        return made_for(variant_key(self.model, args, kwargs), len(self.grown))
 
     def _give_up(self, miss: str) -> None:
         """Stop planning: the module runs under torch.autocast from now on (one warning)."""
