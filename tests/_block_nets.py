@@ -1,9 +1,12 @@
 """Models the block-mode tests share: a residual MLP block, a net of identical blocks
 between a stem and a head (the glue), blocks calling a module they hold outside the tree,
-a tiny HF Llama, and a counter of the blocks fxamp plans with a trace of their own. ``make`` is a CLI factory (``tests/_block_nets.py:make``)."""
+a tiny HF Llama, a counter of the blocks fxamp plans with a trace of their own, and a copy
+by deepcopy or pickle. ``make`` is a CLI factory (``tests/_block_nets.py:make``)."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 import logging
 from typing import Iterator, Optional
 
@@ -63,6 +66,17 @@ class Holds(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def copied(model: nn.Module, how: str) -> nn.Module:
+    """``model`` copied by ``copy.deepcopy`` (``how="deepcopy"``) or saved and loaded with
+    ``torch.save`` / ``torch.load`` (``"pickle"``)."""
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 def make() -> tuple:

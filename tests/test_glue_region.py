@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from _block_nets import Block, Holds, Net, tiny_llama
+from _block_nets import Block, Holds, Net, copied, tiny_llama
 
 BF16 = torch.bfloat16
 
@@ -27,6 +27,15 @@ class LossNet(Net):
 
 def _config() -> fxamp.RewriteConfig:
     return fxamp.RewriteConfig.make(dtype=BF16, target="cpu")
+
+
+def _rewritten(make) -> tuple:
+    """A seeded model from ``make`` and a copy of it rewritten in block mode."""
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    return ref, model
 
 
 def _batch(step: int):
@@ -73,10 +82,7 @@ def test_a_hand_written_loss_in_the_glue_runs_in_fp32_as_in_the_flat_plan():
 
 
 def test_the_glue_trains_like_autocast_where_no_rule_applies():
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    ref, model = _rewritten(Net)
 
     def steps(m: nn.Module, autocast: bool):
         out = []
@@ -189,20 +195,12 @@ def test_an_override_of_a_glue_module_changes_exactly_its_line_as_in_the_flat_pl
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_of_a_model_with_a_planned_glue_plans_its_own_and_computes_the_same(how):
-    import io
-
     torch.manual_seed(0)
     model = Net()
     fxamp.amp_rewrite(model, config=_config(), inplace=True)
     x = torch.randn(3, 8)
     want = model(x)
-    if how == "deepcopy":
-        twin = copy.deepcopy(model)
-    else:
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        twin = torch.load(buffer, weights_only=False)
+    twin = copied(model, how)
     assert torch.equal(twin(x), want)
     assert fxamp.graphs_of(twin)[""] == ["train mode, floating inputs float32: the first call"]
     glue = twin.__dict__["forward"].glue.first
@@ -213,10 +211,7 @@ def test_a_copy_of_a_model_with_a_planned_glue_plans_its_own_and_computes_the_sa
 def test_threads_making_the_first_call_at_once_plan_one_glue():
     import threading
 
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    ref, model = _rewritten(Net)
     xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     outs: dict = {}
     start = threading.Barrier(len(xs))
@@ -240,10 +235,7 @@ def test_the_whole_model_compiled_plans_the_glue_outside_the_trace_and_trains_li
     """torch.compile of the model (aot_eager): the glue and the blocks are planned on the
     first call, eagerly, outside the traced region; the region calls are plain module
     calls, so no graph break falls inside an autocast context of fxamp's."""
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    ref, model = _rewritten(Net)
     compiled = torch.compile(model, backend="aot_eager")
     for step in range(3):
         x, _ = _batch(step)
@@ -271,10 +263,7 @@ class FlagNet(Net):
 def test_a_glue_branching_on_python_values_is_planned_per_value_and_reuses_each_graph():
     """fx cannot trace the branch with the bool as a symbol: the glue is traced with the
     call's Python scalars as constants, each value a graph of its own, checked on entry."""
-    torch.manual_seed(0)
-    ref = FlagNet()
-    model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    ref, model = _rewritten(FlagNet)
     calls = [(1.0, False), (2.0, True), (1.0, False), (2.0, True), (1.0, True)]
     for step, values in enumerate(calls):
         x, _ = _batch(step)
@@ -349,10 +338,7 @@ def test_a_region_whose_plan_gives_another_dtype_than_autocast_is_cast_for_its_c
 
 
 def test_hooks_added_after_the_first_call_fire_on_a_glue_module_and_on_a_block():
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    ref, model = _rewritten(Net)
     x = torch.randn(3, 8)
     model(x)
     seen = []
@@ -384,10 +370,7 @@ class TiedLM(nn.Module):
 
 
 def test_a_tied_head_trains_like_autocast_on_batches_of_changing_length_with_one_glue():
-    torch.manual_seed(0)
-    ref = TiedLM()
-    model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, config=_config(), inplace=True)
+    ref, model = _rewritten(TiedLM)
 
     def steps(m: nn.Module, autocast: bool):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)

@@ -7,7 +7,6 @@ The state note is no part of the share key: identical blocks still share one pla
 from __future__ import annotations
 
 import copy
-import io
 import warnings
 from typing import List
 
@@ -19,7 +18,7 @@ import fxamp
 from fxamp.cli import main
 from fxamp.errors import NotPlannedError
 from fxamp.result import result_of
-from _block_nets import Block, Net, traces
+from _block_nets import Block, Net, copied, traces
 
 BF16 = torch.bfloat16
 NOT_YET = "not planned yet: planned on its first call"
@@ -140,19 +139,13 @@ def _called() -> Net:
 def test_a_copy_before_the_first_call_has_its_own_skeleton_and_states(how):
     model = _net()
     fxamp.amp_rewrite(model, config="compute=bf16", inplace=True)
-    if how == "deepcopy":
-        copied = copy.deepcopy(model)
-    else:
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        buffer.seek(0)
-        copied = torch.load(buffer, weights_only=False)
-    _check_skeleton(fxamp.plan_of(copied), copied, PATHS)
-    copied(X)
-    assert fxamp.plan_of(copied).planned
+    twin = copied(model, how)
+    _check_skeleton(fxamp.plan_of(twin), twin, PATHS)
+    twin(X)
+    assert fxamp.plan_of(twin).planned
     assert not fxamp.plan_of(model).planned  # (the original is not called yet)
     assert "fxamp: planned on its first call" in repr(model.blocks[1])
-    assert "fxamp: planned (shares blocks.0's plan)" in repr(copied.blocks[1])
+    assert "fxamp: planned (shares blocks.0's plan)" in repr(twin.blocks[1])
 
 
 def test_a_replaced_block_and_a_rewrite_with_inputs_take_the_note_off():
