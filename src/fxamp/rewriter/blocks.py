@@ -133,9 +133,8 @@ class BlocksRoot:
         own overrides (:func:`block_overrides`)."""
         self.planner_of = plan
         inner = self.config.for_part()
-        routed, self.glue.overrides, self.anywhere = block_overrides(
+        routed, self.glue.overrides, self.glue.elsewhere = block_overrides(
             self.model, self.paths, inner.policy.overrides, self.glue.traced)
-        self.glue.elsewhere = self.anywhere
         self.slots = []
         for path in self.paths:
             parent, _, name = path.rpartition(".")
@@ -146,7 +145,7 @@ class BlocksRoot:
                 if isinstance(block.__dict__.get("forward"), InplaceForward):
                     take(block)  # (its own rewrite, of this policy)
                 mine = inner.replace(policy=dataclasses.replace(
-                    inner.policy, overrides=tuple(routed[path])), elsewhere=self.anywhere)
+                    inner.policy, overrides=tuple(routed[path])), elsewhere=self.glue.elsewhere)
                 install(block, None, plan, mine)
                 block.__dict__["forward"].enclosing = self.model  # (unregistered_parameters)
             note = block.__dict__.get(NOTE)
@@ -212,7 +211,7 @@ class BlocksRoot:
     def _check_anywhere(self) -> None:
         """The overrides given to every region (:func:`block_overrides`) each match a node
         of some region's plan, as one of the flat plan would."""
-        anywhere = self.__dict__.get("anywhere") or ()
+        anywhere = self.glue.elsewhere
         if not anywhere:
             return
         policy = self.config.policy
