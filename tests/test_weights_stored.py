@@ -208,15 +208,31 @@ def test_blocks_planned_on_their_first_call_store_their_weights(tied):
         assert torch.equal(model(_ids(2)).float(), _autocast(new, _ids(2)).float())
 
 
-def test_float_after_the_rewrite_is_planned_and_stored_again():
-    model = _stored(_model(0, tied=True))
+@pytest.mark.parametrize("timing", ["example", "first call", "blocks"])
+def test_float_after_the_rewrite_is_planned_and_stored_again(timing):
+    """In block mode (planned on the first call, or ``partition="blocks"``) too: the glue's
+    graph, planned again on its own change (the head's copy turned FP32), left the blocks'
+    checks blind to theirs, and the next call fed FP32 weights to their BF16 graphs."""
+    if timing == "example":
+        model = _stored(_model(0, tied=True))
+    else:
+        model = fxamp.amp_rewrite(
+            _model(0, tied=True), (_ids(),) if timing == "blocks" else None,
+            fxamp.RewriteConfig.make(dtype=BF16, target="cpu", frontend="fx",
+                                     policy="weights=stored", partition=(
+                                         "blocks" if timing == "blocks" else "auto")),
+            inplace=True)
     with torch.no_grad():
         before = model(_ids())
     model.float()  # (the copy buffer too: every weight FP32, its values the rounded ones)
     with torch.no_grad():
         assert torch.equal(model(_ids()), before)
     assert model.blocks[0].fc1.weight.dtype == BF16
-    assert model.head.weight_fxamp_bf16.dtype == BF16
+    if timing == "blocks":  # (the head, a region of its own: its weight, tied to the
+        assert model.head.weight is model.emb.weight  # embedding's, kept, cast per call)
+        assert model.head.weight.dtype == torch.float32
+    else:
+        assert model.head.weight_fxamp_bf16.dtype == BF16
 
 
 class Optional_(nn.Module):

@@ -460,9 +460,10 @@ class SharedPlanner:
     """The blocks' planner: a block identical to one planned already (:func:`share_key`)
     gets a copy of that one's graphs bound to its own modules instead of a new trace; each
     plan made is counted (the composed plan is made anew after). An object, not a closure,
-    so a model in block mode pickles (``torch.save``, a spawn worker)."""
+    so a model in block mode pickles (``torch.save``, a spawn worker). ``plan`` is the
+    pipeline's, given the whole model (``enclosing``) too."""
 
-    def __init__(self, root: BlocksRoot, plan: Planner) -> None:
+    def __init__(self, root: BlocksRoot, plan: Callable[..., nn.Module]) -> None:
         self.root = root
         self.plan = plan
 
@@ -487,7 +488,8 @@ class SharedPlanner:
             except FxampError as err:  # (a result that refuses copies)
                 log.info("%s: planned on its own: %s", type(block).__name__, err)
         if gm is None:
-            gm = without_call_values(self.plan(block, args, kwargs, config, why))
+            gm = without_call_values(self.plan(block, args, kwargs, config, why,
+                                               enclosing=self.root.model))
             if key is not None and key not in shared:
                 shared[key] = (block, gm)
             if live is not None and live not in shared and _index_live(gm, block):

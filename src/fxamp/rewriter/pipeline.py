@@ -490,7 +490,8 @@ def _plan_mode(model: nn.Module, mode: bool, args: tuple, kwargs: Dict[str, Any]
 
 
 def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: RewriteConfig,
-               why: Optional[str], mode: Optional[bool] = None) -> nn.Module:
+               why: Optional[str], mode: Optional[bool] = None,
+               enclosing: Optional[nn.Module] = None) -> nn.Module:
     """An in-place rewritten model planned, with its config, on a call's arguments: its
     first call without example inputs, a mode or call structure no graph covers (``why``
     None), or a structure change since its plan (``why`` says which). Planned with any
@@ -499,7 +500,8 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
     copies of the call's Python objects (``isolated``), and with the RNG states of the
     CPU and the initialised CUDA devices put back after (the user's run is unchanged);
     returns the new rewritten module (the in-place forward keeps it). ``mode``: traced in
-    that training mode rather than the model's."""
+    that training mode rather than the model's; ``enclosing``: the whole model, where
+    ``model`` is one of its regions (``weights=stored`` keeps a weight tied outside it)."""
     name = type(model).__name__
     if why is None:
         log.info("%s: planning %s on this call (%s mode)", name,
@@ -523,9 +525,9 @@ def _plan_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any], config: Re
         with AutocastOff(list(DEVICES)), torch.inference_mode(False), torch.enable_grad(), \
                 torch.random.fork_rng(devices=devices), _own_saved_tensors():
             gm = _rewrite_top(model, args, config, on_call=True, mode=mode)
-    if config.policy.weights == "stored":
+    if config.policy.weights == "stored":  # (a block's weights tied outside it stay)
         restore_stored(model, gm, swaps)
-        store_weights(model, gm)
+        store_weights(model, gm, enclosing)
     return gm
 
 

@@ -255,17 +255,27 @@ def _replace_everywhere(roots: List[nn.Module], old: nn.Parameter, new: nn.Param
                     module._parameters[name] = new
 
 
-def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
+def store_weights(model: nn.Module, gm: nn.Module,
+                  enclosing: Optional[nn.Module] = None) -> StoredRecord:
     """Store ``model``'s weights in the dtypes ``gm``'s graphs read them in (see the module
     docstring); the graphs then read them without a cast. Returns the model's record.
 
     Args:
         model: the model ``gm`` was rewritten from (its Parameters are replaced in place).
         gm: its rewritten module (its graph parts are changed and recompiled).
+        enclosing: the whole model, where ``model`` is a region of it planned on its own
+            (block mode): a Parameter a module outside ``model`` holds too (a head's weight
+            tied to the embedding) is read there by another region or by code no graph
+            replaced, so it stays as it is and ``gm`` casts it (the tie kept).
     """
     record: StoredRecord = model.__dict__.setdefault(STORED_RECORD, StoredRecord())
     reads, parts, opaque = _collect(gm)
     holders = _holders(model)
+    if enclosing is not None and enclosing is not model:
+        mine = {id(m) for m in model.modules()}
+        outside = {id(p) for m in enclosing.modules() if id(m) not in mine
+                   for p in m._parameters.values() if p is not None}
+        holders = {pid: places for pid, places in holders.items() if pid not in outside}
     roots = [model] if gm is model else [model, gm]
     stored: List[str] = []
     copied: List[str] = []
@@ -321,9 +331,9 @@ def store_weights(model: nn.Module, gm: nn.Module) -> StoredRecord:
             part.graph.lint()
             recompile(part)
     _note(gm, stored, copied)
-    for module in (gm, *gm.modules()):
+    for module in (gm, *(part for _, part in _parts(gm))):  # (not a region it calls: a
         structure = getattr(result_of(module), "structure", None) \
-            if has_result(module) else None
+            if has_result(module) else None  # block's own check must see a change)
         if structure is not None:
             structure.take()  # (the model's Parameters as they are now)
     log.info("%s: weights=stored: %d weights stored in low precision, %d kept in FP32 with "
