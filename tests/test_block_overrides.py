@@ -1,12 +1,14 @@
 """Overrides in block mode (``amp_rewrite(model, config=..., inplace=True)`` without
 example inputs, each block planned on its own): an absolute module path inside one block
 changes that block alone (which then has a plan of its own), a relative one every block,
-and one naming only the glue (the model's own forward, under torch.autocast) is refused at
-``amp_rewrite`` time, with advice that works when followed."""
+one naming a module of the glue (the model's own forward, under torch.autocast) makes it a
+region of its own, and one naming a module that holds blocks is refused at ``amp_rewrite``
+time, with advice that works when followed."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import fxamp
 
@@ -60,14 +62,72 @@ def test_a_relative_path_changes_every_block():
     assert all(before[n][1] == torch.bfloat16 for n in downs)
 
 
-def test_an_override_of_the_glue_is_refused_up_front_and_the_advice_works():
-    with pytest.raises(fxamp.PolicyError, match="names lm_head, outside every region.*partition='blocks'"):
-        fxamp.amp_rewrite(_llama(), config="compute=bf16,fp32:lm_head", inplace=True)
-    model = _llama()  # (the advice: with example inputs, one plan, lm_head included)
-    fxamp.amp_rewrite(model, (IDS,), "compute=bf16,fp32:lm_head", inplace=True)
-    model(IDS)
-    heads = [v for v in _lines(model).values() if v[0] == "lm_head"]
-    assert heads and all(dtype == torch.float32 for _, dtype in heads)
+class _InFp32(nn.Module):
+    """A module computed in FP32 under autocast: the reference for ``fp32:`` on it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return self.inner(x.float())
+
+
+def test_an_override_of_a_glue_module_makes_it_a_region_that_trains_like_autocast_with_it_in_fp32():
+    """``fp32:lm_head`` on a model whose glue fx does not trace (a Hugging Face Llama), with
+    the default partition: the head becomes a region of its own (it was refused), its lines
+    are FP32, no other module of the glue gets lines, and a training step equals autocast
+    with the head run in FP32, loss and every gradient bit for bit."""
+    model, ref = _llama(), _llama()
+    fxamp.amp_rewrite(model, config="compute=bf16,target=cpu,fp32:lm_head", inplace=True)
+    ref.lm_head = _InFp32(ref.lm_head)
+    loss = model(input_ids=IDS, labels=IDS).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ref(input_ids=IDS, labels=IDS).loss
+    loss.backward(), expected.backward()
+    assert torch.equal(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    lines = fxamp.plan_of(model).nodes
+    head = [n for n, line in lines.items() if line.module == "lm_head" and line.op == "F.linear"]
+    assert head and all(lines[n].dtype == torch.float32 for n in head)
+    assert not any(line.module.startswith(("model.norm", "model.embed")) for line in lines.values())
+    assert "lm_head" in fxamp.graphs_of(model)
+
+
+def test_an_override_of_a_module_holding_blocks_is_refused_up_front_and_the_advice_works():
+    """A module of the glue that holds the blocks (``model``, a ``LlamaModel`` with its own
+    forward) cannot be a region: refused at ``amp_rewrite`` time, and the advice, naming
+    the modules inside it, works: every linear inside it computes in FP32, the head's not."""
+    with pytest.raises(fxamp.PolicyError, match="names model, outside every region.*"
+                                                "'fp32:model.\\*'"):
+        fxamp.amp_rewrite(_llama(), config="compute=bf16,fp32:model", inplace=True)
+    inside = _planned("compute=bf16,target=cpu,fp32:model.*")
+    lines = fxamp.plan_of(inside).nodes.values()
+    linears = [line for line in lines if line.op == "aten.linear"]
+    assert linears and all(line.dtype == torch.float32 for line in linears)
+    assert "model.norm" in fxamp.graphs_of(inside) and "lm_head" not in fxamp.graphs_of(inside)
+
+
+def test_a_wildcard_of_absolute_paths_reaches_each_region_it_names():
+    """``fp32:transformer.*`` on GPT-2 (its glue under autocast) names modules in every
+    block and in the glue: each module of the glue it names is a region with FP32 lines,
+    each block takes it (a module it names that runs no node, the eager attention's
+    dropout, is not refused), and the whole override matches."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=2,
+                                  n_positions=32, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg)
+    fxamp.amp_rewrite(model, config="compute=bf16,target=cpu,fp32:transformer.*", inplace=True)
+    model(IDS[:, :8] % 128)
+    lines = fxamp.plan_of(model).nodes.values()
+    computed = [line for line in lines if line.module.startswith("transformer.")
+                and line.op not in ("get_attr", "placeholder")]
+    assert computed and all(line.dtype == torch.float32 for line in computed)
+    assert {"transformer.wte", "transformer.drop", "transformer.ln_f"} <= set(
+        fxamp.graphs_of(model))
+    assert "lm_head" not in fxamp.graphs_of(model)  # (not named: under autocast)
 
 
 @pytest.mark.parametrize("example", [False, True])
@@ -115,3 +175,19 @@ def test_with_partition_blocks_an_op_label_reaches_the_glue_modules_regions_too(
     linears = [n for n, p in lines.items() if p.op in ("aten.linear", "nn.Linear")]
     assert "lm_head" in linears and any(n.startswith("model.layers.0/") for n in linears)
     assert all(lines[n].dtype == torch.float32 for n in linears)
+
+
+def test_with_partition_blocks_a_wildcard_naming_a_glue_region_changes_exactly_its_lines():
+    """``fp32:lm_head*`` names the head's region by a pattern, not its exact path: it
+    reaches that region (before, it went to the repeated blocks, where it matched nothing)
+    and changes exactly its lines."""
+    plain, model = _llama(), _llama()
+    for m, policy in ((plain, "compute=bf16,target=cpu"),
+                      (model, "compute=bf16,target=cpu,fp32:lm_head*")):
+        fxamp.amp_rewrite(m, config=fxamp.RewriteConfig.make(policy=policy, partition="blocks"),
+                          inplace=True)
+        m(IDS)
+    before, after = _lines(plain), _lines(model)
+    changed = {n for n in after if after[n] != before[n]}
+    assert changed and all(after[n][0] == "lm_head" for n in changed)
+    assert any(before[n][1] == torch.bfloat16 for n in changed)

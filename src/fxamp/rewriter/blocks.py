@@ -133,7 +133,13 @@ class BlocksRoot:
         own overrides (:func:`block_overrides`)."""
         self.planner_of = plan
         inner = self.config.for_part()
-        routed, self.glue.overrides, self.glue.elsewhere = block_overrides(
+        named = named_glue_parts(self.model, self.paths, inner.policy.overrides)
+        if named and self.glue.traced() is not None:  # (under autocast: they are regions)
+            order = {path: i for i, (path, _) in enumerate(self.model.named_modules())}
+            self.paths = self.glue.paths = sorted(self.paths + named, key=order.__getitem__)
+            log.info("%s: the glue's modules the policy names (%s) are regions of their own",
+                     type(self.model).__name__, ", ".join(named))
+        routed, self.glue.overrides, self.glue.elsewhere, loose = block_overrides(
             self.model, self.paths, inner.policy.overrides, self.glue.traced)
         self.slots = []
         for path in self.paths:
@@ -145,7 +151,8 @@ class BlocksRoot:
                 if isinstance(block.__dict__.get("forward"), InplaceForward):
                     take(block)  # (its own rewrite, of this policy)
                 mine = inner.replace(policy=dataclasses.replace(
-                    inner.policy, overrides=tuple(routed[path])), elsewhere=self.glue.elsewhere)
+                    inner.policy, overrides=tuple(routed[path])),
+                    elsewhere=self.glue.elsewhere + loose)
                 install(block, None, plan, mine)
                 block.__dict__["forward"].enclosing = self.model  # (unregistered_parameters)
             note = block.__dict__.get(NOTE)
@@ -215,14 +222,15 @@ class BlocksRoot:
         if not anywhere:
             return
         policy = self.config.policy
-        graphs = [self.model.get_submodule(p).__dict__.get(INPLACE_GRAPH) for p in self.paths]
-        graphs.append(self.glue.first)
+        graphs = [(f"{p}.", self.model.get_submodule(p).__dict__.get(INPLACE_GRAPH))
+                  for p in self.paths]
+        graphs.append(("", self.glue.first))
         matched = set()
-        for gm in graphs:
+        for prefix, gm in graphs:  # (a region's lines name its modules by their paths there)
             if gm is None or not has_result(gm):
                 continue
             for name, line in plan_of(gm).nodes.items():
-                module = line.module or ""
+                module = (prefix + line.module if line.module else prefix[:-1])
                 matched.update(policy.overrides_matching(name, module,
                                                          module + "." if module else "",
                                                          line.op))
@@ -382,17 +390,89 @@ def _note_shared_modules(model: nn.Module, paths: List[str]) -> None:
             "; ".join(", ".join(where) for _, where in shared[:3]))
 
 
+def glue_parts(model: nn.Module, blocks: List[str]) -> List[str]:
+    """The glue's modules: the outermost modules of ``model`` outside its ``blocks`` and
+    holding none, that hold Parameters or buffers (an embedding, a final norm, a head,
+    rotary tables); containers without a forward of their own are looked into. Planned as
+    regions of their own, they get plan lines, the numerics rules and overrides, while the
+    model's own code between them (masks, reshapes, a loss) runs under ``torch.autocast``.
+
+    Args:
+        model: the model.
+        blocks: its blocks' paths.
+    """
+    found: List[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if path in blocks:
+                continue
+            if any(b.startswith(path + ".") for b in blocks) or \
+                    type(child).forward is nn.Module.forward:
+                walk(child, f"{path}.")
+            elif next(child.parameters(), None) is not None or \
+                    next(child.buffers(), None) is not None:
+                found.append(path)
+
+    walk(model, "")
+    return found
+
+
+def named_glue_parts(model: nn.Module, paths: List[str], overrides: Any) -> List[str]:
+    """The modules of the glue that the ``overrides`` name by their absolute paths
+    (``fp32:lm_head``, ``fp32:model.norm``, ``fp32:transformer.drop``), outside every
+    region: where the glue runs under ``torch.autocast``, each becomes a region of its own,
+    so the override takes its plan lines (:meth:`BlocksRoot.install`). Each is the glue's
+    module with weights holding the one named (:func:`glue_parts`), else the outermost one
+    named. An override naming a module that holds a region (``fp32:model``) names none.
+
+    Args:
+        model: the model in block mode.
+        paths: its regions.
+        overrides: the policy's overrides.
+    """
+    parts = glue_parts(model, paths)
+    modules = [name for name, _ in model.named_modules() if name]
+    found: List[str] = []
+    for override in overrides:
+        pattern = override.pattern
+        if any(pattern == p or pattern.startswith(p + ".") for p in paths):
+            continue
+        named = _outside(model, paths, [m for m in modules if fnmatch.fnmatchcase(m, pattern)])
+        if not named or any(p.startswith(m + ".") for m in named for p in paths) or any(
+                fnmatch.fnmatchcase(rel, pattern) for p in paths
+                for rel, _ in model.get_submodule(p).named_modules() if rel):
+            continue
+        held = [next((p for p in parts if m == p or m.startswith(p + ".")), m) for m in named]
+        found.extend(m for m in held if m not in found and not any(
+            m.startswith(o + ".") for o in held))
+    return found
+
+
+def _outside(model: nn.Module, paths: List[str], modules: List[str]) -> List[str]:
+    """Those of ``modules`` outside every region, but the containers of regions that run no
+    code of their own (an ``nn.ModuleList`` of blocks)."""
+    return [m for m in modules if m not in paths and not any(m.startswith(p + ".")
+                                                             for p in paths)
+            and not (any(p.startswith(m + ".") for p in paths)
+                     and type(model.get_submodule(m)).forward is nn.Module.forward)]
+
+
 def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
                     glue: Callable[[], Optional[str]]
                     ) -> Tuple[Dict[str, list], list, Tuple[Any, ...]]:
     """Each region's overrides in block mode, where each region is planned on its own: an
     override naming a module inside one region by its absolute path
     (``fp32:model.layers.1.mlp.*``, ``fp32:lm_head``) goes to that region alone, made
-    relative to it (``fp32:mlp.*``); one naming modules inside the blocks by their path
-    there (``fp32:mlp.down_proj``) to every block (the repeated ones; the glue's modules,
-    regions too, take only their own paths'). One naming only modules outside every region
-    goes to the glue (the model's own forward, :mod:`.glue`) where torch.fx traces it; else
-    it is refused now, not on every call. One naming no module (an op label,
+    relative to it (``fp32:mlp.*``); one naming modules by absolute paths in several
+    (``fp32:model.norm*``) to each of them, as the paths there of the modules it names; one
+    naming modules inside the blocks by their path there (``fp32:mlp.down_proj``) to every
+    block (the repeated ones; the glue's modules, regions too, take only their own paths').
+    One naming modules outside every region goes to the glue (the model's own forward,
+    :mod:`.glue`) where torch.fx traces it; else it is refused now, not on every call
+    (where it names the glue's modules with weights, :meth:`BlocksRoot.install` has made them
+    regions first: :func:`named_glue_parts`). One naming no module (an op label,
     ``fp32:nn.LayerNorm``; a node name) goes to every region and to the glue where fx
     traces it, as the flat plan applies it to every node it matches: it may match in some of them
     only (the composed plan checks that it matches somewhere, :meth:`BlocksRoot.compose`).
@@ -405,8 +485,10 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
             override outside every region.
 
     Returns:
-        The overrides of each region, by path; the glue's; and those that name no module
-        (given to several regions, each of which may not match them).
+        The overrides of each region, by path; the glue's; those that several regions may
+        match (a name no module has, a pattern naming modules in several), each checked on
+        the composed plan; and the regions' forms of the latter, which a region may not
+        match.
 
     Raises:
         PolicyError: an override that names only modules outside the blocks, where the
@@ -415,6 +497,7 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
     routed: Dict[str, list] = {path: [] for path in paths}
     glued: list = []
     anywhere: list = []
+    loose: list = []
     modules = [name for name, _ in model.named_modules() if name]
     repeated = set(block_paths(model))
     blocks = [p for p in paths if p in repeated] or paths
@@ -436,24 +519,34 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
             if glue() is None:
                 glued.append(override)
             continue
-        if absolute and not inside and not relative:
-            why = glue()
+        outside = _outside(model, paths, absolute)
+        if absolute and not relative:  # (by absolute paths: each region it names them in,
+            exact = absolute == [pattern]  # as its own paths there; the glue, those outside)
+            for m in inside:
+                if any(m.startswith(o + ".") for o in inside):
+                    continue  # (inside another one it names)
+                owner = next(p for p in paths if m == p or m.startswith(p + "."))
+                mine = dataclasses.replace(override, pattern=m[len(owner) + 1:] or "*")
+                routed[owner].append(mine)
+                if not exact:  # (a module it names may run no node: checked as a whole)
+                    loose.append(mine)
+            if not exact:
+                anywhere.append(override)
+            why = glue() if outside else None
             if why is None:
-                glued.append(override)
+                if outside:
+                    glued.append(override)
                 continue
             raise PolicyError(
-                f"policy override '{override}' names {', '.join(absolute[:3])}, outside "
+                f"policy override '{override}' names {', '.join(outside[:3])}, outside "
                 f"every region of the model in block mode ({paths[0]} ...): the model's own "
-                f"code between its regions runs under torch.autocast ({why}), so no plan "
-                "line can take it. what to do: plan the glue's modules as regions too, with "
-                "RewriteConfig.make(..., partition='blocks') (its embeddings, final norm and "
-                "head, the modules with weights outside the blocks); or pick the regions "
-                "with a partition function naming it (partition=lambda path, module: ...); "
-                "or rewrite with example inputs (amp_rewrite(model, example_inputs, config, "
-                "inplace=True): one plan of the whole model); or drop the override")
+                f"code between its regions runs under torch.autocast ({why}), and a module "
+                "holding regions is no region of its own, so no plan line can take its own "
+                f"code. what to do: name the modules inside it ('{override}.*': each module "
+                "of the glue named so is a region of its own); or drop the override")
         for path in blocks:
             routed[path].append(override)
-    return routed, glued, tuple(anywhere)
+    return routed, glued, tuple(anywhere), tuple(loose)
 
 
 class SharedPlanner:

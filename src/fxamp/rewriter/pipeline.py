@@ -35,7 +35,8 @@ from ..frontends.shadow import Shadow, twin
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
-from .blocks import block_paths, config_of_blocks, install_blocks, is_blocks, uninstall_blocks
+from .blocks import (block_paths, config_of_blocks, glue_parts, install_blocks, is_blocks,
+                     uninstall_blocks)
 from .glue import mark_regions
 from .inplace import install, is_fully_sharded, is_inplace, reinstall, take, uninstalled
 from .inputs import AutocastOff, check_example_inputs
@@ -425,35 +426,6 @@ def regions(model: nn.Module, partition: Any) -> List[str]:
                 path, module):
             picked.append(path)
     return picked
-
-
-def glue_parts(model: nn.Module, blocks: List[str]) -> List[str]:
-    """The glue's modules: the outermost modules of ``model`` outside its ``blocks`` and
-    holding none, that hold Parameters or buffers (an embedding, a final norm, a head,
-    rotary tables); containers without a forward of their own are looked into. Planned as
-    regions of their own, they get plan lines, the numerics rules and overrides, while the
-    model's own code between them (masks, reshapes, a loss) runs under ``torch.autocast``.
-
-    Args:
-        model: the model.
-        blocks: its blocks' paths.
-    """
-    found: List[str] = []
-
-    def walk(module: nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if path in blocks:
-                continue
-            if any(b.startswith(path + ".") for b in blocks) or \
-                    type(child).forward is nn.Module.forward:
-                walk(child, f"{path}.")
-            elif next(child.parameters(), None) is not None or \
-                    next(child.buffers(), None) is not None:
-                found.append(path)
-
-    walk(model, "")
-    return found
 
 
 def first_call(model: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
