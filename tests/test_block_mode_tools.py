@@ -178,7 +178,7 @@ def test_export_onnx_of_a_flat_in_place_model_exports_the_graph_it_computes_with
 
     torch.manual_seed(0)
     model = Net()
-    fxamp.amp_rewrite(model, X, _config(FP16), inplace=True)
+    fxamp.amp_rewrite(model, X, _config(FP16).replace(partition="flat"), inplace=True)
     path = export_onnx(model, (X,), str(tmp_path / "net.onnx"))
     meta = {p.key: p.value for p in onnx.load(path).metadata_props}
     assert meta["fxamp.exporter"] == "dynamo" and "fxamp.dynamo_error" not in meta
@@ -228,7 +228,7 @@ def test_localize_of_a_flat_rewrite_skips_the_gradients_autograd_leaves_undefine
     own: its hook is called with None. A flat in-place model replays its graph."""
     torch.manual_seed(0)
     net = Net()
-    gm = fxamp.amp_rewrite(net, X, _config(), inplace=inplace)
+    gm = fxamp.amp_rewrite(net, X, _config().replace(partition="flat"), inplace=inplace)
     assert any("fan_out" in str(n.target) for n in fxamp.rewritten(gm).graph.nodes)
     assert localize(gm, _loss, X).phase == "none"
 

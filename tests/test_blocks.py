@@ -161,18 +161,26 @@ def test_hf_gradient_checkpointing_trains_like_autocast():
     assert torch.equal(loss, ref_loss) and not _equal_grads(grads, ref_grads)
 
 
-def test_a_second_rewrite_with_an_example_undoes_the_blocks():
+@pytest.mark.parametrize("partition", ["auto", "flat"])
+def test_a_second_rewrite_with_an_example_and_another_policy_undoes_the_blocks_first(partition):
+    """The blocks planned with the first policy are undone; the default partition puts the
+    model in block mode again, planned on the example with the new policy (the head, which
+    it names, a region of its own), ``"flat"`` makes one graph of it."""
     ref = tiny_llama(2)
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                       inplace=True)
     model(input_ids=IDS)
     fxamp.amp_rewrite(model, (IDS,),
-                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu",
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", partition=partition,
                                                policy="compute=bf16,target=cpu,fp32:lm_head"),
                       inplace=True)
-    assert "forward" not in model.model.layers[0].__dict__
-    assert fxamp.plan_of(model).header["frontend"] != "blocks"
+    plan = fxamp.plan_of(model)
+    assert (plan.header["frontend"] == "blocks") == (partition == "auto")
+    assert ("forward" in model.model.layers[0].__dict__) == (partition == "auto")
+    head = [line for line in plan.nodes.values() if line.module == "lm_head"
+            and "linear" in line.op]
+    assert head and all(line.dtype == torch.float32 for line in head)
     with torch.no_grad():
         got = model(IDS).logits
     assert got.dtype == torch.float32

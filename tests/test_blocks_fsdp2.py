@@ -1,8 +1,9 @@
 """FSDP2 per decoder layer (torch.distributed, gloo, 2 processes): the recipe of torchtitan,
 accelerate's FSDP2 plugin and Lightning's ModelParallelStrategy (``fully_shard`` of each
 layer, then of the root) after ``amp_rewrite(model, inplace=True)`` without example inputs,
-or with them and ``partition="blocks"`` (planned then on the example; or the module it
-returns with ``inplace=False``, a twin of the model keeping its tree), trains exactly like
+or with them (planned then on the example), or the module it returns with
+``inplace=False`` and ``partition="blocks"`` (a twin of the model keeping its tree), trains
+exactly like
 the same recipe under torch.autocast, with and without HF gradient checkpointing (rewriter/blocks.py: each layer stays a module, so FSDP2's hooks on it run)."""
 from __future__ import annotations
 
@@ -53,9 +54,9 @@ def _per_layer(rank: int, checkpointing: bool, example: bool = False,
     if returned:  # (the returned twin, its layers modules: partition="blocks")
         model = fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(
             dtype=BF16, target="cpu", partition="blocks"))
-    elif example:  # (planned now, on the example: partition="blocks")
-        fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(
-            dtype=BF16, target="cpu", partition="blocks"), inplace=True)
+    elif example:  # (planned now, on the example, with the default partition)
+        fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
+                          inplace=True)
     else:
         fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                           inplace=True)

@@ -363,14 +363,15 @@ def test_hf_gradient_checkpointing(reentrant):
 
 @pytest.mark.slow
 def test_hf_inplace_rewrite_follows_the_models_mode():
-    """inplace=True: the model itself computes with the rewrite; its train()/eval() decide
-    whether the regions checkpoint (HF layers: train mode only)."""
+    """inplace=True (one graph of the whole model): the model itself computes with the
+    rewrite; its train()/eval() decide whether the regions checkpoint (HF layers: train mode
+    only)."""
     pytest.importorskip("transformers")
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
     model = tiny_bert(True, layers=1)
     ref = copy.deepcopy(model)
-    assert fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
-                             inplace=True) is model
+    assert fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(
+        dtype=BF16, target="cpu", partition="flat"), inplace=True) is model
     (region,) = regions(fxamp.rewritten(model))
     calls = counter([region.body])
     bert_step(model, ids, autocast=False)

@@ -2,7 +2,8 @@
 under torch.autocast, their children are rewritten graphs), each compared bit for bit with
 the same stack under ``torch.autocast("cpu", bfloat16)`` on the original model: modes after
 the rewrite, gradient checkpointing enabled before or after it, hooks added after it, and
-the forward signature HF Trainer reads."""
+the forward signature HF Trainer reads. (One graph of the whole model: ``partition="flat"``;
+in place, the default keeps the blocks as regions, tested in ``test_blocks.py``.)"""
 from __future__ import annotations
 
 import copy
@@ -52,7 +53,8 @@ def _t5():
 def _rewrite(model, inplace: bool, *args, **kwargs):
     out = fxamp.amp_rewrite(model, args or None,
                             fxamp.RewriteConfig.make(example_kwargs=kwargs or None, dtype=BF16,
-                                                     target="cpu"), inplace=inplace)
+                                                     target="cpu", partition="flat"),
+                            inplace=inplace)
     assert fxamp.plan_of(out).header["frontend"] == "eager"
     return out
 

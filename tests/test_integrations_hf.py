@@ -47,7 +47,7 @@ def test_inplace_rewrite_is_the_model_with_its_keys_and_methods(tmp_path):
     assert out is model and type(model) is type(ref)
     assert list(model.state_dict()) == list(ref.state_dict())
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
-    assert fxamp.plan_of(model).header["frontend"] in ("fx", "export")
+    assert fxamp.plan_of(model).header["frontend"] == "blocks"  # (the layers stay modules)
     assert model.config.num_labels == 3
     model.save_pretrained(tmp_path)
     loaded = type(ref).from_pretrained(tmp_path)
@@ -137,9 +137,9 @@ def test_gpt2_generate_with_its_kv_cache_gives_autocast_s_tokens_every_block_pla
         fxamp.amp_rewrite(model, (ids,), fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
                           inplace=True)
     assert "changed its own state" not in caplog.text  # quiet on a stock HF model
-    plan = fxamp.plan_of(model)
-    for block in ("transformer/h.0", "transformer/h.1"):
-        assert block in plan.nodes and any(n.startswith(block + "/") for n in plan.nodes)
+    plan = fxamp.plan_of(model)  # (block 1 shares block 0's plan: its line names it)
+    assert {"transformer.h.0", "transformer.h.1"} <= set(plan.nodes)
+    assert any(n.startswith("transformer.h.0/") for n in plan.nodes)
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=6, do_sample=False)
         with torch.autocast("cpu", dtype=BF16):

@@ -43,7 +43,7 @@ def test_a_hook_added_after_the_rewrite_is_not_silently_skipped(frontend):
 
 
 def test_in_place_a_hook_added_after_the_rewrite_runs_once_per_call_like_autocast(caplog):
-    """The ahead-of-time graph ran Block 1's ops inline: the call that finds the hook plans
+    """The ahead-of-time graph of the whole model (``partition="flat"``) ran Block 1's ops inline: the call that finds the hook plans
     the model again (a warning says why), with Block 1 kept as a call; the hook runs on
     every call after (once each; the planning call's fake run of the kept call passes
     through it too, as for a hook registered before a rewrite) and the outputs are
@@ -51,7 +51,8 @@ def test_in_place_a_hook_added_after_the_rewrite_runs_once_per_call_like_autocas
     model = _model()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 4)
-    fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend="fx", **BF16), inplace=True)
+    fxamp.amp_rewrite(model, (x,), fxamp.RewriteConfig.make(frontend="fx", partition="flat",
+                                                             **BF16), inplace=True)
     model(x)
     calls = []
     model[1].register_forward_hook(lambda m, i, o: calls.append(1) or o * 2)

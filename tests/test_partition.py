@@ -1,6 +1,6 @@
 """``RewriteConfig.partition``: which modules an in-place rewrite plans as regions of their
-own, each kept in the model's module tree. With ``partition="blocks"`` example inputs are
-only an early first call: the plan is made now, on the example, and equals the plan the lazy
+own, each kept in the model's module tree. In place, example inputs (with the default
+partition or ``"blocks"``) are only an early first call: the plan is made now, on the example, and equals the plan the lazy
 first call makes on the same batch; the layers stay modules, so a hook added later fires and
 per-layer ``compile()`` runs the compiled layers (FSDP2 per layer: test_blocks_fsdp2.py)."""
 from __future__ import annotations
@@ -35,13 +35,14 @@ def _step(model, autocast: bool):
     return out.loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def test_an_example_with_partition_blocks_plans_now_the_plan_the_first_call_makes():
+@pytest.mark.parametrize("partition", ["auto", "blocks"])
+def test_an_example_plans_now_the_plan_the_first_call_makes(partition):
     ref = tiny_llama()
     ahead, lazy = copy.deepcopy(ref), copy.deepcopy(ref)
-    fxamp.amp_rewrite(ahead, (IDS,), _config("blocks"), inplace=True)
+    fxamp.amp_rewrite(ahead, (IDS,), _config(partition), inplace=True)
     plan = fxamp.plan_of(ahead)  # (planned: no call of the user's yet)
     assert plan.header["frontend"] == "blocks"
-    fxamp.amp_rewrite(lazy, config=_config("blocks"), inplace=True)
+    fxamp.amp_rewrite(lazy, config=_config(partition), inplace=True)
     lazy(IDS)
     assert plan.to_text() == fxamp.plan_of(lazy).to_text()
     assert [type(layer) for layer in ahead.model.layers] == [
@@ -52,7 +53,8 @@ def test_an_example_with_partition_blocks_plans_now_the_plan_the_first_call_make
     assert all(torch.equal(grads[k], ref_grads[k]) for k in grads)
 
 
-def test_the_example_call_changes_no_statistics_and_no_random_state():
+@pytest.mark.parametrize("partition", ["auto", "blocks"])
+def test_the_example_call_changes_no_statistics_and_no_random_state(partition):
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -68,16 +70,17 @@ def test_the_example_call_changes_no_statistics_and_no_random_state():
     before = [b.clone() for b in model.buffers()]
     x = torch.randn(4, 8)
     rng = torch.random.get_rng_state()
-    fxamp.amp_rewrite(model, (x,), _config("blocks"), inplace=True)
+    fxamp.amp_rewrite(model, (x,), _config(partition), inplace=True)
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
     assert fxamp.plan_of(model).header["frontend"] == "blocks"
 
 
-def test_with_an_example_a_hook_added_later_fires_and_per_layer_compile_runs():
+@pytest.mark.parametrize("partition", ["auto", "blocks"])
+def test_with_an_example_a_hook_added_later_fires_and_per_layer_compile_runs(partition):
     ref = tiny_llama()
     model = copy.deepcopy(ref)
-    fxamp.amp_rewrite(model, (IDS,), _config("blocks"), inplace=True)
+    fxamp.amp_rewrite(model, (IDS,), _config(partition), inplace=True)
     fired, compiled = [], []
     model.model.layers[1].register_forward_hook(lambda *a: fired.append(1))
 

@@ -155,7 +155,9 @@ def test_a_replaced_block_and_a_rewrite_with_inputs_take_the_note_off():
     model(X)  # (the new block is planned on this call; the old one gets its forward back)
     assert "fxamp" not in repr(old)
     assert "fxamp: planned" in repr(model.blocks[1])
-    fxamp.amp_rewrite(model, (X,), "compute=bf16", inplace=True)  # (undoes the blocks)
+    fxamp.amp_rewrite(model, (X,), fxamp.RewriteConfig.make(policy="compute=bf16",
+                                                            partition="flat"),
+                      inplace=True)  # (undoes the blocks)
     assert all("fxamp" not in repr(block) for block in model.blocks)
     assert fxamp.plan_of(model).planned
 

@@ -63,6 +63,7 @@ def _model(seed: int = 0, tied: bool = False) -> Decoder:
 def _stored(model: nn.Module, frontend: str = "fx", target: str = "cpu") -> nn.Module:
     return fxamp.amp_rewrite(model, (_ids(),),
                              fxamp.RewriteConfig.make(dtype=BF16, target=target, frontend=frontend,
+                                                      partition="flat",
                                                       policy="weights=stored"), inplace=True)
 
 
@@ -133,7 +134,8 @@ def test_a_tied_weight_read_in_both_dtypes_stays_fp32_with_one_low_copy():
 @pytest.mark.parametrize("tied", [False, True])
 def test_no_weight_is_cast_in_the_graph(tied):
     cast = fxamp.amp_rewrite(_model(tied=tied), (_ids(),),
-                             fxamp.RewriteConfig.make(dtype=BF16, target="cpu"), inplace=True)
+                             fxamp.RewriteConfig.make(dtype=BF16, target="cpu", partition="flat"),
+                             inplace=True)
     assert _weight_casts(cast)  # (weights=cast casts them on every call)
     assert _weight_casts(_stored(_model(tied=tied))) == []
 
@@ -280,7 +282,8 @@ def test_gpt2_greedy_generate_in_place_gives_autocast_s_tokens(tmp_path):
     model = copy.deepcopy(ref)
     ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(2))
     fxamp.amp_rewrite(model, (ids,),
-                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="weights=stored"),
+                      fxamp.RewriteConfig.make(dtype=BF16, target="cpu", policy="weights=stored",
+                                               partition="flat"),
                       inplace=True)
     assert model.transformer.h[0].attn.c_attn.weight.dtype == BF16
     assert model.transformer.wte.weight.dtype == torch.float32  # (tied to lm_head: a copy)

@@ -74,14 +74,16 @@ class RewriteConfig:
         partition: which modules an in-place rewrite plans as regions of their own, each a
             module that keeps its place in the model's tree (its hooks, FSDP2's
             ``fully_shard`` per layer, a per-layer ``compile()`` keep working), with the
-            model's own forward around them under ``torch.autocast``: ``"auto"`` (the
-            default: the blocks, repeated children or ``_no_split_modules``, without
-            example inputs; one graph of the whole model with them), ``"blocks"`` (the
-            blocks and the glue's modules, its embeddings, final norm and head, each with
-            plan lines; with example inputs too: the example is then the first call,
-            planned now), ``"flat"`` (one graph of the whole model, also without example inputs),
-            or a function ``(path, module) -> bool`` picking the regions (the outermost
-            modules it picks, as torchao's ``module_filter_fn``).
+            model's own forward around them (traced by torch.fx with the regions as calls,
+            or under ``torch.autocast``): ``"auto"`` (the default: the blocks, repeated
+            children or ``_no_split_modules``, and a module of a glue under autocast that
+            an override names; with example inputs too, the example then the first call,
+            planned now, unless calibration batches or ``dynamic_shapes`` need one graph
+            of the whole model; a returned module is one graph), ``"blocks"`` (the blocks
+            and the glue's modules, its embeddings, final norm and head, each with plan
+            lines), ``"flat"`` (one graph of the whole model), or a function ``(path, module) ->
+            bool`` picking the regions (the outermost modules it picks, as torchao's
+            ``module_filter_fn``).
         regions: the submodules a trace keeps as module calls, each computing with its own
             rewrite (block mode's glue, the model's own forward around its regions, traced
             by torch.fx: ``rewriter/glue.py``); set by fxamp, not by users.

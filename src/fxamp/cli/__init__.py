@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def partition_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--partition", default="auto", choices=list(PARTITIONS), action=Once,
-                       help="auto: one graph of the whole model (default); blocks: the "
+                       help="auto: one graph of the whole model, as amp_rewrite(model, "
+                       "example) returns it (default); blocks: the "
                        "plan of the model in block mode, its blocks and the glue's modules "
                        "regions of their own, planned on the example as its first call "
                        "(what amp_rewrite(model, example, RewriteConfig.make(..., "

@@ -61,13 +61,13 @@ def _check_sharding(model: nn.Module, cls: type) -> None:
         f"{cls.__name__} became a {type(model).__name__} after its in-place rewrite"
         + (f", and fully_shard was applied to its submodules ({', '.join(sharded[:3])})"
            if sharded else " (a wrapper swapped its class)")
-        + ": the graph rewritten from the example inputs runs the submodules' ops without "
-        "calling them, so their hooks never run. what to do: for FSDP2 per layer, rewrite "
-        "in place without example inputs (amp_rewrite(model, config=..., "
-        "inplace=True): each layer stays a module called as one, planned on its first "
-        "call), or with them and RewriteConfig.make(..., partition='blocks') (planned on "
-        "the example now), then fully_shard each layer and the root; or keep one graph and "
-        "fully_shard(model) on the root alone (one FSDP2 group)")
+        + ": the one graph of the whole model (partition='flat') runs the submodules' ops "
+        "without calling them, so their hooks never run. what to do: for FSDP2 per layer, "
+        "rewrite in place with the default partition (amp_rewrite(model, config=..., "
+        "inplace=True), with or without example inputs: each layer stays a module called "
+        "as one, planned on its first call or on the example now), then fully_shard each "
+        "layer and the root; or keep one graph and fully_shard(model) on the root alone "
+        "(one FSDP2 group)")
 
 
 #: the modules that got an in-place rewrite (their own forward an InplaceForward or a
@@ -795,12 +795,12 @@ def rewritten(model: nn.Module) -> nn.Module:
     paths = getattr(root, "paths", None)
     if paths and callable(getattr(root, "planner", None)):  # (a BlocksRoot: block mode)
         raise FxampError(
-            f"{type(model).__name__} is rewritten in block mode (in place, without example "
-            f"inputs): each block ({paths[0]} ...) computes with its own graph and the "
-            "model's own forward runs between them under torch.autocast, so there is no "
-            f"one rewritten module. what to do: fxamp.rewritten(model.get_submodule("
-            f"{paths[0]!r})) for a block's graph (after the first call); or rewrite with "
-            "example inputs for one graph of the whole model")
+            f"{type(model).__name__} is rewritten in block mode (in place, its blocks "
+            f"regions of their own): each block ({paths[0]} ...) computes with its own graph "
+            "and the model's own forward runs between them, so there is no one rewritten "
+            f"module. what to do: fxamp.rewritten(model.get_submodule({paths[0]!r})) for a "
+            "block's graph (once planned); or rewrite with example inputs and "
+            "RewriteConfig.make(..., partition='flat') for one graph of the whole model")
     if isinstance(model.__dict__.get(RESULT), Pending):
         result_of(model)  # (raises NotPlannedError: planned on its first call)
     gm = model.__dict__.get(INPLACE_GRAPH)

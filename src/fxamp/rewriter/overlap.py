@@ -40,7 +40,7 @@ def own_forwards(model: nn.Module) -> Shadow:
     """A shadow of ``model`` (``frontends/shadow.py``) with the model's own in-place rewrite
     taken off: in block mode its root's and its blocks' own forwards back (their shadows'),
     else its root's. The shadow computes the FP32 model and is what a tool that knows only
-    the flat form (a rewrite with example inputs, ``fxamp.audit``, the tolerance search, the
+    the flat form (a returned rewrite, ``fxamp.audit``, the tolerance search, the
     ONNX export, the overflow replay) reads or rewrites, while the user's model keeps its
     rewrite, for this thread and the others. A rewrite of the shadow's root holds the
     user's modules (``Shadow.to_real``). The caller releases the shadow

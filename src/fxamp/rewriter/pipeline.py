@@ -107,9 +107,9 @@ def check_model(model: Any, sharded_ok: bool = False, calls: Sequence[str] = ())
             f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
             "by FSDP2's fully_shard: its parameters are DTensors gathered by module hooks "
             "that a rewritten graph does not call. what to do: rewrite first, in place, "
-            "then shard: amp_rewrite(model, config=..., inplace=True) (no "
-            "example, or an example and partition='blocks': each layer stays a module), "
-            "then fully_shard each layer and the root; or, one graph with example inputs, "
+            "then shard: amp_rewrite(model, config=..., inplace=True) (with or without "
+            "an example: each layer stays a module), then fully_shard each layer and the "
+            "root; or, one graph of the whole model (an example and partition='flat'), "
             "fully_shard(model) on the root alone")
     check_parameter_dtypes(model)  # (names FSDP2's MixedPrecisionPolicy where it is why)
 
@@ -244,8 +244,10 @@ def amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any], 
             (same object and class: its other methods, wrappers, hooks and ``state_dict``
             keys stay; ``train()``/``eval()`` reach the graph; see
             ``rewriter/inplace.py``). A model with blocks keeps its module tree, each
-            block planned on its first call (``rewriter/blocks.py``). A call in a mode or
-            of a structure no graph of an in-place model covers is planned on that call.
+            block planned on its first call, or on the example now
+            (``rewriter/blocks.py``; ``partition="flat"``: one graph of the whole
+            model). A call in a mode or of a structure no graph of an in-place model
+            covers is planned on that call.
             The inference policy ``weights=stored`` (``rewriter/stored.py``) needs it.
             With ``inplace=False`` and a ``partition`` that keeps the module tree
             (``"blocks"``, a function), the result is a twin of ``model`` rewritten in
@@ -301,9 +303,21 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
     keeps_tree = config.partition not in ("auto", "flat")  # (its regions stay modules)
     if keeps_tree and not inplace:  # (a twin, rewritten in place)
         model, inplace = twin(model), True
-    if inplace and (keeps_tree or example_inputs is None and not config.example_kwargs):
+    if inplace and (keeps_tree or example_inputs is None and not config.example_kwargs
+                    or _blocks_by_default(model, config)):
         return _planned_on_calls(model, example_inputs, config)
     return _planned_now(model, example_inputs, resolved, inplace)
+
+
+def _blocks_by_default(model: nn.Module, config: RewriteConfig) -> bool:
+    """Whether an in-place rewrite with example inputs and the default partition keeps the
+    model's blocks as regions (the example only an early first call): it does, unless the
+    model has no blocks or the config needs one graph of the whole model (calibration
+    batches, whose ranges run the whole graph; torch.export's ``dynamic_shapes`` of the
+    model's inputs)."""
+    return (config.partition == "auto" and config.dynamic_shapes is None
+            and (config.calibration is None or isinstance(config.calibration, (Plan, dict)))
+            and bool(block_paths(model)))
 
 
 def _rewritten_before(model: nn.Module, example_inputs: Any, config: RewriteConfig,
