@@ -3,13 +3,14 @@
 For each depth, interleaved in one process (medians over ``--repeat`` rounds, wall time):
 
 - ``torch.export``: ``torch.export.export(model, (ids,), strict=False)`` of the FP32 model;
-- ``flat``: ``amp_rewrite(model, (ids,), inplace=True)`` (one graph of the whole model,
-  traced up front from the example) followed by its first call;
+- ``flat``: ``amp_rewrite(model, (ids,), RewriteConfig.make(..., partition="flat"),
+  inplace=True)`` (one graph of the whole model, traced up front from the example) followed
+  by its first call;
 - ``blocks``: ``amp_rewrite(model, inplace=True)`` with no example followed by its first
   call, which plans the blocks (identical decoder layers share one plan) and runs;
-- ``blocks+example``: ``amp_rewrite(model, (ids,), RewriteConfig.make(...,
-  partition="blocks"), inplace=True)``: the example is the first call, made in the rewrite
-  (no call after it: the rewrite is the first call);
+- ``blocks+example``: ``amp_rewrite(model, (ids,), config, inplace=True)`` (the default
+  partition): the example is the first call, made in the rewrite (no call after it: the
+  rewrite is the first call);
 - ``blocks+cache``: as ``blocks``, with HF's default ``use_cache=True``: every decoder layer
   takes the eager front end (the KV cache is an object its code appends to), and identical
   ones share one eager plan.
@@ -74,13 +75,13 @@ def measure(layers: int, device: str, repeat: int, meta_all: bool) -> dict:
     run = {
         "forward": lambda m: m(ids),
         "torch.export": lambda m: torch.export.export(m, (ids,), strict=False),
-        "flat": lambda m: fxamp.amp_rewrite(m, (ids,), "cpu-bf16", inplace=True)(ids),
+        "flat": lambda m: fxamp.amp_rewrite(m, (ids,), bf16.replace(partition="flat"),
+                                            inplace=True)(ids),
         "blocks": lambda m: fxamp.amp_rewrite(m,
                                               config=fxamp.RewriteConfig.make(dtype=torch.bfloat16,
                                                                               target="cpu"),
                                               inplace=True)(ids),
-        "blocks+example": lambda m: fxamp.amp_rewrite(
-            m, (ids,), bf16.replace(partition="blocks"), inplace=True),
+        "blocks+example": lambda m: fxamp.amp_rewrite(m, (ids,), bf16, inplace=True),
         "blocks+cache": lambda m: fxamp.amp_rewrite(m, config=bf16, inplace=True)(ids),
     }
     if device == "meta" and not meta_all:

@@ -2,8 +2,9 @@
 
 On a GPU a small model's step is launch- and Python-bound, so the run-time's own work is the
 step. Per variant (the FP32 model, the same model under ``torch.autocast("cpu", bf16)``,
-fxamp not in place, fxamp in place, fxamp in place without an example (block mode: its
-blocks planned on the first call, made before measuring); one model's FP32 Parameters for
+fxamp not in place, fxamp in place as one graph (``partition="flat"``), fxamp in place
+with the default partition (block mode: its blocks planned on the first call, made before
+measuring; with an example it is the same); one model's FP32 Parameters for
 all, the in-place ones on copies) this prints:
 
 - process CPU time per call (``time.process_time``, 1 torch thread): a forward without grad
@@ -97,9 +98,8 @@ def _variants(model: torch.nn.Module, x: torch.Tensor, only: str = "") -> Dict[s
         return {k: out[k] for k in LLAMA_VARIANTS if k in out and (not only or k == only)}
     if only in ("", "fxamp inplace"):
         inplace = copy.deepcopy(model)
-        out["fxamp inplace"] = fxamp.amp_rewrite(inplace, (x,),
-                                                 fxamp.RewriteConfig.make(dtype=BF16, target="cpu"),
-                                                 inplace=True)
+        out["fxamp inplace"] = fxamp.amp_rewrite(inplace, (x,), fxamp.RewriteConfig.make(
+            dtype=BF16, target="cpu", partition="flat"), inplace=True)
     if only in ("", "fxamp blocks"):  # (in place, no example: planned on the first call)
         blocks = copy.deepcopy(model)
         out["fxamp blocks"] = fxamp.amp_rewrite(blocks,
