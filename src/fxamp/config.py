@@ -76,14 +76,14 @@ class RewriteConfig:
             ``fully_shard`` per layer, a per-layer ``compile()`` keep working), with the
             model's own forward around them (traced by torch.fx with the regions as calls,
             or under ``torch.autocast``): ``"auto"`` (the default: the blocks, repeated
-            children or ``_no_split_modules``, and a module of a glue under autocast that
-            an override names; with example inputs too, the example then the first call,
-            planned now, unless calibration batches or ``dynamic_shapes`` need one graph
-            of the whole model; a returned module is one graph), ``"blocks"`` (the blocks
-            and the glue's modules, its embeddings, final norm and head, each with plan
-            lines), ``"flat"`` (one graph of the whole model), or a function ``(path, module) ->
-            bool`` picking the regions (the outermost modules it picks, as torchao's
-            ``module_filter_fn``).
+            children or ``_no_split_modules``, and where the glue runs under autocast its
+            modules with weights (none a block holds too) and any module an override names;
+            with example inputs too, the example then the first call, planned now, unless
+            calibration batches or ``dynamic_shapes`` need one graph of the whole model; a
+            returned module is one graph), ``"blocks"`` (the blocks and the glue's modules,
+            its embeddings, final norm and head, each with plan lines), ``"flat"`` (one
+            graph of the whole model), or a function ``(path, module) -> bool`` picking the
+            regions (the outermost modules it picks, as torchao's ``module_filter_fn``).
         regions: the submodules a trace keeps as module calls, each computing with its own
             rewrite (block mode's glue, the model's own forward around its regions, traced
             by torch.fx: ``rewriter/glue.py``); set by fxamp, not by users.

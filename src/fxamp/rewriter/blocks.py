@@ -134,11 +134,13 @@ class BlocksRoot:
         self.planner_of = plan
         inner = self.config.for_part()
         named = named_glue_parts(self.model, self.paths, inner.policy.overrides)
+        if self.config.partition == "auto" and self.glue.traced() is not None:
+            named += [p for p in own_glue_parts(self.model, self.paths) if p not in named]
         if named and self.glue.traced() is not None:  # (under autocast: they are regions)
             order = {path: i for i, (path, _) in enumerate(self.model.named_modules())}
             self.paths = self.glue.paths = sorted(self.paths + named, key=order.__getitem__)
-            log.info("%s: the glue's modules the policy names (%s) are regions of their own",
-                     type(self.model).__name__, ", ".join(named))
+            log.info("%s: the glue runs under torch.autocast, and its modules %s are regions "
+                     "of their own", type(self.model).__name__, ", ".join(named))
         routed, self.glue.overrides, self.glue.elsewhere, loose = block_overrides(
             self.model, self.paths, inner.policy.overrides, self.glue.traced)
         self.slots = []
@@ -416,6 +418,29 @@ def glue_parts(model: nn.Module, blocks: List[str]) -> List[str]:
                 found.append(path)
 
     walk(model, "")
+    return found
+
+
+def own_glue_parts(model: nn.Module, paths: List[str]) -> List[str]:
+    """The glue's modules (:func:`glue_parts`) that the default partition makes regions
+    where the glue runs under ``torch.autocast``, so the plan has lines for a Hugging Face
+    model's embeddings, final norm and head: each module once (T5's shared embedding is
+    reached by three paths), and none a region calls too (a module held inside a block as
+    well: each region would cast its weight on its own, where autocast's cast cache casts it
+    once for the whole forward).
+
+    Args:
+        model: the model in block mode.
+        paths: its regions.
+    """
+    inner = {id(m) for p in paths for m in model.get_submodule(p).modules()}
+    seen: set = set()
+    found: List[str] = []
+    for path in glue_parts(model, paths):
+        module = model.get_submodule(path)
+        if id(module) not in seen and id(module) not in inner:
+            seen.add(id(module))
+            found.append(path)
     return found
 
 

@@ -132,7 +132,8 @@ class Glue:
 
     def traced(self) -> Optional[str]:
         """None when torch.fx traces the model's forward with the regions as calls (no
-        call needed: every argument a symbol), else why not; traced once, when an override
+        call needed: every argument a symbol), else why not; traced once, when the blocks are
+        installed (the default partition then makes the glue's modules regions) or an override
         names a module of the glue (before the model's forward is block mode's)."""
         if self.why is None:
             try:
