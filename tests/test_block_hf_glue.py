@@ -82,7 +82,7 @@ def test_glue_modules_are_regions_and_two_steps_equal_autocast(name, example):
 
 def test_a_glue_module_reached_twice_or_held_by_a_block_too_is_not_made_a_region_twice():
     """The glue's modules the default makes regions: each once (one module under two paths,
-    as T5's tied embeddings may be), and none a block also holds (each region would cast its
+    as an alias attribute makes it), and none a block also holds (each region would cast its
     weight on its own, where autocast's cast cache casts it once a forward)."""
     import torch.nn as nn
 

@@ -424,8 +424,8 @@ def glue_parts(model: nn.Module, blocks: List[str]) -> List[str]:
 def own_glue_parts(model: nn.Module, paths: List[str]) -> List[str]:
     """The glue's modules (:func:`glue_parts`) that the default partition makes regions
     where the glue runs under ``torch.autocast``, so the plan has lines for a Hugging Face
-    model's embeddings, final norm and head: each module once (T5's shared embedding is
-    reached by three paths), and none a region calls too (a module held inside a block as
+    model's embeddings, final norm and head: each module once (one module may be reached by
+    several paths), and none a region calls too (a module held inside a block as
     well: each region would cast its weight on its own, where autocast's cast cache casts it
     once for the whole forward).
 
@@ -486,7 +486,7 @@ def _outside(model: nn.Module, paths: List[str], modules: List[str]) -> List[str
 
 def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
                     glue: Callable[[], Optional[str]]
-                    ) -> Tuple[Dict[str, list], list, Tuple[Any, ...]]:
+                    ) -> Tuple[Dict[str, list], list, Tuple[Any, ...], Tuple[Any, ...]]:
     """Each region's overrides in block mode, where each region is planned on its own: an
     override naming a module inside one region by its absolute path
     (``fp32:model.layers.1.mlp.*``, ``fp32:lm_head``) goes to that region alone, made
