@@ -134,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "plan of the model in block mode, its blocks and the glue's modules "
                        "regions of their own, planned on the example as its first call "
                        "(what amp_rewrite(model, example, RewriteConfig.make(..., "
-                       "partition='blocks'), inplace=True) trains with); flat: as auto")
+                       "partition='blocks'), inplace=True) trains with, and the in-place "
+                       "default for a model whose glue fx does not trace, a Hugging Face "
+                       "model); flat: as auto")
 
     p = sub.add_parser("plan", help="print or write the precision plan of a model")
     model_args(p)
