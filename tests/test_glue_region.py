@@ -457,3 +457,66 @@ def test_a_hook_on_a_block_computes_under_autocast_as_around_the_models_own_forw
     assert fxamp.graphs_of(model)[""] == ["train mode, floating inputs float32: the first call"]
     assert torch.equal(out, want.float())
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+class _Pair(nn.Module):
+    """A block returning a tuple, both items taken by the glue's add without a cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor):
+        h = self.fc(x)
+        return h, h * 2
+
+
+class _PairNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Pair() for _ in range(2)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x, aux = block(x)
+        return self.head(x + aux)
+
+
+class _Fp32Out(nn.Module):
+    """The reference for ``fp32:blocks.1.*`` in block mode: the block in FP32, its outputs
+    cast at its boundary to the dtype autocast gives them (bf16)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor):
+        with torch.autocast("cpu", enabled=False):
+            return tuple(t.to(BF16) for t in self.inner(x.float()))
+
+
+def test_a_region_whose_plan_changes_its_outputs_dtype_meets_the_glue_at_its_boundary():
+    """``fp32:blocks.1.*`` makes block 1's outputs FP32 where the traced glue was planned
+    with autocast's bf16: the glue's add took them without a cast and the head's linear got
+    FP32 against bf16 weights, so the glue's first run failed and it fell back to autocast.
+    Each output is now cast at the boundary to the glue's dtype: the glue stays planned, its
+    lines say what it computes, and a step equals autocast with block 1 so, bit for bit."""
+    torch.manual_seed(0)
+    ref = _PairNet()
+    model = copy.deepcopy(ref)
+    fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(
+        policy="compute=bf16,target=cpu,fp32:blocks.1.*"), inplace=True)
+    ref.blocks[1] = _Fp32Out(ref.blocks[1])
+    x = torch.randn(4, 8)
+    loss = model(x).float().pow(2).mean()
+    with torch.autocast("cpu", dtype=BF16):
+        want = ref(x).float().pow(2).mean()
+    loss.backward(), want.backward()
+    assert torch.equal(loss, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    plan = fxamp.plan_of(model)
+    assert plan.header["glue"].startswith("the model's own forward, traced by torch.fx")
+    assert plan.nodes["blocks.1/fc"].dtype == torch.float32
+    assert plan.nodes["add"].dtype == BF16 and plan.nodes["getitem_2"].dtype == BF16

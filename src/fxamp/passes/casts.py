@@ -108,8 +108,7 @@ class _Builder:
         plan, kind = record.precision, record.value
         if plan is None or kind is None or kind == "other":  # (complex: autocast casts none)
             return value
-        if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64) \
-                and not record.region:
+        if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
             return value
         held = ops.fetch_attr(self.src, str(value.target)) if value.op == "get_attr" else None
         if kind == "tensor" and isinstance(held, nn.Parameter):  # (tied: cast once)
@@ -170,25 +169,41 @@ class _Builder:
         if node.op == "output":
             return self.output(node)
         args, kwargs = self.mapped(node, dtype)
-        if plan is not None and plan.rule == Rule.RUNTIME and not ir.get(node).region:
+        record = ir.get(node)
+        out = (plan.dtype if record.region and record.value == "tensor" and plan is not None
+               and plan.dtype.is_floating_point else None)  # (see :meth:`boundary`)
+        name = node.name if out is None else self.name(f"{node.name}_region")
+        if plan is not None and plan.rule == Rule.RUNTIME and not record.region:
             new = self.runtime_call(node, args, kwargs)
-        elif node.op == "call_module" and ir.get(node).region:
+        elif node.op == "call_module" and record.region:
             new = self.graph.create_node("call_function", runtime.region_call,
                                          (self.module_ref(node), dtype_name(self.policy.compute),
-                                          *args), kwargs, node.name)
+                                          *args), kwargs, name)
         elif node.op == "call_module" and dtype is not None and self._needs_param_casts(
                 node, dtype):
             new = self.module_call(node, args, kwargs, dtype)
         else:
-            new = self.graph.create_node(node.op, node.target, args, kwargs, node.name,
-                                         node.type)
+            new = self.graph.create_node(node.op, node.target, args, kwargs, name, node.type)
         new.meta.update(node.meta)
+        if out is not None:
+            return self.boundary(new, node, out)
         changed = mutated_source(node, self.src)
         if changed is not None:
             self.forget_casts(changed)
         if is_grad_mode_node(node):
             self.casts.clear()  # a cast made under no_grad must not be reused outside it
         return new
+
+    def boundary(self, new: fx.Node, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """A region's output (``new``, the copy of ``node``) in ``dtype``, the one the glue
+        was planned with (autocast's): the region's own plan may give another (an override
+        or a rule on its last op), and the glue's ops that take it without a cast (an add,
+        a residual) must get what its plan says. A no-op where the dtypes agree."""
+        cast = self.graph.create_node("call_method", "to", (new, dtype), {}, node.name)
+        ir.mark_cast(cast)
+        cast.meta["stack_trace"] = node.meta.get("stack_trace")
+        self.n_casts += 1
+        return cast
 
     def forget_casts(self, changed: fx.Node) -> None:
         """After an in-place op, cached casts may hold stale values (the mutated tensor may
