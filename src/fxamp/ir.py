@@ -99,11 +99,10 @@ class NodeIR:
     fixed: Optional[Decision] = None
     cast: bool = False
     layout: Optional[str] = None
-    #: a call of a region planned on its own (block mode's glue calls its blocks so), or an
-    #: item of the tuple it returns: a plain module call (its plan casts inside it; annotate
-    #: runs it under autocast, as autocast would); its plan may give its outputs other
-    #: dtypes, so each floating output is cast, at the boundary, to the one the glue was
-    #: planned with (``passes/casts.py``, a no-op where they agree)
+    #: a call of a region planned on its own (block mode's glue calls its blocks so): a
+    #: plain module call (its plan casts inside it; annotate runs it under autocast, as
+    #: autocast would), and its outputs' dtypes are its plan's, known at run time, so every
+    #: cast of them, and of what ops that follow their inputs make of them, is kept
     region: bool = False
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -94,6 +94,10 @@ class _Builder:
         # (fxamp/weight_cache.py); otherwise each weight is cast in the graph, as autocast does
         self.cache = weight_cache.WeightCache() if policy.weights == "o2" else None
         self.cache_node: Optional[fx.Node] = None
+        # the source nodes whose dtype is a region's plan's, known at run time: a region's
+        # outputs, and what ops that follow their inputs' dtypes (an add, a residual) make of
+        # them; every cast of them is kept (a no-op where the plan's dtype holds)
+        self.from_regions: Set[fx.Node] = set()
 
     def name(self, candidate: str) -> str:
         """A name for an inserted node that no source node has."""
@@ -108,7 +112,8 @@ class _Builder:
         plan, kind = record.precision, record.value
         if plan is None or kind is None or kind == "other":  # (complex: autocast casts none)
             return value
-        if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64):
+        if kind == "tensor" and (plan.dtype == dtype or plan.dtype == torch.float64) \
+                and src not in self.from_regions:
             return value
         held = ops.fetch_attr(self.src, str(value.target)) if value.op == "get_attr" else None
         if kind == "tensor" and isinstance(held, nn.Parameter):  # (tied: cast once)
@@ -169,41 +174,28 @@ class _Builder:
         if node.op == "output":
             return self.output(node)
         args, kwargs = self.mapped(node, dtype)
-        record = ir.get(node)
-        out = (plan.dtype if record.region and record.value == "tensor" and plan is not None
-               and plan.dtype.is_floating_point else None)  # (see :meth:`boundary`)
-        name = node.name if out is None else self.name(f"{node.name}_region")
-        if plan is not None and plan.rule == Rule.RUNTIME and not record.region:
+        if ir.get(node).region or dtype is None and any(
+                arg in self.from_regions for arg in node.all_input_nodes):
+            self.from_regions.add(node)
+        if plan is not None and plan.rule == Rule.RUNTIME and not ir.get(node).region:
             new = self.runtime_call(node, args, kwargs)
-        elif node.op == "call_module" and record.region:
+        elif node.op == "call_module" and ir.get(node).region:
             new = self.graph.create_node("call_function", runtime.region_call,
                                          (self.module_ref(node), dtype_name(self.policy.compute),
-                                          *args), kwargs, name)
+                                          *args), kwargs, node.name)
         elif node.op == "call_module" and dtype is not None and self._needs_param_casts(
                 node, dtype):
             new = self.module_call(node, args, kwargs, dtype)
         else:
-            new = self.graph.create_node(node.op, node.target, args, kwargs, name, node.type)
+            new = self.graph.create_node(node.op, node.target, args, kwargs, node.name,
+                                         node.type)
         new.meta.update(node.meta)
-        if out is not None:
-            return self.boundary(new, node, out)
         changed = mutated_source(node, self.src)
         if changed is not None:
             self.forget_casts(changed)
         if is_grad_mode_node(node):
             self.casts.clear()  # a cast made under no_grad must not be reused outside it
         return new
-
-    def boundary(self, new: fx.Node, node: fx.Node, dtype: torch.dtype) -> fx.Node:
-        """A region's output (``new``, the copy of ``node``) in ``dtype``, the one the glue
-        was planned with (autocast's): the region's own plan may give another (an override
-        or a rule on its last op), and the glue's ops that take it without a cast (an add,
-        a residual) must get what its plan says. A no-op where the dtypes agree."""
-        cast = self.graph.create_node("call_method", "to", (new, dtype), {}, node.name)
-        ir.mark_cast(cast)
-        cast.meta["stack_trace"] = node.meta.get("stack_trace")
-        self.n_casts += 1
-        return cast
 
     def forget_casts(self, changed: fx.Node) -> None:
         """After an in-place op, cached casts may hold stale values (the mutated tensor may

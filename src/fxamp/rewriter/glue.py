@@ -7,11 +7,12 @@ on the model's call, the same call that plans its blocks: autocast's dtypes, the
 rules (a loss in FP32, a hand-written softmax), plan lines. A region is called as a module
 (its hooks run), with its inputs as the glue's plan gives them; its own plan casts inside
 it (a region that runs under autocast, past its limit of graphs or as an eager root, enters
-autocast itself), and each of its floating outputs (the items of a tuple it returns) is
-cast at the boundary to the dtype the glue was planned with, autocast's
-(``ir.NodeIR.region``; a no-op where the region's plan gives the same): an override or a
-rule that makes a region's last op FP32 ends at its boundary, and the glue computes as its
-lines say (the region's lines give what its own plan computes). A region with call hooks of its own
+autocast itself), and every cast of its outputs (and of the items of a tuple it returns),
+and of what the glue's ops that follow their inputs' dtypes make of them (an add, a
+residual), is kept (``ir.NodeIR.region``, ``passes/casts.py``): their dtypes are the
+region's plan's, known when it runs, so an FP32 output flows on as in the flat plan. The
+glue's own lines for those values give autocast's dtypes, the ones it was planned with;
+the region's lines give what its plan computes. A region with call hooks of its own
 is called under ``torch.autocast`` (``runtime.region_call``), so its hooks compute as they
 do around the model's forward run under autocast.
 
