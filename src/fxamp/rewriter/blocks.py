@@ -461,18 +461,28 @@ def named_glue_parts(model: nn.Module, paths: List[str], overrides: Any) -> List
     modules = [name for name, _ in model.named_modules() if name]
     found: List[str] = []
     for override in overrides:
-        pattern = override.pattern
-        if any(pattern == p or pattern.startswith(p + ".") for p in paths):
-            continue
-        named = _outside(model, paths, [m for m in modules if fnmatch.fnmatchcase(m, pattern)])
-        if not named or any(p.startswith(m + ".") for m in named for p in paths) or any(
-                fnmatch.fnmatchcase(rel, pattern) for p in paths
-                for rel, _ in model.get_submodule(p).named_modules() if rel):
+        owner, absolute, relative = _named_by(model, paths, modules, override.pattern)
+        named = _outside(model, paths, absolute)
+        if owner is not None or relative or not named or any(
+                p.startswith(m + ".") for m in named for p in paths):
             continue
         held = [next((p for p in parts if m == p or m.startswith(p + ".")), m) for m in named]
         found.extend(m for m in held if m not in found and not any(
             m.startswith(o + ".") for o in held))
     return found
+
+
+def _named_by(model: nn.Module, paths: List[str], modules: List[str], pattern: str
+              ) -> Tuple[Optional[str], List[str], bool]:
+    """What an override's ``pattern`` names in block mode: the region whose path it spells
+    or starts with (None: none), else the ``modules`` it matches by absolute path, and
+    whether it matches a module's path inside a region (relative to it)."""
+    owner = next((p for p in paths if pattern == p or pattern.startswith(p + ".")), None)
+    if owner is not None:
+        return owner, [], False
+    return None, [m for m in modules if fnmatch.fnmatchcase(m, pattern)], any(
+        fnmatch.fnmatchcase(rel, pattern) for p in paths
+        for rel, _ in model.get_submodule(p).named_modules() if rel)
 
 
 def _outside(model: nn.Module, paths: List[str], modules: List[str]) -> List[str]:
@@ -528,15 +538,12 @@ def block_overrides(model: nn.Module, paths: List[str], overrides: Any,
     blocks = [p for p in paths if p in repeated] or paths
     for override in overrides:
         pattern = override.pattern
-        owner = next((p for p in paths if pattern.startswith(p + ".") or pattern == p), None)
+        owner, absolute, relative = _named_by(model, paths, modules, pattern)
         if owner is not None:
             rest = pattern[len(owner) + 1:] or "*"
             routed[owner].append(dataclasses.replace(override, pattern=rest))
             continue
-        absolute = [m for m in modules if fnmatch.fnmatchcase(m, pattern)]
         inside = [m for m in absolute if any(m == p or m.startswith(p + ".") for p in paths)]
-        relative = any(fnmatch.fnmatchcase(rel, pattern) for p in paths
-                       for rel, _ in model.get_submodule(p).named_modules() if rel)
         if not absolute and not relative:  # (an op label or a node name: every region)
             anywhere.append(override)
             for path in paths:
