@@ -68,6 +68,19 @@ class Holds(nn.Module):
         return x
 
 
+class InFp32(nn.Module):
+    """``inner`` computed in FP32 under autocast: the reference for an ``fp32:`` override
+    of it (its outputs in the dtypes its FP32 code gives)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor):
+        with torch.autocast("cpu", enabled=False):
+            return self.inner(x.float())
+
+
 def copied(model: nn.Module, how: str) -> nn.Module:
     """``model`` copied by ``copy.deepcopy`` (``how="deepcopy"``) or saved and loaded with
     ``torch.save`` / ``torch.load`` (``"pickle"``)."""

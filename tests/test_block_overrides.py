@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 import fxamp
+from _block_nets import InFp32
 
 transformers = pytest.importorskip("transformers")
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -62,18 +62,6 @@ def test_a_relative_path_changes_every_block():
     assert all(before[n][1] == torch.bfloat16 for n in downs)
 
 
-class _InFp32(nn.Module):
-    """A module computed in FP32 under autocast: the reference for ``fp32:`` on it."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", enabled=False):
-            return self.inner(x.float())
-
-
 def test_an_override_of_a_glue_module_makes_it_a_region_that_trains_like_autocast_with_it_in_fp32():
     """``fp32:lm_head`` on a model whose glue fx does not trace (a Hugging Face Llama), with
     the default partition: the head is a region of its own (as the glue's other modules
@@ -82,7 +70,7 @@ def test_an_override_of_a_glue_module_makes_it_a_region_that_trains_like_autocas
     with the head run in FP32, loss and every gradient bit for bit."""
     model, ref = _llama(), _llama()
     fxamp.amp_rewrite(model, config="compute=bf16,target=cpu,fp32:lm_head", inplace=True)
-    ref.lm_head = _InFp32(ref.lm_head)
+    ref.lm_head = InFp32(ref.lm_head)
     loss = model(input_ids=IDS, labels=IDS).loss
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = ref(input_ids=IDS, labels=IDS).loss

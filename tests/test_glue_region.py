@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
-from _block_nets import Block, Holds, Net, copied, tiny_llama
+from _block_nets import Block, Holds, InFp32, Net, copied, tiny_llama
 
 BF16 = torch.bfloat16
 
@@ -483,18 +483,6 @@ class _PairNet(nn.Module):
         return self.head(x + aux)
 
 
-class _Fp32(nn.Module):
-    """The reference for ``fp32:blocks.1.*``: the block in FP32 under autocast."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor):
-        with torch.autocast("cpu", enabled=False):
-            return self.inner(x.float())
-
-
 def test_a_region_whose_plan_changes_its_outputs_dtype_flows_through_the_glue_like_autocast():
     """``fp32:blocks.1.*`` makes block 1's outputs FP32 where the traced glue was planned
     with autocast's bf16: the glue's add took them without a cast, and the head's linear,
@@ -507,7 +495,7 @@ def test_a_region_whose_plan_changes_its_outputs_dtype_flows_through_the_glue_li
     model = copy.deepcopy(ref)
     fxamp.amp_rewrite(model, config=fxamp.RewriteConfig.make(
         policy="compute=bf16,target=cpu,fp32:blocks.1.*"), inplace=True)
-    ref.blocks[1] = _Fp32(ref.blocks[1])
+    ref.blocks[1] = InFp32(ref.blocks[1])
     x = torch.randn(4, 8)
     loss = model(x).float().pow(2).mean()
     with torch.autocast("cpu", dtype=BF16):
