@@ -289,7 +289,8 @@ def _assert_same_steps(ours: list, theirs: list) -> None:
 @pytest.mark.slow
 def test_a_first_call_in_eval_without_grad_then_training_is_autocasts():
     """Lightning's sanity check: the demo Transformer's first call is an eval forward under
-    no_grad (nn.Transformer's fused fast path under autocast), then it trains."""
+    no_grad (nn.Transformer's fused fast path under autocast), then it trains: the eval
+    output, the losses and every gradient are autocast's."""
     demos = pytest.importorskip("lightning.pytorch.demos")
     import torch.nn.functional as F
 
@@ -300,11 +301,13 @@ def test_a_first_call_in_eval_without_grad_then_training_is_autocasts():
     g = torch.Generator().manual_seed(1)
     inputs = torch.randint(0, 50, (4, 12), generator=g)
     target = torch.randint(0, 50, (4, 12), generator=g)
+    evals = []
     for m in (ref, model):
         m.eval()
         with torch.no_grad(), torch.autocast("cpu", dtype=BF16, enabled=m is ref):
-            m(inputs, target)
+            evals.append(m(inputs, target).float())
         m.train()
+    assert torch.equal(*evals)  # (the fused fast path, as autocast runs it)
 
     def loss(m, batch):
         return F.nll_loss(m(*batch).float(), batch[1].view(-1))

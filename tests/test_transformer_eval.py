@@ -102,3 +102,39 @@ def test_a_multihead_attention_kept_as_a_call_equals_autocast_in_eval():
     assert "fast_path" not in fxamp.plan_of(gm).header
     with torch.no_grad():
         assert torch.equal(_autocast(model, x), gm(x))
+
+
+def _in_place(model: nn.Module, timing: str, policy: str) -> nn.Module:
+    config = fxamp.RewriteConfig.make(dtype=BF16, policy=policy)
+    example = (_input(0),) if timing == "example" else None
+    fxamp.amp_rewrite(model, example, config, inplace=True)
+    return model
+
+
+@pytest.mark.parametrize("timing", ["example", "first call"])
+def test_a_model_rewritten_in_place_equals_autocast_in_eval_without_grad(timing):
+    """The fused fast path is what autocast runs there: the call runs under autocast, bit
+    for bit, the first call in eval included; an override shows that with the fast path
+    off (or with grad) the plan computes."""
+    ref = _encoder()
+    model = _in_place(copy.deepcopy(ref), timing, "fp32:aten.linear")
+    for seed in (0, 1):
+        x = _input(seed)
+        with torch.no_grad():
+            want, got = _autocast(ref, x), model(x)
+        assert torch.equal(want.float(), got), seed
+    x = _input(2)
+    with torch.no_grad(), _fastpath(False):
+        assert not torch.equal(_autocast(ref, x).float(), model(x))  # (the plan: FP32 linears)
+    assert not torch.equal(_autocast(ref, x).float(), model(x))  # (with grad: the plan)
+
+
+def test_a_transformer_kept_as_one_call_gets_no_note():
+    """fx keeps torch.nn's modules as calls, which run under autocast, fast path and all:
+    no note for the layers inside such a call, and the in-place model keeps its plan."""
+    model = nn.Sequential(nn.Linear(32, 32), _encoder())
+    gm = fxamp.amp_rewrite(copy.deepcopy(model), (_input(0),),
+                           fxamp.RewriteConfig.make(dtype=BF16, frontend="fx"))
+    plan = fxamp.plan_of(gm)
+    assert plan.nodes["_1"].rule == "runtime"
+    assert "fast_path" not in plan.header

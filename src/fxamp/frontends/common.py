@@ -151,19 +151,44 @@ FAST_PATH = "fast_path"
 _FAST_PATH_MODULES = (nn.TransformerEncoderLayer, nn.MultiheadAttention)
 
 
+def fast_path_modules(model: nn.Module, nodes: Dict[str, NodePrecision]
+                      ) -> List[Tuple[str, str]]:
+    """The modules that take PyTorch's fused fast path in eval under ``no_grad``
+    (``nn.TransformerEncoderLayer``, and ``nn.MultiheadAttention`` outside one) and whose
+    ops the plan computes: (path, class name) pairs. A module the plan keeps as a call, or
+    that sits inside one (``rule="runtime"``: fx keeps torch.nn modules so), runs under
+    autocast, fast path and all, and is not named.
+
+    Args:
+        model: the model being rewritten.
+        nodes: its plan's nodes.
+
+    Returns:
+        The pairs, outermost first.
+    """
+    calls = [p.module for p in nodes.values() if p.rule == Rule.RUNTIME and p.module]
+    found: List[Tuple[str, str]] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, _FAST_PATH_MODULES) or any(
+                not p or path == p or path.startswith(p + ".")
+                for p in [*calls, *(p for p, _ in found)]):
+            continue
+        found.append((path, type(module).__name__))
+    return found
+
+
 def fast_path_note(model: nn.Module, nodes: Dict[str, NodePrecision]) -> str:
-    """The plan header's note on the modules that take PyTorch's fused fast path in eval
-    under ``no_grad`` (``nn.TransformerEncoderLayer``, and ``nn.MultiheadAttention`` outside
-    one) and whose ops the plan computes; "" when there is none. A module the plan keeps as
-    a call (``rule="runtime"``: fx keeps ``nn.MultiheadAttention`` so) runs under autocast,
-    fast path and all, and is not named.
+    """The plan header's note on the modules of :func:`fast_path_modules`; "" when there is
+    none.
 
     Their fast-path guard asks ``torch.is_autocast_enabled()`` without a device, which is
     False inside ``torch.autocast("cpu")`` (True inside CUDA's, so only a "cpu" plan gets
-    the note): such a call under CPU autocast runs the fused kernel, while a rewritten graph
-    always computes the regular path (the one autocast takes in training and with grad),
-    so the eval outputs differ by low-precision rounding (docs/behaviour.md, "Limits",
-    gives the measured size).
+    the note): such a call under CPU autocast runs the fused kernel, inside which no plan
+    reaches. So a rewritten model in place (or a block of one) holding such a module runs
+    an eval call without grad on the CPU under autocast too, as autocast runs it
+    (``InplaceForward``); a returned module computes their regular path (the one autocast
+    takes in training and with grad), whose eval outputs differ by low-precision rounding
+    (docs/behaviour.md, "Limits", gives the measured size).
 
     Args:
         model: the model being rewritten.
@@ -172,25 +197,16 @@ def fast_path_note(model: nn.Module, nodes: Dict[str, NodePrecision]) -> str:
     Returns:
         The header value: the module paths and why, or "".
     """
-    calls = {p.module for p in nodes.values() if p.rule == Rule.RUNTIME}
-    found: List[Tuple[str, str]] = []
-    skipped: List[str] = []
-    for path, module in model.named_modules():
-        if not isinstance(module, _FAST_PATH_MODULES) or any(
-                not p or path.startswith(p + ".")
-                for p in [*skipped, *(p for p, _ in found)]):
-            continue
-        if path in calls:
-            skipped.append(path)
-        else:
-            found.append((path, type(module).__name__))
+    found = fast_path_modules(model, nodes)
     if not found:
         return ""
     names = " ".join(f"{p or '(root)'}={kind}" for p, kind in found)
     return (f"{names}: in eval under no_grad, torch.autocast runs PyTorch's fused fast path "
-            "for these; this plan computes their regular path (autocast's with grad and in "
-            "training), so eval outputs differ by rounding; "
-            "torch.backends.mha.set_fastpath_enabled(False) makes autocast take it too")
+            "for these, which no plan reaches into; a model rewritten in place runs such a "
+            "call on the CPU under torch.autocast too (a returned module computes their "
+            "regular path, autocast's with grad and in training: eval outputs differ by "
+            "rounding); torch.backends.mha.set_fastpath_enabled(False) keeps the plan "
+            "there, and autocast takes the regular path too")
 
 
 def top_header(model: nn.Module, policy: Policy, header: Dict[str, str],

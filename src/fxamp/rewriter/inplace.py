@@ -35,7 +35,7 @@ import torch.nn as nn
 from ..errors import (CallStructureError, FxampError, InputShapeError, UnsupportedModelError,
                       shorten)
 from ..frontends.aten import call_leaves, grown_dimensions, grown_dynamic_shapes
-from ..frontends.common import in_output_dtype
+from ..frontends.common import fast_path_modules, in_output_dtype
 from ..frontends.hooks import ROOT_HOOKS
 from ..frontends.shadow import Shadow
 from ..program import call_key
@@ -214,7 +214,9 @@ class InplaceForward:
       or None, or a Python value the graph holds as a constant), is planned on that call
       and its graph kept for the next such call;
     - when the model's structure changed since (a submodule replaced, a parametrization, a
-      patched forward), the model is planned again on this call and computes with it.
+      patched forward), the model is planned again on this call and computes with it;
+    - a call that torch.autocast runs through torch.nn's fused Transformer fast path (in
+      eval without grad on the CPU, :meth:`_fast_path`) runs under autocast.
 
     Planning happens once, under the forward's lock: another thread's call waits for it and
     then computes with the new graph (never with the plain FP32 forward or a half-built
@@ -248,6 +250,8 @@ class InplaceForward:
         self.fallback: Optional[str] = None
         self.made: List[str] = []  # (each graph planned on a call: what for, why; graphs_of)
         self.stash: Optional[tuple] = None  # (what planning took off the model meanwhile)
+        # its plan computes modules that take torch.nn's fused fast path (fast_path_modules)
+        self.fast = False
         _FORWARDS.add(self)
         _eager_planning()  # (before any compiled region can reach the planning methods)
 
@@ -261,6 +265,7 @@ class InplaceForward:
         self.__dict__.update(state)
         self.lock = threading.RLock()
         self.__dict__.setdefault("stash", None)
+        self.__dict__.setdefault("fast", False)
         _FORWARDS.add(self)
         register(self.model)  # (a copy of an in-place model)
 
@@ -295,6 +300,8 @@ class InplaceForward:
         self.flags = tuple(map(_TRAINING, self.theirs))
         if result is not None and result.config is not None:
             self.config = result.config
+        self.fast = result is not None and result.policy.target == "cpu" and bool(
+            fast_path_modules(model, result.plan.nodes))
         try:  # what inspect.signature(model.forward) tells a caller (HF Trainer reads it)
             self.__signature__ = inspect.signature(gm.forward)
         except (TypeError, ValueError):
@@ -367,7 +374,7 @@ class InplaceForward:
     def _run(self, gm: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> Any:
         """The call on the first graph, or on the one made for its mode, structure, input
         dtypes and sizes (planned on this call when none is)."""
-        if self.fallback is not None:
+        if self.fallback is not None or self.fast and self._fast_path(args, kwargs):
             return self._autocast(args, kwargs)
         if self.mode is not None and self.mode is not self.model.training:
             return self._variant(args, kwargs, None)
@@ -379,6 +386,15 @@ class InplaceForward:
             if self.plan is None or not missed(err, gm):
                 raise
             return self._variant(args, kwargs, err, gm)
+
+    def _fast_path(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
+        """Whether this call is one that torch.autocast runs through torch.nn's fused fast
+        path for the modules the plan computes (:func:`.common.fast_path_modules`): in eval,
+        without grad, on the CPU, with the fast path on. No plan reaches into that fused
+        kernel, so the call runs as autocast runs it (``fast_path`` in the plan header)."""
+        return (not self.model.training and not torch.is_grad_enabled()
+                and torch.backends.mha.get_fastpath_enabled()
+                and device_type((args, kwargs)) == "cpu")
 
     def _forget(self, gm: nn.Module) -> None:
         """Drop a graph whose first call failed (the call's error is the model's, or
