@@ -284,3 +284,39 @@ def test_a_pickled_rewrite_loads_the_graph_it_pickled_and_trains_like_autocast()
         grads.append([p.grad.clone() for p in (back if fn is not autocast else model)
                       .parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _Nested(nn.Module):
+    """A block taking a tuple and a dict of tensors, positionally and by keyword (as HF's
+    decoder layers take ``position_embeddings``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, pair: tuple, extra: dict = None,
+                scale: torch.Tensor = None) -> torch.Tensor:
+        h = self.fc(x) * pair[0] + pair[1]
+        return h + extra["b"] - extra["a"] * scale
+
+
+@pytest.mark.parametrize("by", ["keyword", "position"])
+def test_an_exported_graphs_nested_inputs_are_bound_by_indexing_with_its_values(by):
+    """The generated code reads each leaf of a tuple or dict argument by indexing it, as
+    ``tree_flatten_spec`` does (no call of it), and computes what the graph computes."""
+    from torch.fx.graph import _PyTreeCodeGen
+
+    model = _Nested()
+    x, pair = _t(2, 8), (_t(2, 1), _t(8))
+    extra = {"a": _t(2, 8), "b": _t(1, 8)}
+    scale = torch.tensor(0.5)
+    args = (x, pair, extra, scale) if by == "position" else (x, pair)
+    kwargs = {} if by == "position" else {"extra": extra, "scale": scale}
+    out = fxamp.amp_rewrite(model, args, fxamp.RewriteConfig.make(
+        dtype=torch.bfloat16, target="cpu", frontend="export", example_kwargs=kwargs))
+    assert type(out.graph._codegen) is _PyTreeCodeGen  # (the graph keeps its own)
+    assert "tree_flatten_spec" not in out.code
+    assert "pair[1]" in out.code and "extra['b']" in out.code
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(*args, **kwargs)
+    assert torch.equal(out(*args, **kwargs), ref.float())

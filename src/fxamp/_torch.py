@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.fx as fx
 import torch.fx._pytree as _fx_pytree
+import torch.fx.graph as _fx_graph
 import torch.utils._pytree as _pytree
 from torch._export.verifier import TrainingIRVerifier
 from torch._ops import OpOverload, OpOverloadPacket
@@ -48,7 +49,7 @@ __all__ = [
     "OpOverloadPacket", "TRAINING_VERIFIER",
     "SET_GRAD", "IS_GRAD", "has_kernel_for_dispatch_key",
     "storage_use_count", "tensor_use_count", "in_dispatch_or_function_mode",
-    "is_functorch_wrapped", "functorch_active", "graph_codegen", "node_erased",
+    "is_functorch_wrapped", "functorch_active", "graph_codegen", "direct_codegen", "node_erased",
     "input_guard_conditions", "fast_call", "RuntimeTracer",
     "rename_node", "foreach_copy_", "eager_compiler_flags",
     "Patch", "TRACE_PATCHES", "tracing", "tracing_thread", "patched", "format_target",
@@ -126,6 +127,81 @@ def graph_codegen(graph: fx.Graph) -> Any:
     """A graph's code generator (``Graph._codegen``: how its forward's signature and pytree
     in/out specs are written), to give another graph with ``set_codegen``."""
     return graph._codegen
+
+
+def direct_codegen(graph: fx.Graph) -> Any:
+    """:func:`graph_codegen`, where it is an exported graph's pytree code generator whose
+    input spec allows, as :class:`_DirectInputs` (for the code a graph runs: the graph
+    keeps its own); None where it is not."""
+    codegen = graph._codegen
+    if type(codegen) is _fx_graph._PyTreeCodeGen and codegen.pytree_info is not None \
+            and codegen.pytree_info.in_spec is not None \
+            and _input_leaves(codegen.pytree_info) is not None:
+        return _DirectInputs(codegen.pytree_info)
+    return None
+
+
+def _spec_leaves(expr: str, spec: Any) -> Optional[List[str]]:
+    """The expressions of the leaves of a value ``expr`` laid out as pytree ``spec``, as
+    ``tree_flatten_spec`` reads them (``expr[0]`` of a tuple, ``expr['k']`` of a dict);
+    None where ``spec`` holds another container type."""
+    if spec.is_leaf():
+        return [expr]
+    if spec.type in (tuple, list):
+        keys = [str(i) for i in range(spec.num_children)]
+    elif spec.type is dict and all(type(k) is str for k in spec.context):
+        keys = [repr(k) for k in spec.context]
+    else:
+        return None
+    out: List[str] = []
+    for i, key in enumerate(keys):
+        leaves = _spec_leaves(f"{expr}[{key}]", spec.child(i))
+        if leaves is None:
+            return None
+        out += leaves
+    return out
+
+
+def _input_leaves(info: Any) -> Optional[List[str]]:
+    """The expressions of an exported graph's input leaves, from its forward's arguments
+    (:func:`_spec_leaves` of each); None where the spec is not plain tuples, lists and
+    dicts, or does not lay out those arguments one to one."""
+    spec, names = info.in_spec, list(info.orig_args)
+    if spec.type is tuple and spec.num_children == 2 and spec.child(0).type is tuple \
+            and spec.child(1).type is dict:  # (args, kwargs): as fx's code generator binds
+        args, kwargs = spec.child(0), spec.child(1)
+        if len(names) != args.num_children + kwargs.num_children:
+            return None
+        roots = [*((names[i], args.child(i)) for i in range(args.num_children)),
+                 *((names[args.num_children + i], kwargs.child(i))
+                   for i in range(kwargs.num_children))]
+    elif spec.type in (tuple, list) and spec.num_children == len(names):
+        roots = [(names[i], spec.child(i)) for i in range(spec.num_children)]
+    else:
+        return None
+    out: List[str] = []
+    for name, child in roots:
+        leaves = _spec_leaves(name, child)
+        if leaves is None:
+            return None
+        out += leaves
+    return out
+
+
+class _DirectInputs(_fx_graph._PyTreeCodeGen):
+    """fx's pytree code generator, binding the graph's inputs by indexing the forward's
+    arguments (``position_embeddings[0]``) instead of a ``tree_flatten_spec`` call: the same
+    reads (that function indexes each tuple, list and dict along the spec, with no check
+    of its own), without its dozen Python calls per nested argument on every call."""
+
+    def gen_var_bindings(self, fn_args: List[str], free_vars: List[str],
+                         expanded_def: bool) -> str:
+        leaves = _input_leaves(self.pytree_info)
+        if leaves is None or len(leaves) != len(free_vars):
+            return super().gen_var_bindings(fn_args, free_vars, expanded_def)
+        names = [x.split(":")[0].split("#")[0] for x in free_vars]
+        return (self._format_annotations(free_vars, expanded_def)
+                + f"\n    {', '.join(names)}, = {', '.join(leaves)},")
 
 
 #: the submodule torch.export's unlifted module calls to check its inputs' shapes

@@ -336,18 +336,21 @@ def code_graph(graph: fx.Graph) -> Any:
       op at about half the cost of a call of the op overload;
     - a cast shared by ``fan_out`` consumers alone is made by ``runtime.shared_cast``,
       which leaves it to each consumer where autograd tracks its source (a training step
-      casts per consumer, as autocast does, and no shared cast is made for nothing).
+      casts per consumer, as autocast does, and no shared cast is made for nothing);
+    - an exported graph's inputs are bound by indexing the forward's arguments, not by
+      a ``tree_flatten_spec`` call (:func:`fxamp._torch.direct_codegen`).
 
     The module's own ``graph`` is unchanged: plans, passes and exports read the ops."""
-    from ._torch import fast_call, graph_codegen
+    from ._torch import direct_codegen, fast_call, graph_codegen
 
     nested = any(n.op == "get_attr" and "." in str(n.target) for n in graph.nodes)
     fast = {n: fast_call(n.target, n.args) for n in graph.nodes if n.op == "call_function"}
     fast.update({n: (shared_cast, n.args) for n in graph.nodes if _fanned_out(n)})
-    if not nested and not any(v is not None for v in fast.values()):
+    direct = direct_codegen(graph)
+    if not nested and direct is None and not any(v is not None for v in fast.values()):
         return None
     new = fx.Graph()
-    new.set_codegen(graph_codegen(graph))
+    new.set_codegen(direct or graph_codegen(graph))
     env: dict = {}
     paths: dict = {}
     for node in graph.nodes:
