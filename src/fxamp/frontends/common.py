@@ -84,10 +84,22 @@ def in_output_dtype(out: Any, dtype: Optional[torch.dtype]) -> Any:
     """
     if dtype is None:
         return out
+
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() \
+            and t.dtype != dtype else t
+
     if type(out) is torch.Tensor:  # (the common case, without a walk of the pytree)
-        return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
-                    and t.is_floating_point() and t.dtype != dtype else t, out)
+        return cast(out)
+    if isinstance(out, dict) and dataclasses.is_dataclass(out):
+        # a Hugging Face ModelOutput, made by this call: its fields are set in place, as
+        # HF's own code sets them (rebuilding one runs its dataclass machinery per call)
+        for key, value in list(out.items()):
+            new = cast(value) if isinstance(value, torch.Tensor) else tree_map(cast, value)
+            if new is not value:
+                out[key] = new
+        return out
+    return tree_map(cast, out)
 
 
 def nested_lines(nested: Dict[str, Plan]) -> Dict[str, Any]:
