@@ -78,6 +78,9 @@ def test_glue_modules_are_regions_and_two_steps_equal_autocast(name, example):
     lines = fxamp.plan_of(model).nodes.values()
     assert {line.module for line in lines} >= glue
     assert "torch.autocast" in fxamp.plan_of(model).header["glue"]
+    if name == "t5":  # (its `shared` embedding: the stacks call their own, tied to it)
+        line = fxamp.plan_of(model).nodes["shared"]
+        assert line.reason.endswith("the model's calls so far did not call it")
 
 
 def test_a_glue_module_reached_twice_or_held_by_a_block_too_is_not_made_a_region_twice():

@@ -270,6 +270,10 @@ class BlocksRoot:
         first: Dict[str, str] = {}  # a plan's lines (repr) -> the first block path with it
         shares: Dict[str, str] = {}
         nested: Dict[str, Plan] = {}
+        # (after a call of the model, a region still not planned is one its calls skip:
+        # T5's `shared` embedding, whose weight the stacks' own embeddings share)
+        unused = ("; the model's calls so far did not call it"
+                  if self.planned or self.glue.first is not None else "")
         for path in self.paths:
             block = model.get_submodule(path)
             gm = block.__dict__.get(INPLACE_GRAPH)
@@ -277,7 +281,7 @@ class BlocksRoot:
             if gm is None or not has_result(gm):  # (not called yet: replaced, or unused)
                 nodes[path] = NodePrecision(
                     torch.float32, Rule.NESTED, "not planned yet: planned on its first call "
-                    "(a block, called as a module)", module_label(block), path)
+                    f"(a region, called as a module){unused}", module_label(block), path)
                 continue
             plan = plan_of(gm)
             text = repr(list(plan.nodes.items()))  # (identical blocks: identical lines)
