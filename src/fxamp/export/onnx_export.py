@@ -19,6 +19,7 @@ made on the example inputs; the model keeps its rewrite.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import logging
@@ -467,6 +468,7 @@ def _export_onnx(gm: fx.GraphModule, plan: Any, inputs: tuple, path: str,
                                   f"torchscript: {type(err).__name__}: {err}") from err
     graph = _graph_of(ep)
     ep = None  # (the exporter's program holds the FP16 view's weights: its graph is enough)
+    gc.collect()  # (the exporter's objects hold it in reference cycles: freed now, not later)
     steps = run_onnx_steps(model, used, graph)
     model, counts = steps.model, steps.counts
     steps = None
