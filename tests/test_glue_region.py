@@ -508,3 +508,12 @@ def test_a_region_whose_plan_changes_its_outputs_dtype_flows_through_the_glue_li
     assert plan.header["glue"].startswith("the model's own forward, traced by torch.fx")
     assert plan.nodes["blocks.1/fc"].dtype == torch.float32
     assert plan.nodes["head"].dtype == BF16
+    # the glue's lines for what it makes of block 1's outputs give the dtype they compute
+    # in (FP32), as the flat plan's lines of the same policy do
+    torch.manual_seed(0)
+    flat = _PairNet()
+    fxamp.amp_rewrite(flat, (x,), fxamp.RewriteConfig.make(
+        policy="compute=bf16,target=cpu,fp32:blocks.1.*", partition="flat"), inplace=True)
+    assert plan.nodes["add"].dtype == fxamp.plan_of(flat).nodes["add"].dtype == torch.float32
+    assert plan.nodes["getitem_2"].dtype == plan.nodes["getitem_3"].dtype == torch.float32
+    assert plan.nodes["getitem"].dtype == BF16  # (block 0's: bf16, as autocast's)

@@ -46,7 +46,7 @@ from ..runtime import CALL_HOOK_DICTS, CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
 from ..frontends.eager import PARTS, bound_copy, is_eager_root
 from .._version import __version__
-from .glue import Glue
+from .glue import Glue, output_dtypes
 from .inplace import (INPLACE_GRAPH, InplaceForward, Planner, check_own_forward, install, register,
                       take)
 from .stored import store_like
@@ -270,6 +270,7 @@ class BlocksRoot:
         first: Dict[str, str] = {}  # a plan's lines (repr) -> the first block path with it
         shares: Dict[str, str] = {}
         nested: Dict[str, Plan] = {}
+        outputs: Dict[str, Any] = {}  # (each planned region's output dtypes)
         # (after a call of the model, a region still not planned is one its calls skip:
         # T5's `shared` embedding, whose weight the stacks' own embeddings share)
         unused = ("; the model's calls so far did not call it"
@@ -284,6 +285,7 @@ class BlocksRoot:
                     f"(a region, called as a module){unused}", module_label(block), path)
                 continue
             plan = plan_of(gm)
+            outputs[path] = output_dtypes(gm)
             text = repr(list(plan.nodes.items()))  # (identical blocks: identical lines)
             label = module_label(block)
             out = next(reversed(plan.nodes.values()), None)
@@ -305,7 +307,7 @@ class BlocksRoot:
                                 "torch": torch.__version__.split("+")[0],
                                 "policy": str(policy), "frontend": "blocks",
                                 "glue": self.glue.header()}, (), nested)
-        return Plan(nodes=self.glue.lines(lines), header=header), shares
+        return Plan(nodes=self.glue.lines(lines, outputs), header=header), shares
 
 
 #: the block attribute that shows its state in ``print(model)`` (:class:`BlockState`)

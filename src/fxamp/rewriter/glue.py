@@ -11,8 +11,8 @@ autocast itself), and every cast of its outputs (and of the items of a tuple it 
 and of what the glue's ops that follow their inputs' dtypes make of them (an add, a
 residual), is kept (``ir.NodeIR.region``, ``passes/casts.py``): their dtypes are the
 region's plan's, known when it runs, so an FP32 output flows on as in the flat plan. The
-glue's own lines for those values give autocast's dtypes, the ones it was planned with;
-the region's lines give what its plan computes. A region with call hooks of its own
+composed plan's glue lines for those values give the dtypes they compute in, from the
+regions' plans (``Glue.lines``), as the flat plan's lines do. A region with call hooks of its own
 is called under ``torch.autocast`` (``runtime.region_call``), so its hooks compute as they
 do around the model's forward run under autocast.
 
@@ -52,6 +52,7 @@ from ..ir import Rule
 from ..ops import module_label
 from ..plan import NodePrecision, Plan
 from ..result import has_result, plan_of, result_of
+from ..runtime import region_call
 from ..structure import StructureChanged
 from .inplace import LIMIT, MISSES, Planner, made_for, missed, variant_key
 
@@ -274,22 +275,116 @@ class Glue:
             return f"{UNDER_AUTOCAST} ({self.off})"
         return NOT_YET
 
-    def lines(self, blocks: Dict[str, Dict[str, NodePrecision]]) -> Dict[str, NodePrecision]:
+    def lines(self, blocks: Dict[str, Dict[str, NodePrecision]],
+              outputs: Optional[Dict[str, Any]] = None) -> Dict[str, NodePrecision]:
         """The composed plan's lines: the glue's, each region's call replaced by its lines
-        in ``blocks`` (by path; the regions the glue does not call follow, in order).
+        in ``blocks`` (by path; the regions the glue does not call follow, in order). A
+        glue line for a value that ops following their inputs make of a region's outputs
+        gives the dtype it computes in (:func:`_from_regions`), not autocast's.
 
         Args:
             blocks: each region's lines (its own line first), by path.
+            outputs: each planned region's output dtypes (:func:`output_dtypes`), by path.
         """
         nodes: Dict[str, NodePrecision] = {}
         plan: Optional[Plan] = (plan_of(self.first) if self.first is not None
                                 and has_result(self.first) else None)
+        computed = (_from_regions(self.first.graph, plan.nodes, outputs)
+                    if plan is not None and outputs else {})
         for name, line in (plan.nodes.items() if plan is not None else ()):
             if line.rule == Rule.RUNTIME and line.module in blocks:
                 nodes.update(blocks.pop(line.module))
+            elif name in computed:
+                nodes[name] = dataclasses.replace(line, dtype=computed[name])
             else:
                 nodes[name] = line
         for lines in blocks.values():
             nodes.update(lines)
         return nodes
+
+
+def output_dtypes(gm: nn.Module) -> Any:
+    """The dtypes of a region's outputs as its graph ``gm`` gives them, in the output's
+    structure (a tuple of two tensors: a tuple of two dtypes); None for an output that is
+    not a tensor the plan has a line for, and for a region that has no graph (an eager
+    block: the glue's lines keep autocast's dtypes there).
+
+    Args:
+        gm: the region's rewritten graph (its result holds its plan).
+    """
+    graph = gm.__dict__.get("_graph")  # (an eager block has no graph: not known)
+    if not isinstance(graph, fx.Graph):
+        return None
+    lines = plan_of(gm).nodes
+    out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+
+    def dtype(node: fx.Node) -> Optional[torch.dtype]:
+        if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
+                and isinstance(node.args[1], torch.dtype):  # (a cast of the output)
+            return node.args[1]
+        line = lines.get(node.name)
+        return line.dtype if line is not None else None
+
+    return None if out is None else fx.node.map_arg(out.args[0], dtype)
+
+
+def _from_regions(graph: fx.Graph, lines: Dict[str, NodePrecision],
+                  outputs: Dict[str, Any]) -> Dict[str, torch.dtype]:
+    """The glue's lines whose dtype its regions' plans change: each region call's items
+    take the dtypes its plan gives them (``outputs``), and an op that follows its inputs'
+    dtypes (no ``inputs`` dtype of its own) computes in the promotion of its floating
+    inputs' (a residual add of an FP32 block output computes in FP32, as the flat plan's
+    does). Line name -> the dtype it computes in, where it differs from the line's.
+
+    Args:
+        graph: the glue's rewritten graph.
+        lines: the glue's plan lines.
+        outputs: each region's output dtypes (:func:`output_dtypes`), by path.
+    """
+    known: Dict[fx.Node, Any] = {}
+    changed: Dict[str, torch.dtype] = {}
+
+    def dtype_of(node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            return None
+        if node in known:
+            return known[node]
+        if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
+                and isinstance(node.args[1], torch.dtype):
+            return node.args[1]
+        line = lines.get(node.name)
+        return line.dtype if line is not None else None
+
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is region_call and node.args \
+                and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
+            if str(node.args[0].target) in outputs:
+                known[node] = outputs[str(node.args[0].target)]
+            continue
+        if node.op == "call_function" and node.target is operator.getitem \
+                and node.args[0] in known:
+            items, index = known[node.args[0]], node.args[1]
+            if isinstance(items, (tuple, list)) and isinstance(index, int) \
+                    and -len(items) <= index < len(items):
+                known[node] = items[index]
+        else:
+            line = lines.get(node.name)
+            if line is None or line.inputs is not None or not any(
+                    n in known for n in node.all_input_nodes):
+                continue
+            floats = [dtype_of(n) for n in node.all_input_nodes]
+            floats = [d for d in floats if isinstance(d, torch.dtype) and d.is_floating_point]
+            if not floats:
+                continue
+            promoted = floats[0]
+            for d in floats[1:]:
+                promoted = torch.promote_types(promoted, d)
+            if not line.dtype.is_floating_point:
+                continue
+            known[node] = promoted
+        line = lines.get(node.name)
+        if node in known and line is not None and isinstance(known[node], torch.dtype) \
+                and known[node] != line.dtype:
+            changed[node.name] = known[node]
+    return changed
 
