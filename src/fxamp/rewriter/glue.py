@@ -12,9 +12,9 @@ and of what the glue's ops that follow their inputs' dtypes make of them (an add
 residual), is kept (``ir.NodeIR.region``, ``passes/casts.py``): their dtypes are the
 region's plan's, known when it runs, so an FP32 output flows on as in the flat plan. The
 composed plan's glue lines for those values give the dtypes they compute in, from the
-regions' plans (``Glue.lines``), as the flat plan's lines do. A region with call hooks of its own
-is called under ``torch.autocast`` (``runtime.region_call``), so its hooks compute as they
-do around the model's forward run under autocast.
+regions' plans (``Glue.lines``), as the flat plan's lines do. A region with call hooks of
+its own is called under ``torch.autocast`` (``runtime.region_call``), so its hooks compute
+as they do around the model's forward run under autocast.
 
 While the glue is planned, its regions run as their class's code on the shadow tree
 (``Shadow.bare``): under ``torch.autocast`` where a node's dtypes are decided, as autocast
@@ -317,15 +317,17 @@ def output_dtypes(gm: nn.Module) -> Any:
         return None
     lines = plan_of(gm).nodes
     out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    return None if out is None else fx.node.map_arg(out.args[0],
+                                                    lambda n: _line_dtype(n, lines))
 
-    def dtype(node: fx.Node) -> Optional[torch.dtype]:
-        if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
-                and isinstance(node.args[1], torch.dtype):  # (a cast of the output)
-            return node.args[1]
-        line = lines.get(node.name)
-        return line.dtype if line is not None else None
 
-    return None if out is None else fx.node.map_arg(out.args[0], dtype)
+def _line_dtype(node: fx.Node, lines: Dict[str, NodePrecision]) -> Optional[torch.dtype]:
+    """The dtype of ``node`` of a rewritten graph: its plan line's, or a cast's target."""
+    if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
+            and isinstance(node.args[1], torch.dtype):
+        return node.args[1]
+    line = lines.get(node.name)
+    return line.dtype if line is not None else None
 
 
 def _from_regions(graph: fx.Graph, lines: Dict[str, NodePrecision],
@@ -343,18 +345,6 @@ def _from_regions(graph: fx.Graph, lines: Dict[str, NodePrecision],
     """
     known: Dict[fx.Node, Any] = {}
     changed: Dict[str, torch.dtype] = {}
-
-    def dtype_of(node: Any) -> Any:
-        if not isinstance(node, fx.Node):
-            return None
-        if node in known:
-            return known[node]
-        if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
-                and isinstance(node.args[1], torch.dtype):
-            return node.args[1]
-        line = lines.get(node.name)
-        return line.dtype if line is not None else None
-
     for node in graph.nodes:
         if node.op == "call_function" and node.target is region_call and node.args \
                 and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr":
@@ -369,18 +359,17 @@ def _from_regions(graph: fx.Graph, lines: Dict[str, NodePrecision],
                 known[node] = items[index]
         else:
             line = lines.get(node.name)
-            if line is None or line.inputs is not None or not any(
-                    n in known for n in node.all_input_nodes):
+            if line is None or line.inputs is not None or not line.dtype.is_floating_point \
+                    or not any(n in known for n in node.all_input_nodes):
                 continue
-            floats = [dtype_of(n) for n in node.all_input_nodes]
+            floats = [known[n] if n in known else _line_dtype(n, lines)
+                      for n in node.all_input_nodes]
             floats = [d for d in floats if isinstance(d, torch.dtype) and d.is_floating_point]
             if not floats:
                 continue
             promoted = floats[0]
             for d in floats[1:]:
                 promoted = torch.promote_types(promoted, d)
-            if not line.dtype.is_floating_point:
-                continue
             known[node] = promoted
         line = lines.get(node.name)
         if node in known and line is not None and isinstance(known[node], torch.dtype) \
