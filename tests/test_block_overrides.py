@@ -184,3 +184,58 @@ def test_with_partition_blocks_a_wildcard_naming_a_glue_region_changes_exactly_i
     changed = {n for n in after if after[n] != before[n]}
     assert changed and all(after[n][0] == "lm_head" for n in changed)
     assert any(before[n][1] == torch.bfloat16 for n in changed)
+
+
+@pytest.mark.parametrize("typo,want,advice", [
+    ("model.layers.7.mlp.*", "names no module of LlamaForCausalLM.*closest module paths: "
+     "model.layers.1.mlp.*", "model.layers.1.mlp.*"),
+    ("nn.LlamaRMSNorm", "torch.nn has no LlamaRMSNorm.*the model's own LlamaRMSNorm modules "
+     "are at model.layers.0.input_layernorm, .* name them by their paths", "model.norm"),
+    ("aten.lineer", "names no op: no aten.lineer; closest: aten.linear", "aten.linear"),
+    ("F.sofmax", "names no op: no F.sofmax; closest: F.softmax", None),
+    ("model.layers.0/add", None, None),  # (may be a plan line's name: checked on the call)
+])
+def test_a_misspelt_module_path_or_op_label_is_refused_at_rewrite_time_with_the_fix(
+        typo, want, advice):
+    """Nothing is traced at ``amp_rewrite`` time without example inputs: a pattern that can
+    only be a module path of the model (its first part a child of it) and names none, or
+    an op label of torch's that names no op, is refused there, not on the first training
+    step; the closest path or label it names, followed, is taken and changes lines."""
+    model = _llama()
+    if want is None:  # (may name a node: not refused before a trace)
+        fxamp.amp_rewrite(model, config=f"compute=bf16,fp32:{typo}", inplace=True)
+        with pytest.raises(fxamp.PolicyError, match="matches no node"):  # (on the call)
+            model(input_ids=IDS)
+        return
+    with pytest.raises(fxamp.PolicyError, match=want):
+        fxamp.amp_rewrite(model, config=f"compute=bf16,fp32:{typo}", inplace=True)
+    assert model.forward.__func__ is type(model).forward  # (left as it was)
+    if advice is not None:
+        fixed = _planned(f"compute=bf16,target=cpu,fp32:{advice}")
+        assert any(line.dtype == torch.float32 and line.rule == "user"
+                   for line in fxamp.plan_of(fixed).nodes.values())
+
+
+def test_what_is_checked_before_any_trace():
+    from fxamp.overrides import _path_only, _unknown_label
+
+    children = ["model", "lm_head"]
+    assert _path_only("model.layers.9", children)
+    assert not _path_only("lm_haed", children)  # (one word: a node name too)
+    assert not _path_only("model.layers.0/add", children)  # (a nested plan line's name)
+    assert not _path_only("torch.cat", ["torch"])  # (a Python module's name: a label)
+    assert not _path_only("*.mlp", children)
+    assert _unknown_label("nn.ParametrizationList") == ""  # (nn.<Name> of torch.nn.utils)
+    assert _unknown_label("mypkg.MyBlock") == "" and _unknown_label("aten.lin*") == ""
+
+
+def test_a_misspelt_torch_nn_label_is_refused_at_rewrite_time_and_the_closest_works():
+    from _block_nets import Net
+
+    with pytest.raises(fxamp.PolicyError, match="torch.nn has no Lineer; closest: nn.Linear"):
+        fxamp.amp_rewrite(Net(), config="compute=bf16,fp32:nn.Lineer", inplace=True)
+    model = Net()
+    fxamp.amp_rewrite(model, config="compute=bf16,target=cpu,fp32:nn.Linear", inplace=True)
+    model(torch.randn(3, 8))
+    linears = [line for line in fxamp.plan_of(model).nodes.values() if line.op == "nn.Linear"]
+    assert linears and all(line.dtype == torch.float32 for line in linears)

@@ -11,13 +11,19 @@ policy matched something; if not, :class:`PolicyError` names the closest node na
 module paths (``difflib``), so ``fp32:encoder.layer.0.*`` on a model whose paths start
 with ``bert.`` says ``did you mean bert.encoder.layer.0.*``. An override that matches only
 nodes with no plan line (``fp32:size``: nothing floating to keep in a dtype) is refused too.
+
+A rewrite planned on the model's first call traces nothing at ``amp_rewrite`` time; there,
+:func:`check_paths` refuses at once an override that can only be a module path and names no
+module of the model (``fp32:blocks.7.*`` on a model with blocks 0 to 3), so a typo is
+refused where it is written, not on the first training step.
 """
 from __future__ import annotations
 
 import difflib
 import fnmatch
+import sys
 from dataclasses import dataclass, field
-from typing import FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Any, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 from .errors import PolicyError
 from .policy import Override, Policy, dtype_name
@@ -128,3 +134,96 @@ def check_matched(policy: Policy, scope: Scope,
         "\n".join(parts) + "\n  what to do: write a pattern that matches a node name, module "
         "path or op label of the plan (see `fxamp plan`)" +
         (f", e.g. '{example}'" if example else "") + ", or drop the override")
+
+
+def _path_only(pattern: str, children: Iterable[str]) -> bool:
+    """Whether ``pattern`` can only be a module path of a model whose direct children are
+    ``children``: dotted, its first part one of them (no wildcard there), no ``/`` (a
+    nested plan line's name), and that first part no Python module's name (an op label,
+    ``mypkg.MyBlock``, starts with one)."""
+    head = pattern.split(".", 1)[0]
+    return ("." in pattern and "/" not in pattern and head in set(children)
+            and not any(c in head for c in "*?[") and head not in sys.modules)
+
+
+def check_paths(model: Any, policy: Policy) -> None:
+    """Refuse, before any trace, each override of ``policy`` that can only be a module path
+    of ``model`` (:func:`_path_only`) and matches none of its modules' paths (``path`` or
+    ``path.``, as :func:`node_names` matches them), naming the closest paths.
+
+    Args:
+        model: the model being rewritten (an ``nn.Module``).
+        policy: the rewrite's policy.
+
+    Raises:
+        PolicyError: naming each such override and the closest module paths.
+    """
+    children = list(model._modules)
+    paths = [name for name, _ in model.named_modules() if name]
+    parts = []
+    for override in policy.overrides:
+        pattern = override.pattern
+        if not _path_only(pattern, children) or any(
+                fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p + ".", pattern)
+                for p in paths):
+            continue
+        candidates = _candidates(("", p, "") for p in paths)
+        close = difflib.get_close_matches(pattern, candidates, n=5, cutoff=0.5)
+        parts.append(f"policy override '{override}' names no module of "
+                     f"{type(model).__name__}: no module path matches it"
+                     + (f"; closest module paths: {', '.join(close)}" if close else ""))
+    for override in policy.overrides:
+        unknown = _unknown_label(override.pattern)
+        name = override.pattern.partition(".")[2]
+        mine = [p for p, m in model.named_modules() if p and type(m).__name__ == name]
+        if unknown and override.pattern.startswith("nn.") and mine:
+            unknown += (f"; the model's own {name} modules are at {', '.join(mine[:3])}"
+                        + (" ..." if len(mine) > 3 else "") + ": name them by their paths")
+        if unknown:
+            parts.append(f"policy override '{override}' {unknown}")
+    if parts:
+        raise PolicyError("\n".join(parts) + "\n  what to do: write the path of a module of "
+                          "the model (see model.named_modules()) or an op label of torch's "
+                          "(aten.linear, nn.LayerNorm), or drop the override")
+
+
+def _unknown_label(pattern: str) -> str:
+    """Why ``pattern`` names no op label, where it is spelled as one of the labels plan
+    lines give torch's ops (``aten.<op>``, ``F.<fn>``, ``torch.<fn>``, ``operator.<fn>``,
+    ``Tensor.<method>``, ``nn.<Module>``; no wildcard in the name) and there is no such
+    op, function or module class; "" where it may name one."""
+    import operator
+
+    import torch
+
+    space, _, rest = pattern.partition(".")
+    name = rest.split(".", 1)[0]
+    spaces = {"aten": torch.ops.aten, "F": torch.nn.functional, "torch": torch,
+              "operator": operator, "Tensor": torch.Tensor}
+    if space not in (*spaces, "nn") or not name or any(c in name for c in "*?["):
+        return ""
+    if space in spaces:
+        if hasattr(spaces[space], name):
+            return ""
+        close = difflib.get_close_matches(name, dir(spaces[space]), n=3)
+        return (f"names no op: no {space}.{name}"
+                + (f"; closest: {', '.join(f'{space}.{c}' for c in close)}" if close else ""))
+    known = _torch_nn_classes(torch.nn.Module)
+    if name in known:
+        return ""
+    close = difflib.get_close_matches(name, sorted(known), n=3)
+    return (f"names no torch.nn module: torch.nn has no {name}"
+            + (f"; closest: {', '.join('nn.' + c for c in close)}" if close else ""))
+
+
+def _torch_nn_classes(cls: type) -> Set[str]:
+    """The names of the loaded torch.nn module classes under ``cls`` (the ``nn.<Name>``
+    labels plan lines give them, ``oplists.module_label``)."""
+    names: Set[str] = set()
+    todo = [cls]
+    while todo:
+        klass = todo.pop()
+        if klass.__module__.startswith("torch.nn"):
+            names.add(klass.__name__)
+        todo.extend(type.__subclasses__(klass))
+    return names

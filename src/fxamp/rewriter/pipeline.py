@@ -15,7 +15,7 @@ from .._version import __version__
 from ..config import RewriteConfig
 from ..errors import FxampError, PolicyError, TraceError, UnsupportedModelError
 from ..ir import fix
-from ..overrides import Scope, check_matched
+from ..overrides import Scope, check_matched, check_paths
 from ..passes import mask_fill
 from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
@@ -380,6 +380,7 @@ def _planned_on_calls(model: nn.Module, example_inputs: Any, config: RewriteConf
                          "example_inputs (the batches are checked against the "
                          "example's structure); what to do: pass example_inputs (and "
                          "partition='auto'), or calibrate from a Plan's ranges")
+    check_paths(model, config.policy)  # (nothing is traced now: a path's typo is refused now)
     paths = regions(model, config.partition)
     if paths:  # (the module tree stays: each block planned on its first call)
         install_blocks(model, paths, _plan_call, config)
