@@ -158,6 +158,8 @@ def check_paths(model: Any, policy: Policy) -> None:
     Raises:
         PolicyError: naming each such override and the closest module paths.
     """
+    if not policy.overrides:
+        return
     children = list(model._modules)
     paths = [name for name, _ in model.named_modules() if name]
     parts = []
