@@ -131,7 +131,7 @@ def test_a_model_rewritten_in_place_equals_autocast_in_eval_without_grad(timing)
 
 def test_a_transformer_kept_as_one_call_gets_no_note():
     """fx keeps torch.nn's modules as calls, which run under autocast, fast path and all:
-    no note for the layers inside such a call, and the in-place model keeps its plan."""
+    no note for the layers inside such a call (the note named them before)."""
     model = nn.Sequential(nn.Linear(32, 32), _encoder())
     gm = fxamp.amp_rewrite(copy.deepcopy(model), (_input(0),),
                            fxamp.RewriteConfig.make(dtype=BF16, frontend="fx"))

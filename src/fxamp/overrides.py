@@ -14,8 +14,9 @@ nodes with no plan line (``fp32:size``: nothing floating to keep in a dtype) is 
 
 A rewrite planned on the model's first call traces nothing at ``amp_rewrite`` time; there,
 :func:`check_paths` refuses at once an override that can only be a module path and names no
-module of the model (``fp32:blocks.7.*`` on a model with blocks 0 to 3), so a typo is
-refused where it is written, not on the first training step.
+module of the model (``fp32:blocks.7.*`` on a model with blocks 0 to 3), or that is spelled
+as one of torch's op labels and names no op (``fp32:nn.Lineer``), so a typo is refused
+where it is written, not on the first training step.
 """
 from __future__ import annotations
 
@@ -149,19 +150,22 @@ def _path_only(pattern: str, children: Iterable[str]) -> bool:
 def check_paths(model: Any, policy: Policy) -> None:
     """Refuse, before any trace, each override of ``policy`` that can only be a module path
     of ``model`` (:func:`_path_only`) and matches none of its modules' paths (``path`` or
-    ``path.``, as :func:`node_names` matches them), naming the closest paths.
+    ``path.``, as :func:`node_names` matches them), naming the closest paths, and each one
+    spelled as one of torch's op labels that names no op (:func:`_unknown_label`; for
+    ``nn.<Name>`` where the model has modules of its own class ``Name``, their paths).
 
     Args:
         model: the model being rewritten (an ``nn.Module``).
         policy: the rewrite's policy.
 
     Raises:
-        PolicyError: naming each such override and the closest module paths.
+        PolicyError: naming each such override and the closest paths or labels.
     """
     if not policy.overrides:
         return
     children = list(model._modules)
-    paths = [name for name, _ in model.named_modules() if name]
+    named = [(name, m) for name, m in model.named_modules() if name]
+    paths = [name for name, _ in named]
     parts = []
     for override in policy.overrides:
         pattern = override.pattern
@@ -177,7 +181,7 @@ def check_paths(model: Any, policy: Policy) -> None:
     for override in policy.overrides:
         unknown = _unknown_label(override.pattern)
         name = override.pattern.partition(".")[2]
-        mine = [p for p, m in model.named_modules() if p and type(m).__name__ == name]
+        mine = [p for p, m in named if type(m).__name__ == name]
         if unknown and override.pattern.startswith("nn.") and mine:
             unknown += (f"; the model's own {name} modules are at {', '.join(mine[:3])}"
                         + (" ..." if len(mine) > 3 else "") + ": name them by their paths")
