@@ -211,6 +211,30 @@ def test_the_cli_plans_and_checks_a_partitioned_plan_and_names_one_blocks_change
     assert changed and all(line.split()[1].startswith("blocks.1/") for line in changed), out
 
 
+def test_a_diff_of_plans_of_two_partitions_says_their_names_differ_and_the_advice_works(
+        tmp_path, capsys):
+    """The flat and the block plan of one model name their nodes differently: the diff
+    lists their lines as removed and added and says why; plans of one partition, as it
+    advises, compare line by line (equal plans: no diff, ``check`` passes)."""
+    from fxamp.cli import main
+
+    factory = Path(__file__).with_name("_block_nets.py")
+    base = [f"{factory}:make", "--dtype", "bf16", "--target", "cpu"]
+    flat, blocks, again = (tmp_path / f"{n}.txt" for n in ("flat", "blocks", "again"))
+    assert main(["plan", *base, "--partition", "flat", "-o", str(flat)]) == 0
+    assert main(["plan", *base, "--partition", "blocks", "-o", str(blocks)]) == 0
+    note = "their node names differ, so their lines are listed as removed and added"
+    summary = fxamp.diff(str(flat), str(blocks)).splitlines()[-1]
+    assert note in summary and "the first plan is one graph and the second in block mode" \
+        in summary
+    assert note in fxamp.diff(str(flat), str(blocks), fmt="markdown")
+    assert main(["plan", *base, "--partition", "blocks", "-o", str(again)]) == 0
+    assert fxamp.diff(str(blocks), str(again)) == ""  # (one partition: compared)
+    assert "the first plan is in block mode and the second one graph" in fxamp.diff(
+        str(blocks), str(flat))
+    capsys.readouterr()
+
+
 def test_with_partition_blocks_a_relative_override_goes_to_the_blocks_only():
     """``fp32:mlp.down_proj`` names a module of every decoder layer: each layer's lines
     change, and the glue's regions (which hold no such module) are planned as without it

@@ -376,6 +376,19 @@ def _range_line(c: _RangeChange) -> str:
     return f"{c.kind} @range {c.name}  {c.old if c.kind == '-' else c.new}"
 
 
+def _partitions_note(a: Plan, b: Plan) -> str:
+    """The summary's note where one plan is in block mode and the other is not: their node
+    names differ (``model.layers.0/linear`` against ``linear_3``), so their lines are
+    listed as removed and added, not compared ("" where the partitions are alike)."""
+    if _is_blocks(a) == _is_blocks(b):
+        return ""
+    first, second = ("in block mode", "one graph") if _is_blocks(a) else ("one graph",
+                                                                          "in block mode")
+    return (f"; the first plan is {first} and the second {second}: their node names "
+            "differ, so their lines are listed as removed and added, not compared (compare "
+            "plans of one partition: fxamp plan --partition blocks or flat)")
+
+
 def _summary(changes: List[_Change], ranges: Sequence[_RangeChange] = ()) -> str:
     moves: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
@@ -471,13 +484,14 @@ def diff(a: Union[Plan, str, "os.PathLike[str]"], b: Union[Plan, str, "os.PathLi
     ranges = _range_changes(a, b)
     if not headers and not changes and not ranges:
         return ""
+    summary = _summary(changes, ranges) + _partitions_note(a, b)
     if fmt == "text":
         out = [f"{key}: {va} -> {vb}" for key, va, vb in headers]
         out += [_text_line(c) for c in changes]
         out += [_range_line(c) for c in ranges]
-        out.append(_summary(changes, ranges))
+        out.append(summary)
         return "\n".join(out) + "\n"
-    out = [f"**fxamp plan diff** \u2014 {_summary(changes, ranges)}", ""]
+    out = [f"**fxamp plan diff** \u2014 {summary}", ""]
     out += [f"- `{key}`: `{va}` \u2192 `{vb}`" for key, va, vb in headers]
     if changes:
         out += ["", "| | node | op | before | after | rule | reason |",
