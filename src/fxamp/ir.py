@@ -160,6 +160,15 @@ def is_cast(node: fx.Node) -> bool:
     return get(node).cast
 
 
+def cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
+    """The dtype of a plan cast ``x.to(dtype)`` of a rewritten graph, or None for any other
+    node."""
+    if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
+            and not node.kwargs and isinstance(node.args[1], torch.dtype):
+        return node.args[1]
+    return None
+
+
 def mark_cast(node: fx.Node) -> None:
     """Mark a node the casts pass inserted."""
     set(node, cast=True)

@@ -34,6 +34,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .._torch import (TRAINING_VERIFIER, FakeTensorMode, OpOverload, graph_codegen,
                       is_input_guard, tree_flatten)
+from ..ir import cast_dtype
 from ..passes import fetch_attr
 from ..runtime import check_input_dtypes, fan_out, range_guard
 
@@ -58,14 +59,6 @@ def _shared(node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def _cast_dtype(node: fx.Node) -> Optional[torch.dtype]:
-    """The dtype of a plan cast ``x.to(dtype)``, or None for any other node."""
-    if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
-            and not node.kwargs and isinstance(node.args[1], torch.dtype):
-        return node.args[1]
-    return None
-
-
 def _aten(target: object) -> bool:
     """Whether an exported program may call ``target``: an ATen op, or a Python operator on
     sizes (``operator.mul``, ``math.ceil``, ...)."""
@@ -83,7 +76,7 @@ def _fits(gm: fx.GraphModule) -> bool:
         if node.op == "call_function" and not _aten(node.target):
             return False  # (a function of fxamp's or the model's, kept in the graph)
         if node.op == "call_module" or \
-                node.op == "call_method" and _cast_dtype(node) is None:
+                node.op == "call_method" and cast_dtype(node) is None:
             return False
         if node.op == "get_attr" and not isinstance(fetch_attr(gm, str(node.target)),
                                                      torch.Tensor):
@@ -152,7 +145,7 @@ def exported_program(gm: fx.GraphModule, inputs: tuple
         if _shared(node) is not None:
             env[node] = env[_shared(node)]
             continue
-        dtype = _cast_dtype(node)
+        dtype = cast_dtype(node)
         if dtype is not None:
             new = graph.create_node("call_function", torch.ops.aten._to_copy.default,
                                     (env[node.args[0]],), {"dtype": dtype}, name=node.name)

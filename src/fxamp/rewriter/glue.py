@@ -35,6 +35,7 @@ graph is kept.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import threading
@@ -323,9 +324,9 @@ def output_dtypes(gm: nn.Module) -> Any:
 
 def _line_dtype(node: fx.Node, lines: Dict[str, NodePrecision]) -> Optional[torch.dtype]:
     """The dtype of ``node`` of a rewritten graph: its plan line's, or a cast's target."""
-    if node.op == "call_method" and node.target == "to" and len(node.args) == 2 \
-            and isinstance(node.args[1], torch.dtype):
-        return node.args[1]
+    cast = ir.cast_dtype(node)
+    if cast is not None:
+        return cast
     line = lines.get(node.name)
     return line.dtype if line is not None else None
 
@@ -367,10 +368,7 @@ def _from_regions(graph: fx.Graph, lines: Dict[str, NodePrecision],
             floats = [d for d in floats if isinstance(d, torch.dtype) and d.is_floating_point]
             if not floats:
                 continue
-            promoted = floats[0]
-            for d in floats[1:]:
-                promoted = torch.promote_types(promoted, d)
-            known[node] = promoted
+            known[node] = functools.reduce(torch.promote_types, floats)
         line = lines.get(node.name)
         if node in known and line is not None and isinstance(known[node], torch.dtype) \
                 and known[node] != line.dtype:
