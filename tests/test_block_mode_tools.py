@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
-from fxamp.rewriter.blocks import is_blocks
+from fxamp.rewriter.overlap import is_blocks
 from fxamp.train import localize
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -245,3 +245,28 @@ def test_search_of_a_block_mode_model_measures_against_fp32_and_keeps_its_blocks
     with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
         assert torch.equal(got.graph_module(X), ref(X))
     _trains_like_autocast(model, ref)
+
+
+def _asked_in(names: set) -> dict:
+    """The src modules that call any of ``names``, each with its count of calls."""
+    import ast
+    import pathlib
+    root = pathlib.Path(fxamp.__file__).parent
+    found: dict = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in names:
+                key = path.relative_to(root).as_posix()
+                found[key] = found.get(key, 0) + 1
+    return found
+
+
+def test_which_shape_a_rewrite_has_is_asked_in_one_module():
+    """Issue 49's count: the code that asks whether a model is in block mode or rewritten in
+    place with one graph is ``rewriter/overlap.py``, which answers the tools with what they
+    need (its FP32 form, its one graph, a rewrite over it); ``train/localize.py`` asks once,
+    for the stand-in that replays the model."""
+    found = _asked_in({"is_blocks", "is_inplace"})
+    assert set(found) == {"rewriter/overlap.py", "train/localize.py"}, found
+    assert found["train/localize.py"] == 1

@@ -8,7 +8,8 @@ from .plan import NodePrecision, Plan, diff  # noqa: E402
 from .policy import Override, Policy  # noqa: E402
 from .rules import DecisionRule  # noqa: E402
 from .rewriter import amp_rewrite, plan_of  # noqa: E402
-from .rewriter.inplace import graphs_of, rewritten  # noqa: E402
+from .rewriter.inplace import graphs_of  # noqa: E402
+from .rewriter.overlap import rewritten  # noqa: E402
 from .rewriter.search import SearchResult, bisect_baseline, search  # noqa: E402
 from .passes.audit import Finding  # noqa: E402
 from .rewriter.audit import audit  # noqa: E402

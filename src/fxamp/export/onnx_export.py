@@ -11,7 +11,7 @@ the FP32 values, each weight rounded once, onnxscript's optimizer, the weight-ca
 repairs, Cast pairs); then every node gets its provenance (the plan node, the module) and the
 file its metadata (``fxamp.export.onnx_metadata``).
 
-What is exported is one graph (:func:`flat_graph`): a model rewritten in place exports the
+What is exported is one graph (``overlap.one_graph``): a model rewritten in place exports the
 graph it computes with, and a model in block mode (its blocks' graphs called from its own
 code under autocast, ``rewriter/blocks.py``) a flat rewrite of its FP32 form with its config,
 made on the example inputs; the model keeps its rewrite.
@@ -38,10 +38,8 @@ from ..fileio import atomic_directory
 from ..frontends.common import training_flags
 from ..progress import shows
 from ..rewriter import amp_rewrite, plan_of
-from ..rewriter.blocks import config_of_blocks, is_blocks
 from ..rewriter.gc_scope import young_objects_only
-from ..rewriter.inplace import is_inplace, rewritten
-from ..rewriter.overlap import own_forwards
+from ..rewriter.overlap import one_graph
 from ..frontends.common import as_tuple
 from .._torch import tree_leaves
 from .onnx_metadata import FX_NODE, FX_NODE_RE, MODULE, NOTE, get_meta, set_meta
@@ -330,40 +328,6 @@ def _true_fp16_meta(rows: List[Dict[str, Any]], inputs: tuple) -> Dict[str, str]
     return meta
 
 
-def flat_graph(model: torch.nn.Module, inputs: tuple) -> torch.nn.Module:
-    """The one graph to export for ``model``: a model in block mode (no graph of the whole
-    model exists: the glue between its blocks is its own Python code) is rewritten afresh
-    with its config on ``inputs``, from a shadow with its own forwards back
-    (``rewriter/overlap.own_forwards``: the model keeps its block mode, the new graph shares
-    its Parameters); a model rewritten in place with one graph gives that graph
-    (``fxamp.rewritten``); any other module is itself.
-
-    Args:
-        model: what ``export_onnx`` was given.
-        inputs: the example's positional arguments.
-
-    Returns:
-        The rewritten module to export.
-
-    Raises:
-        NotPlannedError: an in-place model planned on its first call, not called yet.
-    """
-    if is_blocks(model):
-        config = config_of_blocks(model).replace(partition="flat")  # (one graph)
-        view = own_forwards(model)
-        try:
-            flat = amp_rewrite(view.root, inputs, config)
-        finally:
-            view.release()
-        log.info("%s is in block mode (its blocks rewritten in place, its own forward under "
-                 "autocast): exporting a flat rewrite of it with its config (%s) made on the "
-                 "example inputs", type(model).__name__, config.policy)
-        return flat
-    if is_inplace(model) and not isinstance(model, fx.GraphModule):
-        return rewritten(model)
-    return model
-
-
 @shows(lambda gm, inputs, path, **k: f"ONNX export to {os.path.basename(path)}")
 def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
                 opset: Optional[int] = None, exporter: str = "auto",
@@ -381,7 +345,7 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
 
     A model ``amp_rewrite(..., inplace=True)`` rewrote exports the graph it computes with;
     one in block mode (rewritten in place without example inputs) exports a flat rewrite
-    of its FP32 form with its config, made on ``example_inputs`` (``flat_graph``); the
+    of its FP32 form with its config, made on ``example_inputs`` (``overlap.one_graph``); the
     model keeps its rewrite either way.
 
     With ``dynamic_shapes`` the file's axes it names are dynamic (``fxamp.export.dynamic``):
@@ -425,7 +389,7 @@ def export_onnx(gm: fx.GraphModule, example_inputs: Any, path: str, *,
     inputs = as_tuple(example_inputs)
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise ExportError(f"exporter must be auto, dynamo or torchscript, got {exporter!r}")
-    gm = flat_graph(gm, inputs)
+    gm = one_graph(gm, inputs, amp_rewrite)
     spec = dynamic.positional_spec(dynamic_shapes, gm, inputs)
     if spec is not None and not dynamic.requested_axes(spec):
         spec = None  # (every axis static: the example's sizes, as without a spec)

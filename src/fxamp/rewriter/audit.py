@@ -25,8 +25,7 @@ from ..passes.audit.findings import Finding
 from ..passes.audit.context import audit_context
 from ..passes.audit.results import audit_result
 from ..policy import Policy
-from .blocks import is_blocks
-from .overlap import own_forwards
+from .overlap import fp32_form
 from .pipeline import amp_rewrite
 from .search import tool_config
 
@@ -104,14 +103,10 @@ def audit(model: nn.Module, example_inputs: Union[None, Sequence[Any], Any] = No
     args = () if example_inputs is None else (
         tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else
         (example_inputs,))
-    # (block mode: a flat rewrite of the model would take its blocks' rewrites off; the
-    # shadow's are taken off instead, and the model computes with its own as before)
-    view = own_forwards(model) if isinstance(model, nn.Module) and is_blocks(model) else None
-    try:
-        gm = _rewrite(model if view is None else view.root, args, config)
-    finally:
-        if view is not None:
-            view.release()
+    # (a model rewritten in place: its FP32 form is rewritten, and the model keeps its own
+    # rewrite, its block mode included)
+    with fp32_form(model) as fp32:
+        gm = _rewrite(fp32, args, config)
     findings = audit_result(gm, pol)
     findings += audit_context(model, pol, optimizer=optimizer, scaler=scaler, batch=batch,
                               steps_per_epoch=steps_per_epoch, onnx=onnx)

@@ -1034,11 +1034,6 @@ def install_blocks(model: nn.Module, paths: List[str], plan: Planner,
     return model
 
 
-def is_blocks(model: nn.Module) -> bool:
-    """Whether ``model`` computes in block mode."""
-    return isinstance(model.__dict__.get("forward"), BlocksRoot)
-
-
 def uninstall_blocks(model: nn.Module) -> None:
     """Undo :func:`install_blocks`: the model and its blocks get their own forwards back."""
     root = model.__dict__.get("forward")
@@ -1051,9 +1046,3 @@ def uninstall_blocks(model: nn.Module) -> None:
         drop_note(block)
     for key in ("forward", RESULT):
         model.__dict__.pop(key, None)
-
-
-def config_of_blocks(model: nn.Module) -> Optional[RewriteConfig]:
-    """The config of a model in block mode (None: not in block mode)."""
-    root = model.__dict__.get("forward")
-    return root.config if isinstance(root, BlocksRoot) else None

@@ -758,11 +758,6 @@ def is_fully_sharded(module: nn.Module) -> bool:
     return False
 
 
-def is_inplace(model: nn.Module) -> bool:
-    """Whether ``model`` computes with an in-place rewrite."""
-    return INPLACE_GRAPH in model.__dict__
-
-
 def take(model: nn.Module) -> Dict[str, Any]:
     """Take ``model``'s in-place rewrite off (its own forward back); returns what was taken.
 
@@ -791,38 +786,3 @@ def reinstall(model: nn.Module, gm: nn.Module, plan: Optional[Planner] = None) -
         type(model).forward.__get__(model))
     InplaceForward(model, names, plan).put(gm)
     return model
-
-
-def rewritten(model: nn.Module) -> nn.Module:
-    """The rewritten module an in-place rewrite put inside ``model`` (``model`` itself
-    when it is a rewritten module already).
-
-    Args:
-        model: a model ``amp_rewrite(..., inplace=True)`` rewrote, or a module it returned.
-
-    Returns:
-        The rewritten module whose graph the model's forward runs.
-
-    Raises:
-        NotPlannedError: ``model`` is planned on its first call and has not been called.
-        FxampError: ``amp_rewrite`` did not rewrite ``model``.
-    """
-    root = model.__dict__.get("forward")
-    paths = getattr(root, "paths", None)
-    if paths and callable(getattr(root, "planner", None)):  # (a BlocksRoot: block mode)
-        raise FxampError(
-            f"{type(model).__name__} is rewritten in block mode (in place, its blocks "
-            f"regions of their own): each block ({paths[0]} ...) computes with its own graph "
-            "and the model's own forward runs between them, so there is no one rewritten "
-            f"module. what to do: fxamp.rewritten(model.get_submodule({paths[0]!r})) for a "
-            "block's graph (once planned); or rewrite with example inputs and "
-            "RewriteConfig.make(..., partition='flat') for one graph of the whole model")
-    if isinstance(model.__dict__.get(RESULT), Pending):
-        result_of(model)  # (raises NotPlannedError: planned on its first call)
-    gm = model.__dict__.get(INPLACE_GRAPH)
-    if gm is not None:
-        return gm
-    if has_result(model):
-        return model
-    raise FxampError(f"{type(model).__name__} was not rewritten by fxamp.amp_rewrite; what "
-                     "to do: call fxamp.amp_rewrite(model, example_inputs, inplace=True)")

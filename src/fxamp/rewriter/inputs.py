@@ -1,4 +1,5 @@
-"""The example inputs are checked against the FP32 model when a rewrite fails.
+"""What ``amp_rewrite`` is given: a module it can take (:func:`check_model`), and example
+inputs, checked against the FP32 model when a rewrite fails.
 
 A wrong shape, a missing argument or a wrong type is the user's input mistake, not a
 precision problem: run the model once, as it is, and report its own error as such (instead
@@ -9,14 +10,18 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from .._torch import reparametrize_module, tree_flatten
 
-from ..errors import ExampleInputError, is_library_file, short_path
+from ..errors import (ExampleInputError, UnsupportedModelError, is_library_file,
+                      short_path)
 from ..frontends.common import own_copies
+from ..frontends.model_checks import check_parameter_dtypes
+from ..structure import inside
+from .inplace import is_fully_sharded
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +117,65 @@ class AutocastOff:
     def __exit__(self, *exc: object) -> None:
         for c in reversed(self.contexts):
             c.__exit__(*exc)
+
+
+#: forwards that only defer to ``nn.Module``'s (which raises NotImplementedError)
+_NO_FORWARD = ("LightningModule.forward",)
+
+
+def check_module(model: Any) -> None:
+    """Refuse anything but an ``nn.Module``, naming what it is.
+
+    Args:
+        model: what amp_rewrite was given.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
+            "what to do: wrap the callable in an nn.Module")
+    forward = type(model).forward
+    if forward is nn.Module.forward or getattr(forward, "__qualname__", "") in _NO_FORWARD:
+        # (a LightningModule's steps call its submodules, never its own forward: rewriting
+        # it would change nothing, silently)
+        name = type(model).__name__
+        children = [f"{path} ({type(m).__name__})" for path, m in model.named_children()
+                    if type(m).forward is not nn.Module.forward]
+        first = children[0].split(" ")[0] if children else "net"
+        raise UnsupportedModelError(
+            f"{name} has no forward of its own (it inherits "
+            f"{getattr(forward, '__qualname__', 'nn.Module.forward')}, which raises "
+            f"NotImplementedError), so its training and validation steps call its "
+            f"submodules, and a rewrite of {name} would change nothing they compute. what "
+            f"to do: rewrite the submodule the steps call, e.g. "
+            f"fxamp.amp_rewrite(module.{first}, config=..., inplace=True)"
+            + (f"; its submodules with a forward: {', '.join(children[:6])}"
+               if children else ""))
+
+
+def check_model(model: Any, sharded_ok: bool = False, calls: Sequence[str] = ()) -> None:
+    """Refuse what amp_rewrite cannot take, naming it.
+
+    Args:
+        model: what amp_rewrite was given.
+        sharded_ok: FSDP2's ``fully_shard`` may have been applied to the model itself (an
+            in-place model or block planned on a call: FSDP2's hooks have gathered the
+            parameters this call computes with); not to a submodule, whose hooks its graph
+            would not call.
+        calls: submodules the graph calls as modules (block mode's regions, planned
+            with the glue): their hooks run, so they and what is inside them may be
+            sharded.
+    """
+    check_module(model)
+    sharded = next((path for path, m in model.named_modules()
+                    if is_fully_sharded(m) and (path or not sharded_ok)
+                    and path not in calls and not inside(path, calls)), None)
+    if sharded is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
+            "by FSDP2's fully_shard: its parameters are DTensors gathered by module hooks "
+            "that a rewritten graph does not call. what to do: rewrite first, in place, "
+            "then shard: amp_rewrite(model, config=..., inplace=True) (with or without "
+            "an example: each layer stays a module), then fully_shard each layer and the "
+            "root; or, one graph of the whole model (an example and partition='flat'), "
+            "fully_shard(model) on the root alone")
+    check_parameter_dtypes(model)  # (names FSDP2's MixedPrecisionPolicy where it is why)

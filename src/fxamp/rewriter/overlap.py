@@ -1,4 +1,13 @@
-"""Overlapping in-place rewrites: a module rewritten in place, and a part of it or a module
+"""A model's in-place rewrites as the rest of fxamp sees them, and rewrites that overlap.
+
+This is the one module that asks which shape a model's rewrite has: block mode (its
+regions rewritten in place, ``rewriter/blocks.py``), one graph in place
+(``rewriter/inplace.py``), or none. The tools (the ONNX export, ``audit``, the search, a
+rewrite of a model rewritten before) ask it for what they need, the model's FP32 form
+(:func:`fp32_form`), its one graph (:func:`one_graph`, :func:`rewritten`) or what a new
+rewrite does (:func:`rewritten_before`), not for the shape.
+
+Overlapping in-place rewrites: a module rewritten in place, and a part of it or a module
 it is part of rewritten in place too.
 
 Rewrites of one policy compose: the later one plans the model's own code (the parts' in-place
@@ -13,15 +22,43 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, List, Optional, Tuple
+import logging
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
+import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import OverlappingRewriteError
+from ..config import RewriteConfig
+from ..errors import FxampError, OverlappingRewriteError, UnsupportedModelError
 from ..frontends.shadow import Shadow
 from ..policy import Policy, dtype_name
+from ..result import RESULT, Pending, has_result, result_of
+from ..weight_cache import INPLACE_GRAPH
 from .blocks import BlocksRoot, uninstall_blocks
-from .inplace import InplaceForward, installed, take
+from .inplace import InplaceForward, installed, reinstall, take, uninstalled
+from .inputs import check_model
+from .stored import store_weights
+
+log = logging.getLogger(__name__)
+
+
+def is_blocks(model: nn.Module) -> bool:
+    """Whether ``model`` computes in block mode.
+
+    Args:
+        model: any module.
+    """
+    return isinstance(model.__dict__.get("forward"), BlocksRoot)
+
+
+def is_inplace(model: nn.Module) -> bool:
+    """Whether ``model`` computes with one graph of an in-place rewrite (a block of a model
+    in block mode too).
+
+    Args:
+        model: any module.
+    """
+    return INPLACE_GRAPH in model.__dict__
 
 
 def inplace_policy(module: nn.Module) -> Optional[Policy]:
@@ -53,12 +90,106 @@ def own_forwards(model: nn.Module) -> Shadow:
         The shadow; its ``root`` stands for ``model``.
     """
     shadow = Shadow(model)
-    root = shadow.root
-    if isinstance(root.__dict__.get("forward"), BlocksRoot):
-        uninstall_blocks(root)  # (the shadows' blocks: the model's keep their forwards)
-    else:
-        take(root)
+    undo(shadow.root)  # (in block mode, the shadows' blocks: the model's keep their forwards)
     return shadow
+
+
+def undo(model: nn.Module) -> None:
+    """Take ``model``'s in-place rewrite off: in block mode its root's and its blocks' own
+    forwards back, else its root's.
+
+    Args:
+        model: a model rewritten in place.
+    """
+    if is_blocks(model):
+        uninstall_blocks(model)
+    else:
+        take(model)
+
+
+@contextlib.contextmanager
+def fp32_form(model: Any) -> Iterator[Any]:
+    """``model`` as a tool that reads its FP32 code sees it (the tolerance search,
+    ``audit``, the ONNX export of a model in block mode): itself, or, for a model rewritten
+    in place (in block mode or with one graph), the root of :func:`own_forwards`' shadow,
+    released after. The model keeps its rewrite.
+
+    Args:
+        model: what the tool was given (any object: only a module can be rewritten).
+
+    Yields:
+        The FP32 model to reference, trace and rewrite.
+    """
+    if not isinstance(model, nn.Module) or not (is_blocks(model) or is_inplace(model)):
+        yield model
+        return
+    view = own_forwards(model)
+    try:
+        yield view.root
+    finally:
+        view.release()
+
+
+def one_graph(model: nn.Module, inputs: tuple, rewrite: Callable[..., nn.Module]
+              ) -> nn.Module:
+    """The one rewritten module of ``model`` (what the ONNX export writes): itself (a module
+    ``amp_rewrite`` returned), the graph an in-place rewrite computes with
+    (:func:`rewritten`), or, in block mode, a flat rewrite of its FP32 form with its
+    config, made by ``rewrite`` on ``inputs`` (the model keeps its block mode).
+
+    Args:
+        model: a rewritten model.
+        inputs: the example's positional arguments.
+        rewrite: ``amp_rewrite``.
+
+    Raises:
+        NotPlannedError: an in-place model planned on its first call, not called yet.
+    """
+    if is_blocks(model):
+        config = model.__dict__["forward"].config.replace(partition="flat")  # (one graph)
+        with fp32_form(model) as fp32:
+            flat = rewrite(fp32, inputs, config)
+        log.info("%s is in block mode (its blocks rewritten in place, its own forward under "
+                 "autocast): a flat rewrite of it with its config (%s) made on the example "
+                 "inputs", type(model).__name__, config.policy)
+        return flat
+    if is_inplace(model) and not isinstance(model, fx.GraphModule):
+        return rewritten(model)
+    return model
+
+
+def rewritten(model: nn.Module) -> nn.Module:
+    """The rewritten module an in-place rewrite put inside ``model`` (``model`` itself
+    when it is a rewritten module already).
+
+    Args:
+        model: a model ``amp_rewrite(..., inplace=True)`` rewrote, or a module it returned.
+
+    Returns:
+        The rewritten module whose graph the model's forward runs.
+
+    Raises:
+        NotPlannedError: ``model`` is planned on its first call and has not been called.
+        FxampError: ``amp_rewrite`` did not rewrite ``model``, or rewrote it in block mode.
+    """
+    if is_blocks(model):
+        paths = model.__dict__["forward"].paths
+        raise FxampError(
+            f"{type(model).__name__} is rewritten in block mode (in place, its blocks "
+            f"regions of their own): each block ({paths[0]} ...) computes with its own graph "
+            "and the model's own forward runs between them, so there is no one rewritten "
+            f"module. what to do: fxamp.rewritten(model.get_submodule({paths[0]!r})) for a "
+            "block's graph (once planned); or rewrite with example inputs and "
+            "RewriteConfig.make(..., partition='flat') for one graph of the whole model")
+    if isinstance(model.__dict__.get(RESULT), Pending):
+        result_of(model)  # (raises NotPlannedError: planned on its first call)
+    gm = model.__dict__.get(INPLACE_GRAPH)
+    if gm is not None:
+        return gm
+    if has_result(model):
+        return model
+    raise FxampError(f"{type(model).__name__} was not rewritten by fxamp.amp_rewrite; what "
+                     "to do: call fxamp.amp_rewrite(model, example_inputs, inplace=True)")
 
 
 def same_policy(a: Optional[Policy], b: Optional[Policy]) -> bool:
@@ -73,9 +204,66 @@ def same_policy(a: Optional[Policy], b: Optional[Policy]) -> bool:
     return dataclasses.replace(a, output_dtype=None) == dataclasses.replace(b, output_dtype=None)
 
 
+def rewritten_before(model: nn.Module, example_inputs: Any, config: RewriteConfig,
+                     pol: Policy, inplace: bool, rewrite: Callable[..., nn.Module],
+                     planner: Callable[..., nn.Module]) -> Optional[nn.Module]:
+    """What a rewrite of a model fxamp rewrote before gives: itself (the same config or
+    policy), a flat rewrite of its FP32 form (a block-mode model, ``inplace=False``), or its
+    new rewrite (an in-place model, a new policy); None where it was not rewritten (or its
+    block mode was undone to rewrite it in place again). Checks the model either way.
+
+    Args:
+        model: the model ``amp_rewrite`` was given.
+        example_inputs: its example inputs (None: planned on its first call).
+        config: the rewrite's config.
+        pol: its policy, the target resolved.
+        inplace: whether the rewrite is in place.
+        rewrite: ``amp_rewrite`` with its config made (``pipeline._amp_rewrite``).
+        planner: what plans an in-place model on a call (``pipeline._plan_call``).
+    """
+    lazy = inplace and example_inputs is None and not config.example_kwargs
+    if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
+        if lazy and model.__dict__["forward"].config == config:
+            log.info("model was already rewritten in place with the same config")
+            return model
+        if not inplace:  # (a flat rewrite of its FP32 form: the model keeps its block mode)
+            with fp32_form(model) as fp32:
+                return rewrite(fp32, example_inputs, config, False)
+        uninstall_blocks(model)
+    check_model(model)
+    if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
+        earlier = result_of(model).policy if has_result(model) else inplace_policy(model)
+        if inplace and (earlier == pol or same_policy(earlier, pol) and owners(model)):
+            # (a part of an in-place model: its values flow on in their dtype, so the
+            # output dtype aside, the policy is the one it has)
+            log.info("model was already rewritten in place with the same policy")
+            return model
+        if lazy and earlier is not None and earlier.weights != "stored":
+            take(model)  # (a new policy, planned on its first call)
+            return rewrite(model, None, config, inplace)
+        # (a shadow with its own forward back: the model keeps computing with its rewrite
+        # for other threads until the new one is in place)
+        shadow = uninstalled(model)
+        try:
+            gm = rewrite(shadow.root, example_inputs, config, False)
+        finally:
+            shadow.release()
+        if inplace and pol.weights == "stored":
+            store_weights(model, gm)
+        return reinstall(model, gm, planner) if inplace else gm
+    if has_result(model):
+        if result_of(model).policy == pol:
+            log.info("model was already rewritten with the same policy; returning it")
+            return model
+        raise UnsupportedModelError(
+            f"this model was already rewritten by fxamp with policy "
+            f"{result_of(model).policy}; asked for {pol}. what to do: rewrite the "
+            "original FP32 model instead")
+    return None
+
+
 def _own_blocks(model: nn.Module) -> Tuple[str, ...]:
-    root = model.__dict__.get("forward")
-    return tuple(root.paths) if isinstance(root, BlocksRoot) else ()
+    return tuple(model.__dict__["forward"].paths) if is_blocks(model) else ()
 
 
 def parts(model: nn.Module) -> List[Tuple[str, nn.Module, Policy]]:

@@ -21,7 +21,7 @@ from ..passes.manager import PassContext, PassManager
 from ..plan import Plan, RangeStats
 from ..program import DEVICES
 from ..result import Rewritten, has_result, one_mode, plan_of, result_of, set_result
-from ..structure import Structure, hooked_paths, inside, share_modules
+from ..structure import Structure, hooked_paths, share_modules
 from ..policy import Policy, is_deploy
 from ..frontends import STATIC_SHAPES, Children, capture_model, graph_frontend
 from ..frontends.checkpointing import layers_off
@@ -29,20 +29,17 @@ from ..frontends.common import MODE, as_tuple, nested_header, top_header
 from ..frontends.copies import refuse_copies
 from ..frontends.custom_functions import plan_reason
 from ..frontends.eager import eager_root, submodule_calls
-from ..frontends.model_checks import check_parameter_dtypes
 from ..frontends.hooks import check_global_hooks, copy_root_hooks, without_call_hooks
 from ..frontends.shadow import Shadow, twin
 from ..frontends.modes import reads_training
 from ..frontends.state import ModelState, report_side_effects
 from .gc_scope import young_objects_only
-from .blocks import (block_paths, config_of_blocks, glue_parts, install_blocks, is_blocks,
-                     uninstall_blocks)
+from .blocks import block_paths, glue_parts, install_blocks
 from .glue import mark_regions
-from .inplace import install, is_fully_sharded, is_inplace, reinstall, take, uninstalled
-from .inputs import AutocastOff, check_example_inputs
+from .inplace import install
+from .inputs import AutocastOff, check_example_inputs, check_model, check_module
 from .modes import OtherMode
-from .overlap import (check_overlap, inplace_policy, own_forwards, owners, parts_off,
-                      same_policy)
+from .overlap import check_overlap, parts_off, rewritten_before, undo
 from .pass_list import pass_list, plan_lines, plan_nodes
 from .state_dict import complete_state
 from .stored import planning_in_fp32, restore_stored, store_weights
@@ -50,68 +47,6 @@ from .stored import planning_in_fp32, restore_stored, store_weights
 log = logging.getLogger(__name__)
 
 
-
-
-#: forwards that only defer to ``nn.Module``'s (which raises NotImplementedError)
-_NO_FORWARD = ("LightningModule.forward",)
-
-
-def check_module(model: Any) -> None:
-    """Refuse anything but an ``nn.Module``, naming what it is.
-
-    Args:
-        model: what amp_rewrite was given.
-    """
-    if not isinstance(model, nn.Module):
-        raise UnsupportedModelError(
-            f"amp_rewrite takes a torch.nn.Module, got {type(model).__name__}; "
-            "what to do: wrap the callable in an nn.Module")
-    forward = type(model).forward
-    if forward is nn.Module.forward or getattr(forward, "__qualname__", "") in _NO_FORWARD:
-        # (a LightningModule's steps call its submodules, never its own forward: rewriting
-        # it would change nothing, silently)
-        name = type(model).__name__
-        children = [f"{path} ({type(m).__name__})" for path, m in model.named_children()
-                    if type(m).forward is not nn.Module.forward]
-        first = children[0].split(" ")[0] if children else "net"
-        raise UnsupportedModelError(
-            f"{name} has no forward of its own (it inherits "
-            f"{getattr(forward, '__qualname__', 'nn.Module.forward')}, which raises "
-            f"NotImplementedError), so its training and validation steps call its "
-            f"submodules, and a rewrite of {name} would change nothing they compute. what "
-            f"to do: rewrite the submodule the steps call, e.g. "
-            f"fxamp.amp_rewrite(module.{first}, config=..., inplace=True)"
-            + (f"; its submodules with a forward: {', '.join(children[:6])}"
-               if children else ""))
-
-
-def check_model(model: Any, sharded_ok: bool = False, calls: Sequence[str] = ()) -> None:
-    """Refuse what amp_rewrite cannot take, naming it.
-
-    Args:
-        model: what amp_rewrite was given.
-        sharded_ok: FSDP2's ``fully_shard`` may have been applied to the model itself (an
-            in-place model or block planned on a call: FSDP2's hooks have gathered the
-            parameters this call computes with); not to a submodule, whose hooks its graph
-            would not call.
-        calls: submodules the graph calls as modules (block mode's regions, planned
-            with the glue): their hooks run, so they and what is inside them may be
-            sharded.
-    """
-    check_module(model)
-    sharded = next((path for path, m in model.named_modules()
-                    if is_fully_sharded(m) and (path or not sharded_ok)
-                    and path not in calls and not inside(path, calls)), None)
-    if sharded is not None:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}{f' ({sharded})' if sharded else ''} is already sharded "
-            "by FSDP2's fully_shard: its parameters are DTensors gathered by module hooks "
-            "that a rewritten graph does not call. what to do: rewrite first, in place, "
-            "then shard: amp_rewrite(model, config=..., inplace=True) (with or without "
-            "an example: each layer stays a module), then fully_shard each layer and the "
-            "root; or, one graph of the whole model (an example and partition='flat'), "
-            "fully_shard(model) on the root alone")
-    check_parameter_dtypes(model)  # (names FSDP2's MixedPrecisionPolicy where it is why)
 
 
 def _header(policy: Policy, frontend: str, leaves: Sequence[str] = (),
@@ -292,12 +227,13 @@ def _amp_rewrite(model: nn.Module, example_inputs: Optional[Union[Sequence[Any],
                  config: RewriteConfig, inplace: bool) -> nn.Module:
     """``amp_rewrite`` with its config made (its target resolved here unless an in-place
     rewrite without example inputs plans it on its first call): a model rewritten before
-    (:func:`_rewritten_before`), one planned on its calls (:func:`_planned_on_calls`), or
+    (``overlap.rewritten_before``), one planned on its calls (:func:`_planned_on_calls`), or
     one graph planned now (:func:`_planned_now`)."""
     check_module(model)  # (before anything reads it as a module)
     resolved = config.for_model(model, (example_inputs, config.example_kwargs))  # (target)
     check_overlap(model, resolved.policy, inplace)  # (another policy's on a part of it)
-    done = _rewritten_before(model, example_inputs, config, resolved.policy, inplace)
+    done = rewritten_before(model, example_inputs, config, resolved.policy, inplace,
+                            _amp_rewrite, _plan_call)
     if done is not None:
         return done
     keeps_tree = config.partition not in ("auto", "flat")  # (its regions stay modules)
@@ -318,56 +254,6 @@ def _blocks_by_default(model: nn.Module, config: RewriteConfig) -> bool:
     return (config.partition == "auto" and config.dynamic_shapes is None
             and (config.calibration is None or isinstance(config.calibration, (Plan, dict)))
             and bool(block_paths(model)))
-
-
-def _rewritten_before(model: nn.Module, example_inputs: Any, config: RewriteConfig,
-                      pol: Policy, inplace: bool) -> Optional[nn.Module]:
-    """The rewrite of a model fxamp rewrote before: itself (the same config or policy), a
-    flat rewrite of its FP32 form (a block-mode model, ``inplace=False``), or its new
-    rewrite (an in-place model, a new policy); None where it was not rewritten (or its
-    block mode was undone to rewrite it in place again). Checks the model either way."""
-    lazy = inplace and example_inputs is None and not config.example_kwargs
-    if is_blocks(model):  # rewritten in block mode before: that rewrite is undone first
-        if lazy and config_of_blocks(model) == config:
-            log.info("model was already rewritten in place with the same config")
-            return model
-        if not inplace:  # (a flat rewrite of its FP32 form: the model keeps its block mode)
-            view = own_forwards(model)
-            try:
-                return _amp_rewrite(view.root, example_inputs, config, False)
-            finally:
-                view.release()
-        uninstall_blocks(model)
-    check_model(model)
-    if is_inplace(model):  # its own forward is rewritten again (a new policy, healing)
-        earlier = result_of(model).policy if has_result(model) else inplace_policy(model)
-        if inplace and (earlier == pol or same_policy(earlier, pol) and owners(model)):
-            # (a part of an in-place model: its values flow on in their dtype, so the
-            # output dtype aside, the policy is the one it has)
-            log.info("model was already rewritten in place with the same policy")
-            return model
-        if lazy and earlier is not None and earlier.weights != "stored":
-            take(model)  # (a new policy, planned on its first call)
-            return _amp_rewrite(model, None, config, inplace)
-        # (a shadow with its own forward back: the model keeps computing with its rewrite
-        # for other threads until the new one is in place)
-        shadow = uninstalled(model)
-        try:
-            gm = _amp_rewrite(shadow.root, example_inputs, config, False)
-        finally:
-            shadow.release()
-        if inplace and pol.weights == "stored":
-            store_weights(model, gm)
-        return reinstall(model, gm, _plan_call) if inplace else gm
-    if has_result(model):
-        if result_of(model).policy == pol:
-            log.info("model was already rewritten with the same policy; returning it")
-            return model
-        raise UnsupportedModelError(
-            f"this model was already rewritten by fxamp with policy "
-            f"{result_of(model).policy}; asked for {pol}. what to do: rewrite the "
-            "original FP32 model instead")
-    return None
 
 
 def _planned_on_calls(model: nn.Module, example_inputs: Any, config: RewriteConfig
@@ -391,7 +277,7 @@ def _planned_on_calls(model: nn.Module, example_inputs: Any, config: RewriteConf
             first_call(model, () if example_inputs is None else as_tuple(example_inputs),
                        dict(config.example_kwargs or {}))
         except BaseException:  # (a failed rewrite leaves the model as it was)
-            uninstall_blocks(model) if paths else take(model)
+            undo(model)
             raise
     return model
 

@@ -21,10 +21,9 @@ its Parameters, and the model keeps its rewrite.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field, replace
-from typing import (Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple,
+from typing import (Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple,
                     Union)
 
 import torch
@@ -42,10 +41,9 @@ from ..progress import advance, shows, track
 from ..runtime import eligible
 from ..frontends.common import as_tuple
 from ..result import result_of, set_result
-from .blocks import is_blocks
-from .inplace import is_inplace
-from .overlap import own_forwards
-from .pipeline import DEPRECATED_KEYWORDS, amp_rewrite, check_model, plan_of, read_config
+from .inputs import check_model
+from .overlap import fp32_form
+from .pipeline import DEPRECATED_KEYWORDS, amp_rewrite, plan_of, read_config
 
 log = logging.getLogger(__name__)
 
@@ -189,28 +187,6 @@ def local_errors(model: nn.Module, batches: List[tuple], candidates: Iterable[st
         for batch in track(batches, "scoring nodes", unit="batch"):
             scorer.run(*graph_inputs(model, traced, tuple(batch), kwargs))
     return scorer.scores
-
-
-@contextlib.contextmanager
-def fp32_form(model: nn.Module) -> Iterator[nn.Module]:
-    """``model`` as the search reads it: itself, or, for a model rewritten in place (in block
-    mode or with one graph), a shadow of it with its own forwards back (its FP32 code:
-    ``overlap.own_forwards``), released after. The model keeps its rewrite.
-
-    Args:
-        model: the model to search.
-
-    Yields:
-        The FP32 model to reference, trace and rewrite.
-    """
-    if not isinstance(model, nn.Module) or not (is_blocks(model) or is_inplace(model)):
-        yield model
-        return
-    view = own_forwards(model)
-    try:
-        yield view.root
-    finally:
-        view.release()
 
 
 #: the keywords ``search`` and ``bisect_baseline`` took before ``config`` held them

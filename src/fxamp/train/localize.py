@@ -38,8 +38,8 @@ from ..policy import dtype_name
 from ..program import DEVICES
 from ..result import RESULT, Rewritten
 from ..rewriter import plan_of
-from ..rewriter.blocks import is_blocks
 from ..rewriter.inplace import INPLACE_GRAPH, InplaceForward, variant_key
+from ..rewriter.overlap import is_blocks
 from ..runtime import device_autocast, device_type
 
 log = logging.getLogger(__name__)
