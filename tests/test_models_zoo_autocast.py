@@ -271,3 +271,37 @@ def test_huggingface_bloom_with_its_kv_cache_plans_each_block_on_copies():
     with torch.no_grad():
         cache = amp.eval()(input_ids=ids).past_key_values
     assert [layer.get_seq_length() for layer in cache.layers] == [16, 16]
+
+
+def test_huggingface_bloom_first_called_in_eval_plans_its_attention_on_its_own_cache(caplog):
+    """BLOOM first called in eval under ``no_grad`` (a sanity check before training), with
+    its default ``use_cache=True``: its attention is traced with the cache's ``update`` as a
+    call, whose autocast behaviour the plan observes by running it. That run appended to
+    the cache the graph's own run then read, so ``baddbmm`` met 14 keys against 7, and the
+    attention fell back to a plan for FP32 inputs with a warning that its numbers differ
+    from autocast's. Each observation now runs on its own copy of the cache: the attention
+    is planned as autocast runs it, with no fallback, and eval, then a training step, equal
+    autocast's (the custom-Function fence off, as above)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96)
+    assert cfg.use_cache
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(cfg)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    ref, amp = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
+    fxamp.amp_rewrite(amp, config="compute=bf16,target=cpu,off:custom_ops", inplace=True)
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        got = amp(input_ids=ids)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want = ref(input_ids=ids)
+    assert not [r for r in caplog.records if "planned for FP32 inputs" in r.getMessage()]
+    line = fxamp.plan_of(amp).nodes["transformer.h.0/self_attention/baddbmm"]
+    assert (line.dtype, line.rule) == (torch.bfloat16, "autocast")
+    assert torch.equal(got.logits, want.logits)
+    assert [layer.get_seq_length() for layer in got.past_key_values.layers] == [7, 7]
+    ref.train(), amp.train()
+    with torch.autocast("cpu", torch.bfloat16):
+        ref(input_ids=ids, labels=ids).loss.backward()
+    amp(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), amp.parameters()):
+        assert torch.equal(p.grad, q.grad), name

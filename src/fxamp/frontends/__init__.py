@@ -33,7 +33,7 @@ from ..errors import TraceError
 from .aten import AtenFrontend
 from .dtype_reads import Settled
 from .base import STATIC_SHAPES, Capture, Children, Frontend, GraphFrontend, Request, Traced
-from .common import own_copies
+from ..graph_run import own_copies
 from .eager import EagerFrontend
 from .fx import MAX_RUNTIME_LEAVES, FxFrontend, PartialFrontend
 from .model_checks import check_example_device, check_not_quantized

@@ -34,7 +34,8 @@ from ..errors import TraceError
 from ..progress import shows
 from . import calls, checkpointing, custom_functions
 from .checkpoint_regions import outline
-from .common import (PACKED_ADVICE, as_tuple, own_copies, packed_sequence_failure,
+from ..graph_run import own_copies
+from .common import (PACKED_ADVICE, as_tuple, packed_sequence_failure,
                      training_flags, warn_mode_only, warn_one_mode)
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error

@@ -4,7 +4,6 @@ rewritten on its own, by partial tracing or under an eager root) into the parent
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -240,51 +239,3 @@ def top_header(model: nn.Module, policy: Policy, header: Dict[str, str],
     return dict(header, **{FAST_PATH: note}) if note else header
 
 
-def _is_state_object(value: Any) -> bool:
-    """An argument object a forward may change in place: not a tensor, module, container
-    or plain value (a Hugging Face ``DynamicCache`` a layer appends its keys to)."""
-    return not isinstance(value, (torch.Tensor, nn.Module, str, bytes, int, float, bool,
-                                  complex, type(None), torch.dtype, torch.device,
-                                  torch.Size, tuple, list, dict, type)) \
-        and hasattr(value, "__dict__") and not callable(value)
-
-
-def _state_copy(value: Any, memo: Dict[int, Any]) -> Any:
-    """A copy of an argument object's state for one run: objects and containers new,
-    tensors detached copies (a static cache writes into its tensors in place; a cache's
-    tensors from an earlier layer's forward are no leaves, which ``copy.deepcopy``
-    refuses), modules, types and functions shared."""
-    if id(value) in memo:
-        return memo[id(value)]
-    if isinstance(value, torch.Tensor):
-        out: Any = value.detach().clone()
-    elif isinstance(value, dict):
-        out = type(value)((k, _state_copy(v, memo)) for k, v in value.items())
-    elif isinstance(value, list):
-        out = [_state_copy(v, memo) for v in value]
-    elif isinstance(value, tuple) and not hasattr(value, "_fields"):
-        out = tuple(_state_copy(v, memo) for v in value)
-    elif _is_state_object(value):
-        out = copy.copy(value)
-        memo[id(value)] = out
-        out.__dict__.update((k, _state_copy(v, memo)) for k, v in vars(value).items())
-    else:
-        out = value
-    memo[id(value)] = out
-    return out
-
-
-def own_copies(value: Any) -> Any:
-    """``value`` with each argument object a forward may change in place
-    (:func:`_is_state_object`) copied, inside tuples, lists and dicts; tensors and modules
-    stay the caller's (a tensor inside such an object is copied with it). Each run of a
-    model's code on the example inputs gets its own copies, so the caller's objects are
-    left as they were and one run's updates (a KV cache's appended keys) do not reach the
-    next."""
-    if isinstance(value, dict):
-        return type(value)((k, own_copies(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(own_copies(v) for v in value)
-    if _is_state_object(value):
-        return _state_copy(value, {})
-    return value

@@ -39,7 +39,8 @@ from ..policy import Policy, dtype_name
 from ..runtime import device_autocast, device_type
 from .base import Children, Request
 from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
-from .common import in_output_dtype, nested_header, nested_lines, own_copies, top_header
+from ..graph_run import own_copies
+from .common import in_output_dtype, nested_header, nested_lines, top_header
 from .copies import bound_to, refuse_copies
 from .hooks import CALL_HOOK_DICTS, share_call_hooks, without_call_hooks
 from .shadow import real_of

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from .._torch import TorchDispatchMode, tree_flatten, tree_map
 
+from ..graph_run import own_copies
 from ..runtime import device_autocast
 
 _TO_COPY = torch.ops.aten._to_copy.default
@@ -146,7 +147,9 @@ def observe(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs:
     The call also runs once without autocast: the casts a kernel makes by itself (the math
     attention path upcasting fp16 to fp32) happen in both runs and are not autocast's."""
     device = torch.device(target)
-    copies = on_device((args, kwargs, params, buffers), device, {})
+    # (each run on its own copies of the argument objects a call changes in place: a KV
+    # cache's ``update`` observed here must not append to the cache the graph's run reads)
+    copies = on_device((*own_copies((args, kwargs)), params, buffers), device, {})
     recorder = _CastRecorder.watching(copies)
     try:
         with device_autocast(target, dtype), recorder:
@@ -164,7 +167,7 @@ def observe(call: Callable[[tuple, dict, dict, dict], Any], args: tuple, kwargs:
                            None)
     events, own = recorder.events, []
     if events:  # (no cast under autocast: nothing to tell apart)
-        plain = on_device((args, kwargs, params, buffers), device, {})
+        plain = on_device((*own_copies((args, kwargs)), params, buffers), device, {})
         own_recorder = _CastRecorder.watching(plain)
         try:
             with own_recorder:

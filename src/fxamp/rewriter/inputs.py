@@ -18,7 +18,7 @@ from .._torch import reparametrize_module, tree_flatten
 
 from ..errors import (ExampleInputError, UnsupportedModelError, is_library_file,
                       short_path)
-from ..frontends.common import own_copies
+from ..graph_run import own_copies
 from ..frontends.model_checks import check_parameter_dtypes
 from ..structure import inside
 from .inplace import is_fully_sharded
