@@ -305,3 +305,35 @@ def test_huggingface_bloom_first_called_in_eval_plans_its_attention_on_its_own_c
     amp(input_ids=ids, labels=ids).loss.backward()
     for (name, p), q in zip(ref.named_parameters(), amp.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.slow
+def test_huggingface_t5_new_lengths_in_shared_regions_and_eager_blocks_plan_anew():
+    """T5 in place with the one line, first called in eval with an encoder of 7 tokens and
+    a decoder of 4, then generating. Two refusals of a new length reached the user:
+    the encoder's and the decoder's final ``T5LayerNorm`` (glue regions, identical, so one
+    plan is shared) got the encoder's graph, exported with the sequence fixed at 7, for the
+    decoder's 4; and a decoder block, run eagerly with its exported children, raised its
+    child's fixed 4 when ``generate`` fed one token. A shared graph is now bound only
+    where it takes the call's sizes, and a child's refusal is a miss of its block, planned
+    anew with the length symbolic. The logits and the generated tokens equal autocast's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.T5Config(vocab_size=96, d_model=32, d_ff=64, num_layers=1, num_heads=4,
+                                d_kv=8, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).eval()
+    ref, amp = copy.deepcopy(model), copy.deepcopy(model)
+    fxamp.amp_rewrite(amp, config="compute=bf16,target=cpu", inplace=True)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(3, 96, (2, 7), generator=g), torch.randint(3, 96, (2, 4),
+                                                                          generator=g)
+    with torch.no_grad():
+        got = amp(input_ids=ids, labels=labels).logits
+        tokens = amp.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        with torch.autocast("cpu", torch.bfloat16):
+            want = ref(input_ids=ids, labels=labels).logits
+            want_tokens = ref.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want)
+    assert torch.equal(tokens, want_tokens)
+    made = fxamp.graphs_of(amp.get_submodule("decoder.block.0"))[""]
+    assert len(made) == 2 and "symbolic" in made[1], made

@@ -39,8 +39,8 @@ from .common import (PACKED_ADVICE, as_tuple, packed_sequence_failure,
                      training_flags, warn_mode_only, warn_one_mode)
 from .grad_mode import RegionRefused, inline_grad_regions, refusing_inference_mode
 from .fx import trace_error
-from .aten_inputs import (ShapeCheck, batch_inputs, drop_covered_guard, flat_inputs, input_names,
-                          plain_containers, plain_inputs_hook)
+from .aten_inputs import (SHAPE_CHECK, ShapeCheck, batch_inputs, drop_covered_guard,
+                          flat_inputs, input_names, plain_containers, plain_inputs_hook)
 from .base import STATIC_SHAPES, Request, Traced
 from .buffer_writes import export_write_backs
 from .dtype_reads import Settled, follow_run_time_dtypes
@@ -514,6 +514,7 @@ class AtenFrontend:
         outline(gm)  # checkpoint regions run under torch.utils.checkpoint again
         check = ShapeCheck(traced.graph_module, model, args, kwargs)
         gm.register_forward_pre_hook(check, with_kwargs=True)
+        gm.__dict__[SHAPE_CHECK] = check
         gm.register_forward_pre_hook(plain_inputs_hook, with_kwargs=True)
         structure = calls.call_structure(gm, model, args, kwargs, values=True,
                                          symbolic=symbolic_scalars(traced.graph_module, model,

@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .._torch import first_child_spec
-from ..errors import CalibrationDataError
+from ..errors import CalibrationDataError, InputShapeError
 from .base import STATIC_SHAPES
 
 
@@ -114,6 +114,32 @@ def input_reads(spec: Any) -> Optional[Tuple[Read, ...]]:
     except (AttributeError, TypeError, ValueError):  # (a spec of another torch's form)
         return None
     return tuple(steps)
+
+
+#: the attribute of an exported graph that holds its :class:`ShapeCheck` (a copy of the
+#: graph holds the copy of it that is its hook)
+SHAPE_CHECK = "_fxamp_shape_check"
+
+
+def takes(gm: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> bool:
+    """Whether ``gm`` takes a call of ``args`` and ``kwargs`` by the sizes it fixed: no size
+    of the call differs from one its export specialised (a module with no
+    :class:`ShapeCheck` takes any). A graph shared by an identical module (a block, a glue
+    region) is bound to it only where it takes the call; another is planned for it.
+
+    Args:
+        gm: a rewritten module.
+        args: the call's positional arguments.
+        kwargs: its keyword arguments.
+    """
+    check = gm.__dict__.get(SHAPE_CHECK)
+    if check is None:
+        return True
+    try:
+        check(gm, args, kwargs)
+    except InputShapeError:
+        return False
+    return True
 
 
 class ShapeCheck:

@@ -21,7 +21,7 @@ import copy
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -359,6 +359,18 @@ def _eager_forward(result: nn.Module, model: nn.Module, pol: Policy) -> None:
 def is_eager_root(module: nn.Module) -> bool:
     """Whether ``module`` is an eager root (:func:`eager_root`'s result)."""
     return PARTS in module.__dict__
+
+
+def rewritten_parts(gm: nn.Module) -> Iterator[nn.Module]:
+    """``gm`` and, where it is an eager root, the rewritten modules its Python code calls,
+    at any depth: each of them may refuse a call by the sizes its export fixed.
+
+    Args:
+        gm: a rewritten module.
+    """
+    yield gm
+    for name in gm.__dict__.get(PARTS, ()):
+        yield from rewritten_parts(gm.get_submodule(name))
 
 
 def bound_copy(gm: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:

@@ -44,6 +44,7 @@ from ..errors import FxampError, PolicyError
 from ..result import RESULT, Pending, Rewritten, has_result, plan_of, result_of, set_result
 from ..runtime import CALL_HOOK_DICTS, CALL_HOOKS, device_autocast, device_type
 from ..frontends.common import in_output_dtype, nested_header, nested_lines
+from ..frontends.aten_inputs import takes
 from ..frontends.eager import PARTS, bound_copy, is_eager_root
 from .._version import __version__
 from .glue import Glue, output_dtypes
@@ -611,6 +612,8 @@ class SharedPlanner:
                 key = (share_key(block, args, kwargs), *tail)
                 known = shared.get(key)
         gm = None
+        if known is not None and not takes(known[1], args, kwargs):
+            known = None  # (a size its graph fixed differs: planned on its own)
         if known is not None:
             try:
                 if config.policy.weights == "stored":  # (its graphs read stored weights)

@@ -36,6 +36,7 @@ from ..errors import (CallStructureError, FxampError, InputShapeError, Unsupport
                       shorten)
 from ..frontends.aten import call_leaves, grown_dimensions, grown_dynamic_shapes
 from ..frontends.common import fast_path_modules, in_output_dtype
+from ..frontends.eager import rewritten_parts
 from ..frontends.hooks import ROOT_HOOKS
 from ..frontends.shadow import Shadow
 from ..program import call_key
@@ -163,8 +164,16 @@ MISSES = (CallStructureError, InputShapeError)
 
 
 def missed(err: BaseException, gm: Any) -> bool:
-    """Whether ``err`` is ``gm``'s own refusal of a call (not a nested module's error)."""
-    return getattr(err, "program", None) is gm
+    """Whether ``err`` is ``gm``'s own refusal of a call, or that of a graph its eager root
+    calls (a size an exported child fixed: the call is planned anew as a miss of ``gm``);
+    not the error of a module it does not hold.
+
+    Args:
+        err: the call's error.
+        gm: the rewritten module called.
+    """
+    program = getattr(err, "program", None)
+    return program is not None and any(program is part for part in rewritten_parts(gm))
 
 
 def float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
