@@ -315,8 +315,11 @@ def test_huggingface_t5_new_lengths_in_shared_regions_and_eager_blocks_plan_anew
     plan is shared) got the encoder's graph, exported with the sequence fixed at 7, for the
     decoder's 4; and a decoder block, run eagerly with its exported children, raised its
     child's fixed 4 when ``generate`` fed one token. A shared graph is now bound only
-    where it takes the call's sizes, and a child's refusal is a miss of its block, planned
-    anew with the length symbolic. The logits and the generated tokens equal autocast's."""
+    where it takes the call's sizes. A child that refuses a size runs as autocast runs it,
+    and its block is planned anew on its next call; here that call's KV cache holds the
+    bf16 cross-attention keys of the calls before, which planning's FP32 run cannot take,
+    so the block keeps its graph, its children under autocast on other sizes, as
+    ``graphs_of`` says. The logits and the generated tokens equal autocast's."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.T5Config(vocab_size=96, d_model=32, d_ff=64, num_layers=1, num_heads=4,
                                 d_kv=8, decoder_start_token_id=0)
@@ -336,4 +339,45 @@ def test_huggingface_t5_new_lengths_in_shared_regions_and_eager_blocks_plan_anew
     assert torch.equal(got, want)
     assert torch.equal(tokens, want_tokens)
     made = fxamp.graphs_of(amp.get_submodule("decoder.block.0"))[""]
+    assert len(made) == 2 and "its parts run under torch.autocast on other sizes" in made[1]
+
+
+def test_huggingface_moe_layer_new_length_after_its_cache_was_appended_to():
+    """A FlexOlmo decoder layer runs eagerly (its attention appends to HF's KV cache, which
+    training passes too, ``use_cache=True`` by default) with its sparse MoE block exported,
+    the sequence fixed at the first call's 7. A training step of 9 tokens: the attention
+    has appended its keys when the MoE block refuses 9. Re-running the layer for a new plan
+    appended them twice (the planning run failed, 18 keys against 9) and, where it did
+    not fail, gave gradients unlike autocast's. The refusing child now runs as autocast
+    runs it, the layer's code runs once, and the layer is planned anew on its next call,
+    from that call's own arguments: the eval output and two training steps of new lengths
+    equal autocast's, loss and every gradient."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.FlexOlmoConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, num_experts=4,
+                                      num_experts_per_tok=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.FlexOlmoForCausalLM(cfg).eval()
+    ref, amp = copy.deepcopy(model), copy.deepcopy(model)
+    fxamp.amp_rewrite(amp, config="compute=bf16,target=cpu", inplace=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (2, 7), generator=g)
+    with torch.no_grad():
+        got = amp(input_ids=ids).logits
+        with torch.autocast("cpu", torch.bfloat16):
+            want = ref(input_ids=ids).logits
+    assert torch.equal(got, want)
+    ref.train(), amp.train()
+    for size in ((2, 9), (3, 6)):
+        ids = torch.randint(3, 96, size, generator=g)
+        with torch.autocast("cpu", torch.bfloat16):
+            want_loss = ref(input_ids=ids, labels=ids).loss
+        loss = amp(input_ids=ids, labels=ids).loss
+        want_loss.backward(), loss.backward()
+        assert torch.equal(loss, want_loss)
+        for (name, p), q in zip(ref.named_parameters(), amp.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+        ref.zero_grad(), amp.zero_grad()
+    made = fxamp.graphs_of(amp.get_submodule("model.layers.0"))[""]
     assert len(made) == 2 and "symbolic" in made[1], made

@@ -136,10 +136,28 @@ def takes(gm: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> bool:
     if check is None:
         return True
     try:
-        check(gm, args, kwargs)
+        check.check(gm, args, kwargs)
     except InputShapeError:
         return False
     return True
+
+
+def check_in_forward(gm: nn.Module) -> Optional["ShapeCheck"]:
+    """Make ``gm``'s :class:`ShapeCheck` (None: it has none) run where its caller calls it
+    instead of as a pre-hook: an eager root's child, whose refusal of a size is a miss
+    handled inside its call (``eager._as_planned``), after its hooks ran, as they do.
+
+    Args:
+        gm: a rewritten module.
+    """
+    check = gm.__dict__.get(SHAPE_CHECK)
+    if check is not None:
+        gm.__dict__[_IN_FORWARD] = True
+    return check
+
+
+#: set on a module whose :class:`ShapeCheck` its forward runs (:func:`check_in_forward`)
+_IN_FORWARD = "_fxamp_shape_check_in_forward"
 
 
 class ShapeCheck:
@@ -174,6 +192,18 @@ class ShapeCheck:
         return new
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _IN_FORWARD not in module.__dict__:
+            self.check(module, args, kwargs)
+
+    def check(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Raise InputShapeError where the call has another size on a fixed dimension (see
+        the class docstring).
+
+        Args:
+            module: the exported graph called.
+            args: the call's positional arguments.
+            kwargs: its keyword arguments.
+        """
         spec = module.__dict__.get("_in_spec")
         known, reads = self.reads
         if known is not spec:

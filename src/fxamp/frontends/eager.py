@@ -21,14 +21,14 @@ import copy
 import functools
 import inspect
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from .. import _torch
 from .._torch import reparametrize_module, tree_flatten, tree_map, tree_unflatten
 
-from ..errors import FxampError
+from ..errors import FxampError, InputShapeError
 from ..ir import Rule
 from ..config import RewriteConfig
 from ..ops import module_label
@@ -41,6 +41,7 @@ from .base import Children, Request
 from .checkpointing import LAYER_FLAGS, call_layer, is_checkpointing_layer
 from ..graph_run import own_copies
 from .common import in_output_dtype, nested_header, nested_lines, top_header
+from .aten_inputs import check_in_forward
 from .copies import bound_to, refuse_copies
 from .hooks import CALL_HOOK_DICTS, share_call_hooks, without_call_hooks
 from .shadow import real_of
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 #: it takes FP32 inputs, the input dtypes it was planned for, the dtypes its outputs are
 #: cast to), read by :func:`rebound` to make the same root for an identical module
 PARTS = "fxamp_eager_parts"
+#: where an eager root notes that a child refused a call by a size its export fixed (the
+#: child ran as autocast runs it): the module planned on its calls that computes with the
+#: root plans anew on its next call, that size symbolic (``rewriter/inplace.py``)
+MISSED = "fxamp_eager_missed"
 
 
 def low_dtype(values: Any) -> Optional[torch.dtype]:
@@ -158,28 +163,46 @@ def _leaves(values: Any) -> Tuple[Sequence[Any], Callable[[List[Any]], Any]]:
     return leaves, lambda new: tree_unflatten(new, spec)
 
 
-def _as_planned(module: nn.Module, fp32_inputs: bool,
-                planned: Sequence[Optional[torch.dtype]] = (),
-                original: Optional[nn.Module] = None) -> None:
+def _as_planned(module: nn.Module, fp32_inputs: bool, planned: Sequence[Optional[torch.dtype]],
+                original: nn.Module, root: nn.Module) -> None:
     """Make ``module`` (a rewritten child with explicit casts) run with autocast off. It was
     planned with the inputs the model's forward gives it under the root's autocast (a bf16
     activation stays bf16, as under autocast: ``planned``, each input's dtype, which its
     inputs are cast to), or, where that plan failed, with the FP32 model's inputs
     (``fp32_inputs``: its low-precision inputs are cast to FP32). When ``original`` (the
     child it replaces) is an HF layer that checkpoints itself, the call is checkpointed as
-    the layer's flag says at run time (:func:`.checkpointing.call_layer`)."""
+    the layer's flag says at run time (:func:`.checkpointing.call_layer`).
+
+    A call the child refuses by a size its export fixed runs ``original`` under the root's
+    autocast, as autocast runs it, and is noted on ``root`` (:data:`MISSED`): the code of
+    the root that ran before it (a KV cache appended to, batch-norm statistics) is not run
+    again, and the root's module plans anew on its next call. A child that is an eager
+    root passes its own note on to ``root``."""
     forward = module.forward
     dtypes = list(planned)
+    check = check_in_forward(module)
 
     def planned_call(*args: Any, **kwargs: Any) -> Any:
+        if check is not None:
+            try:
+                check.check(module, args, kwargs)
+            except InputShapeError as err:
+                if getattr(err, "program", None) is not module:
+                    raise  # (a bound the model's code set: its own error)
+                root.__dict__[MISSED] = err
+                return type(original).forward(original, *args, **kwargs)
         if fp32_inputs:
             args, kwargs = tree_map(_fp32, (args, kwargs))
         elif any(dtypes):
             args, kwargs = _to_planned((args, kwargs), dtypes)
         with torch.autocast(device_type((args, kwargs)), enabled=False):
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+        miss = module.__dict__.pop(MISSED, None)  # (an eager child's own note)
+        if miss is not None:
+            root.__dict__[MISSED] = miss
+        return out
 
-    layer = original if original is not None and is_checkpointing_layer(original) else None
+    layer = original if is_checkpointing_layer(original) else None
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -329,7 +352,7 @@ def _call_as_planned(result: nn.Module, model: nn.Module, name: str, sub: nn.Mod
     root), called as ``part`` says: its inputs in the dtypes it was planned for, autocast
     off, attributes and call hooks read from the user's child, outputs recast."""
     child = real_of(model.get_submodule(name))  # (the user's: read and shared after)
-    _as_planned(sub, part["fp32"], part["planned"], child)
+    _as_planned(sub, part["fp32"], part["planned"], child, result)
     _reading_from(sub, child)
     share_call_hooks(sub, child)
     _put(result, model, name, sub)
@@ -359,18 +382,6 @@ def _eager_forward(result: nn.Module, model: nn.Module, pol: Policy) -> None:
 def is_eager_root(module: nn.Module) -> bool:
     """Whether ``module`` is an eager root (:func:`eager_root`'s result)."""
     return PARTS in module.__dict__
-
-
-def rewritten_parts(gm: nn.Module) -> Iterator[nn.Module]:
-    """``gm`` and, where it is an eager root, the rewritten modules its Python code calls,
-    at any depth: each of them may refuse a call by the sizes its export fixed.
-
-    Args:
-        gm: a rewritten module.
-    """
-    yield gm
-    for name in gm.__dict__.get(PARTS, ()):
-        yield from rewritten_parts(gm.get_submodule(name))
 
 
 def bound_copy(gm: nn.Module, source: nn.Module, block: nn.Module) -> nn.Module:

@@ -36,7 +36,7 @@ from ..errors import (CallStructureError, FxampError, InputShapeError, Unsupport
                       shorten)
 from ..frontends.aten import call_leaves, grown_dimensions, grown_dynamic_shapes
 from ..frontends.common import fast_path_modules, in_output_dtype
-from ..frontends.eager import rewritten_parts
+from ..frontends.eager import MISSED
 from ..frontends.hooks import ROOT_HOOKS
 from ..frontends.shadow import Shadow
 from ..program import call_key
@@ -164,16 +164,8 @@ MISSES = (CallStructureError, InputShapeError)
 
 
 def missed(err: BaseException, gm: Any) -> bool:
-    """Whether ``err`` is ``gm``'s own refusal of a call, or that of a graph its eager root
-    calls (a size an exported child fixed: the call is planned anew as a miss of ``gm``);
-    not the error of a module it does not hold.
-
-    Args:
-        err: the call's error.
-        gm: the rewritten module called.
-    """
-    program = getattr(err, "program", None)
-    return program is not None and any(program is part for part in rewritten_parts(gm))
+    """Whether ``err`` is ``gm``'s own refusal of a call (not a nested module's error)."""
+    return getattr(err, "program", None) is gm
 
 
 def float_dtypes(args: tuple, kwargs: Dict[str, Any]) -> tuple:
@@ -257,6 +249,10 @@ class InplaceForward:
         self.dtypes: Optional[tuple] = None
         self.misses: List[str] = []
         self.fallback: Optional[str] = None
+        # a size an eager root's exported child refused on an earlier call (that child ran
+        # under autocast then): the next call plans anew, the size symbolic
+        self.stale: Optional[BaseException] = None
+        self.replans_inner = True  # (False once such a plan failed: see _variant)
         self.made: List[str] = []  # (each graph planned on a call: what for, why; graphs_of)
         self.stash: Optional[tuple] = None  # (what planning took off the model meanwhile)
         # its plan computes modules that take torch.nn's fused fast path (fast_path_modules)
@@ -275,6 +271,8 @@ class InplaceForward:
         self.lock = threading.RLock()
         self.__dict__.setdefault("stash", None)
         self.__dict__.setdefault("fast", False)
+        self.__dict__.setdefault("stale", None)
+        self.__dict__.setdefault("replans_inner", True)
         _FORWARDS.add(self)
         register(self.model)  # (a copy of an in-place model)
 
@@ -389,12 +387,34 @@ class InplaceForward:
             return self._variant(args, kwargs, None)
         if self.dtypes is not None and float_dtypes(args, kwargs) != self.dtypes:
             return self._variant(args, kwargs, None)
+        if self.stale is not None:  # (see _missed_inside)
+            miss, self.stale = self.stale, None
+            return self._variant(args, kwargs, miss, gm, True)  # (inner)
         try:
-            return gm(*args, **kwargs)
+            out = gm(*args, **kwargs)
         except MISSES as err:
             if self.plan is None or not missed(err, gm):
                 raise
             return self._variant(args, kwargs, err, gm)
+        if MISSED in gm.__dict__:
+            self._missed_inside(gm, args, kwargs)
+        return out
+
+    def _missed_inside(self, gm: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> None:
+        """An exported child of ``gm`` (an eager root) refused this call by a size it fixed
+        and ran as autocast runs it (``frontends/eager.py``): the call is done, its code run
+        once. The sizes of this call that differ from the first call's are noted as grown,
+        and the next call plans anew with them symbolic (a miss, as in :meth:`_variant`),
+        from its own arguments: this call's argument objects (a KV cache) were changed by
+        it."""
+        miss = gm.__dict__.pop(MISSED, None)
+        if miss is None or self.plan is None or not self.replans_inner:
+            return
+        with self.lock:
+            if self.seen:
+                self.grown.update(grown_dimensions(self.seen, call_leaves(self.model, args,
+                                                                          kwargs)))
+            self.stale = miss
 
     def _fast_path(self, args: tuple, kwargs: Dict[str, Any]) -> bool:
         """Whether this call is one that torch.autocast runs through torch.nn's fused fast
@@ -463,13 +483,20 @@ class InplaceForward:
 
     @_outside_compile
     def _variant(self, args: tuple, kwargs: Dict[str, Any], miss: Optional[BaseException],
-                 first: Optional[nn.Module] = None) -> Any:
+                 first: Optional[nn.Module] = None, inner: bool = False) -> Any:
         """The call run on a graph made for its mode, call structure and floating input
         dtypes that takes it, planned on this call when none does: with every dimension and
         Python int seen to change since the first call symbolic (torch.compile's automatic
         dynamic). A new graph for a size or value ``first`` (the first graph) fixed
         replaces it, the old one kept last. Past ``LIMIT`` graphs, the module runs under
-        torch.autocast from now on, with one warning naming it and what kept changing."""
+        torch.autocast from now on, with one warning naming it and what kept changing.
+
+        ``inner``: the miss was an exported child's inside ``first`` (an eager root) on an
+        earlier call, which that child ran as autocast runs it. Where this call cannot be
+        planned (its argument objects hold what earlier calls computed in low precision,
+        which the FP32 run of planning cannot take: a KV cache's bf16 keys), it runs on
+        ``first``, its children running under autocast on the sizes they do not take,
+        and such misses plan nothing more."""
         key = variant_key(self.model, args, kwargs)
         dtypes = key[2]
         for gm in self.variants.get(key, ()):
@@ -492,7 +519,20 @@ class InplaceForward:
                 if miss_text not in self.misses:
                     self.misses.append(miss_text)
                 known = self.variants.get(key, [])
-                gm = self._planned(args, kwargs, None)
+                try:
+                    gm = self._planned(args, kwargs, None)
+                except Exception as err:  # noqa: BLE001 - see the docstring
+                    if not inner or first is None:
+                        raise
+                    self.replans_inner = False
+                    log.info("%s: not planned again for a size its exported parts fixed "
+                             "(%s: %s); they run under torch.autocast on the sizes they "
+                             "do not take", type(self.model).__name__, type(err).__name__,
+                             shorten(str(err).split("\n", 1)[0], 160))
+                    self.made.append(f"{self._made_for(args, kwargs)}: not planned, its "
+                                     f"parts run under torch.autocast on other sizes: "
+                                     f"{miss_text}")
+                    return first(*args, **kwargs)
                 self.made.append(f"{self._made_for(args, kwargs)}: {miss_text}")
                 grows = first is not None and (isinstance(miss, InputShapeError)
                                                or getattr(miss, "scalar", None) is not None)
