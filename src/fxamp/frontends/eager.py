@@ -173,11 +173,13 @@ def _as_planned(module: nn.Module, fp32_inputs: bool, planned: Sequence[Optional
     child it replaces) is an HF layer that checkpoints itself, the call is checkpointed as
     the layer's flag says at run time (:func:`.checkpointing.call_layer`).
 
-    A call the child refuses by a size its export fixed runs ``original`` under the root's
-    autocast, as autocast runs it, and is noted on ``root`` (:data:`MISSED`): the code of
-    the root that ran before it (a KV cache appended to, batch-norm statistics) is not run
-    again, and the root's module plans anew on its next call. A child that is an eager
-    root passes its own note on to ``root``."""
+    In a root planned on its module's calls (:func:`notes_misses`), a call the child
+    refuses by a size its export fixed runs ``original`` under the root's autocast, as
+    autocast runs it, and is noted on ``root`` (:data:`MISSED`): the code of the root that
+    ran before it (a KV cache appended to, batch-norm statistics) is not run again, and
+    the root's module plans anew on its next call. A child that is an eager root passes
+    its own note on to ``root``. Elsewhere (a returned module) the refusal is raised, as
+    an exported graph's is."""
     forward = module.forward
     dtypes = list(planned)
     check = check_in_forward(module)
@@ -187,8 +189,8 @@ def _as_planned(module: nn.Module, fp32_inputs: bool, planned: Sequence[Optional
             try:
                 check.check(module, args, kwargs)
             except InputShapeError as err:
-                if getattr(err, "program", None) is not module:
-                    raise  # (a bound the model's code set: its own error)
+                if getattr(err, "program", None) is not module or MISSED not in root.__dict__:
+                    raise  # (a bound the model's code set; a root no forward plans again)
                 root.__dict__[MISSED] = err
                 return type(original).forward(original, *args, **kwargs)
         if fp32_inputs:
@@ -197,8 +199,9 @@ def _as_planned(module: nn.Module, fp32_inputs: bool, planned: Sequence[Optional
             args, kwargs = _to_planned((args, kwargs), dtypes)
         with torch.autocast(device_type((args, kwargs)), enabled=False):
             out = forward(*args, **kwargs)
-        miss = module.__dict__.pop(MISSED, None)  # (an eager child's own note)
+        miss = module.__dict__.get(MISSED)  # (an eager child's own note)
         if miss is not None:
+            module.__dict__[MISSED] = None
             root.__dict__[MISSED] = miss
         return out
 
@@ -377,6 +380,20 @@ def _eager_forward(result: nn.Module, model: nn.Module, pol: Policy) -> None:
     except (TypeError, ValueError):
         pass
     result.forward = forward  # type: ignore[method-assign]
+
+
+def notes_misses(gm: nn.Module) -> None:
+    """Make ``gm``, where it is an eager root, and the eager roots inside it note a size
+    one of their exported children refuses (:data:`MISSED`, see :func:`_as_planned`)
+    instead of raising it: ``gm`` is planned on its module's calls, which plan anew.
+
+    Args:
+        gm: a rewritten module.
+    """
+    if PARTS in gm.__dict__:
+        gm.__dict__[MISSED] = None
+        for name in gm.__dict__[PARTS]:
+            notes_misses(gm.get_submodule(name))
 
 
 def is_eager_root(module: nn.Module) -> bool:

@@ -36,7 +36,7 @@ from ..errors import (CallStructureError, FxampError, InputShapeError, Unsupport
                       shorten)
 from ..frontends.aten import call_leaves, grown_dimensions, grown_dynamic_shapes
 from ..frontends.common import fast_path_modules, in_output_dtype
-from ..frontends.eager import MISSED
+from ..frontends.eager import MISSED, notes_misses
 from ..frontends.hooks import ROOT_HOOKS
 from ..frontends.shadow import Shadow
 from ..program import call_key
@@ -293,6 +293,7 @@ class InplaceForward:
             elif theirs and mine:
                 for key in list(theirs):
                     mine.pop(key, None)
+        notes_misses(gm)  # (its eager roots' children: a refused size is a miss, see _run)
         model.__dict__[INPLACE_GRAPH] = gm
         for attr in RESULT_ATTRS:
             if hasattr(gm, attr):
@@ -396,7 +397,7 @@ class InplaceForward:
             if self.plan is None or not missed(err, gm):
                 raise
             return self._variant(args, kwargs, err, gm)
-        if MISSED in gm.__dict__:
+        if gm.__dict__.get(MISSED) is not None:
             self._missed_inside(gm, args, kwargs)
         return out
 
@@ -407,8 +408,8 @@ class InplaceForward:
         and the next call plans anew with them symbolic (a miss, as in :meth:`_variant`),
         from its own arguments: this call's argument objects (a KV cache) were changed by
         it."""
-        miss = gm.__dict__.pop(MISSED, None)
-        if miss is None or self.plan is None or not self.replans_inner:
+        miss, gm.__dict__[MISSED] = gm.__dict__[MISSED], None
+        if self.plan is None or not self.replans_inner:
             return
         with self.lock:
             if self.seen:
@@ -595,6 +596,7 @@ class InplaceForward:
                 config = config.replace(dynamic_shapes=grown_dynamic_shapes(
                     self.model, args, kwargs, self.grown))
             gm = self.plan(self.model, args, kwargs, config, why)
+        notes_misses(gm)
         self.count += 1
         return gm
 
