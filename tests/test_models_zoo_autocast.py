@@ -381,3 +381,19 @@ def test_huggingface_moe_layer_new_length_after_its_cache_was_appended_to():
         ref.zero_grad(), amp.zero_grad()
     made = fxamp.graphs_of(amp.get_submodule("model.layers.0"))[""]
     assert len(made) == 2 and "symbolic" in made[1], made
+
+
+def test_huggingface_gpt_neox_japanese_layer_fx_cannot_compile_takes_another_front_end():
+    """GPT-NeoX-Japanese's layer takes ``**kwargs`` and HF's ``position_embeddings`` tuple.
+    torch.fx, tracing the tuple as its items, writes a forward that binds ``**kwargs`` and
+    the items' defaults in one assignment, which Python cannot compile: the SyntaxError
+    reached the user from the first call. fxamp now takes it as fx's failure, and the next
+    front end plans the layer: the training step and eval equal autocast's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPTNeoXJapaneseConfig(vocab_size=128, hidden_size=32,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.GPTNeoXJapaneseForCausalLM(cfg)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert_same_as_autocast(model, (), {"input_ids": ids, "labels": ids})

@@ -251,12 +251,25 @@ def _trace_modes(model: nn.Module, leaves: FrozenSet[str], frontend: str,
         train, eval_ = (graph, other) if mode else (other, graph)
         aligned = align(train, eval_, (model, model))
         if aligned is None or not follow_mode(graph, aligned, mode, module_flag):
-            gm = fx.GraphModule(model, graph, type(model).__name__)
+            gm = _graph_module(model, graph)
             warn_one_mode(model, gm, mode, "traces")
             return gm
         checkpointing.share_modes(checkpointing.aligned_pairs(aligned, mode))
-    name = type(model).__name__
-    return fx.GraphModule(model, graph, name)
+    return _graph_module(model, graph)
+
+
+def _graph_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """``torch.fx.GraphModule(model, graph)``; where fx writes code Python cannot compile,
+    a TraceError (the next front end takes the model). fx's code for a forward taking
+    ``**kwargs`` with a tuple argument traced as its items (HF's ``position_embeddings``)
+    binds ``**kwargs`` and the items' defaults in one assignment, a SyntaxError
+    (GPT-NeoX-Japanese's layer)."""
+    try:
+        return fx.GraphModule(model, graph, type(model).__name__)
+    except SyntaxError as err:
+        raise TraceError(f"torch.fx wrote code for {type(model).__name__}.forward that "
+                         f"Python cannot compile ({err.msg}: {(err.text or '').strip()[:120]})"
+                         ) from err
 
 
 #: what to do when fx fails, by the front end asked for (never advise the one in use)
