@@ -397,7 +397,8 @@ class InplaceForward:
             if self.plan is None or not missed(err, gm):
                 raise
             return self._variant(args, kwargs, err, gm)
-        if gm.__dict__.get(MISSED) is not None:
+        state = gm.__dict__
+        if MISSED in state and state[MISSED] is not None:  # (an eager root's note)
             self._missed_inside(gm, args, kwargs)
         return out
 
