@@ -254,6 +254,28 @@ def test_huggingface_bloom_training_keeps_gelu_backward():
                             policy="off:custom_ops")
 
 
+def _with_rewrite(model: nn.Module, config: str = "compute=bf16,target=cpu"
+                  ) -> Tuple[nn.Module, nn.Module]:
+    """A copy of ``model`` to run under autocast, and a copy rewritten in place with the one
+    line and ``config``."""
+    ref, amp = copy.deepcopy(model), copy.deepcopy(model)
+    fxamp.amp_rewrite(amp, config=config, inplace=True)
+    return ref, amp
+
+
+def _bloom_with_cache(hidden: int, heads: int, vocab: int, low: int, length: int
+                      ) -> Tuple[nn.Module, torch.Tensor]:
+    """A 2-layer BLOOM with its default ``use_cache=True`` (seeded) and 2 rows of ids."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BloomConfig(hidden_size=hidden, n_layer=2, n_head=heads,
+                                   vocab_size=vocab)
+    assert cfg.use_cache
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(cfg)
+    ids = torch.randint(low, vocab, (2, length), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
 def test_huggingface_bloom_with_its_kv_cache_plans_each_block_on_copies():
     """BLOOM with its default ``use_cache=True`` passes one ``DynamicCache`` to every block;
     each block is planned on its first call, by the eager front end (torch.export would
@@ -261,12 +283,7 @@ def test_huggingface_bloom_with_its_kv_cache_plans_each_block_on_copies():
     copies of it, so the real call appends once: the training step and eval equal
     autocast's (with the custom-Function fence off, as above), and the cache the model
     returns holds each layer's keys once."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=2, vocab_size=1000)
-    assert cfg.use_cache
-    torch.manual_seed(0)
-    model = transformers.BloomForCausalLM(cfg)
-    ids = torch.randint(5, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    model, ids = _bloom_with_cache(64, 2, 1000, low=5, length=16)
     amp = assert_same_as_autocast(model, (), {"input_ids": ids}, policy="off:custom_ops")
     with torch.no_grad():
         cache = amp.eval()(input_ids=ids).past_key_values
@@ -282,14 +299,8 @@ def test_huggingface_bloom_first_called_in_eval_plans_its_attention_on_its_own_c
     from autocast's. Each observation now runs on its own copy of the cache: the attention
     is planned as autocast runs it, with no fallback, and eval, then a training step, equal
     autocast's (the custom-Function fence off, as above)."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=96)
-    assert cfg.use_cache
-    torch.manual_seed(0)
-    model = transformers.BloomForCausalLM(cfg)
-    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
-    ref, amp = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
-    fxamp.amp_rewrite(amp, config="compute=bf16,target=cpu,off:custom_ops", inplace=True)
+    model, ids = _bloom_with_cache(32, 4, 96, low=3, length=7)
+    ref, amp = _with_rewrite(model.eval(), "compute=bf16,target=cpu,off:custom_ops")
     with torch.no_grad(), caplog.at_level("WARNING"):
         got = amp(input_ids=ids)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
@@ -325,8 +336,7 @@ def test_huggingface_t5_new_lengths_in_shared_regions_and_eager_blocks_plan_anew
                                 d_kv=8, decoder_start_token_id=0)
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(cfg).eval()
-    ref, amp = copy.deepcopy(model), copy.deepcopy(model)
-    fxamp.amp_rewrite(amp, config="compute=bf16,target=cpu", inplace=True)
+    ref, amp = _with_rewrite(model)
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(3, 96, (2, 7), generator=g), torch.randint(3, 96, (2, 4),
                                                                           generator=g)
@@ -359,8 +369,7 @@ def test_huggingface_moe_layer_new_length_after_its_cache_was_appended_to():
                                       num_experts_per_tok=2, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.FlexOlmoForCausalLM(cfg).eval()
-    ref, amp = copy.deepcopy(model), copy.deepcopy(model)
-    fxamp.amp_rewrite(amp, config="compute=bf16,target=cpu", inplace=True)
+    ref, amp = _with_rewrite(model)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 96, (2, 7), generator=g)
     with torch.no_grad():

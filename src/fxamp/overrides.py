@@ -163,17 +163,19 @@ def check_paths(model: Any, policy: Policy) -> None:
     """
     if not policy.overrides:
         return
-    children = list(model._modules)
+    children = [name for name, _ in model.named_children()]
     named = [(name, m) for name, m in model.named_modules() if name]
     paths = [name for name, _ in named]
     parts = []
+    candidates: Optional[List[str]] = None  # (the paths' patterns, made once if needed)
     for override in policy.overrides:
         pattern = override.pattern
         if not _path_only(pattern, children) or any(
                 fnmatch.fnmatchcase(p, pattern) or fnmatch.fnmatchcase(p + ".", pattern)
                 for p in paths):
             continue
-        candidates = _candidates(("", p, "") for p in paths)
+        if candidates is None:
+            candidates = _candidates(("", p, "") for p in paths)
         close = difflib.get_close_matches(pattern, candidates, n=5, cutoff=0.5)
         parts.append(f"policy override '{override}' names no module of "
                      f"{type(model).__name__}: no module path matches it"

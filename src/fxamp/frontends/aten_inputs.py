@@ -136,7 +136,7 @@ def takes(gm: nn.Module, args: tuple, kwargs: Dict[str, Any]) -> bool:
     if check is None:
         return True
     try:
-        check.check(gm, args, kwargs)
+        check(gm, args, kwargs, True)
     except InputShapeError:
         return False
     return True
@@ -191,19 +191,20 @@ class ShapeCheck:
         memo[id(self)] = new
         return new
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if _IN_FORWARD not in module.__dict__:
-            self.check(module, args, kwargs)
-
-    def check(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict,
+                 forced: bool = False) -> None:
         """Raise InputShapeError where the call has another size on a fixed dimension (see
-        the class docstring).
+        the class docstring). As the pre-hook, nothing where the module's forward checks
+        instead (:func:`check_in_forward`); ``forced``: that forward's own check.
 
         Args:
             module: the exported graph called.
             args: the call's positional arguments.
             kwargs: its keyword arguments.
+            forced: check even where the forward checks (its caller is that forward).
         """
+        if not forced and _IN_FORWARD in module.__dict__:
+            return None
         spec = module.__dict__.get("_in_spec")
         known, reads = self.reads
         if known is not spec:

@@ -187,7 +187,7 @@ def _as_planned(module: nn.Module, fp32_inputs: bool, planned: Sequence[Optional
     def planned_call(*args: Any, **kwargs: Any) -> Any:
         if check is not None:
             try:
-                check.check(module, args, kwargs)
+                check(module, args, kwargs, True)
             except InputShapeError as err:
                 if getattr(err, "program", None) is not module or MISSED not in root.__dict__:
                     raise  # (a bound the model's code set; a root no forward plans again)

@@ -313,11 +313,10 @@ def output_dtypes(gm: nn.Module) -> Any:
     Args:
         gm: the region's rewritten graph (its result holds its plan).
     """
-    graph = gm.__dict__.get("_graph")  # (an eager block has no graph: not known)
-    if not isinstance(graph, fx.Graph):
+    if not isinstance(gm, fx.GraphModule):  # (an eager block has no graph: not known)
         return None
     lines = plan_of(gm).nodes
-    out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
     return None if out is None else fx.node.map_arg(out.args[0],
                                                     lambda n: _line_dtype(n, lines))
 
